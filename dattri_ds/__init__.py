@@ -1,0 +1,30 @@
+"""dattri-ds: per-example gradients, attribution and online data selection at training scale.
+
+``import dattri_ds`` needs only torch; DeepSpeed and Megatron integrations import lazily.
+"""
+
+from dattri_ds.callbacks import TrainingCallback
+from dattri_ds.capture import GradientCapture
+from dattri_ds.config import CaptureConfig
+from dattri_ds.errors import (
+    CaptureError, ConfigError, DattriDSError, ShapeError, StoreMismatchError, UnsupportedLayerError,
+)
+from dattri_ds.gradient import Dense, Factorized, GradBatch, LayerGrad, ShardInfo
+from dattri_ds.layers import LayerKind, kind_for, registered_kinds
+from dattri_ds.ops import (
+    CostModel, GradAccumulator, ProjectionConfig, Projector, Roofline, cosine, cross_gram,
+    grad_sum, layer_cross_gram, materialize, norms, project, project_batch, sq_norms,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GradientCapture", "CaptureConfig", "ProjectionConfig", "TrainingCallback",
+    "Factorized", "Dense", "LayerGrad", "GradBatch", "ShardInfo",
+    "LayerKind", "kind_for", "registered_kinds",
+    "CostModel", "Roofline", "Projector", "GradAccumulator",
+    "materialize", "layer_cross_gram", "cross_gram", "sq_norms", "norms", "cosine",
+    "grad_sum", "project", "project_batch",
+    "DattriDSError", "ConfigError", "UnsupportedLayerError", "ShapeError",
+    "StoreMismatchError", "CaptureError",
+]

@@ -1,0 +1,28 @@
+"""TrainingCallback: what consumers of captured gradients implement (no-op defaults)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dattri_ds.gradient import GradBatch
+
+__all__ = ["TrainingCallback"]
+
+
+class TrainingCallback:
+    """Receives captured gradients during training; override what you need.
+
+    ``on_batch`` runs at the end of every backward pass that produced a GradBatch (one per
+    micro-batch), ``on_step_end`` at every optimizer-step boundary, ``on_close`` once when
+    the capture detaches.
+    """
+
+    def on_batch(self, batch: GradBatch) -> None:
+        """A micro-batch's per-example gradients are ready."""
+
+    def on_step_end(self, step: int) -> None:
+        """Optimizer step ``step`` finished."""
+
+    def on_close(self) -> None:
+        """The capture detached; flush and release resources."""

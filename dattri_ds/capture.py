@@ -1,0 +1,354 @@
+"""GradientCapture: hooks that record per-example factors of every forward/backward run inside it.
+
+How it works, per micro-batch (one call of the root model = one record):
+
+1. A forward pre-hook on the root model opens a record and reads ids, labels and attention
+   mask from the call (``semantics.batch_info``).
+2. A forward hook on every supported layer saves the layer input and registers a *tensor*
+   hook on the layer output (works when engines wrap outputs; never reads weight shapes).
+3. The first output-grad of the record queues a callback on the autograd engine, which runs
+   once the whole backward pass is over: the record then turns its (input, output-grad)
+   pairs into a GradBatch, scaled per example to the semantics of ``semantics.py``.
+
+Only completed backward passes produce batches: a forward without backward yields nothing
+and keeps nothing alive once its graph is freed. Activation checkpointing re-runs forward
+hooks; only the outputs that really receive a gradient are counted, so nothing is counted
+twice.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import warnings
+import weakref
+from collections import defaultdict, deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from dattri_ds.callbacks import TrainingCallback
+from dattri_ds.config import CaptureConfig
+from dattri_ds.errors import CaptureError, UnsupportedLayerError
+from dattri_ds.gradient import Dense, Factorized, GradBatch, LayerGrad
+from dattri_ds.layers import LayerKind, kind_for
+from dattri_ds.ops.cost import CostModel
+from dattri_ds.ops.inner import project_batch
+from dattri_ds.ops.projection import Projector
+from dattri_ds.semantics import BatchInfo, batch_info, example_scale
+
+__all__ = ["GradientCapture"]
+
+logger = logging.getLogger(__name__)
+_ATTR = "_dattri_ds_capture"
+
+
+@dataclass(eq=False)
+class _Record:
+    """Everything captured for one root forward call until its backward completes."""
+
+    index: int
+    step: int
+    info: BatchInfo | None
+    outputs: list[weakref.ref] = field(default_factory=list)
+    empty: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    pairs: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = field(
+        default_factory=lambda: defaultdict(list))
+    queued: bool = False
+    done: bool = False
+
+    def alive(self) -> bool:
+        return self.queued or any(r() is not None for r in self.outputs)
+
+
+def _matches(name: str, patterns: Iterable[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def _has_own_trainable(module: nn.Module) -> bool:
+    return any(p.requires_grad for p in module.parameters(recurse=False))
+
+
+class GradientCapture:
+    """Capture per-example gradients of ``model`` without changing the training loop.
+
+    Args:
+        model: the module the loop calls (``engine.module`` under DeepSpeed).
+        config: what to capture and how the loop reduces its loss.
+        callbacks: consumers of every GradBatch; without any, batches wait for ``pop()``.
+        cost: cost model for the projection routing (default: per device type).
+        scale_fn: engine adapters' backward scale, read at backward time (multiplies
+            ``config.backward_scale``).
+
+    Example:
+        >>> with GradientCapture(model) as cap:
+        ...     model(input_ids=x, labels=x).loss.backward()
+        ...     grads = cap.pop()          # GradBatch of this micro-batch
+    """
+
+    def __init__(self, model: nn.Module, config: CaptureConfig | None = None, *,
+                 callbacks: Iterable[TrainingCallback] = (), cost: CostModel | None = None,
+                 scale_fn: Callable[[], float] | None = None) -> None:
+        self.model = model
+        self.config = config or CaptureConfig()
+        self.callbacks = list(callbacks)
+        self.cost = cost
+        self.scale_fn = scale_fn
+        self.step = 0
+        self.skipped = 0
+        self.layers: dict[str, tuple[nn.Module, LayerKind]] = {}
+        self.unsupported: list[str] = []
+        self._projector = Projector(self.config.projection) if self.config.projection else None
+        self._handles: list = []
+        self._open: list[_Record] = []
+        self._current: _Record | None = None
+        self._in_backward: _Record | None = None
+        self._pending: deque[GradBatch] = deque()
+        self._count = 0
+        self._user_ids: list[str] | None = None
+        self._warned_no_info = False
+
+    # ---- lifecycle ------------------------------------------------------------------
+    def __enter__(self) -> GradientCapture:
+        self.attach()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.detach()
+
+    def attach(self) -> GradientCapture:
+        """Find the layers to capture and register the hooks."""
+        if getattr(self.model, _ATTR, None) is not None:
+            raise CaptureError(
+                f"A GradientCapture is already attached to this {type(self.model).__name__}; "
+                f"detach it (or leave its `with` block) before attaching another"
+            )
+        self._discover()
+        self._handles.append(self.model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
+        self._handles.append(self.model.register_forward_hook(self._root_post))
+        for name, (module, kind) in self.layers.items():
+            self._handles.append(module.register_forward_hook(self._layer_hook(name, kind)))
+        setattr(self.model, _ATTR, self)
+        return self
+
+    def detach(self) -> None:
+        """Remove every hook; pending batches stay available to ``pop()``."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._open.clear()
+        if getattr(self.model, _ATTR, None) is self:
+            delattr(self.model, _ATTR)
+        for cb in self.callbacks:
+            cb.on_close()
+
+    def _discover(self) -> None:
+        cfg = self.config
+        for name, module in self.model.named_modules():
+            if _matches(name, cfg.exclude):
+                continue
+            kind = kind_for(module)
+            if kind is None:
+                if _has_own_trainable(module):
+                    self.unsupported.append(f"{name} ({type(module).__name__})")
+                continue
+            if (cfg.include and not _matches(name, cfg.include)) or not _has_own_trainable(module):
+                continue
+            kind.check(module, name)
+            self.layers[name] = (module, kind)
+        if self.unsupported:
+            msg = (f"{len(self.unsupported)} trainable module(s) have no LayerKind and are not "
+                   f"captured: {', '.join(self.unsupported)}. Register a LayerKind, or list them "
+                   f"in capture.exclude")
+            if cfg.strict:
+                raise UnsupportedLayerError(msg + " (capture.strict=True)")
+            warnings.warn(msg, stacklevel=3)
+        if not self.layers:
+            raise UnsupportedLayerError(
+                f"{type(self.model).__name__} has no layer that dattri-ds can capture "
+                f"(include={list(cfg.include)}, exclude={list(cfg.exclude)}); supported kinds "
+                f"are nn.Linear, HF Conv1D, nn.Embedding, LayerNorm and RMSNorm"
+            )
+
+    # ---- hooks ----------------------------------------------------------------------
+    def tag(self, user_ids: list[str]) -> None:
+        """Prefix the sample ids of the next forward call with these user ids."""
+        self._user_ids = list(user_ids)
+
+    def _root_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self._open = [r for r in self._open if r.alive()]
+        if not torch.is_grad_enabled():
+            self._current = None
+            return
+        cfg = self.config
+        info = batch_info(args, kwargs, label_shift=cfg.label_shift,
+                          ignore_index=cfg.ignore_index, user_ids=self._user_ids)
+        self._user_ids = None
+        self._current = _Record(self._count, self.step, info)
+        self._count += 1
+        self._open.append(self._current)
+
+    def _root_post(self, module: nn.Module, args: tuple, output) -> None:
+        rec = self._current
+        if rec is not None and not rec.outputs and rec in self._open:
+            self._open.remove(rec)  # nothing required grad: an evaluation forward
+        self._current = None
+
+    def _layer_hook(self, name: str, kind: LayerKind):
+        def hook(module: nn.Module, args: tuple, output) -> None:
+            if not torch.is_grad_enabled():
+                return None
+            out = kind.output(module, output)
+            if not torch.is_tensor(out) or not out.requires_grad:
+                return None
+            rec = self._current or self._in_backward or (self._open[-1] if self._open else None)
+            if rec is None:
+                return None  # called outside the root model's forward: not a captured example
+            a = kind.activation(module, args).detach()
+            new_output = None
+            b = len(rec.info.sample_ids) if rec.info is not None else 0
+            if out is output and out.dim() >= 2 and out.shape[0] == 1 and b > 1:
+                # Broadcast over the batch after this layer (e.g. position embeddings [1, T, D]):
+                # hand the model a batch-sized view so every example gets its own output-grad.
+                # The forward value and the summed weight gradient are unchanged.
+                out = new_output = out.expand(b, *out.shape[1:])
+                a = a.expand(b, *a.shape[1:])
+            rec.outputs.append(weakref.ref(out))
+            rec.empty.setdefault(name, _empty_factors(a, out))
+            out.register_hook(lambda g: self._on_grad(rec, name, a, g))
+            return new_output
+        return hook
+
+    def _on_grad(self, rec: _Record, name: str, a: torch.Tensor, g: torch.Tensor) -> None:
+        if rec.done:
+            warnings.warn(
+                f"Layer '{name}' received a gradient after micro-batch {rec.index} was already "
+                f"captured (a second backward through a retained graph); it is ignored",
+                stacklevel=2)
+            return
+        rec.pairs[name].append((a, g.detach()))
+        if not rec.queued:
+            rec.queued = True
+            self._in_backward = rec
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._finalize(rec))
+
+    # ---- finalize -------------------------------------------------------------------
+    def _finalize(self, rec: _Record) -> None:
+        rec.done = True
+        self._in_backward = None
+        if rec in self._open:
+            self._open.remove(rec)
+        batch = self._build(rec)
+        rec.pairs.clear()
+        if batch is None:
+            return
+        if self._projector is not None:
+            batch = project_batch(batch, self._projector, self.cost)
+        self._deliver(batch)
+
+    def _info(self, rec: _Record, b: int) -> BatchInfo:
+        if rec.info is not None and len(rec.info.sample_ids) == b:
+            return rec.info
+        if not self._warned_no_info:
+            self._warned_no_info = True
+            warnings.warn(
+                "The model was called without integer `input_ids` (first argument or keyword): "
+                "sample ids fall back to '<micro-batch>:<row>' and every position counts as a "
+                "loss token; pass input_ids/labels/attention_mask for exact semantics",
+                stacklevel=3)
+        some = next(iter(rec.pairs.values()))[0][1]
+        t = some.shape[1] if some.dim() > 2 else 1
+        counts = torch.full((b,), max(t - self.config.label_shift, 1), dtype=torch.long)
+        return BatchInfo(tuple(f"{rec.index}:{i}" for i in range(b)), counts)
+
+    def _build(self, rec: _Record) -> GradBatch | None:
+        cfg = self.config
+        some_a = next(iter(rec.pairs.values()))[0][0]
+        info = self._info(rec, some_a.shape[0])
+        scale_c = cfg.backward_scale * (self.scale_fn() if self.scale_fn else 1.0)
+        scale = example_scale(info.token_counts, loss_reduction=cfg.loss_reduction,
+                              per_example_loss=cfg.per_example_loss, backward_scale=scale_c)
+        layers: dict[str, LayerGrad] = {}
+        for name, (module, kind) in self.layers.items():
+            pairs = rec.pairs.get(name)
+            if not pairs:
+                if name not in rec.empty:
+                    continue  # the layer did not run in this forward
+                pairs = [rec.empty[name]]
+            elif len(pairs) > 1 and not cfg.allow_shared:
+                raise CaptureError(
+                    f"Layer '{name}' ran {len(pairs)} times in one forward pass (weight "
+                    f"sharing or a module called twice); set capture.allow_shared=True to sum "
+                    f"its gradients over the calls")
+            parts = [kind.build(module, a, self._scaled(g, scale, kind)) for a, g in pairs]
+            data = _merge(parts)
+            bad = _nonfinite(data)
+            if bad:
+                self._nonfinite(name, rec)
+                return None
+            layers[name] = LayerGrad(name, kind.name, data, kind.layer_shape(module))
+        return GradBatch(rec.step, info.sample_ids, layers, rec.index, info.token_counts)
+
+    def _scaled(self, g: torch.Tensor, scale: torch.Tensor, kind: LayerKind) -> torch.Tensor:
+        dtype = getattr(torch, self.config.dtype) if self.config.dtype else g.dtype
+        s = scale.to(device=g.device, dtype=torch.float32)
+        return (g.float() * s.view(-1, *([1] * (g.dim() - 1)))).to(dtype)
+
+    def _nonfinite(self, name: str, rec: _Record) -> None:
+        msg = (f"Layer '{name}' has a NaN/inf per-example gradient in micro-batch {rec.index} "
+               f"(step {rec.step})")
+        if self.config.on_nonfinite == "raise":
+            raise CaptureError(msg + "; set capture.on_nonfinite='skip' to drop such batches")
+        self.skipped += 1
+        warnings.warn(msg + "; the micro-batch is dropped", stacklevel=3)
+
+    def _deliver(self, batch: GradBatch) -> None:
+        if self.callbacks:
+            for cb in self.callbacks:
+                cb.on_batch(batch)
+            return
+        self._pending.append(batch)
+        if len(self._pending) > self.config.max_pending:
+            warnings.warn(
+                f"{len(self._pending)} captured batches are waiting; call capture.pop() or "
+                f"pass callbacks (capture.max_pending={self.config.max_pending})", stacklevel=3)
+
+    # ---- consumer API ---------------------------------------------------------------
+    def pop(self) -> GradBatch | None:
+        """The oldest captured batch not yet consumed, or None."""
+        return self._pending.popleft() if self._pending else None
+
+    def drain(self) -> list[GradBatch]:
+        """All captured batches not yet consumed, oldest first."""
+        out = list(self._pending)
+        self._pending.clear()
+        return out
+
+    def next_step(self) -> None:
+        """Mark an optimizer-step boundary: callbacks see ``on_step_end``; ``step`` advances."""
+        for cb in self.callbacks:
+            cb.on_step_end(self.step)
+        self.step += 1
+
+
+def _empty_factors(a: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero-token factors ``[B, 0, ...]``: the exact gradient of a layer that got no grad."""
+    b = a.shape[0]
+    a0 = a.new_empty((b, 0) + ((a.shape[-1],) if a.is_floating_point() else ()))
+    return a0, out.new_empty((b, 0, out.shape[-1]))
+
+
+def _merge(parts: list[Factorized | Dense]) -> Factorized | Dense:
+    """Sum of the gradients of several calls of one module: tokens concatenate."""
+    if len(parts) == 1:
+        return parts[0]
+    if isinstance(parts[0], Dense):
+        return Dense(sum(p.values for p in parts))
+    return Factorized(torch.cat([p.a for p in parts], 1), torch.cat([p.g for p in parts], 1))
+
+
+def _nonfinite(data: Factorized | Dense) -> bool:
+    t = data.g if isinstance(data, Factorized) else data.values
+    return not bool(torch.isfinite(t).all())

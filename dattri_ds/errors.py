@@ -1,0 +1,36 @@
+"""One error hierarchy for dattri-ds: every error we raise derives from DattriDSError."""
+
+from __future__ import annotations
+
+__all__ = [
+    "DattriDSError",
+    "ConfigError",
+    "UnsupportedLayerError",
+    "ShapeError",
+    "StoreMismatchError",
+    "CaptureError",
+]
+
+
+class DattriDSError(Exception):
+    """Base class of all dattri-ds errors."""
+
+
+class ConfigError(DattriDSError, ValueError):
+    """A configuration value is invalid, unknown or inconsistent."""
+
+
+class UnsupportedLayerError(DattriDSError, TypeError):
+    """A trainable module has no registered LayerKind (or an op is not defined for it)."""
+
+
+class ShapeError(DattriDSError, ValueError):
+    """A tensor does not have the shape an invariant requires."""
+
+
+class StoreMismatchError(DattriDSError):
+    """A gradient store was written with a configuration that differs from the requested one."""
+
+
+class CaptureError(DattriDSError, RuntimeError):
+    """Gradient capture was misused or observed an inconsistent forward/backward."""

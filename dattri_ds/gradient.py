@@ -1,0 +1,207 @@
+"""The data model at the centre: per-layer per-example gradients and batches of them.
+
+Shapes use fixed letters: B batch, T tokens, I layer input, O layer output, D flattened
+parameter size, P projection size.
+
+The *canonical* per-example gradient of a layer is the gradient of its parameters laid
+out as ``[O, I']`` (``I' = I + 1`` when a bias is folded in as a column of ones), flattened
+row-major to ``[D]``. Every LayerKind maps its parameters onto that layout, so that all
+operations below agree no matter how the module stores its weight (``nn.Linear`` keeps
+``[O, I]``, HF ``Conv1D`` keeps ``[I, O]``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from dattri_ds.errors import ShapeError
+
+__all__ = ["Factorized", "Dense", "ShardInfo", "LayerGrad", "GradBatch"]
+
+
+@dataclass(frozen=True)
+class Factorized:
+    """Per-example gradient in factorized ("ghost") form.
+
+    The per-example gradient of example b is ``sum_t g[b, t]^T a[b, t]``: an ``[O, I]``
+    matrix that is never built unless an operation finds it cheaper.
+
+    Attributes:
+        a: layer input ``[B, T, I]`` (float), or token indices ``[B, T]`` (int64) for
+            embedding-like kinds whose input side is one-hot.
+        g: gradient of the per-example loss w.r.t. the layer output ``[B, T, O]``.
+    """
+
+    a: torch.Tensor
+    g: torch.Tensor
+
+    def __post_init__(self) -> None:
+        a, g = self.a, self.g
+        if g.dim() != 3:
+            raise ShapeError(f"Factorized.g must be [B, T, O], got shape {tuple(g.shape)}")
+        if a.dim() not in (2, 3) or tuple(a.shape[:2]) != tuple(g.shape[:2]):
+            raise ShapeError(
+                f"Factorized.a must be [B, T, I] or [B, T] with the same B, T as g "
+                f"{tuple(g.shape[:2])}, got shape {tuple(a.shape)}"
+            )
+
+    @property
+    def batch_size(self) -> int:
+        return self.g.shape[0]
+
+    @property
+    def tokens(self) -> int:
+        return self.g.shape[1]
+
+    def index(self, idx: torch.Tensor | slice) -> Factorized:
+        """Select examples along B."""
+        return Factorized(self.a[idx], self.g[idx])
+
+    def to(self, device: torch.device | str | None = None,
+           dtype: torch.dtype | None = None) -> Factorized:
+        """Move to a device and cast the float factors (index factors keep int64)."""
+        a_dtype = dtype if self.a.is_floating_point() else None
+        return Factorized(self.a.to(device=device, dtype=a_dtype),
+                          self.g.to(device=device, dtype=dtype))
+
+
+@dataclass(frozen=True)
+class Dense:
+    """Per-example gradient as rows of a matrix: materialized ``[B, D]`` or projected ``[B, P]``."""
+
+    values: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.values.dim() != 2:
+            raise ShapeError(f"Dense.values must be [B, D], got shape {tuple(self.values.shape)}")
+
+    @property
+    def batch_size(self) -> int:
+        return self.values.shape[0]
+
+    def index(self, idx: torch.Tensor | slice) -> Dense:
+        return Dense(self.values[idx])
+
+    def to(self, device: torch.device | str | None = None,
+           dtype: torch.dtype | None = None) -> Dense:
+        return Dense(self.values.to(device=device, dtype=dtype))
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """Where a layer's captured gradient sits inside the full (unsharded) parameter.
+
+    Attributes:
+        dim: which canonical dimension is sharded: 0 = O (column-parallel), 1 = I (row-parallel).
+        rank: this shard's index in its tensor-parallel group.
+        world: number of shards.
+        full_shape: the canonical ``(O, I')`` shape of the unsharded layer.
+    """
+
+    dim: int
+    rank: int
+    world: int
+    full_shape: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class LayerGrad:
+    """Everything about one layer's per-example gradients in one object.
+
+    Attributes:
+        name: fully qualified module name, e.g. ``"transformer.h.0.attn.c_attn"``.
+        kind: registered LayerKind name (``"linear"``, ``"conv1d"``, ``"embedding"``, ...).
+        data: the factorized or dense form.
+        shape: canonical ``(O, I')`` shape of this layer's (local) parameter gradient.
+        projection: identifier of the projection that produced ``data`` (None = unprojected).
+        shard: tensor-parallel shard description (None = the layer is not sharded).
+    """
+
+    name: str
+    kind: str
+    data: Factorized | Dense
+    shape: tuple[int, int]
+    projection: str | None = None
+    shard: ShardInfo | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.data, Dense) and self.projection is None:
+            d = self.shape[0] * self.shape[1]
+            if self.data.values.shape[1] != d:
+                raise ShapeError(
+                    f"Layer '{self.name}': dense gradient must have D = O*I' = "
+                    f"{self.shape[0]}*{self.shape[1]} = {d} columns, got "
+                    f"shape {tuple(self.data.values.shape)}"
+                )
+        if isinstance(self.data, Factorized) and self.data.g.shape[2] != self.shape[0]:
+            raise ShapeError(
+                f"Layer '{self.name}': output-grad has O = {self.data.g.shape[2]} but the "
+                f"layer shape is {self.shape}"
+            )
+
+    @property
+    def batch_size(self) -> int:
+        return self.data.batch_size
+
+    @property
+    def is_factorized(self) -> bool:
+        return isinstance(self.data, Factorized)
+
+    def replace(self, **changes) -> LayerGrad:
+        fields = dict(name=self.name, kind=self.kind, data=self.data, shape=self.shape,
+                      projection=self.projection, shard=self.shard)
+        fields.update(changes)
+        return LayerGrad(**fields)
+
+    def index(self, idx: torch.Tensor | slice) -> LayerGrad:
+        """Select examples along B."""
+        return self.replace(data=self.data.index(idx))
+
+
+@dataclass(frozen=True)
+class GradBatch:
+    """Per-example gradients of one micro-batch (or a query set), for every captured layer.
+
+    Attributes:
+        step: optimizer step during which the micro-batch was captured.
+        sample_ids: one stable id per example (content hash of its tokens, optionally
+            prefixed by a user id).
+        layers: layer name -> LayerGrad, in module order.
+        micro_batch: running index of the micro-batch within the capture.
+        token_counts: ``[B]`` number of loss-bearing tokens of each example.
+    """
+
+    step: int
+    sample_ids: tuple[str, ...]
+    layers: Mapping[str, LayerGrad]
+    micro_batch: int = 0
+    token_counts: torch.Tensor | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        b = len(self.sample_ids)
+        for name, lg in self.layers.items():
+            if lg.batch_size != b:
+                raise ShapeError(
+                    f"Layer '{name}' holds {lg.batch_size} examples but the batch has "
+                    f"{b} sample ids"
+                )
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.sample_ids)
+
+    def index(self, idx: torch.Tensor | list[int]) -> GradBatch:
+        """Select a subset of examples (ids, layers and token counts alike)."""
+        idx_t = torch.as_tensor(idx, dtype=torch.long)
+        ids = tuple(self.sample_ids[i] for i in idx_t.tolist())
+        layers = {n: lg.index(idx_t.to(_device_of(lg))) for n, lg in self.layers.items()}
+        counts = None if self.token_counts is None else self.token_counts[idx_t]
+        return GradBatch(self.step, ids, layers, self.micro_batch, counts)
+
+
+def _device_of(lg: LayerGrad) -> torch.device:
+    data = lg.data
+    return data.g.device if isinstance(data, Factorized) else data.values.device

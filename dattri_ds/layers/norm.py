@@ -1,0 +1,96 @@
+"""LayerNorm and RMSNorm-style modules: per-example gradients are produced dense.
+
+For ``y = xhat * w (+ b)`` the per-example gradients are ``dw_b = sum_t g_bt * xhat_bt`` and
+``db_b = sum_t g_bt``: ``[B, D]`` each, no larger than the factors themselves, so the
+factorized form would never be cheaper (the cost model is not consulted). Canonical layout:
+rows ``[w; b]``, shape ``(1 + has_bias, D)``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dattri_ds.errors import UnsupportedLayerError
+from dattri_ds.gradient import Dense, Factorized
+from dattri_ds.layers.base import LayerKind, param_shape
+
+__all__ = ["DenseKind", "LayerNormKind", "RMSNormKind"]
+
+
+class DenseKind(LayerKind):
+    """Base for kinds whose ``build`` returns ``Dense``; factorized maths does not apply."""
+
+    dense_only = True
+
+    def _no_factorized(self, *_args, **_kwargs):
+        raise UnsupportedLayerError(f"LayerKind '{self.name}' has no factorized form")
+
+    materialize = cross_gram = cross_dense = project_kron = _no_factorized
+
+    def _dense(self, module: nn.Module, xhat: torch.Tensor, g: torch.Tensor) -> Dense:
+        x3 = self.to_batch_first(xhat)
+        g3 = self.to_batch_first(g).to(x3.dtype)
+        rows = [(g3 * x3).sum(1)]
+        if getattr(module, "bias", None) is not None:
+            rows.append(g3.sum(1))
+        return Dense(torch.cat(rows, dim=1))
+
+    def canonical(self, module, grads):
+        rows = [grads["weight"]]
+        if "bias" in grads:
+            rows.append(grads["bias"])
+        return torch.stack(rows, dim=-2).flatten(-2)
+
+
+class LayerNormKind(DenseKind, name="layernorm", modules=(nn.LayerNorm,)):
+    """``nn.LayerNorm`` over the last dimension, ``xhat = (x - mean) / sqrt(var + eps)``."""
+
+    def check(self, module: nn.Module, name: str) -> None:
+        if len(module.normalized_shape) != 1:
+            raise UnsupportedLayerError(
+                f"Layer '{name}': LayerNorm over {module.normalized_shape} (more than the last "
+                f"dimension) is not supported; exclude it with capture.exclude=['{name}']"
+            )
+
+    def layer_shape(self, module):
+        return 1 + int(module.bias is not None), module.normalized_shape[0]
+
+    def build(self, module, a, g):
+        x = a.float()
+        mean = x.mean(-1, keepdim=True)
+        var = x.var(-1, unbiased=False, keepdim=True)
+        return self._dense(module, (x - mean) * torch.rsqrt(var + module.eps), g)
+
+
+def _rms_eps(module: nn.Module) -> float | None:
+    for attr in ("eps", "variance_epsilon", "epsilon"):
+        if hasattr(module, attr):
+            return getattr(module, attr)
+    return None
+
+
+def _is_rmsnorm(module: nn.Module) -> bool:
+    return (type(module).__name__.endswith("RMSNorm")
+            and isinstance(getattr(module, "weight", None), nn.Parameter)
+            and any(hasattr(module, k) for k in ("eps", "variance_epsilon", "epsilon")))
+
+
+class RMSNormKind(DenseKind, name="rmsnorm"):
+    """``torch.nn.RMSNorm`` and HF ``*RMSNorm``: ``xhat = x / sqrt(mean(x^2) + eps)``.
+
+    Gemma-style ``(1 + w)`` scaling has the same weight gradient and is covered too.
+    """
+
+    def matches(self, module):
+        return _is_rmsnorm(module)
+
+    def layer_shape(self, module):
+        return 1 + int(getattr(module, "bias", None) is not None), param_shape(module.weight)[-1]
+
+    def build(self, module, a, g):
+        x = a.float()
+        eps = _rms_eps(module)
+        if eps is None:
+            eps = torch.finfo(a.dtype).eps
+        return self._dense(module, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps), g)

@@ -1,0 +1,84 @@
+"""Shared maths of layers whose per-example gradient is a sum of outer products.
+
+For example b: ``G_b = sum_t g[b,t]^T a[b,t]`` (``[O, I']``), with a bias folded in as a
+column of ones on ``a``. Linear-like kinds (nn.Linear, HF Conv1D, Megatron parallel
+linears) subclass ``OuterProductKind`` and only say how to read their module.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dattri_ds.gradient import Factorized
+from dattri_ds.layers.base import LayerKind
+
+__all__ = ["OuterProductKind", "row_chunks"]
+
+#: Upper bound on elements of one ``[c, T, B2, S]`` ghost intermediate (about 64 MB fp32).
+GHOST_CHUNK_ELEMENTS = 1 << 24
+
+
+def row_chunks(n_rows: int, row_elems: int, budget: int = GHOST_CHUNK_ELEMENTS):
+    """Yield slices over ``n_rows`` so each chunk holds at most ``budget`` elements."""
+    step = max(1, budget // max(1, row_elems))
+    for start in range(0, n_rows, step):
+        yield slice(start, min(n_rows, start + step))
+
+
+def with_bias_column(a: torch.Tensor) -> torch.Tensor:
+    """``[B, T, I] -> [B, T, I+1]``, appending the constant 1 that multiplies the bias."""
+    return torch.cat([a, a.new_ones(a.shape[:-1] + (1,))], dim=-1)
+
+
+class OuterProductKind(LayerKind):
+    """Kinds with ``G_b = sum_t g_t^T a_t``; subclasses define capture and layout only."""
+
+    def materialize(self, f: Factorized, shape: tuple[int, int]) -> torch.Tensor:
+        """``einsum('bto,bti->boi')`` flattened: ``[B, O*I]``; cost 2*B*T*O*I flops."""
+        b = f.g.shape[0]
+        return torch.bmm(f.g.transpose(1, 2), f.a).reshape(b, -1)
+
+    def cross_gram(self, x: Factorized, y: Factorized) -> torch.Tensor:
+        """``<G_b, G_q> = sum_{t,s} (a_bt . a_qs)(g_bt . g_qs)``.
+
+        Computed as two flat matmuls ``[B1*T, B2*S]`` and a reduction, chunked over B1 so
+        the intermediate stays under GHOST_CHUNK_ELEMENTS. Cost 2*B1*B2*T*S*(I+O) flops.
+        """
+        b1, t, _ = x.a.shape
+        b2, s, _ = y.a.shape
+        ya = y.a.reshape(b2 * s, -1)
+        yg = y.g.reshape(b2 * s, -1)
+        out = x.g.new_empty(b1, b2)
+        for sl in row_chunks(b1, t * b2 * s):
+            xa = x.a[sl].reshape(-1, x.a.shape[-1])
+            xg = x.g[sl].reshape(-1, x.g.shape[-1])
+            prod = (xa @ ya.T) * (xg @ yg.T)
+            out[sl] = prod.view(-1, t, b2, s).sum(dim=(1, 3))
+        return out
+
+    def sq_norms(self, f: Factorized) -> torch.Tensor:
+        """``sum_{t,s} (a_t.a_s)(g_t.g_s)`` per example via two batched ``[T, T]`` grams."""
+        t = f.g.shape[1]
+        out = f.g.new_empty(f.g.shape[0])
+        for sl in row_chunks(f.g.shape[0], t * t):
+            a, g = f.a[sl], f.g[sl]
+            out[sl] = (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
+        return out
+
+    def cross_dense(self, x: Factorized, y: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+        """``<G_b, Y_q> = sum_t g_bt . (Y_q a_bt)`` -> ``[B, Q]``; cost 2*B*T*I*O*Q flops."""
+        b, t, i = x.a.shape
+        o = x.g.shape[-1]
+        q = y.shape[0]
+        y3 = y.reshape(q * o, i)
+        out = x.g.new_empty(b, q)
+        for sl in row_chunks(b, t * q * o):
+            z = (x.a[sl].reshape(-1, i) @ y3.T).view(-1, t, q, o)
+            out[sl] = torch.einsum("btqo,bto->bq", z, x.g[sl])
+        return out
+
+    def project_kron(self, f: Factorized, p_out: torch.Tensor, p_in: torch.Tensor) -> torch.Tensor:
+        """``sum_t (P_out g_t)(P_in a_t)^T`` -> ``[B, ko*ki]``; cost 2*B*T*(O*ko + I*ki + ko*ki)."""
+        ga = f.g @ p_out.T  # [B, T, ko]
+        aa = f.a @ p_in.T  # [B, T, ki]
+        return torch.bmm(ga.transpose(1, 2), aa).reshape(f.g.shape[0], -1)

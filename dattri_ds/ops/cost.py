@@ -1,0 +1,266 @@
+"""Cost model: flops AND bytes of the factorized ("ghost") and materialized ("dense") path.
+
+Every gradient operation on a factorized layer can run two ways. This module estimates
+both from the shapes alone, converts them to seconds with a roofline of the device,
+``t = flops / peak_flops + bytes / bandwidth``, and picks the cheaper. Decisions are
+cached per (operation, layer, shapes), can be forced per operation, and explain
+themselves (``CostModel.explain()``).
+
+Letters: B1/B2 examples with T/S tokens, I input width (incl. bias column), O output
+width, Q dense rows, P dense projection size, ko/ki Kronecker projection sizes, E bytes
+per element. ``M(B, T) = 2*B*T*I*O`` flops is materializing ``B`` per-example ``[O, I]``
+gradients (``B*T*O`` scatter-adds for index inputs, where ``A.A^T`` costs ``T*S`` compares).
+
+| op           | ghost flops                         | dense flops                     |
+|--------------|-------------------------------------|---------------------------------|
+| cross_gram   | 2*B1*B2*T*S*(I + O + 1)             | M(B1,T) + M(B2,S) + 2*B1*B2*I*O |
+| norm         | 2*B*T*T*(I + O + 1)                 | M(B,T) + 2*B*I*O                |
+| cross_dense  | 2*B*T*Q*O*(I + 1)                   | M(B,T) + 2*B*Q*I*O              |
+| project_kron | 2*B*T*(O*ko + I*ki + ko*ki)         | M(B,T) + 2*B*ko*I*(O + ki)      |
+| project_dense| 2*B*T*P*O*I                         | M(B,T) + 2*B*P*I*O              |
+| sum          | 2*B*T*I*O                           | M(B,T) + B*I*O                  |
+
+Bytes count the factors read, every intermediate written and read back, and the result.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from dattri_ds.errors import ConfigError
+from dattri_ds.layers.base import LayerDims
+
+__all__ = ["PathCost", "Roofline", "Decision", "CostModel", "OPS", "PATHS", "estimate"]
+
+logger = logging.getLogger(__name__)
+
+PATHS = ("ghost", "dense")
+
+
+@dataclass(frozen=True)
+class PathCost:
+    """Estimated work of one path: floating-point operations and bytes moved."""
+
+    flops: float
+    bytes: float
+
+    def seconds(self, roofline: Roofline) -> float:
+        return self.flops / roofline.flops_per_s + self.bytes / roofline.bytes_per_s
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """Throughput of a device: sustained matmul flops/s and memory bytes/s.
+
+    Attributes:
+        flops_per_s: sustained fp32 matmul throughput.
+        bytes_per_s: sustained memory bandwidth (elementwise copy).
+    """
+
+    flops_per_s: float
+    bytes_per_s: float
+
+    @staticmethod
+    def default(device: torch.device | str = "cpu") -> Roofline:
+        """Conservative defaults by device type (no measurement)."""
+        if torch.device(device).type == "cuda":
+            return Roofline(flops_per_s=4e13, bytes_per_s=2e12)
+        return Roofline(flops_per_s=5e10, bytes_per_s=8e9)
+
+    @staticmethod
+    def measure(device: torch.device | str = "cpu", size: int = 512) -> Roofline:
+        """Measure a ``size``-square matmul and a 64 MB copy on ``device`` (about 0.1 s)."""
+        dev = torch.device(device)
+        a = torch.randn(size, size, device=dev)
+        big = torch.empty(1 << 24, device=dev)
+        flops = _best_rate(lambda: a @ a, 2 * size**3, dev)
+        bw = _best_rate(lambda: big.clone(), 2 * big.numel() * 4, dev)
+        return Roofline(flops_per_s=flops, bytes_per_s=bw)
+
+
+def _best_rate(fn: Callable[[], object], work: float, dev: torch.device, reps: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        fn()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        best = min(best, time.perf_counter() - t0)
+    return work / max(best, 1e-9)
+
+
+def _mat(d: LayerDims, b: int, t: int) -> PathCost:
+    """Materialize ``b`` examples of ``t`` tokens: flops M(b, t), bytes factors + result."""
+    e = d.itemsize
+    if d.index_input:
+        return PathCost(b * t * d.O, e * (b * t * (d.O + 1) + b * d.I * d.O))
+    return PathCost(2 * b * t * d.I * d.O, e * (b * t * (d.I + d.O) + b * d.I * d.O))
+
+
+def _gram_width(d: LayerDims) -> int:
+    """Flops per (t, s) pair of the two ghost products: ``I + O + 1`` (``O + 1`` for indices)."""
+    return (0 if d.index_input else d.I) + d.O + 1
+
+
+def _cross_gram(d: LayerDims, B2: int, S: int) -> dict[str, PathCost]:
+    e = d.itemsize
+    pairs = d.B * B2 * d.T * S
+    ghost = PathCost(2 * pairs * _gram_width(d),
+                     e * (d.B * d.T * (d.I + d.O) + B2 * S * (d.I + d.O) + 3 * pairs))
+    mx, my = _mat(d, d.B, d.T), _mat(d, B2, S)
+    dense = PathCost(mx.flops + my.flops + 2 * d.B * B2 * d.I * d.O,
+                     mx.bytes + my.bytes + e * ((d.B + B2) * d.I * d.O + d.B * B2))
+    return {"ghost": ghost, "dense": dense}
+
+
+def _norm(d: LayerDims) -> dict[str, PathCost]:
+    e = d.itemsize
+    pairs = d.B * d.T * d.T
+    ghost = PathCost(2 * pairs * _gram_width(d), e * (d.B * d.T * (d.I + d.O) + 3 * pairs))
+    m = _mat(d, d.B, d.T)
+    dense = PathCost(m.flops + 2 * d.B * d.I * d.O, m.bytes + e * d.B * d.I * d.O)
+    return {"ghost": ghost, "dense": dense}
+
+
+def _cross_dense(d: LayerDims, Q: int) -> dict[str, PathCost]:
+    e = d.itemsize
+    width = 1 if d.index_input else d.I + 1
+    ghost = PathCost(2 * d.B * d.T * Q * d.O * width,
+                     e * (d.B * d.T * (d.I + d.O) + Q * d.I * d.O + 2 * d.B * d.T * Q * d.O))
+    m = _mat(d, d.B, d.T)
+    dense = PathCost(m.flops + 2 * d.B * Q * d.I * d.O,
+                     m.bytes + e * (d.B * d.I * d.O + Q * d.I * d.O + d.B * Q))
+    return {"ghost": ghost, "dense": dense}
+
+
+def _project_kron(d: LayerDims, ko: int, ki: int) -> dict[str, PathCost]:
+    e = d.itemsize
+    in_flops = 0 if d.index_input else d.I * ki
+    ghost = PathCost(2 * d.B * d.T * (d.O * ko + in_flops + ko * ki),
+                     e * (d.B * d.T * (d.I + d.O) + ko * d.O + ki * d.I
+                          + 2 * d.B * d.T * (ko + ki) + d.B * ko * ki))
+    m = _mat(d, d.B, d.T)
+    dense = PathCost(m.flops + 2 * d.B * ko * d.I * (d.O + ki),
+                     m.bytes + e * (d.B * d.I * d.O + 2 * d.B * ko * d.I + d.B * ko * ki))
+    return {"ghost": ghost, "dense": dense}
+
+
+def _project_dense(d: LayerDims, P: int) -> dict[str, PathCost]:
+    e = d.itemsize
+    ghost = PathCost(2 * d.B * d.T * P * d.O * (1 if d.index_input else d.I),
+                     e * (P * d.I * d.O + d.B * d.T * (d.I + d.O) + 2 * d.B * d.T * P * d.O))
+    m = _mat(d, d.B, d.T)
+    dense = PathCost(m.flops + 2 * d.B * P * d.I * d.O,
+                     m.bytes + e * (d.B * d.I * d.O + P * d.I * d.O + d.B * P))
+    return {"ghost": ghost, "dense": dense}
+
+
+def _sum(d: LayerDims) -> dict[str, PathCost]:
+    e = d.itemsize
+    ghost = PathCost(_mat(d, 1, d.B * d.T).flops, e * (d.B * d.T * (d.I + d.O) + d.I * d.O))
+    m = _mat(d, d.B, d.T)
+    dense = PathCost(m.flops + d.B * d.I * d.O, m.bytes + e * (d.B * d.I * d.O + d.I * d.O))
+    return {"ghost": ghost, "dense": dense}
+
+
+#: op name -> estimator(dims, **op args) -> {path: PathCost}; a flat routing table.
+OPS: dict[str, Callable[..., dict[str, PathCost]]] = {
+    "cross_gram": _cross_gram,
+    "norm": _norm,
+    "cross_dense": _cross_dense,
+    "project_kron": _project_kron,
+    "project_dense": _project_dense,
+    "sum": _sum,
+}
+
+
+def estimate(op: str, dims: LayerDims, **kwargs: int) -> dict[str, PathCost]:
+    """Cost of both paths of ``op`` for a layer of ``dims`` (see the module table)."""
+    try:
+        return OPS[op](dims, **kwargs)
+    except KeyError:
+        raise ConfigError(f"Unknown gradient op '{op}'; known ops: {sorted(OPS)}") from None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One routing decision, readable by a person.
+
+    Attributes:
+        op: operation name. layer: module name. path: chosen path.
+        costs: estimated cost of each path. seconds: roofline time of each path.
+        forced: the path was forced by configuration, not chosen by cost.
+        args: the shapes the decision was made for.
+    """
+
+    op: str
+    layer: str
+    path: str
+    costs: Mapping[str, PathCost]
+    seconds: Mapping[str, float]
+    forced: bool
+    args: Mapping[str, int] = field(default_factory=dict)
+
+    def explain(self) -> str:
+        parts = ", ".join(
+            f"{p}: {c.flops / 1e6:.3g} MFLOP + {c.bytes / 1e6:.3g} MB = "
+            f"{self.seconds[p] * 1e3:.3g} ms" for p, c in self.costs.items()
+        )
+        why = "forced" if self.forced else "cheaper"
+        shape = " ".join(f"{k}={v}" for k, v in self.args.items())
+        return f"{self.layer} {self.op} [{shape}] -> {self.path} ({why}; {parts})"
+
+
+class CostModel:
+    """Chooses ghost vs dense per (op, layer, shapes) and remembers why.
+
+    Args:
+        roofline: device throughput; ``Roofline.default("cpu")`` when omitted.
+        force: op name (or ``"*"``) -> path, e.g. ``{"cross_gram": "dense"}``.
+    """
+
+    def __init__(self, roofline: Roofline | None = None,
+                 force: Mapping[str, str] | None = None) -> None:
+        self.roofline = roofline or Roofline.default("cpu")
+        self.force = dict(force or {})
+        for op, path in self.force.items():
+            if op != "*" and op not in OPS:
+                raise ConfigError(f"cannot force unknown op '{op}'; known ops: {sorted(OPS)}")
+            if path not in PATHS:
+                raise ConfigError(f"cannot force op '{op}' to path '{path}'; paths: {PATHS}")
+        self._cache: dict[tuple, Decision] = {}
+
+    def choose(self, op: str, layer: str, dims: LayerDims, *, path: str | None = None,
+               **kwargs: int) -> Decision:
+        """The decision for ``op`` on ``layer``; ``path`` forces it for this call only."""
+        key = (op, layer, dims, path, tuple(sorted(kwargs.items())))
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        costs = estimate(op, dims, **kwargs)
+        secs = {p: c.seconds(self.roofline) for p, c in costs.items()}
+        forced = path or self.force.get(op) or self.force.get("*")
+        if forced is not None and forced not in PATHS:
+            raise ConfigError(f"path must be one of {PATHS}, got '{forced}'")
+        chosen = forced or min(secs, key=secs.__getitem__)
+        args = dict(B=dims.B, T=dims.T, I=dims.I, O=dims.O, **kwargs)
+        dec = Decision(op, layer, chosen, costs, secs, forced is not None, args)
+        self._cache[key] = dec
+        logger.debug(dec.explain())
+        return dec
+
+    def decisions(self) -> list[Decision]:
+        """Every distinct decision made so far, in the order they were made."""
+        return list(self._cache.values())
+
+    def explain(self) -> str:
+        """One line per decision: layer, op, shapes, chosen path and both estimates."""
+        return "\n".join(d.explain() for d in self._cache.values())

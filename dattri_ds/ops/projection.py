@@ -1,0 +1,147 @@
+"""Random projections seeded by (seed, layer name, role): every process builds the same matrix.
+
+Two families, both unbiased for inner products (``E[<Px, Py>] = <x, y>``):
+
+* dense: ``P [k, D]`` with i.i.d. entries of variance ``1/k`` (Gaussian or Rademacher),
+  generated in column blocks of ``BLOCK`` so a huge layer never needs the whole matrix at
+  once and any column range is reproducible on its own.
+* kronecker (LoGra): ``P = P_out (x) P_in`` with ``P_out [ko, O]`` and ``P_in [ki, I']``,
+  each of variance ``1/ko`` and ``1/ki``. Then ``P vec(G) = vec(P_out G P_in^T)``, which the
+  factorized form computes as ``sum_t (P_out g_t)(P_in a_t)^T`` without building ``G``.
+
+Matrices are generated on the CPU with a ``torch.Generator`` (same bits on every device and
+rank) and cached per device. A layer whose gradient is no larger than the target dimension is
+kept exactly (the "identity" projection).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from dattri_ds.errors import ConfigError
+
+__all__ = ["ProjectionConfig", "Projector", "stable_seed", "random_matrix", "kron_dims"]
+
+#: Columns per independently seeded block of a dense projection matrix.
+BLOCK = 1 << 14
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProjectionConfig:
+    """How per-layer gradients are compressed."""
+
+    kind: Literal["kronecker", "dense"] = "kronecker"
+    """``kronecker``: project input and output sides separately (LoGra); ``dense``: one
+    ``[k, D]`` matrix on the materialized gradient."""
+
+    dim: int = 1024
+    """Target size per layer (``ko * ki`` for kronecker, about ``dim``)."""
+
+    distribution: Literal["gaussian", "rademacher"] = "gaussian"
+    """Entry distribution (both scaled to variance ``1/rows``)."""
+
+    seed: int = 0
+    """Base seed; the matrix of a layer depends only on (seed, layer name, role)."""
+
+    cache_bytes: int = 1 << 29
+    """Cache at most this many bytes of matrices per process (larger ones are regenerated)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("kronecker", "dense"):
+            raise ConfigError(f"projection.kind must be 'kronecker' or 'dense', got '{self.kind}'")
+        if self.distribution not in ("gaussian", "rademacher"):
+            raise ConfigError(
+                f"projection.distribution must be 'gaussian' or 'rademacher', "
+                f"got '{self.distribution}'"
+            )
+        if self.dim < 1:
+            raise ConfigError(f"projection.dim must be >= 1, got {self.dim}")
+
+    @property
+    def tag(self) -> str:
+        """Identifier stored with projected gradients; equal tags = comparable vectors."""
+        return f"{self.kind}:{self.distribution}:k{self.dim}:s{self.seed}"
+
+
+def stable_seed(*parts: object) -> int:
+    """A 63-bit seed from the parts' text (independent of PYTHONHASHSEED and process)."""
+    h = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") & ((1 << 63) - 1)
+
+
+def random_matrix(rows: int, cols: int, seed: int, distribution: str) -> torch.Tensor:
+    """``[rows, cols]`` float32 on CPU with entries of variance ``1/rows``."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    if distribution == "rademacher":
+        m = torch.randint(0, 2, (rows, cols), generator=gen, dtype=torch.int8)
+        return (m.float() * 2 - 1) / math.sqrt(rows)
+    return torch.randn(rows, cols, generator=gen) / math.sqrt(rows)
+
+
+def kron_dims(dim: int, out_dim: int, in_dim: int) -> tuple[int, int]:
+    """Split a target size ``dim`` into ``(ko, ki)`` with ``ko <= O``, ``ki <= I'``.
+
+    ``ko = min(O, ceil(sqrt(dim)))`` and ``ki = min(I', max(1, dim // ko))``: a square
+    split when both sides are large enough (1024 -> 32 x 32).
+    """
+    ko = min(out_dim, math.isqrt(dim - 1) + 1 if dim > 1 else 1)
+    ki = min(in_dim, max(1, dim // ko))
+    return ko, ki
+
+
+class Projector:
+    """Builds and caches the seeded matrices of one ProjectionConfig."""
+
+    def __init__(self, config: ProjectionConfig) -> None:
+        self.config = config
+        self._cache: dict[tuple, torch.Tensor] = {}
+        self._cached_bytes = 0
+
+    def _get(self, key: tuple, make, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        full_key = key + (str(device), dtype)
+        hit = self._cache.get(full_key)
+        if hit is not None:
+            return hit
+        m = make().to(device=device, dtype=dtype)
+        nbytes = m.numel() * m.element_size()
+        if self._cached_bytes + nbytes <= self.config.cache_bytes:
+            self._cache[full_key] = m
+            self._cached_bytes += nbytes
+        return m
+
+    def side(self, layer: str, role: str, rows: int, cols: int, device: torch.device,
+             dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """One Kronecker side ``[rows, cols]`` for ``role`` in {"out", "in"}."""
+        cfg = self.config
+        seed = stable_seed(cfg.seed, layer, role)
+        return self._get(("side", layer, role, rows, cols),
+                         lambda: random_matrix(rows, cols, seed, cfg.distribution), device, dtype)
+
+    def dense_block(self, layer: str, block: int, rows: int, cols: int, device: torch.device,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Columns ``[block*BLOCK, block*BLOCK + cols)`` of the dense matrix ``[rows, D]``."""
+        cfg = self.config
+        seed = stable_seed(cfg.seed, layer, "dense", block)
+        return self._get(("dense", layer, block, rows, cols),
+                         lambda: random_matrix(rows, cols, seed, cfg.distribution), device, dtype)
+
+    def dense_apply(self, layer: str, x: torch.Tensor, rows: int) -> torch.Tensor:
+        """``x [B, D] @ P^T`` -> ``[B, rows]``, streaming over seeded column blocks."""
+        out = x.new_zeros(x.shape[0], rows)
+        d = x.shape[1]
+        for blk, start in enumerate(range(0, d, BLOCK)):
+            cols = min(BLOCK, d - start)
+            p = self.dense_block(layer, blk, rows, cols, x.device, x.dtype)
+            out += x[:, start:start + cols] @ p.T
+        return out
+
+    def dense_matrix(self, layer: str, d: int, rows: int) -> torch.Tensor:
+        """The whole dense ``[rows, D]`` matrix (for references and small layers)."""
+        blocks = [self.dense_block(layer, b, rows, min(BLOCK, d - s), torch.device("cpu"))
+                  for b, s in enumerate(range(0, d, BLOCK))]
+        return torch.cat(blocks, dim=1)

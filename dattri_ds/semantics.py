@@ -1,0 +1,135 @@
+"""What "the per-example gradient" means in dattri-ds, defined in this one place.
+
+Let ``l[b, t]`` be the token loss of example b at position t and ``V_b`` its valid
+(loss-bearing) positions, ``n_b = |V_b|``. The per-example loss is
+
+* ``per_example_loss="sum"`` (default): ``L_b = sum_{t in V_b} l[b, t]``
+* ``per_example_loss="mean"``:          ``L_b = (1 / n_b) sum_{t in V_b} l[b, t]``
+
+and the per-example gradient is ``dL_b / dtheta``. It does not depend on what else is in
+the batch, on padding, on gradient accumulation, on data-parallel world size or on loss
+scaling. The training loop's backward, however, is on ``c * R`` where ``c`` is the
+backward scale (``loss_scale / grad_accum`` under DeepSpeed, ``1/grad_accum`` in loops
+that divide manually) and ``R`` is the loop's reduction of the micro-batch:
+
+* ``loss_reduction="token_mean"`` (Hugging Face default): ``R = sum_b S_b / N``, ``N = sum_b n_b``
+* ``loss_reduction="sum"``:                               ``R = sum_b S_b``
+* ``loss_reduction="example_mean"``:                      ``R = (1/B) sum_b S_b / n_b``
+
+with ``S_b = sum_{t in V_b} l[b, t]``. So the captured output-grad of example b is
+``c * w_b * dS_b/dout`` with ``w_b = 1/N``, ``1`` or ``1/(B n_b)``, and
+``example_scale`` returns ``1 / (c * w_b)`` (divided by ``n_b`` for the mean). Examples
+with ``n_b = 0`` get scale 0: padded or fully masked rows contribute exactly zero.
+
+Valid positions follow the causal-LM convention: with ``labels`` given, position t is
+valid when ``labels[b, t + shift] != ignore_index``; else when
+``attention_mask[b, t + shift] == 1``; else all ``T - shift`` positions are valid.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from dattri_ds.errors import ConfigError
+
+__all__ = ["BatchInfo", "batch_info", "example_scale", "content_id", "LOSS_REDUCTIONS",
+           "PER_EXAMPLE_LOSSES"]
+
+LOSS_REDUCTIONS = ("token_mean", "sum", "example_mean")
+PER_EXAMPLE_LOSSES = ("sum", "mean")
+
+
+@dataclass(frozen=True)
+class BatchInfo:
+    """What the root forward call tells about its examples.
+
+    Attributes:
+        sample_ids: stable id per example (content hash, optionally ``user#hash``).
+        token_counts: ``[B]`` valid (loss-bearing) positions ``n_b``.
+    """
+
+    sample_ids: tuple[str, ...]
+    token_counts: torch.Tensor
+
+
+def content_id(tokens: torch.Tensor, valid: torch.Tensor | None = None,
+               user_id: str | None = None) -> str:
+    """16-hex-digit blake2b of an example's tokens (and its loss mask), stable across runs.
+
+    Padding-invariant: pass ``tokens`` without pads. Two examples with the same tokens and
+    the same loss-bearing positions have the same gradient and the same id.
+    """
+    h = hashlib.blake2b(digest_size=8)
+    h.update(tokens.detach().to("cpu", torch.int64).numpy().tobytes())
+    if valid is not None:
+        h.update(b"|")
+        h.update(valid.detach().to("cpu", torch.bool).numpy().tobytes())
+    digest = h.hexdigest()
+    return f"{user_id}#{digest}" if user_id is not None else digest
+
+
+def _find_ids(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    ids = kwargs.get("input_ids")
+    if ids is None and args and torch.is_tensor(args[0]) and not args[0].is_floating_point():
+        ids = args[0]
+    return ids
+
+
+def batch_info(args: tuple, kwargs: dict, *, label_shift: int = 1, ignore_index: int = -100,
+               user_ids: list[str] | None = None) -> BatchInfo | None:
+    """Read ids, labels and attention mask from a model call (HF-style keyword names).
+
+    Returns None when the call has no integer ``input_ids`` (first positional or keyword).
+    """
+    ids = _find_ids(args, kwargs)
+    if ids is None or ids.dim() != 2:
+        return None
+    labels, mask = kwargs.get("labels"), kwargs.get("attention_mask")
+    b, t = ids.shape
+    if labels is not None:
+        valid = labels[:, label_shift:] != ignore_index
+    elif mask is not None:
+        valid = mask[:, label_shift:] != 0
+    else:
+        valid = torch.ones(b, max(t - label_shift, 0), dtype=torch.bool, device=ids.device)
+    counts = valid.sum(1)
+    keep = mask != 0 if mask is not None else torch.ones_like(ids, dtype=torch.bool)
+    if user_ids is not None and len(user_ids) != b:
+        raise ConfigError(f"capture.tag() got {len(user_ids)} user ids for a batch of {b}")
+    valid_full = labels != ignore_index if labels is not None else keep
+    sample_ids = tuple(
+        content_id(ids[i][keep[i]], valid_full[i][keep[i]],
+                   None if user_ids is None else str(user_ids[i]))
+        for i in range(b)
+    )
+    return BatchInfo(sample_ids, counts)
+
+
+def example_scale(token_counts: torch.Tensor, *, loss_reduction: str, per_example_loss: str,
+                  backward_scale: float) -> torch.Tensor:
+    """``[B]`` factors turning captured output-grads into per-example-loss output-grads.
+
+    ``scale_b = 1 / (c * w_b)``, divided by ``n_b`` for the mean loss; 0 where ``n_b = 0``
+    (see the module docstring for ``c`` and ``w_b``).
+    """
+    if backward_scale == 0:
+        raise ConfigError("backward scale is 0: the loop's backward carries no gradient")
+    n = token_counts.to(torch.float64)
+    b = n.numel()
+    if loss_reduction == "token_mean":
+        inv_w = n.sum().expand(b).clone()
+    elif loss_reduction == "sum":
+        inv_w = torch.ones_like(n)
+    elif loss_reduction == "example_mean":
+        inv_w = b * n
+    else:
+        raise ConfigError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got '{loss_reduction}'")
+    if per_example_loss == "mean":
+        inv_w = inv_w / n.clamp_min(1)
+    elif per_example_loss != "sum":
+        raise ConfigError(
+            f"per_example_loss must be one of {PER_EXAMPLE_LOSSES}, got '{per_example_loss}'")
+    return torch.where(n > 0, inv_w / backward_scale, torch.zeros_like(n))

@@ -1,0 +1,27 @@
+"""dattri-ds: training data attribution and online data selection inside DeepSpeed/Megatron."""
+
+from setuptools import setup
+
+setup(
+    name="dattri-ds",
+    version="0.1.0",
+    description="Per-example gradients, training data attribution and online data selection "
+                "for DeepSpeed ZeRO and Megatron-core training",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="MIT",
+    python_requires=">=3.10",
+    packages=["dattri_ds", "dattri_ds.layers", "dattri_ds.ops",
+              "dattri_ds.selection", "dattri_ds.launch", "dattri_ds.tools"],
+    package_dir={"dattri_ds.selection": "selection", "dattri_ds.launch": "launch",
+                 "dattri_ds.tools": "tools"},
+    install_requires=["torch>=2.4", "numpy"],
+    extras_require={
+        "hf": ["transformers>=4.40", "datasets", "sentencepiece", "protobuf", "accelerate"],
+        "deepspeed": ["deepspeed>=0.15"],
+        "megatron": ["megatron-core>=0.12"],
+        "plot": ["matplotlib"],
+        "test": ["pytest", "transformers>=4.40"],
+    },
+    entry_points={"console_scripts": ["dattri-ds=dattri_ds.tools.cli:main"]},
+)
