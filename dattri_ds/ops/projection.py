@@ -8,6 +8,9 @@ Two families, both unbiased for inner products (``E[<Px, Py>] = <x, y>``):
 * kronecker (LoGra): ``P = P_out (x) P_in`` with ``P_out [ko, O]`` and ``P_in [ki, I']``,
   each of variance ``1/ko`` and ``1/ki``. Then ``P vec(G) = vec(P_out G P_in^T)``, which the
   factorized form computes as ``sum_t (P_out g_t)(P_in a_t)^T`` without building ``G``.
+  Its distortion is larger than a dense map of the same size: for low-rank gradients the
+  relative error of an inner product scales like ``sqrt(2/ko) + sqrt(2/ki)``, not
+  ``sqrt(2/(ko*ki))`` (the price of never materializing ``G``).
 
 Matrices are generated on the CPU with a ``torch.Generator`` (same bits on every device and
 rank) and cached per device. A layer whose gradient is no larger than the target dimension is

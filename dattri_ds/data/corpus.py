@@ -1,0 +1,161 @@
+"""Local JSONL documents (``{"id", "source", "title", "text"}``), read offline and validated.
+
+One document per line. Extra keys (``question``, ``answer``, ...) are ignored; a missing
+required key, a non-string value, an empty text or a repeated ``id`` is an error that names
+the file and line. Two backends give identical results:
+
+* ``backend="json"`` (default): the standard library, milliseconds for the shipped data.
+* ``backend="datasets"``: ``datasets.load_dataset("json", ...)`` with
+  ``HF_DATASETS_OFFLINE=1``; imported only when asked for.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from dattri_ds.errors import ConfigError
+
+__all__ = ["Document", "FIELDS", "load_documents", "iter_jsonl", "source_counts", "take_per_source"]
+
+#: Keys every document must have, all strings.
+FIELDS = ("id", "source", "title", "text")
+
+
+@dataclass(frozen=True)
+class Document:
+    """One text document and the metadata used to report attribution results.
+
+    Attributes:
+        id: unique within a loaded collection, e.g. ``shakespeare-17``.
+        source: domain label (``shakespeare``, ``python_code``, ...) for precision@k by source.
+        title: the work the text comes from (play, novel, module path, ...).
+        text: the document text, unmodified.
+    """
+
+    id: str
+    source: str
+    title: str
+    text: str
+
+    def to_dict(self) -> dict[str, str]:
+        return asdict(self)
+
+    def preview(self, chars: int = 100) -> str:
+        """The first ``chars`` characters on one line (newlines shown as spaces)."""
+        return " ".join(self.text[:chars].split())
+
+
+def _document(row: dict, where: str) -> Document:
+    if not isinstance(row, dict):
+        raise ConfigError(f"{where}: expected a JSON object with keys {list(FIELDS)}, "
+                          f"got {type(row).__name__}")
+    missing = [k for k in FIELDS if k not in row]
+    if missing:
+        raise ConfigError(f"{where}: document lacks key(s) {missing}; every line needs "
+                          f"{list(FIELDS)} (see data/README.md)")
+    bad = [k for k in FIELDS if not isinstance(row[k], str)]
+    if bad:
+        raise ConfigError(f"{where}: key(s) {bad} must be strings, got "
+                          f"{[type(row[k]).__name__ for k in bad]}")
+    if not row["text"]:
+        raise ConfigError(f"{where}: document '{row['id']}' has an empty text")
+    return Document(row["id"], row["source"], row["title"], row["text"])
+
+
+def iter_jsonl(path: str | os.PathLike) -> Iterator[Document]:
+    """Documents of one JSONL file in file order (blank lines are skipped).
+
+    Raises:
+        FileNotFoundError: the file does not exist.
+        ConfigError: a line is not valid JSON or not a valid document.
+    """
+    path = Path(path)
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            yield _document(row, f"{path}:{lineno}")
+
+
+def _load_datasets(path: Path, cache_dir: str | None) -> list[Document]:
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import datasets  # optional dependency, imported only for this backend
+
+    ds = datasets.load_dataset("json", data_files=str(path), split="train", cache_dir=cache_dir)
+    missing = [k for k in FIELDS if k not in ds.column_names]
+    if missing:
+        raise ConfigError(f"{path}: column(s) {missing} missing; every line needs {list(FIELDS)}")
+    cols = {k: ds[k] for k in FIELDS}
+    return [_document({k: cols[k][i] for k in FIELDS}, f"{path}: row {i + 1}")
+            for i in range(len(ds))]
+
+
+def load_documents(paths: str | os.PathLike | Sequence[str | os.PathLike], *,
+                   limit: int | None = None, sources: Iterable[str] | None = None,
+                   backend: str = "json", cache_dir: str | None = None) -> list[Document]:
+    """Load documents from one or more local JSONL files, in file order.
+
+    Args:
+        paths: a file or a list of files; their documents are concatenated.
+        limit: keep at most this many documents (after the ``sources`` filter). The shipped
+            pools are in a seeded random order, so a prefix is a mixed sample.
+        sources: keep only documents whose ``source`` is in this set.
+        backend: ``"json"`` (standard library) or ``"datasets"`` (Hugging Face, offline).
+        cache_dir: ``datasets`` cache directory (backend ``"datasets"`` only).
+
+    Returns:
+        The documents, ids unique across all files.
+
+    Raises:
+        ConfigError: an unknown backend, a malformed line, or a repeated id.
+        FileNotFoundError: a path does not exist.
+    """
+    if backend not in ("json", "datasets"):
+        raise ConfigError(f"load_documents backend must be 'json' or 'datasets', got '{backend}'")
+    if limit is not None and limit < 0:
+        raise ConfigError(f"load_documents limit must be >= 0, got {limit}")
+    path_list = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    keep = set(sources) if sources is not None else None
+    docs: list[Document] = []
+    seen: dict[str, Path] = {}
+    for p in map(Path, path_list):
+        if not p.is_file():
+            raise FileNotFoundError(f"No such document file: '{p}' (expected a .jsonl file)")
+        items = iter_jsonl(p) if backend == "json" else _load_datasets(p, cache_dir)
+        for doc in items:
+            if keep is not None and doc.source not in keep:
+                continue
+            if doc.id in seen:
+                raise ConfigError(f"Document id '{doc.id}' appears twice ({seen[doc.id]} and "
+                                  f"{p}); ids must be unique across the loaded files")
+            seen[doc.id] = p
+            docs.append(doc)
+            if limit is not None and len(docs) >= limit:
+                return docs
+    return docs
+
+
+def source_counts(docs: Iterable[Document]) -> dict[str, int]:
+    """Number of documents per source, sources sorted by name."""
+    return dict(sorted(Counter(d.source for d in docs).items()))
+
+
+def take_per_source(docs: Sequence[Document], per_source: int) -> list[Document]:
+    """The first ``per_source`` documents of every source, in their original order."""
+    taken: Counter[str] = Counter()
+    out = []
+    for d in docs:
+        if taken[d.source] < per_source:
+            taken[d.source] += 1
+            out.append(d)
+    return out

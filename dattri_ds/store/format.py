@@ -1,0 +1,251 @@
+"""On-disk layout of a gradient store: manifest, shard files, checksums, atomic JSON.
+
+A store is a directory::
+
+    info.json                 manifest: format_version, dtype, StoreSpec (layers + widths,
+                              projection tag and seed, model fingerprint)
+    shard-00000.data          rows [N_0, P], C order, little-endian <f4 / <f2 / raw bf16 <i2
+    shard-00000.ids           sample ids, UTF-8, one per line, in row order
+    shard-00000.meta          int64 [N_0, 2]: (optimizer step, loss token count or -1)
+    shard-00000.index.json    committed rows, ids bytes, spec digest, per-commit checksums
+    shard-00001.*             ... one shard per data-parallel rank
+
+The three shard files are append-only. A writer appends to all three, fsyncs, then replaces
+the index atomically (tmp file + ``os.replace``): the index is the commit record, and
+anything past what it commits is a torn write that a reader ignores and a writer truncates.
+Each commit ("chunk") records a blake2b digest of the bytes it added to each file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dattri_ds.errors import DattriDSError, StoreMismatchError
+
+__all__ = [
+    "FORMAT_VERSION", "StoreCorruptError", "ShardPaths", "Chunk", "ShardIndex", "shard_paths",
+    "list_shards", "write_json_atomic", "read_json", "save_info", "load_info", "to_storage",
+    "from_storage", "row_bytes", "digest", "check_sizes", "read_committed_ids",
+]
+
+FORMAT_VERSION = 1
+INFO_NAME = "info.json"
+META_COLUMNS = 2
+_NUMPY = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<i2")}
+_TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class StoreCorruptError(DattriDSError, OSError):
+    """A shard file is truncated, fails its checksum or has an unreadable index (path named)."""
+
+
+@dataclass(frozen=True)
+class ShardPaths:
+    """The four files of one shard."""
+
+    rank: int
+    data: Path
+    ids: Path
+    meta: Path
+    index: Path
+
+
+def shard_paths(root: str | Path, rank: int) -> ShardPaths:
+    stem = Path(root) / f"shard-{rank:05d}"
+    return ShardPaths(rank, stem.with_suffix(".data"), stem.with_suffix(".ids"),
+                      stem.with_suffix(".meta"), stem.with_suffix(".index.json"))
+
+
+def list_shards(root: str | Path) -> list[ShardPaths]:
+    """Shards with an index, in rank order (a data file without index holds no commit)."""
+    ranks = sorted(int(p.name[len("shard-"):-len(".index.json")])
+                   for p in Path(root).glob("shard-*.index.json"))
+    return [shard_paths(root, r) for r in ranks]
+
+
+def digest(buf: bytes | memoryview | np.ndarray) -> str:
+    """blake2b-128 hex digest of a buffer (numpy arrays must be C-contiguous)."""
+    return hashlib.blake2b(memoryview(buf), digest_size=16).hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems refuse fsync on directories
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: Path, obj: Any, fsync: bool = True) -> None:
+    """Write JSON to ``path`` so readers see the old or the new file, never a mix."""
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if fsync:
+        _fsync_dir(path.parent)
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise StoreCorruptError(f"Gradient store file '{path}' is not valid JSON ({e}); it was "
+                                f"damaged outside dattri-ds: restore it or delete the shard") from e
+
+
+def save_info(root: Path, spec_json: dict[str, Any], dtype: str, fsync: bool) -> None:
+    write_json_atomic(root / INFO_NAME, {"format_version": FORMAT_VERSION, "dtype": dtype,
+                                         "spec": spec_json}, fsync)
+
+
+def load_info(root: Path) -> dict[str, Any] | None:
+    """The manifest, or None when the directory holds no store yet."""
+    path = root / INFO_NAME
+    if not path.exists():
+        return None
+    info = read_json(path)
+    version = info.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise StoreMismatchError(
+            f"Gradient store '{root}' has format_version {version!r}, this dattri-ds reads "
+            f"versions <= {FORMAT_VERSION}: upgrade dattri-ds or use another store.path")
+    return info
+
+
+def row_bytes(width: int, dtype: str) -> int:
+    return width * _NUMPY[dtype].itemsize
+
+
+def to_storage(rows: torch.Tensor, dtype: str) -> np.ndarray:
+    """``[n, P]`` CPU tensor already in ``dtype`` -> the C-contiguous numpy array to write."""
+    rows = rows.contiguous()
+    if dtype == "bfloat16":
+        return rows.view(torch.int16).numpy()
+    return rows.numpy().astype(_NUMPY[dtype], copy=False)
+
+
+def from_storage(arr: np.ndarray, dtype: str) -> torch.Tensor:
+    """Storage array ``[n, P]`` (owned, writable) -> tensor in ``dtype``, no copy."""
+    t = torch.from_numpy(arr)
+    return t.view(torch.bfloat16) if dtype == "bfloat16" else t
+
+
+def numpy_dtype(dtype: str) -> np.dtype:
+    return _NUMPY[dtype]
+
+
+def torch_dtype(dtype: str) -> torch.dtype:
+    return _TORCH[dtype]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One commit: its row and ids-byte counts and the digests of the bytes it appended to
+    each file."""
+
+    rows: int
+    id_bytes: int
+    data: str
+    ids: str
+    meta: str
+
+
+@dataclass
+class ShardIndex:
+    """The commit record of one shard (the content of ``shard-XXXXX.index.json``)."""
+
+    rank: int
+    world: int
+    spec_digest: str
+    rows: int = 0
+    ids_bytes: int = 0
+    chunks: list[Chunk] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format_version": FORMAT_VERSION, "rank": self.rank, "world": self.world,
+                "spec_digest": self.spec_digest, "rows": self.rows, "ids_bytes": self.ids_bytes,
+                "chunks": [[c.rows, c.id_bytes, c.data, c.ids, c.meta] for c in self.chunks]}
+
+    @classmethod
+    def load(cls, path: Path) -> ShardIndex:
+        d = read_json(path)
+        try:
+            idx = cls(rank=int(d["rank"]), world=int(d["world"]), spec_digest=d["spec_digest"],
+                      rows=int(d["rows"]), ids_bytes=int(d["ids_bytes"]),
+                      chunks=[Chunk(int(c[0]), int(c[1]), *c[2:5]) for c in d["chunks"]])
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise StoreCorruptError(f"Shard index '{path}' is malformed ({e!r})") from e
+        if (sum(c.rows for c in idx.chunks) != idx.rows
+                or sum(c.id_bytes for c in idx.chunks) != idx.ids_bytes):
+            raise StoreCorruptError(f"Shard index '{path}' is inconsistent: its chunks do not sum "
+                                    f"to the {idx.rows} rows / {idx.ids_bytes} id bytes it commits")
+        return idx
+
+
+def check_sizes(paths: ShardPaths, index: ShardIndex, row_nbytes: int) -> None:
+    """Raise StoreCorruptError naming the first file shorter than what the index commits.
+
+    Files may be *longer* (an uncommitted tail from a crash or a writer still running).
+    """
+    need = {paths.data: index.rows * row_nbytes, paths.ids: index.ids_bytes,
+            paths.meta: index.rows * META_COLUMNS * 8}
+    for path, n in need.items():
+        size = path.stat().st_size if path.exists() else -1
+        if size < n:
+            have = "is missing" if size < 0 else f"has {size} bytes"
+            raise StoreCorruptError(
+                f"Shard file '{path}' {have} but its index '{paths.index.name}' commits "
+                f"{index.rows} rows = {n} bytes: the file was truncated or deleted. Restore it, "
+                f"or delete all shard-{paths.rank:05d}.* files so a resumed run recomputes them")
+
+
+def read_committed_ids(paths: ShardPaths, index: ShardIndex) -> tuple[list[str], np.ndarray]:
+    """Committed ids and meta ``[N, 2]`` of a shard, checked against the chunk digests.
+
+    Raises:
+        StoreCorruptError: a file is short or a checksum fails (the file is named).
+    """
+    with open(paths.ids, "rb") as f:
+        raw_ids = f.read(index.ids_bytes)
+    meta = np.fromfile(paths.meta, dtype="<i8", count=index.rows * META_COLUMNS)
+    meta = meta.reshape(index.rows, META_COLUMNS)
+    if len(raw_ids) != index.ids_bytes or meta.shape[0] != index.rows:
+        raise StoreCorruptError(f"Shard '{paths.index}' commits more than its files hold")
+    id_pos, row = 0, 0
+    for i, c in enumerate(index.chunks):
+        _verify(paths.ids, i, digest(raw_ids[id_pos:id_pos + c.id_bytes]), c.ids)
+        _verify(paths.meta, i, digest(np.ascontiguousarray(meta[row:row + c.rows])), c.meta)
+        id_pos, row = id_pos + c.id_bytes, row + c.rows
+    ids = raw_ids.decode("utf-8").split("\n")[:-1] if raw_ids else []
+    if len(ids) != index.rows:
+        raise StoreCorruptError(f"Shard file '{paths.ids}' holds {len(ids)} ids for "
+                                f"{index.rows} committed rows")
+    return ids, meta
+
+
+def _verify(path: Path, chunk: int, got: str, want: str) -> None:
+    if got != want:
+        raise StoreCorruptError(
+            f"Checksum mismatch in shard file '{path}' (commit #{chunk}): stored blake2b {want}, "
+            f"computed {got}. The file was modified or damaged on disk; restore it, or delete "
+            f"the shard's files so a resumed run recomputes its examples")
+
+
+def verify_chunk(path: Path, chunk: int, buf: np.ndarray, want: str) -> None:
+    """Check one commit's data bytes (``buf`` C-contiguous) against its digest."""
+    _verify(path, chunk, digest(buf), want)

@@ -1,0 +1,217 @@
+"""StoreSpec: what a gradient store holds (layers, projection, model), and how specs are compared.
+
+A stored row is the concatenation, in ``StoreSpec.layers`` order, of the projected Dense
+vectors of one example: ``row = [v_layer0 (P_0) | v_layer1 (P_1) | ...]`` of width
+``P = sum_l P_l``. Rows are comparable only when the projection tag, the layer set with its
+widths and the model fingerprint are equal; ``diff`` lists what differs, and
+``mismatch_error`` turns that into a StoreMismatchError showing both sides and the fix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from dattri_ds.errors import ConfigError, StoreMismatchError
+from dattri_ds.gradient import Dense, GradBatch, LayerGrad
+from dattri_ds.ops.projection import ProjectionConfig
+
+__all__ = ["LayerSpec", "StoreSpec", "mismatch_error"]
+
+_FIX_PROJECTION = ("use the ProjectionConfig the store was written with (capture.projection "
+                   "kind/distribution/dim/seed), or point store.path at a new directory")
+_FIX_FINGERPRINT = ("the store belongs to another model or checkpoint: point store.path at a "
+                    "new directory for this one")
+_FIX_LAYERS = ("capture the same layers as the store (capture.include / capture.exclude and "
+               "capture.projection.dim), or point store.path at a new directory")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerSpec:
+    """One layer's column block in a stored row."""
+
+    name: str
+    """Fully qualified module name."""
+
+    kind: str
+    """Registered LayerKind name (``"linear"``, ``"embedding"``, ...)."""
+
+    shape: tuple[int, int]
+    """Canonical ``(O, I')`` shape of the layer's (unprojected) gradient."""
+
+    width: int
+    """Number of columns ``P_l`` of the projected vector."""
+
+    projection: str
+    """``LayerGrad.projection`` of the stored vectors: the tag, or ``identity:<tag>`` for layers
+    small enough to be kept exactly."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", (int(self.shape[0]), int(self.shape[1])))
+        if self.width < 1:
+            raise ConfigError(f"Layer '{self.name}': stored width must be >= 1, got {self.width}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "kind": self.kind, "shape": list(self.shape),
+                "width": self.width, "projection": self.projection}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> LayerSpec:
+        return cls(name=d["name"], kind=d["kind"], shape=tuple(d["shape"]), width=int(d["width"]),
+                   projection=d["projection"])
+
+    def describe(self) -> str:
+        return f"width {self.width}, shape {self.shape}, {self.kind}, projection {self.projection!r}"
+
+
+def _layer_spec(key: str, lg: LayerGrad, tag: str) -> LayerSpec:
+    """The LayerSpec of a captured layer, refusing anything but projected Dense rows."""
+    if not isinstance(lg.data, Dense) or lg.projection is None:
+        form = "factorized" if lg.is_factorized else "unprojected dense"
+        raise ConfigError(
+            f"Layer '{key}' holds {form} gradients, but the gradient store keeps projected rows "
+            f"only: set capture.projection (a ProjectionConfig) so every batch is projected "
+            f"before it reaches the store"
+        )
+    if lg.shard is not None:
+        raise ConfigError(
+            f"Layer '{key}' holds tensor-parallel shard {lg.shard.rank}/{lg.shard.world}; the "
+            f"store keeps whole-layer projections: reduce across the tensor-parallel group first"
+        )
+    if lg.projection not in (tag, f"identity:{tag}"):
+        raise ConfigError(
+            f"Layer '{key}' was projected with {lg.projection!r} but the store is configured "
+            f"for projection {tag!r}: pass the ProjectionConfig that capture.projection uses"
+        )
+    return LayerSpec(name=key, kind=lg.kind, shape=lg.shape, width=int(lg.data.values.shape[1]),
+                     projection=lg.projection)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreSpec:
+    """Identity of a gradient store: two stores (or a store and a query) with equal specs hold
+    comparable rows."""
+
+    layers: tuple[LayerSpec, ...]
+    """Column blocks of a row, in order."""
+
+    projection: str
+    """``ProjectionConfig.tag`` of the projection that produced the rows."""
+
+    seed: int
+    """``ProjectionConfig.seed`` (also part of the tag; kept on its own for readers)."""
+
+    fingerprint: str
+    """Model/checkpoint fingerprint chosen by the caller (e.g. a checkpoint path plus step, or
+    a hash of the weights): rows of different models are never mixed."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", tuple(self.layers))
+        if not self.layers:
+            raise ConfigError("A gradient store needs at least one layer, got none")
+        names = [ls.name for ls in self.layers]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"Layer names in a StoreSpec must be unique, got {names}")
+
+    @classmethod
+    def from_batch(cls, batch: GradBatch, *, projection: ProjectionConfig,
+                   fingerprint: str) -> StoreSpec:
+        """The spec of a projected batch (layer order = the batch's layer order).
+
+        Raises:
+            ConfigError: a layer is factorized, unprojected, TP-sharded or projected with
+                another ProjectionConfig.
+        """
+        layers = tuple(_layer_spec(k, lg, projection.tag) for k, lg in batch.layers.items())
+        return cls(layers=layers, projection=projection.tag, seed=projection.seed,
+                   fingerprint=fingerprint)
+
+    @property
+    def width(self) -> int:
+        """``P``: total columns of a row."""
+        return sum(ls.width for ls in self.layers)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(ls.name for ls in self.layers)
+
+    def slices(self) -> dict[str, slice]:
+        """Layer name -> its column range within a row."""
+        out, start = {}, 0
+        for ls in self.layers:
+            out[ls.name] = slice(start, start + ls.width)
+            start += ls.width
+        return out
+
+    def check_batch(self, batch: GradBatch, path: str) -> None:
+        """Raise unless ``batch`` holds exactly this spec's layers, projected alike.
+
+        Raises:
+            ConfigError: a layer is not projected Dense (see ``from_batch``).
+            StoreMismatchError: the layer set, widths or projections differ.
+        """
+        got = tuple(_layer_spec(k, lg, self.projection) for k, lg in batch.layers.items())
+        line = _layer_diff(self.layers, got)
+        if line is not None:
+            raise mismatch_error(path, [line], what=f"Batch of step {batch.step}")
+
+    def diff(self, requested: StoreSpec) -> list[str]:
+        """One line per field where this (stored) spec differs from ``requested``."""
+        lines = []
+        if self.projection != requested.projection or self.seed != requested.seed:
+            lines.append(f"projection: stored {self.projection!r} (seed {self.seed}), requested "
+                         f"{requested.projection!r} (seed {requested.seed}); fix: {_FIX_PROJECTION}")
+        if self.fingerprint != requested.fingerprint:
+            lines.append(f"fingerprint: stored {self.fingerprint!r}, requested "
+                         f"{requested.fingerprint!r}; fix: {_FIX_FINGERPRINT}")
+        layer_line = _layer_diff(self.layers, requested.layers)
+        if layer_line is not None:
+            lines.append(layer_line)
+        return lines
+
+    def to_json(self) -> dict[str, Any]:
+        return {"projection": self.projection, "seed": self.seed, "fingerprint": self.fingerprint,
+                "layers": [ls.to_json() for ls in self.layers]}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> StoreSpec:
+        return cls(layers=tuple(LayerSpec.from_json(x) for x in d["layers"]),
+                   projection=d["projection"], seed=int(d["seed"]), fingerprint=d["fingerprint"])
+
+    def digest(self, dtype: str) -> str:
+        """blake2b of the canonical JSON of (spec, dtype): equal digests = same row layout."""
+        text = json.dumps({"spec": self.to_json(), "dtype": dtype}, sort_keys=True)
+        return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def _layer_diff(stored: tuple[LayerSpec, ...], requested: tuple[LayerSpec, ...]) -> str | None:
+    """A description of how two layer sets differ (order is irrelevant), or None if equal."""
+    s = {ls.name: ls for ls in stored}
+    r = {ls.name: ls for ls in requested}
+    parts = []
+    missing = [n for n in s if n not in r]
+    extra = [n for n in r if n not in s]
+    if missing:
+        parts.append(f"stored but not requested {_short(missing)}")
+    if extra:
+        parts.append(f"requested but not stored {_short(extra)}")
+    for n in s:
+        if n in r and s[n] != r[n]:
+            parts.append(f"'{n}' stored ({s[n].describe()}) vs requested ({r[n].describe()})")
+    if not parts:
+        return None
+    return f"layers: {'; '.join(parts[:6])}; fix: {_FIX_LAYERS}"
+
+
+def _short(names: list[str], k: int = 5) -> str:
+    more = f" and {len(names) - k} more" if len(names) > k else ""
+    return f"{names[:k]}{more}"
+
+
+def mismatch_error(path: str, lines: list[str], what: str = "The requested configuration"
+                   ) -> StoreMismatchError:
+    """A StoreMismatchError listing every differing field with both sides and its fix."""
+    body = "\n".join(f"  - {line}" for line in lines)
+    return StoreMismatchError(f"{what} does not match the gradient store at '{path}':\n{body}")

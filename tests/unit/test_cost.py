@@ -1,0 +1,75 @@
+"""Cost model: picks the path that is cheaper by its own estimate, explains, caches, obeys force."""
+
+from __future__ import annotations
+
+import pytest
+
+from dattri_ds import ConfigError
+from dattri_ds.layers import LayerDims
+from dattri_ds.ops import CostModel, Roofline, estimate
+
+RL = Roofline(flops_per_s=1e11, bytes_per_s=1e10)
+
+
+@pytest.mark.parametrize("op,dims,kw,want", [
+    ("cross_gram", LayerDims(8, 1, 1024, 1024), dict(B2=8, S=1), "ghost"),
+    ("cross_gram", LayerDims(8, 2048, 64, 64), dict(B2=8, S=2048), "dense"),
+    ("norm", LayerDims(16, 32, 1024, 4096), {}, "ghost"),
+    ("norm", LayerDims(16, 1024, 64, 64), {}, "dense"),
+    ("project_kron", LayerDims(16, 128, 256, 1024), dict(ko=32, ki=32), "ghost"),
+    ("project_kron", LayerDims(16, 2048, 16, 16), dict(ko=16, ki=16), "dense"),
+    ("cross_dense", LayerDims(16, 128, 256, 256), dict(Q=1), "ghost"),
+    ("project_dense", LayerDims(16, 64, 256, 256), dict(P=128), "dense"),
+    ("sum", LayerDims(16, 64, 256, 256), {}, "ghost"),
+])
+def test_hand_picked_shapes(op, dims, kw, want):
+    """On shapes where one path is clearly cheaper, that path is chosen, and it is the argmin."""
+    dec = CostModel(RL).choose(op, "layer", dims, **kw)
+    assert dec.path == want
+    assert dec.seconds[dec.path] == min(dec.seconds.values())
+    assert not dec.forced
+
+
+def test_index_inputs_are_cheaper_on_ghost():
+    """Embedding (one-hot) inputs drop the I factor from ghost products."""
+    dense_in = estimate("cross_gram", LayerDims(4, 64, 8192, 256), B2=4, S=64)
+    index_in = estimate("cross_gram", LayerDims(4, 64, 8192, 256, index_input=True), B2=4, S=64)
+    assert index_in["ghost"].flops < dense_in["ghost"].flops / 10
+
+
+def test_bytes_change_the_decision():
+    """Counting bytes matters: with a starved memory system the lighter-traffic path wins."""
+    d = LayerDims(32, 8, 512, 512)
+    flops_only = CostModel(Roofline(1e11, 1e18)).choose("cross_gram", "l", d, B2=32, S=8)
+    est = estimate("cross_gram", d, B2=32, S=8)
+    lighter = min(est, key=lambda p: est[p].bytes)
+    slow_mem = CostModel(Roofline(1e18, 1e9)).choose("cross_gram", "l", d, B2=32, S=8)
+    assert slow_mem.path == lighter
+    assert flops_only.path == min(est, key=lambda p: est[p].flops)
+
+
+def test_force_explain_and_cache():
+    """Forced ops are obeyed and marked; decisions are cached and readable."""
+    cm = CostModel(RL, force={"cross_gram": "dense"})
+    d = LayerDims(8, 1, 1024, 1024)
+    dec = cm.choose("cross_gram", "h.0.mlp", d, B2=8, S=1)
+    assert dec.path == "dense" and dec.forced
+    assert cm.choose("cross_gram", "h.0.mlp", d, B2=8, S=1) is dec
+    assert cm.choose("norm", "h.0.mlp", d, path="dense").path == "dense"
+    text = cm.explain()
+    assert "h.0.mlp cross_gram" in text and "forced" in text and "MFLOP" in text
+    assert len(cm.decisions()) == 2
+
+
+def test_bad_force_rejected():
+    """Unknown ops and paths are configuration errors listing what is allowed."""
+    with pytest.raises(ConfigError, match="known ops"):
+        CostModel(RL, force={"gram": "dense"})
+    with pytest.raises(ConfigError, match="paths"):
+        CostModel(RL, force={"norm": "fast"})
+
+
+def test_measured_roofline_is_positive():
+    """Roofline.measure returns finite positive throughputs on this device."""
+    rl = Roofline.measure("cpu", size=128)
+    assert rl.flops_per_s > 1e6 and rl.bytes_per_s > 1e6

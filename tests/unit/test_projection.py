@@ -1,0 +1,99 @@
+"""Random projections: unbiased, within the Johnson-Lindenstrauss bound, seeded without talking.
+
+Invariants: the same (seed, layer, role) gives the same matrix in any process; inner
+products survive projection within a few standard deviations of the JL estimate.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dattri_ds import Dense, Factorized, LayerGrad
+from dattri_ds.ops import Projector, ProjectionConfig, project
+
+
+def _pairwise_errors(x: torch.Tensor, px: torch.Tensor) -> torch.Tensor:
+    """|<Px_i, Px_j> - <x_i, x_j>| / (|x_i| |x_j|) over all pairs i <= j."""
+    g, pg = x @ x.T, px @ px.T
+    n = x.norm(dim=1)
+    err = (pg - g).abs() / (n[:, None] * n[None])
+    return err[torch.triu_indices(len(x), len(x))[0], torch.triu_indices(len(x), len(x))[1]]
+
+
+@pytest.mark.parametrize("distribution", ["gaussian", "rademacher"])
+def test_dense_projection_preserves_inner_products(distribution):
+    """Dense projection to k: every pairwise error is within 5 * sqrt(2/k) (fixed seed)."""
+    k, d = 1024, 4096
+    x = torch.randn(24, d, generator=torch.Generator().manual_seed(0))
+    x[1] = x[0] + 0.3 * x[1]  # a correlated pair
+    lg = LayerGrad("w", "linear", Dense(x), (64, 64))
+    px = project(lg, Projector(ProjectionConfig(kind="dense", dim=k, distribution=distribution,
+                                                seed=11))).data.values
+    err = _pairwise_errors(x, px)
+    assert err.max() <= 5 * math.sqrt(2 / k)
+    assert err.mean() <= 1.5 * math.sqrt(2 / k)
+
+
+def test_kronecker_projection_preserves_inner_products():
+    """Kronecker (32 x 32) projection of low-rank (T=6) gradients: pairwise errors stay within
+    the Kronecker bound, which is looser than dense JL: it scales with
+    ``sqrt(2/ko) + sqrt(2/ki)`` because each side is a JL map of its own factor."""
+    k = 1024
+    gen = torch.Generator().manual_seed(1)
+    f = Factorized(torch.randn(24, 6, 64, generator=gen), torch.randn(24, 6, 64, generator=gen))
+    lg = LayerGrad("w", "linear", f, (64, 64))
+    full = torch.bmm(f.g.transpose(1, 2), f.a).reshape(24, -1)
+    px = project(lg, Projector(ProjectionConfig(kind="kronecker", dim=k, seed=2))).data.values
+    assert px.shape == (24, k)
+    err = _pairwise_errors(full, px)
+    side = 2 * math.sqrt(2 / 32)
+    assert err.max() <= 3 * side
+    assert err.mean() <= side / 4
+
+
+def test_projection_unbiased_over_seeds():
+    """Averaged over seeds, projected inner products converge to the exact one."""
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(3))
+    lg = LayerGrad("w", "linear", Dense(x), (16, 32))
+    est = [project(lg, Projector(ProjectionConfig(kind="dense", dim=64, seed=s))).data.values
+           for s in range(200)]
+    mean_dot = torch.stack([(p[0] * p[1]).sum() for p in est]).mean()
+    exact = (x[0] * x[1]).sum()
+    assert abs(mean_dot - exact) <= 4 * x[0].norm() * x[1].norm() * math.sqrt(2 / 64 / 200)
+
+
+def test_same_seed_same_matrix_other_layer_differs():
+    """(seed, layer, role) fixes the matrix; a different layer or seed changes it."""
+    a = Projector(ProjectionConfig(seed=5)).side("h.0.fc", "out", 8, 16, torch.device("cpu"))
+    b = Projector(ProjectionConfig(seed=5)).side("h.0.fc", "out", 8, 16, torch.device("cpu"))
+    c = Projector(ProjectionConfig(seed=5)).side("h.1.fc", "out", 8, 16, torch.device("cpu"))
+    d = Projector(ProjectionConfig(seed=6)).side("h.0.fc", "out", 8, 16, torch.device("cpu"))
+    assert torch.equal(a, b) and not torch.equal(a, c) and not torch.equal(a, d)
+
+
+def test_matrix_identical_in_another_process():
+    """A fresh interpreter (another rank) builds bit-identical matrices without communication."""
+    code = ("import torch; from dattri_ds.ops import Projector, ProjectionConfig;"
+            "p = Projector(ProjectionConfig(seed=9, kind='dense'));"
+            "m = p.dense_matrix('blocks.3.attn', 40000, 4);"
+            "print(float(m.double().sum()), float(m.double().pow(2).sum()))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()
+    m = Projector(ProjectionConfig(seed=9, kind="dense")).dense_matrix("blocks.3.attn", 40000, 4)
+    assert [float(v) for v in out] == [float(m.double().sum()), float(m.double().pow(2).sum())]
+
+
+def test_invalid_projection_config():
+    """Unknown kinds, distributions and sizes are rejected with the allowed values."""
+    from dattri_ds import ConfigError
+    with pytest.raises(ConfigError, match="kronecker"):
+        ProjectionConfig(kind="sparse")
+    with pytest.raises(ConfigError, match="rademacher"):
+        ProjectionConfig(distribution="uniform")
+    with pytest.raises(ConfigError, match="dim"):
+        ProjectionConfig(dim=0)

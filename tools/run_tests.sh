@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Set up the environment (first run only) and run the test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash tools/setup_env.sh
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"
+exec .venv/bin/python -m pytest tests -q "$@"
