@@ -33,6 +33,7 @@ from dattri_ds.callbacks import TrainingCallback
 from dattri_ds.config import CaptureConfig
 from dattri_ds.errors import CaptureError, UnsupportedLayerError
 from dattri_ds.gradient import Dense, Factorized, GradBatch, LayerGrad
+from dattri_ds.integrations.base import EngineAdapter
 from dattri_ds.layers import LayerKind, kind_for
 from dattri_ds.ops.cost import CostModel
 from dattri_ds.ops.inner import project_batch
@@ -81,6 +82,10 @@ class GradientCapture:
         cost: cost model for the projection routing (default: per device type).
         scale_fn: engine adapters' backward scale, read at backward time (multiplies
             ``config.backward_scale``).
+        step_fn: engine adapters' global step, read when a micro-batch starts.
+
+    Use ``GradientCapture.for_engine(engine, ...)`` for a DeepSpeed engine: it hooks
+    ``engine.module`` and takes scale, step and step boundaries from the engine.
 
     Example:
         >>> with GradientCapture(model) as cap:
@@ -90,12 +95,16 @@ class GradientCapture:
 
     def __init__(self, model: nn.Module, config: CaptureConfig | None = None, *,
                  callbacks: Iterable[TrainingCallback] = (), cost: CostModel | None = None,
-                 scale_fn: Callable[[], float] | None = None) -> None:
+                 scale_fn: Callable[[], float] | None = None,
+                 step_fn: Callable[[], int] | None = None) -> None:
         self.model = model
         self.config = config or CaptureConfig()
         self.callbacks = list(callbacks)
         self.cost = cost
         self.scale_fn = scale_fn
+        self.step_fn = step_fn
+        self.adapter: EngineAdapter | None = None
+        self._remove_step_hook: Callable[[], None] | None = None
         self.step = 0
         self.skipped = 0
         self.layers: dict[str, tuple[nn.Module, LayerKind]] = {}
@@ -109,6 +118,19 @@ class GradientCapture:
         self._count = 0
         self._user_ids: list[str] | None = None
         self._warned_no_info = False
+
+    @classmethod
+    def for_engine(cls, engine: object, config: CaptureConfig | None = None, *,
+                   callbacks: Iterable[TrainingCallback] = (),
+                   cost: CostModel | None = None) -> GradientCapture:
+        """Capture on a training engine (DeepSpeed engine or plain module) via its adapter."""
+        from dattri_ds.integrations import adapter_for
+
+        adapter = adapter_for(engine)
+        cap = cls(adapter.unwrap(), config, callbacks=callbacks, cost=cost,
+                  scale_fn=adapter.backward_scale, step_fn=adapter.global_step)
+        cap.adapter = adapter
+        return cap
 
     # ---- lifecycle ------------------------------------------------------------------
     def __enter__(self) -> GradientCapture:
@@ -131,6 +153,10 @@ class GradientCapture:
         for name, (module, kind) in self.layers.items():
             self._handles.append(module.register_forward_hook(self._layer_hook(name, kind)))
         setattr(self.model, _ATTR, self)
+        if self.adapter is not None:
+            adapter = self.adapter
+            self._remove_step_hook = adapter.on_step(
+                lambda: self.next_step(adapter.global_step() - 1))
         return self
 
     def detach(self) -> None:
@@ -139,6 +165,9 @@ class GradientCapture:
             h.remove()
         self._handles.clear()
         self._open.clear()
+        if self._remove_step_hook is not None:
+            self._remove_step_hook()
+            self._remove_step_hook = None
         if getattr(self.model, _ATTR, None) is self:
             delattr(self.model, _ATTR)
         for cb in self.callbacks:
@@ -186,7 +215,8 @@ class GradientCapture:
         info = batch_info(args, kwargs, label_shift=cfg.label_shift,
                           ignore_index=cfg.ignore_index, user_ids=self._user_ids)
         self._user_ids = None
-        self._current = _Record(self._count, self.step, info)
+        step = self.step_fn() if self.step_fn is not None else self.step
+        self._current = _Record(self._count, step, info)
         self._count += 1
         self._open.append(self._current)
 
@@ -326,10 +356,14 @@ class GradientCapture:
         self._pending.clear()
         return out
 
-    def next_step(self) -> None:
-        """Mark an optimizer-step boundary: callbacks see ``on_step_end``; ``step`` advances."""
+    def next_step(self, step: int | None = None) -> None:
+        """Mark an optimizer-step boundary: callbacks see ``on_step_end(step)``.
+
+        Engine adapters call this after every optimizer step; plain loops may call it
+        themselves so that GradBatch.step counts optimizer steps.
+        """
         for cb in self.callbacks:
-            cb.on_step_end(self.step)
+            cb.on_step_end(self.step if step is None else step)
         self.step += 1
 
 

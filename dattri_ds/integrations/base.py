@@ -1,0 +1,63 @@
+"""EngineAdapter: what capture needs to know from a training engine, one file per engine."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+from torch import nn
+
+from dattri_ds.distributed import ParallelContext
+
+__all__ = ["EngineAdapter", "PlainAdapter"]
+
+
+class EngineAdapter(ABC):
+    """Bridges one engine (DeepSpeed, Megatron, plain torch) to GradientCapture.
+
+    * ``unwrap()``: the module whose forward the loop calls (hooks go there).
+    * ``parallel_context()``: data/tensor-parallel groups.
+    * ``backward_scale()``: the factor ``c`` the engine multiplies the loop's loss by
+      before backward (loss scale / gradient-accumulation steps), read at backward time.
+    * ``global_step()``: the optimizer step the current micro-batch belongs to.
+    * ``on_step(fn)``: call ``fn()`` after every optimizer step (accumulation boundary);
+      returns a function that removes the hook.
+    """
+
+    @abstractmethod
+    def unwrap(self) -> nn.Module: ...
+
+    @abstractmethod
+    def parallel_context(self) -> ParallelContext: ...
+
+    @abstractmethod
+    def backward_scale(self) -> float: ...
+
+    @abstractmethod
+    def global_step(self) -> int: ...
+
+    @abstractmethod
+    def on_step(self, fn: Callable[[], None]) -> Callable[[], None]: ...
+
+
+class PlainAdapter(EngineAdapter):
+    """A plain ``nn.Module`` (or DDP/FSDP2-wrapped module) driven by the user's own loop."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._step = 0
+
+    def unwrap(self) -> nn.Module:
+        return getattr(self.model, "module", self.model)
+
+    def parallel_context(self) -> ParallelContext:
+        return ParallelContext.from_default_group()
+
+    def backward_scale(self) -> float:
+        return 1.0
+
+    def global_step(self) -> int:
+        return self._step
+
+    def on_step(self, fn: Callable[[], None]) -> Callable[[], None]:
+        return lambda: None

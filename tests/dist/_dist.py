@@ -1,0 +1,63 @@
+"""Fork-based multi-process runner for gloo tests (heavy imports happen once, in the parent).
+
+``run(fn, world_size=2, **kwargs)`` forks ``world_size`` workers, each with RANK, WORLD_SIZE,
+MASTER_ADDR/PORT set and one intra-op thread, calls ``fn(rank, world, **kwargs)`` and
+returns the per-rank results in rank order, or raises with every failing rank's traceback.
+The parent never initializes a process group.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, fn, kwargs, q):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        q.put((rank, True, fn(rank, world, **kwargs)))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        q.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run(fn, world_size: int = 2, timeout: float = 180, **kwargs):
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, kwargs, q), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results, errors = {}, {}
+    try:
+        for _ in range(world_size):
+            rank, ok, value = q.get(timeout=timeout)
+            (results if ok else errors)[rank] = value
+    except queue.Empty:
+        errors["timeout"] = f"workers did not finish within {timeout}s"
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise AssertionError("\n".join(f"--- rank {r} ---\n{e}" for r, e in errors.items()))
+    return [results[r] for r in range(world_size)]

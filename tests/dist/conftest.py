@@ -1,0 +1,27 @@
+"""Heavy imports once in the pytest parent so forked workers start in ~1 s (SETUP.md s.8)."""
+
+import importlib
+import os
+
+import pytest
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+try:
+    import deepspeed  # noqa: F401
+    import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401  (imports torch._inductor)
+    # gloo training does not need DeepSpeed's shm op; skip its 2-minute JIT build.
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+except ImportError:  # pragma: no cover - deepspeed is an optional extra
+    deepspeed = None
+
+try:
+    from transformers import GPT2LMHeadModel  # noqa: F401  (resolve the lazy import)
+except ImportError:  # pragma: no cover
+    pass
+
+
+@pytest.fixture
+def need_deepspeed():
+    if deepspeed is None:
+        pytest.skip("deepspeed is not installed (pip install dattri-ds[deepspeed])")
