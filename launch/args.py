@@ -1,0 +1,43 @@
+"""Command-line flags of launch/train.py; each maps one-to-one onto a RunConfig field."""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["build_parser", "parse_args"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Train a causal LM with DeepSpeed; capture per-example gradients and "
+                    "select data online with dattri-ds.")
+    p.add_argument("--out", default="runs/train", help="output directory")
+    p.add_argument("--model-config", help="JSON model config (random init) [train.model_config]")
+    p.add_argument("--model-path", help="local HF model directory [train.model_path]")
+    p.add_argument("--train-data", nargs="+", help="training jsonl file(s) [train.train_data]")
+    p.add_argument("--max-docs", type=int, help="use the first N documents [train.max_docs]")
+    p.add_argument("--seq-len", type=int, help="tokens per example [train.seq_len]")
+    p.add_argument("--vocab-size", type=int, help="tokenizer vocabulary [train.vocab_size]")
+    p.add_argument("--steps", type=int, help="optimizer steps [train.steps]")
+    p.add_argument("--seed", type=int, help="seed [train.seed]")
+    p.add_argument("--save-every", type=int, help="checkpoint every N steps [train.save_every]")
+    p.add_argument("--log-every", type=int, help="log every N steps [train.log_every]")
+    p.add_argument("--capture", action="store_true", default=None,
+                   help="store projected per-example gradients of the training stream "
+                        "[capture_enabled]")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=-1,
+                   help="set by the deepspeed launcher")
+    try:
+        import deepspeed
+
+        deepspeed.add_config_arguments(p)  # --deepspeed, --deepspeed_config
+    except ImportError:  # pragma: no cover - deepspeed is an optional extra
+        p.add_argument("--deepspeed_config", required=True)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    if not getattr(args, "deepspeed_config", None):
+        build_parser().error("--deepspeed_config is required (e.g. configs/zero3_cpu.json)")
+    return args

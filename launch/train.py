@@ -1,0 +1,224 @@
+"""Train a causal LM with DeepSpeed on local text, capturing per-example gradients on request.
+
+    deepspeed --num_gpus 2 launch/train.py --deepspeed_config configs/zero3_cpu.json --capture
+    torchrun --standalone --nproc_per_node 2 launch/train.py --deepspeed_config ...
+    python launch/train.py --deepspeed_config configs/zero2_cpu.json      # one process
+
+Our settings live in the ``"dattri_ds"`` block of the DeepSpeed JSON (launch/config.py);
+flags override them. The output directory receives the resolved configs, the tokenizer,
+the model config, DeepSpeed checkpoints with the learning rate of every step (for TracIn),
+the per-example gradient store (``--capture``) and a summary.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `dattri_ds.launch` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from dattri_ds.launch.args import parse_args  # noqa: E402
+from dattri_ds.launch.config import RunConfig, dump_json, load_run_config  # noqa: E402
+
+logger = logging.getLogger("dattri_ds.launch")
+# DeepSpeed calls torch collectives that torch 2.13 marks deprecated: noise for our users.
+warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+
+
+def setup_distributed() -> tuple[int, int]:
+    """Initialize torch.distributed through DeepSpeed (gloo on CPU); works single-process."""
+    import importlib
+
+    import deepspeed
+
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    cuda = torch.cuda.is_available()
+    if not cuda:  # gloo needs no shm op; skip its JIT build
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+def prepare_data(cfg: RunConfig, out: Path, rank: int):
+    """Documents, tokenizer (trained by rank 0, cached, then loaded by the others), examples."""
+    from dattri_ds.data import load_documents, tokenize_documents, train_tokenizer
+
+    tc = cfg.train
+    docs = load_documents(list(tc.train_data))
+    if tc.max_docs:
+        docs = docs[:tc.max_docs]
+    texts = [d.text for d in docs]
+    cache = out / "cache"
+    if rank == 0:
+        tok = train_tokenizer(texts, vocab_size=tc.vocab_size, cache_dir=cache)
+        tok.save(out / "tokenizer.model")
+    torch.distributed.barrier()
+    if rank != 0:
+        tok = train_tokenizer(texts, vocab_size=tc.vocab_size, cache_dir=cache)
+    return docs, tok, tokenize_documents(docs, tok, tc.seq_len)
+
+
+def build(cfg: RunConfig, tok):
+    from dattri_ds.data import build_model
+
+    if cfg.train.model_path:
+        from transformers import AutoModelForCausalLM
+        return AutoModelForCausalLM.from_pretrained(cfg.train.model_path, local_files_only=True)
+    return build_model(cfg.train.model_config, tokenizer=tok, seed=cfg.train.seed)
+
+
+def micro_batch_indices(n: int, step: int, micro: int, gas: int, rank: int, world: int,
+                        seed: int) -> torch.Tensor:
+    """Example indices of (step, micro-batch, rank): a seeded permutation per epoch."""
+    per_step = micro * gas * world
+    out = []
+    for mb in range(gas):
+        start = step * per_step + (mb * world + rank) * micro
+        idx = []
+        for k in range(start, start + micro):
+            epoch, pos = divmod(k, n)
+            perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1000 + epoch))
+            idx.append(int(perm[pos]))
+        out.append(torch.tensor(idx))
+    return torch.stack(out)
+
+
+def fingerprint(cfg: RunConfig, tok) -> str:
+    """Identity of the trained model family recorded in stores: config + tokenizer + seed."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(json.dumps([cfg.train.model_config, cfg.train.model_path, cfg.train.seed,
+                         cfg.train.seq_len]).encode())
+    h.update(tok.fingerprint.encode())
+    return f"run:{h.hexdigest()}"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    ds_config, cfg = load_run_config(args.deepspeed_config)
+    cfg = cfg.with_train(model_config=args.model_config, model_path=args.model_path,
+                         train_data=args.train_data, max_docs=args.max_docs, seq_len=args.seq_len,
+                         vocab_size=args.vocab_size, steps=args.steps, seed=args.seed,
+                         save_every=args.save_every, log_every=args.log_every)
+    if args.capture:
+        cfg = RunConfig(train=cfg.train, capture=cfg.capture, store=cfg.store,
+                        capture_enabled=True)
+    rank, world = setup_distributed()
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    out = Path(args.out)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    torch.distributed.barrier()
+    docs, tok, data = prepare_data(cfg, out, rank)
+    model = build(cfg, tok)
+    import deepspeed
+
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+        config=ds_config)
+    if rank == 0:
+        dump_json(out / "resolved_deepspeed_config.json", ds_config)
+        dump_json(out / "resolved_dattri_ds_config.json", cfg)
+        model.config.to_json_file(str(out / "model_config.json"))
+    summary = train(engine, cfg, data, out, rank, world, tok)
+    if rank == 0:
+        dump_json(out / "summary.json", summary)
+        logger.info("done: %s", json.dumps(summary))
+    return summary
+
+
+def _capture(engine, cfg: RunConfig, out: Path, rank: int, world: int, tok):
+    if not cfg.capture_enabled:
+        return None
+    from dattri_ds import GradientCapture
+    from dattri_ds.errors import ConfigError
+    from dattri_ds.store import StoreCallback
+
+    if cfg.capture.projection is None:
+        raise ConfigError("--capture stores projected gradients: set dattri_ds.capture."
+                          "projection in the DeepSpeed JSON (e.g. {\"dim\": 256})")
+    cb = StoreCallback(cfg.store_config(out), projection=cfg.capture.projection,
+                       fingerprint=fingerprint(cfg, tok), rank=rank, world=world)
+    return GradientCapture.for_engine(engine, cfg.capture, callbacks=[cb]).attach()
+
+
+def train(engine, cfg: RunConfig, data, out: Path, rank: int, world: int, tok) -> dict:
+    """The loop: nothing in it knows about capture; hooks do the work."""
+    tc = cfg.train
+    micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    device = engine.device
+    capture = _capture(engine, cfg, out, rank, world, tok)
+    ckpt_dir, lrs, checkpoints = out / "checkpoints", [], []
+    bar = _progress(tc.steps, rank)
+    t0, seen, loss_avg = time.perf_counter(), 0, float("nan")
+    for step in range(tc.steps):
+        idx = micro_batch_indices(len(data), step, micro, gas, rank, world, tc.seed)
+        step_loss = torch.zeros((), device=device)
+        for mb in range(gas):
+            batch = {k: v.to(device) for k, v in data.batch(idx[mb]).items()}
+            loss = engine(**batch).loss
+            engine.backward(loss)
+            engine.step()
+            step_loss += loss.detach() / gas
+        torch.distributed.all_reduce(step_loss)
+        loss_avg = float(step_loss) / world
+        lr = float(engine.get_lr()[0]) if engine.lr_scheduler is not None else \
+            float(engine.optimizer.param_groups[0]["lr"])
+        lrs.append({"step": step, "lr": lr, "loss": loss_avg})
+        seen += micro * gas * world
+        if (step + 1) % tc.log_every == 0 or step + 1 == tc.steps:
+            rate = seen / (time.perf_counter() - t0)
+            logger.info("step %d/%d loss %.4f lr %.2e %.1f ex/s", step + 1, tc.steps, loss_avg,
+                        lr, rate)
+        if (tc.save_every and (step + 1) % tc.save_every == 0) or step + 1 == tc.steps:
+            tag = f"step{step + 1}"
+            engine.save_checkpoint(str(ckpt_dir), tag=tag,
+                                   client_state={"step": step + 1, "lr": lr})
+            checkpoints.append({"tag": tag, "step": step + 1, "lr": lr})
+            if rank == 0:
+                dump_json(out / "trajectory.json", {"checkpoints": checkpoints, "lrs": lrs})
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss_avg:.3f}")
+    if bar is not None:
+        bar.close()
+    if capture is not None:
+        capture.detach()
+    torch.distributed.barrier()
+    return {"steps": tc.steps, "examples": seen, "final_loss": loss_avg, "world": world,
+            "seconds": round(time.perf_counter() - t0, 2), "checkpoints": [c["tag"] for c in
+                                                                            checkpoints],
+            "captured": bool(capture)}
+
+
+def _progress(total: int, rank: int):
+    if rank != 0 or not sys.stderr.isatty():
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        return None
+    return tqdm(total=total, desc="train", dynamic_ncols=True)
+
+
+if __name__ == "__main__":
+    main()
