@@ -59,6 +59,7 @@ class _Record:
         default_factory=lambda: defaultdict(list))
     queued: bool = False
     done: bool = False
+    probe: list[tuple[str, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     def alive(self) -> bool:
         return self.queued or any(r() is not None for r in self.outputs)
@@ -118,6 +119,7 @@ class GradientCapture:
         self._count = 0
         self._user_ids: list[str] | None = None
         self._warned_no_info = False
+        self._probing = False
 
     @classmethod
     def for_engine(cls, engine: object, config: CaptureConfig | None = None, *,
@@ -194,12 +196,27 @@ class GradientCapture:
             if cfg.strict:
                 raise UnsupportedLayerError(msg + " (capture.strict=True)")
             warnings.warn(msg, stacklevel=3)
+        self._warn_tied()
         if not self.layers:
             raise UnsupportedLayerError(
                 f"{type(self.model).__name__} has no layer that dattri-ds can capture "
                 f"(include={list(cfg.include)}, exclude={list(cfg.exclude)}); supported kinds "
                 f"are nn.Linear, HF Conv1D, nn.Embedding, LayerNorm and RMSNorm"
             )
+
+    def _warn_tied(self) -> None:
+        """Tied weights (e.g. GPT-2 wte/lm_head) are captured per module: say so, by name."""
+        owners: dict[int, list[str]] = defaultdict(list)
+        for name, (module, _) in self.layers.items():
+            for p in module.parameters(recurse=False):
+                owners[id(p)].append(name)
+        tied = [names for names in owners.values() if len(names) > 1]
+        if tied:
+            warnings.warn(
+                f"Modules {tied} share a parameter (tied weights). Each is captured as its "
+                f"own layer, so whole-model inner products omit the cross terms between "
+                f"them; untie the weights (e.g. tie_word_embeddings=False) or exclude one of "
+                f"them for exact whole-parameter similarities", stacklevel=4)
 
     # ---- hooks ----------------------------------------------------------------------
     def tag(self, user_ids: list[str]) -> None:
@@ -247,7 +264,10 @@ class GradientCapture:
                 a = a.expand(b, *a.shape[1:])
             rec.outputs.append(weakref.ref(out))
             rec.empty.setdefault(name, _empty_factors(a, out))
-            out.register_hook(lambda g: self._on_grad(rec, name, a, g))
+            if self._probing:
+                rec.probe.append((name, a, out))
+            else:
+                out.register_hook(lambda g: self._on_grad(rec, name, a, g))
             return new_output
         return hook
 
@@ -293,11 +313,12 @@ class GradientCapture:
         counts = torch.full((b,), max(t - self.config.label_shift, 1), dtype=torch.long)
         return BatchInfo(tuple(f"{rec.index}:{i}" for i in range(b)), counts)
 
-    def _build(self, rec: _Record) -> GradBatch | None:
+    def _build(self, rec: _Record, scale_c: float | None = None) -> GradBatch | None:
         cfg = self.config
         some_a = next(iter(rec.pairs.values()))[0][0]
         info = self._info(rec, some_a.shape[0])
-        scale_c = cfg.backward_scale * (self.scale_fn() if self.scale_fn else 1.0)
+        if scale_c is None:
+            scale_c = cfg.backward_scale * (self.scale_fn() if self.scale_fn else 1.0)
         scale = example_scale(info.token_counts, loss_reduction=cfg.loss_reduction,
                               per_example_loss=cfg.per_example_loss, backward_scale=scale_c)
         layers: dict[str, LayerGrad] = {}
@@ -344,6 +365,40 @@ class GradientCapture:
             warnings.warn(
                 f"{len(self._pending)} captured batches are waiting; call capture.pop() or "
                 f"pass callbacks (capture.max_pending={self.config.max_pending})", stacklevel=3)
+
+    # ---- probing: per-example gradients without touching parameter gradients ------------
+    def probe(self, forward: Callable[[], torch.Tensor]) -> GradBatch | None:
+        """Per-example gradients of one forward, computed without any parameter ``.grad``.
+
+        ``forward()`` must call the root model once and return its reduced loss (reduced as
+        ``config.loss_reduction`` says). Only gradients w.r.t. the captured layers' outputs
+        are computed (``torch.autograd.grad``), so engines see no gradient accumulation and
+        no reduction: safe between the steps of DDP, FSDP2 and DeepSpeed ZeRO-3 training.
+        The batch is returned (and projected if configured), not delivered to callbacks.
+        Cost: one forward and one backward without weight-gradient matmuls.
+        """
+        self._probing = True
+        try:
+            loss = forward()
+            rec = self._open[-1] if self._open else None
+        finally:
+            self._probing = False
+        if rec is None or not rec.probe:
+            return None
+        entries, rec.probe = rec.probe, []
+        grads = torch.autograd.grad(loss, [o for _, _, o in entries], allow_unused=True)
+        for (name, a, _), g in zip(entries, grads):
+            if g is not None:
+                rec.pairs[name].append((a, g.detach()))
+        rec.done = True
+        self._open.remove(rec)
+        if not rec.pairs:
+            return None
+        batch = self._build(rec, scale_c=1.0)
+        rec.pairs.clear()
+        if batch is not None and self._projector is not None:
+            batch = project_batch(batch, self._projector, self.cost)
+        return batch
 
     # ---- consumer API ---------------------------------------------------------------
     def pop(self) -> GradBatch | None:

@@ -194,3 +194,16 @@ def test_linear_without_token_dim():
             nn.functional.cross_entropy(net(x[b:b + 1]), y[b:b + 1], reduction="sum").backward()
             ref.append(torch.cat([net[i].weight.grad, net[i].bias.grad[:, None]], 1).flatten())
         assert rel_err(materialize(batch.layers[name]), torch.stack(ref)) <= TOL
+
+
+def test_probe_matches_reference_and_leaves_param_grads_alone():
+    """probe(): per-example gradients via autograd.grad w.r.t. layer outputs only; equal to the
+    reference, and no parameter .grad is created (engines see no backward)."""
+    torch.manual_seed(10)
+    model = tiny_gpt2()
+    ids = torch.randint(0, 97, (4, 8))
+    with GradientCapture(model) as cap:
+        batch = cap.probe(lambda: model(input_ids=ids, labels=ids).loss)
+        assert cap.pop() is None  # probes are returned, not queued
+    assert all(p.grad is None for p in model.parameters())
+    _assert_matches(batch, reference_grads(model, ids))
