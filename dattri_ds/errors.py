@@ -9,6 +9,8 @@ __all__ = [
     "ShapeError",
     "StoreMismatchError",
     "CaptureError",
+    "StoreCorruptError",
+    "DuplicateSampleError",
 ]
 
 
@@ -34,3 +36,11 @@ class StoreMismatchError(DattriDSError):
 
 class CaptureError(DattriDSError, RuntimeError):
     """Gradient capture was misused or observed an inconsistent forward/backward."""
+
+
+class StoreCorruptError(DattriDSError, OSError):
+    """A shard file is truncated, fails its checksum or has an unreadable index (path named)."""
+
+
+class DuplicateSampleError(DattriDSError, ValueError):
+    """The same sample id is stored more than once across the shards of a store."""

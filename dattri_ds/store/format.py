@@ -8,6 +8,7 @@ A store is a directory::
     shard-00000.ids           sample ids, UTF-8, one per line, in row order
     shard-00000.meta          int64 [N_0, 2]: (optimizer step, loss token count or -1)
     shard-00000.index.json    committed rows, ids bytes, spec digest, per-commit checksums
+    shard-00000.lock          flock held by the shard's writer (released when it dies)
     shard-00001.*             ... one shard per data-parallel rank
 
 The three shard files are append-only. A writer appends to all three, fsyncs, then replaces
@@ -28,12 +29,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from dattri_ds.errors import DattriDSError, StoreMismatchError
+from dattri_ds.errors import DuplicateSampleError, StoreCorruptError, StoreMismatchError  # noqa: F401
 
 __all__ = [
-    "FORMAT_VERSION", "StoreCorruptError", "ShardPaths", "Chunk", "ShardIndex", "shard_paths",
-    "list_shards", "write_json_atomic", "read_json", "save_info", "load_info", "to_storage",
-    "from_storage", "row_bytes", "digest", "check_sizes", "read_committed_ids",
+    "FORMAT_VERSION", "StoreCorruptError", "DuplicateSampleError", "ShardPaths", "Chunk",
+    "ShardIndex", "shard_paths", "list_shards", "write_json_atomic", "read_json", "save_info",
+    "load_info", "to_storage", "from_storage", "numpy_dtype", "torch_dtype", "row_bytes",
+    "digest", "check_sizes", "read_committed_ids", "verify_chunk",
 ]
 
 FORMAT_VERSION = 1
@@ -43,25 +45,23 @@ _NUMPY = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np
 _TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-class StoreCorruptError(DattriDSError, OSError):
-    """A shard file is truncated, fails its checksum or has an unreadable index (path named)."""
-
-
 @dataclass(frozen=True)
 class ShardPaths:
-    """The four files of one shard."""
+    """The files of one shard (``lock`` only guards against two writers of one shard)."""
 
     rank: int
     data: Path
     ids: Path
     meta: Path
     index: Path
+    lock: Path
 
 
 def shard_paths(root: str | Path, rank: int) -> ShardPaths:
     stem = Path(root) / f"shard-{rank:05d}"
     return ShardPaths(rank, stem.with_suffix(".data"), stem.with_suffix(".ids"),
-                      stem.with_suffix(".meta"), stem.with_suffix(".index.json"))
+                      stem.with_suffix(".meta"), stem.with_suffix(".index.json"),
+                      stem.with_suffix(".lock"))
 
 
 def list_shards(root: str | Path) -> list[ShardPaths]:

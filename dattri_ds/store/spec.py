@@ -12,13 +12,16 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from dattri_ds.errors import ConfigError, StoreMismatchError
 from dattri_ds.gradient import Dense, GradBatch, LayerGrad
 from dattri_ds.ops.projection import ProjectionConfig
+from dattri_ds.store.config import STORE_DTYPES
+from dattri_ds.store.format import INFO_NAME, StoreCorruptError, load_info
 
-__all__ = ["LayerSpec", "StoreSpec", "mismatch_error"]
+__all__ = ["LayerSpec", "StoreSpec", "mismatch_error", "check_stored", "load_manifest"]
 
 _FIX_PROJECTION = ("use the ProjectionConfig the store was written with (capture.projection "
                    "kind/distribution/dim/seed), or point store.path at a new directory")
@@ -63,10 +66,10 @@ class LayerSpec:
                    projection=d["projection"])
 
     def describe(self) -> str:
-        return f"width {self.width}, shape {self.shape}, {self.kind}, projection {self.projection!r}"
+        return f"width {self.width}, shape {self.shape}, kind {self.kind!r}"
 
 
-def _layer_spec(key: str, lg: LayerGrad, tag: str) -> LayerSpec:
+def _layer_spec(key: str, lg: LayerGrad) -> LayerSpec:
     """The LayerSpec of a captured layer, refusing anything but projected Dense rows."""
     if not isinstance(lg.data, Dense) or lg.projection is None:
         form = "factorized" if lg.is_factorized else "unprojected dense"
@@ -79,11 +82,6 @@ def _layer_spec(key: str, lg: LayerGrad, tag: str) -> LayerSpec:
         raise ConfigError(
             f"Layer '{key}' holds tensor-parallel shard {lg.shard.rank}/{lg.shard.world}; the "
             f"store keeps whole-layer projections: reduce across the tensor-parallel group first"
-        )
-    if lg.projection not in (tag, f"identity:{tag}"):
-        raise ConfigError(
-            f"Layer '{key}' was projected with {lg.projection!r} but the store is configured "
-            f"for projection {tag!r}: pass the ProjectionConfig that capture.projection uses"
         )
     return LayerSpec(name=key, kind=lg.kind, shape=lg.shape, width=int(lg.data.values.shape[1]),
                      projection=lg.projection)
@@ -124,7 +122,14 @@ class StoreSpec:
             ConfigError: a layer is factorized, unprojected, TP-sharded or projected with
                 another ProjectionConfig.
         """
-        layers = tuple(_layer_spec(k, lg, projection.tag) for k, lg in batch.layers.items())
+        tag = projection.tag
+        layers = tuple(_layer_spec(k, lg) for k, lg in batch.layers.items())
+        for ls in layers:
+            if ls.projection not in (tag, f"identity:{tag}"):
+                raise ConfigError(
+                    f"Layer '{ls.name}' was projected with {ls.projection!r} but the store is "
+                    f"configured for projection {tag!r}: pass the ProjectionConfig that "
+                    f"capture.projection uses")
         return cls(layers=layers, projection=projection.tag, seed=projection.seed,
                    fingerprint=fingerprint)
 
@@ -150,25 +155,25 @@ class StoreSpec:
 
         Raises:
             ConfigError: a layer is not projected Dense (see ``from_batch``).
-            StoreMismatchError: the layer set, widths or projections differ.
+            StoreMismatchError: the layer set, widths, shapes or projection tags differ.
         """
-        got = tuple(_layer_spec(k, lg, self.projection) for k, lg in batch.layers.items())
-        line = _layer_diff(self.layers, got)
-        if line is not None:
-            raise mismatch_error(path, [line], what=f"Batch of step {batch.step}")
+        got = tuple(_layer_spec(k, lg) for k, lg in batch.layers.items())
+        lines = _layer_diff(self.layers, got)
+        if lines:
+            raise mismatch_error(path, lines, what=f"Batch of step {batch.step}")
 
     def diff(self, requested: StoreSpec) -> list[str]:
         """One line per field where this (stored) spec differs from ``requested``."""
         lines = []
-        if self.projection != requested.projection or self.seed != requested.seed:
-            lines.append(f"projection: stored {self.projection!r} (seed {self.seed}), requested "
-                         f"{requested.projection!r} (seed {requested.seed}); fix: {_FIX_PROJECTION}")
+        same_projection = self.projection == requested.projection and self.seed == requested.seed
+        if not same_projection:
+            lines.append(f"projection: stored {self.projection!r} (seed {self.seed}), "
+                         f"requested {requested.projection!r} (seed {requested.seed}); "
+                         f"fix: {_FIX_PROJECTION}")
         if self.fingerprint != requested.fingerprint:
             lines.append(f"fingerprint: stored {self.fingerprint!r}, requested "
                          f"{requested.fingerprint!r}; fix: {_FIX_FINGERPRINT}")
-        layer_line = _layer_diff(self.layers, requested.layers)
-        if layer_line is not None:
-            lines.append(layer_line)
+        lines += _layer_diff(self.layers, requested.layers, compare_projection=same_projection)
         return lines
 
     def to_json(self) -> dict[str, Any]:
@@ -186,10 +191,18 @@ class StoreSpec:
         return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
-def _layer_diff(stored: tuple[LayerSpec, ...], requested: tuple[LayerSpec, ...]) -> str | None:
-    """A description of how two layer sets differ (order is irrelevant), or None if equal."""
+def _layer_diff(stored: tuple[LayerSpec, ...], requested: tuple[LayerSpec, ...], *,
+                compare_projection: bool = True) -> list[str]:
+    """Lines describing how two layer sets differ (order is irrelevant); empty if equal."""
     s = {ls.name: ls for ls in stored}
     r = {ls.name: ls for ls in requested}
+    common = [n for n in s if n in r]
+    lines = []
+    reproj = [n for n in common if s[n].projection != r[n].projection]
+    if compare_projection and reproj:
+        n = reproj[0]
+        lines.append(f"projection of layers {_short(reproj)}: stored {s[n].projection!r}, "
+                     f"requested {r[n].projection!r}; fix: {_FIX_PROJECTION}")
     parts = []
     missing = [n for n in s if n not in r]
     extra = [n for n in r if n not in s]
@@ -197,12 +210,12 @@ def _layer_diff(stored: tuple[LayerSpec, ...], requested: tuple[LayerSpec, ...])
         parts.append(f"stored but not requested {_short(missing)}")
     if extra:
         parts.append(f"requested but not stored {_short(extra)}")
-    for n in s:
-        if n in r and s[n] != r[n]:
+    for n in common:
+        if s[n].describe() != r[n].describe():
             parts.append(f"'{n}' stored ({s[n].describe()}) vs requested ({r[n].describe()})")
-    if not parts:
-        return None
-    return f"layers: {'; '.join(parts[:6])}; fix: {_FIX_LAYERS}"
+    if parts:
+        lines.append(f"layers: {'; '.join(parts[:6])}; fix: {_FIX_LAYERS}")
+    return lines
 
 
 def _short(names: list[str], k: int = 5) -> str:
@@ -215,3 +228,36 @@ def mismatch_error(path: str, lines: list[str], what: str = "The requested confi
     """A StoreMismatchError listing every differing field with both sides and its fix."""
     body = "\n".join(f"  - {line}" for line in lines)
     return StoreMismatchError(f"{what} does not match the gradient store at '{path}':\n{body}")
+
+
+def check_stored(stored: StoreSpec, stored_dtype: str, *, path: str, expect: StoreSpec | None,
+                 dtype: str | None) -> None:
+    """Raise StoreMismatchError listing every difference between a store and a request.
+
+    ``expect`` / ``dtype`` of None are not checked (a reader may accept any of them).
+    """
+    lines = [] if expect is None else stored.diff(expect)
+    if dtype is not None and dtype != stored_dtype:
+        lines.append(f"dtype: stored {stored_dtype!r}, requested {dtype!r}; fix: set "
+                     f"store.dtype='{stored_dtype}' or point store.path at a new directory")
+    if lines:
+        raise mismatch_error(path, lines)
+
+
+def load_manifest(root: Path) -> tuple[StoreSpec, str] | None:
+    """``(spec, dtype)`` from ``root/info.json``, or None when no store exists there yet.
+
+    Raises:
+        StoreCorruptError: the manifest is unreadable or incomplete.
+        StoreMismatchError: it was written by a newer format version.
+    """
+    info = load_info(root)
+    if info is None:
+        return None
+    try:
+        spec, dtype = StoreSpec.from_json(info["spec"]), info["dtype"]
+    except (KeyError, TypeError, ValueError, ConfigError) as e:
+        raise StoreCorruptError(f"Manifest '{root / INFO_NAME}' is malformed ({e!r})") from e
+    if dtype not in STORE_DTYPES:
+        raise StoreCorruptError(f"Manifest '{root / INFO_NAME}' has unknown dtype {dtype!r}")
+    return spec, dtype

@@ -1,0 +1,20 @@
+"""Crash-safe, sharded, memory-mapped store of projected per-example gradients.
+
+Write: ``GradientStoreWriter`` (or ``StoreCallback`` during training), one shard per
+data-parallel rank. Read: ``GradientStore.open`` merges the shards and streams blocks.
+Layout and commit protocol: ``format.py`` and ``shard.py``.
+"""
+
+from __future__ import annotations
+
+from dattri_ds.store.callback import StoreCallback
+from dattri_ds.store.config import StoreConfig
+from dattri_ds.store.format import FORMAT_VERSION, DuplicateSampleError, StoreCorruptError
+from dattri_ds.store.reader import GradientStore
+from dattri_ds.store.spec import LayerSpec, StoreSpec
+from dattri_ds.store.writer import GradientStoreWriter
+
+__all__ = [
+    "StoreConfig", "StoreSpec", "LayerSpec", "GradientStoreWriter", "GradientStore",
+    "StoreCallback", "StoreCorruptError", "DuplicateSampleError", "FORMAT_VERSION",
+]

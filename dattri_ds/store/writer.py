@@ -1,0 +1,259 @@
+"""GradientStoreWriter: append projected GradBatches to this rank's shard, crash-safely.
+
+Rows are buffered in host memory and committed every ``StoreConfig.flush_every`` rows (see
+``store/shard.py`` for the commit protocol). With ``async_write`` the commits run on a
+background thread fed by a bounded queue; ``append`` then only validates, drops duplicates
+and copies the rows to the host.
+
+Duplicates: a sample id already stored in *any* shard of the store when the writer opened
+(a resumed run, possibly with another world size), or already appended to this writer, is
+skipped silently. Two ranks writing the same new id concurrently both store it; the reader
+detects such cross-shard duplicates (``GradientStore.open(duplicates=...)``).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dattri_ds.errors import CaptureError, ConfigError
+from dattri_ds.gradient import GradBatch
+from dattri_ds.store.config import StoreConfig
+from dattri_ds.store.format import (
+    META_COLUMNS, row_bytes, save_info, shard_paths, to_storage, torch_dtype,
+)
+from dattri_ds.store.shard import ShardAppender, other_shard_ids
+from dattri_ds.store.spec import StoreSpec, check_stored, load_manifest
+
+__all__ = ["GradientStoreWriter"]
+
+logger = logging.getLogger(__name__)
+
+#: One appended piece: rows ``[n, P]`` (CPU, storage dtype), their ids, meta ``[n, 2]``.
+_Rows = tuple[torch.Tensor, list[str], np.ndarray]
+
+
+class _Background:
+    """One worker thread running submitted jobs in order; the first error is kept and
+    re-raised to the caller (later jobs are dropped, so the queue never blocks forever)."""
+
+    def __init__(self, max_queue: int, name: str) -> None:
+        self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue(maxsize=max_queue)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                if job is None:
+                    return
+                if self._error is None:
+                    job()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller thread
+                self._error = e
+            finally:
+                self._queue.task_done()
+
+    def raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self.raise_if_failed()
+        self._queue.put(job)
+
+    def wait(self) -> None:
+        self._queue.join()
+        self.raise_if_failed()
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+
+class GradientStoreWriter:
+    """Appends projected per-example gradients of one data-parallel rank to its shard.
+
+    Example::
+
+        spec = StoreSpec.from_batch(batch, projection=proj_cfg, fingerprint="ckpt-1000")
+        with GradientStoreWriter(StoreConfig(path="grads/"), spec, rank=r, world=w) as w:
+            w.append(batch)
+    """
+
+    def __init__(self, config: StoreConfig, spec: StoreSpec, *, rank: int = 0,
+                 world: int = 1) -> None:
+        """Open or create the store at ``config.path`` and this rank's shard, resuming it.
+
+        Raises:
+            ConfigError: ``rank`` is not in ``[0, world)``.
+            StoreMismatchError: the store holds another spec or dtype (both sides shown).
+            StoreCorruptError: this shard's committed files are truncated or damaged.
+        """
+        if world < 1 or not 0 <= rank < world:
+            raise ConfigError(f"Store writer needs 0 <= rank < world, got rank {rank}, "
+                              f"world {world}")
+        self.config, self.spec, self.rank, self.world = config, spec, rank, world
+        self.path = Path(config.path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        stored = load_manifest(self.path)
+        if stored is None:  # first writer; re-read in case another rank raced us
+            save_info(self.path, spec.to_json(), config.dtype, config.fsync)
+            stored = load_manifest(self.path) or (spec, config.dtype)
+        check_stored(*stored, path=str(self.path), expect=spec, dtype=config.dtype)
+        self._seen = set(other_shard_ids(self.path, rank))
+        self._shard = ShardAppender(
+            shard_paths(self.path, rank), world=world, spec_digest=spec.digest(config.dtype),
+            row_nbytes=row_bytes(spec.width, config.dtype), fsync=config.fsync)
+        self._seen.update(self._shard.ids)
+        if rank == 0 and self._seen:
+            logger.info("Resuming gradient store '%s': %d examples already stored",
+                        self.path, len(self._seen))
+        self._tdtype = torch_dtype(config.dtype)
+        self._pending: list[_Rows] = []
+        self._pending_rows = 0
+        self._bg = (_Background(config.max_queue, f"dattri_ds-store-{rank}")
+                    if config.async_write else None)
+        self._closed = False
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def has(self, sample_id: str) -> bool:
+        """Whether ``sample_id`` is stored or pending (in any shard as of opening, or here)."""
+        return sample_id in self._seen
+
+    def existing_ids(self) -> frozenset[str]:
+        """All ids ``has`` reports (a copy)."""
+        return frozenset(self._seen)
+
+    @property
+    def committed_rows(self) -> int:
+        """Rows of this shard that are durably committed."""
+        return self._shard.rows
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def append(self, batch: GradBatch) -> int:
+        """Queue the batch's new examples for storage; returns how many were new.
+
+        Args:
+            batch: every layer Dense ``[B, P_l]`` and projected, with exactly the spec's layers.
+
+        Raises:
+            ConfigError: a layer is not projected Dense (set capture.projection), or an id
+                contains a newline.
+            StoreMismatchError: the batch's layers/widths/projection differ from the spec.
+            CaptureError: a value is NaN/inf, or overflows float16 storage.
+            Exception: an error raised earlier by the background writer thread.
+        """
+        self._check_open()
+        if self._bg is not None:
+            self._bg.raise_if_failed()
+        self.spec.check_batch(batch, str(self.path))
+        keep, ids, fresh = [], [], set()
+        for b, sid in enumerate(batch.sample_ids):
+            if "\n" in sid:
+                raise ConfigError(f"Sample id {sid!r} contains a newline, which the store's "
+                                  f"ids file cannot hold; use ids without line breaks")
+            if sid not in self._seen and sid not in fresh:
+                keep.append(b)
+                ids.append(sid)
+                fresh.add(sid)
+        if not keep:
+            return 0
+        rows = self._host_rows(batch, keep)
+        meta = np.full((len(keep), META_COLUMNS), -1, dtype=np.int64)
+        meta[:, 0] = batch.step
+        if batch.token_counts is not None:
+            meta[:, 1] = batch.token_counts.detach().cpu().to(torch.int64)[keep].numpy()
+        item: _Rows = (rows, ids, meta)
+        if self._bg is not None:
+            self._bg.submit(lambda: self._write(item))
+        else:
+            self._write(item)
+        self._seen.update(ids)
+        return len(keep)
+
+    def _host_rows(self, batch: GradBatch, keep: list[int]) -> torch.Tensor:
+        """``[n, P]`` new CPU tensor in the storage dtype (a copy: the caller may reuse buffers)."""
+        parts = []
+        for ls in self.spec.layers:
+            v = batch.layers[ls.name].data.values.detach()
+            if len(keep) < v.shape[0]:
+                v = v[torch.tensor(keep, device=v.device)]
+            parts.append(v.to(device="cpu", dtype=self._tdtype))
+        rows = torch.cat(parts, dim=1)
+        if not bool(torch.isfinite(rows).all()):
+            self._raise_nonfinite(batch, keep)
+        return rows
+
+    def _raise_nonfinite(self, batch: GradBatch, keep: list[int]) -> None:
+        for ls in self.spec.layers:
+            v = batch.layers[ls.name].data.values.detach()[keep]
+            if not bool(torch.isfinite(v).all()):
+                raise CaptureError(
+                    f"Layer '{ls.name}' has NaN/inf gradients at step {batch.step}; refusing to "
+                    f"store them: set capture.on_nonfinite='skip' to drop such micro-batches")
+        raise CaptureError(
+            f"Gradients at step {batch.step} overflow store.dtype='{self.config.dtype}' "
+            f"(largest float16 is 65504): set store.dtype='bfloat16' or 'float32'")
+
+    def _write(self, item: _Rows) -> None:
+        """Buffer one piece; commit once ``flush_every`` rows are buffered (worker side)."""
+        self._pending.append(item)
+        self._pending_rows += item[0].shape[0]
+        if self._pending_rows >= self.config.flush_every:
+            self._commit()
+
+    def _commit(self) -> None:
+        if not self._pending:
+            return
+        pending, self._pending, self._pending_rows = self._pending, [], 0
+        data = np.concatenate([to_storage(r, self.config.dtype) for r, _, _ in pending])
+        ids = [i for _, piece, _ in pending for i in piece]
+        meta = np.concatenate([m for _, _, m in pending])
+        self._shard.commit(data, ids, meta)
+
+    def flush(self) -> None:
+        """Commit every buffered row now (waits for the background thread)."""
+        self._check_open()
+        if self._bg is not None:
+            self._bg.submit(self._commit)
+            self._bg.wait()
+        else:
+            self._commit()
+
+    def close(self) -> None:
+        """Commit what is buffered and release the files; idempotent.
+
+        Raises:
+            Exception: an error of the background thread (the files are released anyway).
+        """
+        if self._closed:
+            return
+        try:
+            self.flush()
+        finally:
+            self._closed = True
+            if self._bg is not None:
+                self._bg.stop()
+            self._shard.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CaptureError(f"GradientStoreWriter for '{self.path}' (rank {self.rank}) is "
+                               f"closed; open a new writer to resume appending")
+
+    def __enter__(self) -> GradientStoreWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

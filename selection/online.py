@@ -1,0 +1,210 @@
+"""OnlineSelector: every micro-batch, score candidates against the target and keep the best.
+
+Per micro-batch (``C = ceil(candidate_multiple * k)`` candidates, ``k`` trained):
+
+1. a *probe* pass on the candidates: one forward and a backward that computes only the
+   captured layers' output-gradients (``GradientCapture.probe``): no parameter gradient,
+   so DeepSpeed ZeRO-3's partitioned gradients and reductions are never touched;
+2. ``score_b = <g_b, g_target>`` by the cost-routed ops (selection/scorer.py);
+3. a pure policy picks the indices (selection/policy.py), per rank or globally;
+4. the training loop runs its ordinary forward/backward on the chosen examples only, so the
+   update is exactly that of a batch which never contained the others (unit loss weight
+   for chosen examples, weight zero for the rest: they are simply not in the batch).
+
+Global scope gathers the candidates' scores and token tensors from every data-parallel
+rank (``C * T`` integers each, never gradients), picks ``k * world`` and deals them out
+round-robin by score, so every rank trains exactly ``k`` examples.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dattri_ds.capture import GradientCapture
+from dattri_ds.config import CaptureConfig
+from dattri_ds.distributed import ParallelContext
+from dattri_ds.errors import ConfigError
+from dattri_ds.gradient import GradBatch
+from dattri_ds.ops import CostModel
+from dattri_ds.selection.config import SelectionConfig
+from dattri_ds.selection.policy import choose
+from dattri_ds.selection.scorer import alignment_scores, redundancy_gram
+from dattri_ds.selection.target import TargetProvider
+
+__all__ = ["Selection", "OnlineSelector", "check_engine_supported"]
+
+Batch = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The outcome of one selection.
+
+    Attributes:
+        batch: model inputs of the chosen examples (``[k, T]`` tensors).
+        indices: chosen candidate indices (into this rank's candidates for rank scope, into
+            the rank-major concatenation of all ranks' candidates for global scope).
+        scores: ``[C]`` scores of this rank's candidates.
+        chosen_ids: sample ids (content hashes) of the chosen examples.
+        chosen_scores: ``[k]`` their scores.
+    """
+
+    batch: Batch
+    indices: torch.Tensor
+    scores: torch.Tensor
+    chosen_ids: tuple[str, ...]
+    chosen_scores: torch.Tensor
+
+
+def check_engine_supported(engine: object) -> None:
+    """Raise ConfigError, before any step, for DeepSpeed features selection cannot serve."""
+    names = {c.__name__ for c in type(engine).__mro__}
+    if "PipelineEngine" in names:
+        raise ConfigError("Online selection does not support DeepSpeed pipeline parallelism "
+                          "(PipelineEngine): candidates must be scored by one module call. Use "
+                          "ZeRO data parallelism, or turn selection off")
+    cfg = getattr(engine, "_config", None)
+    if cfg is not None and getattr(cfg, "sequence_parallel_size", 1) > 1:
+        raise ConfigError("Online selection does not support DeepSpeed sequence parallelism "
+                          "(sequence_parallel_size > 1)")
+    data_eff = getattr(cfg, "data_efficiency_config", None) or {}
+    if isinstance(data_eff, dict) and data_eff.get("enabled"):
+        raise ConfigError("Online selection and DeepSpeed data_efficiency both reorder the "
+                          "training data; enable only one of them")
+
+
+class OnlineSelector:
+    """Chooses, each micro-batch, which candidates the engine trains on.
+
+    Args:
+        model: the module the engine calls (``engine.module``).
+        config: SelectionConfig.
+        target: provider of the target gradient (use ``probe_capture`` to build one).
+        ctx: data-parallel group (for global scope).
+        lr_fn: current learning rate (for GREATS).
+        log_path: jsonl file for the per-step log of chosen ids and scores (rank 0 writes;
+            under global scope every rank's view is identical).
+        cost: cost model for routing.
+    """
+
+    def __init__(self, model: nn.Module, config: SelectionConfig, target: TargetProvider, *,
+                 probe: GradientCapture, ctx: ParallelContext | None = None,
+                 lr_fn: Callable[[], float] | None = None, log_path: str | Path | None = None,
+                 cost: CostModel | None = None) -> None:
+        self.model, self.config, self.target = model, config, target
+        self.probe = probe
+        self.ctx = ctx or ParallelContext()
+        self.lr_fn = lr_fn
+        self.cost = cost
+        self._log = open(log_path, "a", encoding="utf-8") if (
+            log_path is not None and config.log_scores and self.ctx.dp_rank == 0) else None
+        self.stats = {"steps": 0, "candidates": 0, "chosen": 0, "score_sum": 0.0,
+                      "chosen_score_sum": 0.0}
+
+    @staticmethod
+    def probe_capture(model: nn.Module, config: SelectionConfig,
+                      capture: CaptureConfig | None = None) -> GradientCapture:
+        """A probe-only capture of ``model`` with the selection's layers and projection."""
+        base = capture or CaptureConfig()
+        cfg = replace(base, include=config.include or base.include,
+                      projection=config.projection)
+        return GradientCapture(model, cfg, probe_only=True).attach()
+
+    def num_candidates(self, k: int) -> int:
+        """Candidates scored for ``k`` trained examples: ``ceil(candidate_multiple * k)``."""
+        return math.ceil(self.config.candidate_multiple * k - 1e-9)
+
+    def score(self, batch: Batch, step: int) -> tuple[GradBatch, torch.Tensor]:
+        """Per-example gradients of the candidates and their ``[C]`` scores."""
+        target = self.target.get(step)
+        grads = self.probe.probe(lambda: self.model(**batch).loss)
+        if grads is None:
+            raise ConfigError("The probe pass captured nothing: the model's loss does not "
+                              "depend on any captured layer")
+        return grads, alignment_scores(grads, target, self.cost)
+
+    def select(self, batch: Batch, k: int, step: int) -> Selection:
+        """Score ``batch`` (C candidates) and return the ``k`` (or policy-sized) to train on."""
+        grads, scores = self.score(batch, step)
+        scores = scores.detach().float().cpu()
+        if self.config.scope == "global" and self.ctx.dp_world > 1:
+            sel = self._select_global(batch, grads, scores, k)
+        else:
+            idx = self._choose(grads, scores, k, grads)
+            sel = Selection({n: v[idx.to(v.device)] for n, v in batch.items()}, idx, scores,
+                            tuple(grads.sample_ids[i] for i in idx.tolist()), scores[idx])
+        self._record(step, sel)
+        return sel
+
+    def _choose(self, grads: GradBatch | None, scores: torch.Tensor, k: int,
+                gram_source: GradBatch | torch.Tensor | None) -> torch.Tensor:
+        cfg = self.config
+        gram = None
+        if cfg.policy == "greats":
+            if isinstance(gram_source, GradBatch):
+                gram = redundancy_gram(gram_source, list(gram_source.layers), self.cost).cpu()
+            else:
+                gram = gram_source @ gram_source.T
+        lr = cfg.greats_lr if cfg.greats_lr is not None else (self.lr_fn() if self.lr_fn else 1.0)
+        return choose(cfg.policy, scores, k=min(k, scores.numel()), gram=gram, lr=lr,
+                      fraction=cfg.fraction, tau=cfg.tau)
+
+    def _select_global(self, batch: Batch, grads: GradBatch, scores: torch.Tensor,
+                       k: int) -> Selection:
+        import torch.distributed as dist
+
+        ctx = self.ctx
+        world = ctx.dp_world
+        gathered = [None] * world
+        vectors = None
+        if self.config.policy == "greats":
+            vectors = torch.cat([grads.layers[n].data.values for n in grads.layers], 1).cpu()
+        local = {"scores": scores, "ids": grads.sample_ids,
+                 "batch": {n: v.cpu() for n, v in batch.items()}, "vectors": vectors}
+        dist.all_gather_object(gathered, local, group=ctx.dp_group)
+        all_scores = torch.cat([g["scores"] for g in gathered])
+        all_ids = [i for g in gathered for i in g["ids"]]
+        all_batch = {n: torch.cat([g["batch"][n] for g in gathered]) for n in batch}
+        vecs = torch.cat([g["vectors"] for g in gathered]) if vectors is not None else None
+        chosen = self._choose(None, all_scores, k * world, vecs)
+        per_rank = max(1, chosen.numel() // world)
+        ranked = chosen[torch.argsort(-all_scores[chosen].double(), stable=True)]
+        mine = ranked[ctx.dp_rank::world][:per_rank].sort().values
+        device = next(iter(batch.values())).device
+        return Selection({n: v[mine].to(device) for n, v in all_batch.items()}, mine,
+                         scores, tuple(all_ids[i] for i in mine.tolist()), all_scores[mine])
+
+    def _record(self, step: int, sel: Selection) -> None:
+        st = self.stats
+        st["steps"] += 1
+        st["candidates"] += sel.scores.numel()
+        st["chosen"] += sel.indices.numel()
+        st["score_sum"] += float(sel.scores.sum())
+        st["chosen_score_sum"] += float(sel.chosen_scores.sum())
+        if self._log is not None:
+            self._log.write(json.dumps({
+                "step": step, "chosen": list(sel.chosen_ids),
+                "chosen_scores": [round(float(s), 6) for s in sel.chosen_scores],
+                "candidate_scores": [round(float(s), 6) for s in sel.scores]}) + "\n")
+
+    def summary(self) -> dict:
+        """Selection statistics of the run so far."""
+        st = self.stats
+        return {"micro_batches": st["steps"], "candidates": st["candidates"],
+                "chosen": st["chosen"],
+                "mean_candidate_score": st["score_sum"] / max(1, st["candidates"]),
+                "mean_chosen_score": st["chosen_score_sum"] / max(1, st["chosen"]),
+                "target_refreshes": getattr(self.target, "refreshes", 0)}
+
+    def close(self) -> None:
+        self.probe.detach()
+        if self._log is not None:
+            self._log.close()
+            self._log = None

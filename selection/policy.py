@@ -1,0 +1,91 @@
+"""Selection policies: pure functions from candidate scores to the chosen indices.
+
+Scores follow the library's sign convention: higher = the candidate's gradient is more
+aligned with the target gradient, so one SGD step on it lowers the target loss more
+(first order: ``dL_target ~ -lr * <g_target, g_b>``).
+
+Every policy takes ``scores [C]`` and returns a sorted ``LongTensor`` of chosen indices.
+They are registered by name in ``POLICIES`` (flat table, no if/elif chains).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from dattri_ds.errors import ConfigError
+
+__all__ = ["top_k", "top_fraction", "threshold", "greats", "POLICIES", "choose"]
+
+
+def top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``k`` highest scores (ties broken by the lower index)."""
+    if not 1 <= k <= scores.numel():
+        raise ConfigError(f"top_k needs 1 <= k <= {scores.numel()} candidates, got k={k}")
+    order = torch.argsort(-scores.double(), stable=True)
+    return order[:k].sort().values
+
+
+def top_fraction(scores: torch.Tensor, fraction: float) -> torch.Tensor:
+    """The top ``ceil(fraction * C)`` scores (at least one)."""
+    if not 0 < fraction <= 1:
+        raise ConfigError(f"top_fraction needs 0 < fraction <= 1, got {fraction}")
+    k = max(1, int(torch.tensor(fraction * scores.numel()).ceil()))
+    return top_k(scores, k)
+
+
+def threshold(scores: torch.Tensor, tau: float, max_k: int | None = None) -> torch.Tensor:
+    """Every candidate with ``score > tau`` (best ``max_k`` of them); the best one if none."""
+    idx = torch.nonzero(scores > tau).flatten()
+    if idx.numel() == 0:
+        return top_k(scores, 1)
+    if max_k is not None and idx.numel() > max_k:
+        return idx[top_k(scores[idx], max_k)]
+    return idx
+
+
+def greats(scores: torch.Tensor, gram: torch.Tensor, k: int, lr: float) -> torch.Tensor:
+    """GREATS-style greedy selection that discounts redundancy.
+
+    With ``u_b = <g_target, g_b>`` (``scores``) and ``K = [<g_b, g_c>]`` (``gram``), the
+    second-order estimate of the target-loss drop of training on a set S with step ``lr`` is
+    ``lr * sum_{b in S} u_b - lr^2 / 2 * sum_{b,c in S} K_bc`` (identity Hessian). Greedily
+    add the candidate with the largest marginal gain per unit step,
+    ``u_b - lr * (sum_{c in S} K_bc + K_bb / 2)``, until ``k`` are chosen (``lr = 0`` is
+    plain top-k).
+    """
+    c = scores.numel()
+    if not 1 <= k <= c:
+        raise ConfigError(f"greats needs 1 <= k <= {c} candidates, got k={k}")
+    if gram.shape != (c, c):
+        raise ConfigError(f"greats needs a [{c}, {c}] gram, got {tuple(gram.shape)}")
+    u, kk = scores.double(), gram.double()
+    chosen = torch.zeros(c, dtype=torch.bool)
+    redundancy = torch.zeros(c, dtype=torch.float64)
+    for _ in range(k):
+        gain = u - lr * (redundancy + torch.diagonal(kk) / 2)
+        gain[chosen] = float("-inf")
+        best = int(torch.argmax(gain))
+        chosen[best] = True
+        redundancy += kk[best]
+    return torch.nonzero(chosen).flatten()
+
+
+#: name -> policy(scores, *, k, gram, lr, fraction, tau) adapter
+POLICIES: dict[str, Callable[..., torch.Tensor]] = {
+    "topk": lambda s, *, k, **_: top_k(s, k),
+    "fraction": lambda s, *, fraction, **_: top_fraction(s, fraction),
+    "threshold": lambda s, *, tau, k, **_: threshold(s, tau, k),
+    "greats": lambda s, *, k, gram, lr, **_: greats(s, gram, k, lr),
+}
+
+
+def choose(policy: str, scores: torch.Tensor, **params) -> torch.Tensor:
+    """Apply the policy named ``policy`` (see ``POLICIES``)."""
+    try:
+        fn = POLICIES[policy]
+    except KeyError:
+        raise ConfigError(f"Unknown selection policy '{policy}'; known: {sorted(POLICIES)}") \
+            from None
+    return fn(scores, **params)

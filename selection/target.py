@@ -1,0 +1,119 @@
+"""Target gradient providers: the gradient the candidates are scored against.
+
+* ``ValidationTarget``: the mean per-example gradient of a target set, recomputed every
+  ``refresh_every`` steps with probe passes (no parameter gradient is touched), the target
+  examples split over data-parallel ranks and the per-layer sums all-reduced.
+* ``FixedTarget``: the mean vector of a gradient store (projected space).
+
+Both return a one-row GradBatch of dense per-layer vectors (``[1, D]`` exact or ``[1, P]``
+projected): a dense target against factorized candidates is the cheap ``cross_dense``
+route of the cost model.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import torch
+
+from dattri_ds.capture import GradientCapture
+from dattri_ds.distributed import ParallelContext, all_reduce_sum
+from dattri_ds.errors import ConfigError
+from dattri_ds.gradient import Dense, GradBatch
+from dattri_ds.ops import GradAccumulator
+
+__all__ = ["TargetProvider", "ValidationTarget", "FixedTarget"]
+
+Batch = dict[str, torch.Tensor]
+
+
+class TargetProvider(ABC):
+    """Gives the target gradient for a step (recomputing it when stale)."""
+
+    @abstractmethod
+    def get(self, step: int) -> GradBatch:
+        """One-row GradBatch: the target gradient to score candidates against at ``step``."""
+
+
+class ValidationTarget(TargetProvider):
+    """Mean per-example gradient of a target set, refreshed every ``refresh_every`` steps.
+
+    Args:
+        probe: a probe capture on the trained model (its projection, if any, applies).
+        forward: ``forward(batch) -> reduced loss`` calling the model once.
+        data: target model inputs ``{"input_ids": [N, T], ...}`` (``attention_mask``,
+            ``labels`` optional), on CPU.
+        ctx: data-parallel group; each rank takes rows ``rank::world`` and sums are reduced.
+        refresh_every: steps between recomputations.
+        batch_size: examples per probe pass.
+        device: where the batches go.
+    """
+
+    def __init__(self, probe: GradientCapture, forward: Callable[[Batch], torch.Tensor],
+                 data: Batch, *, ctx: ParallelContext | None = None, refresh_every: int = 10,
+                 batch_size: int = 8, device: torch.device | str = "cpu") -> None:
+        n = data["input_ids"].shape[0]
+        if n == 0:
+            raise ConfigError("The target set is empty: give selection.target_data at least "
+                              "one document")
+        self.probe, self.forward, self.data = probe, forward, data
+        self.ctx = ctx or ParallelContext()
+        self.refresh_every, self.batch_size, self.device = refresh_every, batch_size, device
+        self.n = n
+        self._value: GradBatch | None = None
+        self._at = -1
+        self.refreshes = 0
+
+    def get(self, step: int) -> GradBatch:
+        if self._value is None or step - self._at >= self.refresh_every:
+            self._value = self._compute()
+            self._at = step
+            self.refreshes += 1
+        return self._value
+
+    def _rows(self) -> torch.Tensor:
+        ctx = self.ctx
+        if self.n < ctx.dp_world:  # too few to split: every rank uses all, no reduction
+            return torch.arange(self.n)
+        return torch.arange(ctx.dp_rank, self.n, ctx.dp_world)
+
+    def _compute(self) -> GradBatch:
+        acc = GradAccumulator(self.probe.cost)
+        rows = self._rows()
+        for start in range(0, rows.numel(), self.batch_size):
+            idx = rows[start:start + self.batch_size]
+            batch = {k: v[idx].to(self.device) for k, v in self.data.items()}
+            got = self.probe.probe(lambda b=batch: self.forward(b))
+            if got is not None:
+                acc.add(got)
+        split = self.n >= self.ctx.dp_world
+        total = acc.total()
+        count = torch.tensor(float(acc.count), device=self.device)
+        if split:
+            all_reduce_sum(count, self.ctx.dp_group, self.ctx.dp_world)
+        layers = {}
+        for name, lg in total.layers.items():
+            vals = lg.data.values
+            if split:
+                all_reduce_sum(vals, self.ctx.dp_group, self.ctx.dp_world)
+            layers[name] = lg.replace(data=Dense(vals / count.to(vals.device)))
+        return GradBatch(step=-1, sample_ids=("target",), layers=layers)
+
+
+class FixedTarget(TargetProvider):
+    """The mean vector of a gradient store: a fixed target in the store's projected space."""
+
+    def __init__(self, path: str, block_rows: int = 4096) -> None:
+        from dattri_ds.store import GradientStore
+
+        acc = GradAccumulator()
+        with GradientStore.open(path) as store:
+            if len(store) == 0:
+                raise ConfigError(f"The target store '{path}' holds no examples")
+            for batch in store.iter_batches(block_rows):
+                acc.add(batch)
+        self._value = acc.mean("target")
+
+    def get(self, step: int) -> GradBatch:
+        return self._value
