@@ -22,9 +22,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, help="seed [train.seed]")
     p.add_argument("--save-every", type=int, help="checkpoint every N steps [train.save_every]")
     p.add_argument("--log-every", type=int, help="log every N steps [train.log_every]")
+    p.add_argument("--eval-every", type=int, help="held-out loss every N steps [train.eval_every]")
+    p.add_argument("--eval-data", help="held-out jsonl [train.eval_data]")
     p.add_argument("--capture", action="store_true", default=None,
                    help="store projected per-example gradients of the training stream "
                         "[capture_enabled]")
+    g = p.add_argument_group("online data selection (selection.* in the dattri_ds block)")
+    g.add_argument("--online-selection", "--enable-online-selection", dest="online_selection",
+                   action="store_true", default=None,
+                   help="score candidates against the target gradient every micro-batch and "
+                        "train on the best [selection.enabled]")
+    g.add_argument("--target-data", help="target texts (jsonl) [selection.target_data]")
+    g.add_argument("--target-max-docs", type=int, help="[selection.target_max_docs]")
+    g.add_argument("--candidate-multiple", type=float,
+                   help="candidates per trained example [selection.candidate_multiple]")
+    g.add_argument("--selection-policy", choices=["topk", "fraction", "threshold", "greats"],
+                   help="[selection.policy]")
+    g.add_argument("--selection-scope", choices=["rank", "global"], help="[selection.scope]")
+    g.add_argument("--refresh-every", type=int, help="[selection.refresh_every]")
+    g.add_argument("--random-selection", action="store_true", default=None,
+                   help="baseline: draw the trained examples uniformly from the same candidates "
+                        "[selection.random]")
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1,
                    help="set by the deepspeed launcher")
     try:

@@ -13,6 +13,7 @@ from typing import Any
 
 from dattri_ds.config import CaptureConfig, from_dict
 from dattri_ds.errors import ConfigError
+from dattri_ds.selection import SelectionConfig
 from dattri_ds.store import StoreConfig
 
 __all__ = ["TrainConfig", "RunConfig", "load_run_config", "dump_json"]
@@ -54,6 +55,18 @@ class TrainConfig:
     log_every: int = 10
     """Log loss and examples/s every N steps."""
 
+    eval_data: str | None = None
+    """jsonl of held-out texts whose loss is tracked (None = selection.target_data)."""
+
+    eval_skip: int = 64
+    """Skip the first N eval documents (by default those are the selection target set)."""
+
+    eval_max_docs: int = 64
+    """Evaluate on at most N documents."""
+
+    eval_every: int = 0
+    """Evaluate the held-out loss every N steps (0 = never)."""
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "train_data", tuple(self.train_data) if not isinstance(
             self.train_data, str) else (self.train_data,))
@@ -80,10 +93,13 @@ class RunConfig:
     capture_enabled: bool = False
     """Capture per-example gradients of the training stream into the store."""
 
+    selection: SelectionConfig = field(default_factory=SelectionConfig)
+    """Online data selection (enabled by ``--online-selection``)."""
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RunConfig:
         d = dict(d)
-        allowed = ("train", "capture", "store", "capture_enabled")
+        allowed = ("train", "capture", "store", "capture_enabled", "selection")
         unknown = sorted(set(d) - set(allowed))
         if unknown:
             raise ConfigError(f"Unknown key(s) {unknown} in the '{BLOCK}' block; allowed keys: "
@@ -92,11 +108,16 @@ class RunConfig:
         capture = CaptureConfig.from_dict(d.get("capture", {}))
         store = dict(d.get("store", {}))
         StoreConfig.from_dict({"path": "x", **store})  # validate keys and values now
+        selection = SelectionConfig.from_dict(d.get("selection", {}))
         return cls(train=train, capture=capture, store=store,
-                   capture_enabled=bool(d.get("capture_enabled", False)))
+                   capture_enabled=bool(d.get("capture_enabled", False)), selection=selection)
 
     def store_config(self, out: Path) -> StoreConfig:
         return StoreConfig.from_dict({"path": str(out / "grad_store"), **self.store})
+
+    def with_selection(self, **changes: Any) -> RunConfig:
+        changes = {k: v for k, v in changes.items() if v is not None}
+        return replace(self, selection=replace(self.selection, **changes)) if changes else self
 
     def with_train(self, **changes: Any) -> RunConfig:
         changes = {k: v for k, v in changes.items() if v is not None}

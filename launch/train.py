@@ -19,6 +19,7 @@ import os
 import sys
 import time
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `dattri_ds.launch` importable
@@ -117,10 +118,15 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = cfg.with_train(model_config=args.model_config, model_path=args.model_path,
                          train_data=args.train_data, max_docs=args.max_docs, seq_len=args.seq_len,
                          vocab_size=args.vocab_size, steps=args.steps, seed=args.seed,
-                         save_every=args.save_every, log_every=args.log_every)
+                         save_every=args.save_every, log_every=args.log_every,
+                         eval_every=args.eval_every, eval_data=args.eval_data)
+    cfg = cfg.with_selection(enabled=args.online_selection, target_data=args.target_data,
+                             target_max_docs=args.target_max_docs,
+                             candidate_multiple=args.candidate_multiple,
+                             policy=args.selection_policy, scope=args.selection_scope,
+                             refresh_every=args.refresh_every, random=args.random_selection)
     if args.capture:
-        cfg = RunConfig(train=cfg.train, capture=cfg.capture, store=cfg.store,
-                        capture_enabled=True)
+        cfg = replace(cfg, capture_enabled=True)
     rank, world = setup_distributed()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
@@ -139,7 +145,9 @@ def main(argv: list[str] | None = None) -> dict:
         dump_json(out / "resolved_deepspeed_config.json", ds_config)
         dump_json(out / "resolved_dattri_ds_config.json", cfg)
         model.config.to_json_file(str(out / "model_config.json"))
-    summary = train(engine, cfg, data, out, rank, world, tok)
+    selector = _selector(engine, cfg, data, tok, out, rank, world)
+    evaluator = _evaluator(engine, cfg, tok, data.seq_len, rank, world)
+    summary = train(engine, cfg, data, out, rank, world, tok, selector, evaluator)
     if rank == 0:
         dump_json(out / "summary.json", summary)
         logger.info("done: %s", json.dumps(summary))
@@ -161,20 +169,93 @@ def _capture(engine, cfg: RunConfig, out: Path, rank: int, world: int, tok):
     return GradientCapture.for_engine(engine, cfg.capture, callbacks=[cb]).attach()
 
 
-def train(engine, cfg: RunConfig, data, out: Path, rank: int, world: int, tok) -> dict:
-    """The loop: nothing in it knows about capture; hooks do the work."""
+def _target_docs(path: str, tok, seq_len: int, skip: int, limit: int | None):
+    from dattri_ds.data import load_documents, tokenize_documents
+
+    docs = load_documents(path)[skip:]
+    return tokenize_documents(docs[:limit] if limit else docs, tok, seq_len)
+
+
+def _selector(engine, cfg: RunConfig, data, tok, out: Path, rank: int, world: int):
+    """The OnlineSelector of ``--online-selection``; every check runs before the first step."""
+    sc = cfg.selection
+    if not sc.enabled:
+        return None
+    from dattri_ds.distributed import ParallelContext
+    from dattri_ds.selection import (
+        FixedTarget, OnlineSelector, ValidationTarget, check_engine_supported,
+        check_target_compatible,
+    )
+
+    check_engine_supported(engine)
+    ctx = ParallelContext(dp_rank=rank, dp_world=world)
+    probe = OnlineSelector.probe_capture(engine.module, sc, cfg.capture)
+    if sc.target_store:
+        target = FixedTarget(sc.target_store)
+    else:
+        tdata = _target_docs(sc.target_data, tok, data.seq_len, 0, sc.target_max_docs)
+        check_target_compatible(data, tdata)
+        target = ValidationTarget(
+            probe, lambda b: engine.module(**b).loss, tdata.batch(slice(None)), ctx=ctx,
+            refresh_every=sc.refresh_every, batch_size=sc.target_batch_size, device=engine.device)
+    return OnlineSelector(engine.module, sc, target, probe=probe, ctx=ctx,
+                          lr_fn=lambda: float(engine.get_lr()[0]),
+                          log_path=out / "selection.jsonl")
+
+
+def _evaluator(engine, cfg: RunConfig, tok, seq_len: int, rank: int, world: int):
+    """``evaluate() -> mean token loss`` on held-out texts, every rank a share (ZeRO-3 safe)."""
+    tc = cfg.train
+    if not tc.eval_every:
+        return None
+    path = tc.eval_data or cfg.selection.target_data
+    skip = tc.eval_skip if tc.eval_data is None else 0
+    ev = _target_docs(path, tok, seq_len, skip, tc.eval_max_docs)
+    rows = torch.arange(rank, len(ev), world)
+
+    @torch.no_grad()
+    def evaluate() -> float:
+        was = engine.module.training
+        engine.module.eval()
+        tot = torch.zeros(2, dtype=torch.float64, device=engine.device)
+        for start in range(0, max(len(rows), 1), 8):
+            idx = rows[start:start + 8]
+            if idx.numel() == 0:  # keep ZeRO-3 collectives in step on every rank
+                idx = rows[:1] if rows.numel() else torch.tensor([0])
+                weight = 0.0
+            else:
+                weight = 1.0
+            b = {k: v.to(engine.device) for k, v in ev.batch(idx).items()}
+            n = float((b["labels"][:, 1:] != -100).sum())
+            tot += torch.tensor([float(engine.module(**b).loss) * n * weight, n * weight],
+                                dtype=torch.float64, device=engine.device)
+        torch.distributed.all_reduce(tot)
+        engine.module.train(was)
+        return float(tot[0] / tot[1].clamp_min(1))
+    return evaluate
+
+
+def train(engine, cfg: RunConfig, data, out: Path, rank: int, world: int, tok,
+          selector=None, evaluator=None) -> dict:
+    """The loop: nothing in it knows about capture; hooks and the selector do the work."""
     tc = cfg.train
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     device = engine.device
     capture = _capture(engine, cfg, out, rank, world, tok)
-    ckpt_dir, lrs, checkpoints = out / "checkpoints", [], []
+    n_cand = selector.num_candidates(micro) if selector is not None else micro
+    ckpt_dir, lrs, checkpoints, evals = out / "checkpoints", [], [], []
+    if evaluator is not None:
+        evals.append({"step": 0, "examples": 0, "target_loss": evaluator()})
     bar = _progress(tc.steps, rank)
     t0, seen, loss_avg = time.perf_counter(), 0, float("nan")
     for step in range(tc.steps):
-        idx = micro_batch_indices(len(data), step, micro, gas, rank, world, tc.seed)
+        idx = micro_batch_indices(len(data), step, n_cand, gas, rank, world, tc.seed)
         step_loss = torch.zeros((), device=device)
         for mb in range(gas):
             batch = {k: v.to(device) for k, v in data.batch(idx[mb]).items()}
+            if selector is not None:
+                doc_ids = [data.docs[i].id for i in idx[mb].tolist()]
+                batch = selector.select(batch, micro, step, user_ids=doc_ids).batch
             loss = engine(**batch).loss
             engine.backward(loss)
             engine.step()
@@ -189,6 +270,9 @@ def train(engine, cfg: RunConfig, data, out: Path, rank: int, world: int, tok) -
             rate = seen / (time.perf_counter() - t0)
             logger.info("step %d/%d loss %.4f lr %.2e %.1f ex/s", step + 1, tc.steps, loss_avg,
                         lr, rate)
+        if evaluator is not None and ((step + 1) % tc.eval_every == 0 or step + 1 == tc.steps):
+            evals.append({"step": step + 1, "examples": seen, "target_loss": evaluator()})
+            logger.info("step %d target loss %.4f", step + 1, evals[-1]["target_loss"])
         if (tc.save_every and (step + 1) % tc.save_every == 0) or step + 1 == tc.steps:
             tag = f"step{step + 1}"
             engine.save_checkpoint(str(ckpt_dir), tag=tag,
@@ -203,11 +287,15 @@ def train(engine, cfg: RunConfig, data, out: Path, rank: int, world: int, tok) -
         bar.close()
     if capture is not None:
         capture.detach()
+    summary = {"steps": tc.steps, "examples": seen, "final_loss": loss_avg, "world": world,
+               "seconds": round(time.perf_counter() - t0, 2),
+               "checkpoints": [c["tag"] for c in checkpoints], "captured": bool(capture),
+               "eval": evals}
+    if selector is not None:
+        summary["selection"] = selector.summary()
+        selector.close()
     torch.distributed.barrier()
-    return {"steps": tc.steps, "examples": seen, "final_loss": loss_avg, "world": world,
-            "seconds": round(time.perf_counter() - t0, 2), "checkpoints": [c["tag"] for c in
-                                                                            checkpoints],
-            "captured": bool(capture)}
+    return summary
 
 
 def _progress(total: int, rank: int):

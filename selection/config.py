@@ -62,6 +62,10 @@ class SelectionConfig:
     include: tuple[str, ...] = ()
     """Module-name patterns scored (empty = every supported layer)."""
 
+    random: bool = False
+    """Baseline: keep a uniformly random subset of the same candidates (no scoring), for
+    measuring what scoring adds."""
+
     log_scores: bool = True
     """Write chosen ids and scores of every step to ``<out>/selection.jsonl``."""
 

@@ -33,12 +33,14 @@ from dattri_ds.distributed import ParallelContext
 from dattri_ds.errors import ConfigError
 from dattri_ds.gradient import GradBatch
 from dattri_ds.ops import CostModel
+from dattri_ds.ops.projection import stable_seed
+from dattri_ds.semantics import content_id
 from dattri_ds.selection.config import SelectionConfig
 from dattri_ds.selection.policy import choose
 from dattri_ds.selection.scorer import alignment_scores, redundancy_gram
 from dattri_ds.selection.target import TargetProvider
 
-__all__ = ["Selection", "OnlineSelector", "check_engine_supported"]
+__all__ = ["Selection", "OnlineSelector", "check_engine_supported", "check_target_compatible"]
 
 Batch = dict[str, torch.Tensor]
 
@@ -78,6 +80,23 @@ def check_engine_supported(engine: object) -> None:
     if isinstance(data_eff, dict) and data_eff.get("enabled"):
         raise ConfigError("Online selection and DeepSpeed data_efficiency both reorder the "
                           "training data; enable only one of them")
+
+
+def check_target_compatible(train: object, target: object) -> None:
+    """Refuse target data tokenized differently from the training data (before any step).
+
+    Both arguments are ``TokenizedDocuments``-like: ``tokenizer_fingerprint`` and ``seq_len``.
+    """
+    tf, gf = getattr(train, "tokenizer_fingerprint", ""), getattr(target, "tokenizer_fingerprint", "")
+    if tf and gf and tf != gf:
+        raise ConfigError(f"The target data was tokenized with '{gf}' but the training data with "
+                          f"'{tf}': tokenize the target texts with the training tokenizer")
+    if train.seq_len != target.seq_len:
+        raise ConfigError(f"Target examples have {target.seq_len} tokens but training examples "
+                          f"have {train.seq_len}: tokenize both with the same seq_len")
+    if len(target) == 0:
+        raise ConfigError("The target set is empty: give selection.target_data at least one "
+                          "document")
 
 
 class OnlineSelector:
@@ -130,8 +149,16 @@ class OnlineSelector:
                               "depend on any captured layer")
         return grads, alignment_scores(grads, target, self.cost)
 
-    def select(self, batch: Batch, k: int, step: int) -> Selection:
-        """Score ``batch`` (C candidates) and return the ``k`` (or policy-sized) to train on."""
+    def select(self, batch: Batch, k: int, step: int,
+               user_ids: list[str] | None = None) -> Selection:
+        """Score ``batch`` (C candidates) and return the ``k`` (or policy-sized) to train on.
+
+        ``user_ids`` (e.g. document ids) prefix the logged sample ids.
+        """
+        if self.config.random:
+            return self._select_random(batch, k, step, user_ids)
+        if user_ids is not None:
+            self.probe.tag(user_ids)
         grads, scores = self.score(batch, step)
         scores = scores.detach().float().cpu()
         if self.config.scope == "global" and self.ctx.dp_world > 1:
@@ -140,6 +167,22 @@ class OnlineSelector:
             idx = self._choose(grads, scores, k, grads)
             sel = Selection({n: v[idx.to(v.device)] for n, v in batch.items()}, idx, scores,
                             tuple(grads.sample_ids[i] for i in idx.tolist()), scores[idx])
+        self._record(step, sel)
+        return sel
+
+    def _select_random(self, batch: Batch, k: int, step: int,
+                       user_ids: list[str] | None) -> Selection:
+        """Baseline: a seeded uniform draw of ``k`` candidates, no scoring."""
+        c = next(iter(batch.values())).shape[0]
+        self._draws = getattr(self, "_draws", 0) + 1
+        gen = torch.Generator().manual_seed(stable_seed("random", step, self.ctx.dp_rank,
+                                                        self._draws))
+        idx = torch.randperm(c, generator=gen)[:min(k, c)].sort().values
+        ids = batch["input_ids"][idx]
+        sel = Selection({n: v[idx.to(v.device)] for n, v in batch.items()}, idx,
+                        torch.zeros(c),
+                        tuple(content_id(row, None, None if user_ids is None else user_ids[i])
+                              for row, i in zip(ids, idx.tolist())), torch.zeros(len(idx)))
         self._record(step, sel)
         return sel
 
