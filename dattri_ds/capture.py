@@ -18,6 +18,7 @@ twice.
 
 from __future__ import annotations
 
+import contextvars
 import fnmatch
 import logging
 import warnings
@@ -44,6 +45,9 @@ __all__ = ["GradientCapture"]
 
 logger = logging.getLogger(__name__)
 _ATTR = "_dattri_ds_capture"
+#: True while any capture runs a probe forward: recording captures ignore that forward.
+_PROBING: contextvars.ContextVar[bool] = contextvars.ContextVar("dattri_ds_probing",
+                                                                 default=False)
 
 
 @dataclass(eq=False)
@@ -84,6 +88,8 @@ class GradientCapture:
         scale_fn: engine adapters' backward scale, read at backward time (multiplies
             ``config.backward_scale``).
         step_fn: engine adapters' global step, read when a micro-batch starts.
+        probe_only: record nothing during ordinary forwards; only ``probe()`` captures.
+            Such a capture may share a model with one recording capture.
 
     Use ``GradientCapture.for_engine(engine, ...)`` for a DeepSpeed engine: it hooks
     ``engine.module`` and takes scale, step and step boundaries from the engine.
@@ -97,8 +103,9 @@ class GradientCapture:
     def __init__(self, model: nn.Module, config: CaptureConfig | None = None, *,
                  callbacks: Iterable[TrainingCallback] = (), cost: CostModel | None = None,
                  scale_fn: Callable[[], float] | None = None,
-                 step_fn: Callable[[], int] | None = None) -> None:
+                 step_fn: Callable[[], int] | None = None, probe_only: bool = False) -> None:
         self.model = model
+        self.probe_only = probe_only
         self.config = config or CaptureConfig()
         self.callbacks = list(callbacks)
         self.cost = cost
@@ -144,7 +151,7 @@ class GradientCapture:
 
     def attach(self) -> GradientCapture:
         """Find the layers to capture and register the hooks."""
-        if getattr(self.model, _ATTR, None) is not None:
+        if not self.probe_only and getattr(self.model, _ATTR, None) is not None:
             raise CaptureError(
                 f"A GradientCapture is already attached to this {type(self.model).__name__}; "
                 f"detach it (or leave its `with` block) before attaching another"
@@ -154,8 +161,9 @@ class GradientCapture:
         self._handles.append(self.model.register_forward_hook(self._root_post))
         for name, (module, kind) in self.layers.items():
             self._handles.append(module.register_forward_hook(self._layer_hook(name, kind)))
-        setattr(self.model, _ATTR, self)
-        if self.adapter is not None:
+        if not self.probe_only:
+            setattr(self.model, _ATTR, self)
+        if self.adapter is not None and not self.probe_only:
             adapter = self.adapter
             self._remove_step_hook = adapter.on_step(
                 lambda: self.next_step(adapter.global_step() - 1))
@@ -223,9 +231,13 @@ class GradientCapture:
         """Prefix the sample ids of the next forward call with these user ids."""
         self._user_ids = list(user_ids)
 
+    def _active(self) -> bool:
+        """Whether this forward is recorded: probes record only their own forward."""
+        return self._probing if (self.probe_only or _PROBING.get()) else True
+
     def _root_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self._open = [r for r in self._open if r.alive()]
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or not self._active():
             self._current = None
             return
         cfg = self.config
@@ -245,7 +257,7 @@ class GradientCapture:
 
     def _layer_hook(self, name: str, kind: LayerKind):
         def hook(module: nn.Module, args: tuple, output) -> None:
-            if not torch.is_grad_enabled():
+            if not torch.is_grad_enabled() or not self._active():
                 return None
             out = kind.output(module, output)
             if not torch.is_tensor(out) or not out.requires_grad:
@@ -339,7 +351,8 @@ class GradientCapture:
             if bad:
                 self._nonfinite(name, rec)
                 return None
-            layers[name] = LayerGrad(name, kind.name, data, kind.layer_shape(module))
+            layers[name] = LayerGrad(name, kind.name, data, kind.layer_shape(module),
+                                     shard=kind.shard_info(module))
         return GradBatch(rec.step, info.sample_ids, layers, rec.index, info.token_counts)
 
     def _scaled(self, g: torch.Tensor, scale: torch.Tensor, kind: LayerKind) -> torch.Tensor:
@@ -378,10 +391,12 @@ class GradientCapture:
         Cost: one forward and one backward without weight-gradient matmuls.
         """
         self._probing = True
+        token = _PROBING.set(True)
         try:
             loss = forward()
             rec = self._open[-1] if self._open else None
         finally:
+            _PROBING.reset(token)
             self._probing = False
         if rec is None or not rec.probe:
             return None

@@ -140,9 +140,12 @@ class OnlineSelector:
         """Candidates scored for ``k`` trained examples: ``ceil(candidate_multiple * k)``."""
         return math.ceil(self.config.candidate_multiple * k - 1e-9)
 
-    def score(self, batch: Batch, step: int) -> tuple[GradBatch, torch.Tensor]:
+    def score(self, batch: Batch, step: int,
+              user_ids: list[str] | None = None) -> tuple[GradBatch, torch.Tensor]:
         """Per-example gradients of the candidates and their ``[C]`` scores."""
         target = self.target.get(step)
+        if user_ids is not None:
+            self.probe.tag(user_ids)
         grads = self.probe.probe(lambda: self.model(**batch).loss)
         if grads is None:
             raise ConfigError("The probe pass captured nothing: the model's loss does not "
@@ -157,9 +160,7 @@ class OnlineSelector:
         """
         if self.config.random:
             return self._select_random(batch, k, step, user_ids)
-        if user_ids is not None:
-            self.probe.tag(user_ids)
-        grads, scores = self.score(batch, step)
+        grads, scores = self.score(batch, step, user_ids)
         scores = scores.detach().float().cpu()
         if self.config.scope == "global" and self.ctx.dp_world > 1:
             sel = self._select_global(batch, grads, scores, k)

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from dattri_ds.errors import UnsupportedLayerError
-from dattri_ds.gradient import Dense, Factorized
+from dattri_ds.gradient import Dense, Factorized, ShardInfo
 
 __all__ = ["LayerDims", "LayerKind", "kind_for", "get_kind", "param_shape", "registered_kinds"]
 
@@ -91,6 +91,10 @@ class LayerKind(ABC):
     @abstractmethod
     def layer_shape(self, module: nn.Module) -> tuple[int, int]:
         """Canonical ``(O, I')`` of the local parameter gradient, from module attributes."""
+
+    def shard_info(self, module: nn.Module) -> ShardInfo | None:
+        """Where this module's local parameter sits in the full one (tensor parallelism)."""
+        return None
 
     @abstractmethod
     def build(self, module: nn.Module, a: torch.Tensor, g: torch.Tensor) -> Factorized | Dense:
