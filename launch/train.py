@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> dict:
     if rank == 0:
         dump_json(out / "resolved_deepspeed_config.json", ds_config)
         dump_json(out / "resolved_dattri_ds_config.json", cfg)
-        model.config.to_json_file(str(out / "model_config.json"))
+        model.config.save_pretrained(str(out / "model"))  # HF config.json for offline tools
     selector = _selector(engine, cfg, data, tok, out, rank, world)
     evaluator = _evaluator(engine, cfg, tok, data.seq_len, rank, world)
     summary = train(engine, cfg, data, out, rank, world, tok, selector, evaluator)
@@ -253,9 +253,13 @@ def train(engine, cfg: RunConfig, data, out: Path, rank: int, world: int, tok,
         step_loss = torch.zeros((), device=device)
         for mb in range(gas):
             batch = {k: v.to(device) for k, v in data.batch(idx[mb]).items()}
+            doc_ids = [data.docs[i].id for i in idx[mb].tolist()]
             if selector is not None:
-                doc_ids = [data.docs[i].id for i in idx[mb].tolist()]
-                batch = selector.select(batch, micro, step, user_ids=doc_ids).batch
+                sel = selector.select(batch, micro, step, user_ids=doc_ids)
+                batch = sel.batch
+                doc_ids = [c.split("#")[0] for c in sel.chosen_ids]  # "<doc id>#<hash>"
+            if capture is not None:  # stored ids: "<doc id>@<step>#<content hash>"
+                capture.tag([f"{d}@{step}" for d in doc_ids])
             loss = engine(**batch).loss
             engine.backward(loss)
             engine.step()
