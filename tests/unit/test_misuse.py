@@ -166,3 +166,10 @@ def test_config_rejects_unknown_keys_and_values():
         CaptureConfig(loss_reduction="avg")
     cfg = CaptureConfig.from_dict({"projection": {"dim": 64}, "exclude": ["lm_head"]})
     assert cfg.projection.dim == 64 and cfg.exclude == ("lm_head",)
+
+
+def test_tied_weights_are_reported():
+    """Tied input/output embeddings are named in a warning (cross terms are not captured)."""
+    model = tiny_gpt2(tie=True)
+    with pytest.warns(UserWarning, match=r"lm_head.*tied|tied.*lm_head|share a parameter"):
+        GradientCapture(model).attach().detach()
