@@ -102,3 +102,19 @@ def test_bad_selection_input_fails_early():
             ValidationTarget(probe, lambda b: model(**b).loss, {"input_ids": empty})
     with pytest.raises(ConfigError, match="greats"):
         SelectionConfig(policy="greats", scope="global")
+
+
+def test_target_tokenized_differently_is_refused():
+    """Target data from another tokenizer or with another sequence length fails at start."""
+    from dattri_ds.data import load_documents, tokenize_documents, train_tokenizer
+    from dattri_ds.selection import check_target_compatible
+
+    docs = load_documents("data/tiny/train.jsonl")[:40]
+    tok_a = train_tokenizer([d.text for d in docs], vocab_size=300)
+    tok_b = train_tokenizer([d.text for d in docs[:20]], vocab_size=300)
+    train = tokenize_documents(docs[:10], tok_a, 16)
+    check_target_compatible(train, tokenize_documents(docs[10:12], tok_a, 16))
+    with pytest.raises(ConfigError, match="tokenized with"):
+        check_target_compatible(train, tokenize_documents(docs[10:12], tok_b, 16))
+    with pytest.raises(ConfigError, match="seq_len"):
+        check_target_compatible(train, tokenize_documents(docs[10:12], tok_a, 24))
