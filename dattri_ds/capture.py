@@ -40,6 +40,7 @@ from dattri_ds.ops.cost import CostModel
 from dattri_ds.ops.inner import project_batch
 from dattri_ds.ops.projection import Projector
 from dattri_ds.semantics import BatchInfo, batch_info, example_scale
+from dattri_ds.tied import TiedGroup, find_tied, merge_tied
 
 __all__ = ["GradientCapture"]
 
@@ -127,6 +128,7 @@ class GradientCapture:
         self._user_ids: list[str] | None = None
         self._warned_no_info = False
         self._probing = False
+        self._tied: list[TiedGroup] = []
 
     @classmethod
     def for_engine(cls, engine: object, config: CaptureConfig | None = None, *,
@@ -213,18 +215,14 @@ class GradientCapture:
             )
 
     def _warn_tied(self) -> None:
-        """Tied weights (e.g. GPT-2 wte/lm_head) are captured per module: say so, by name."""
-        owners: dict[int, list[str]] = defaultdict(list)
-        for name, (module, _) in self.layers.items():
-            for p in module.parameters(recurse=False):
-                owners[id(p)].append(name)
-        tied = [names for names in owners.values() if len(names) > 1]
-        if tied:
+        """Find tied weights; warn, by name, about ties no rule of dattri_ds/tied.py covers."""
+        self._tied, unsupported = find_tied(self.layers)
+        if unsupported:
             warnings.warn(
-                f"Modules {tied} share a parameter (tied weights). Each is captured as its "
-                f"own layer, so whole-model inner products omit the cross terms between "
-                f"them; untie the weights (e.g. tie_word_embeddings=False) or exclude one of "
-                f"them for exact whole-parameter similarities", stacklevel=4)
+                f"Modules {unsupported} share a parameter (tied weights) in a way dattri-ds "
+                f"cannot merge. Each is captured as its own layer, so whole-model inner "
+                f"products omit the cross terms between them; untie the weights or exclude "
+                f"one of them for exact whole-parameter similarities", stacklevel=4)
 
     # ---- hooks ----------------------------------------------------------------------
     def tag(self, user_ids: list[str]) -> None:
@@ -353,6 +351,7 @@ class GradientCapture:
                 return None
             layers[name] = LayerGrad(name, kind.name, data, kind.layer_shape(module),
                                      shard=kind.shard_info(module))
+        merge_tied(layers, self._tied)
         return GradBatch(rec.step, info.sample_ids, layers, rec.index, info.token_counts)
 
     def _scaled(self, g: torch.Tensor, scale: torch.Tensor, kind: LayerKind) -> torch.Tensor:

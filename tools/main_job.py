@@ -78,7 +78,7 @@ def plot(curves: dict[str, list[dict]], path: Path) -> None:
                 label=label)
     ax.set_xlabel("trained examples")
     ax.set_ylabel("held-out Hamlet loss (nats/token)")
-    ax.set_title("Online data selection vs uniform choice from the same candidates")
+    ax.set_title("Online selection vs uniform choice from the same candidates", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -168,8 +168,41 @@ def test_config_rejects_unknown_keys_and_values():
     assert cfg.projection.dim == 64 and cfg.exclude == ("lm_head",)
 
 
-def test_tied_weights_are_reported():
-    """Tied input/output embeddings are named in a warning (cross terms are not captured)."""
+def test_tied_embeddings_are_one_exact_layer():
+    """GPT-2 with tied wte/lm_head: one 'lm_head' layer whose per-example gradient is the
+    whole shared weight's (both uses summed), and ghost grams include the cross terms."""
+    from dattri_ds import cross_gram
     model = tiny_gpt2(tie=True)
-    with pytest.warns(UserWarning, match=r"lm_head.*tied|tied.*lm_head|share a parameter"):
-        GradientCapture(model).attach().detach()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    ids = torch.randint(0, 97, (3, 8))
+    with GradientCapture(model) as cap:
+        model(input_ids=ids, labels=ids).loss.backward()
+        batch = cap.pop()
+    model.zero_grad(set_to_none=True)
+    assert "transformer.wte" not in batch.layers
+    ref = reference_grads(model, ids)  # p.grad of a tied weight is the total
+    got = materialize(batch.layers["lm_head"])
+    assert rel_err(got, ref["lm_head"]) <= 1e-5
+    gram = cross_gram(batch, batch, layers=["lm_head"], path="ghost")
+    assert rel_err(gram, ref["lm_head"] @ ref["lm_head"].T) <= 1e-5
+
+
+def test_untied_shared_kinds_warn():
+    """A tie no rule covers (LayerNorm weight shared with a Linear) is named in a warning."""
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln = nn.LayerNorm(4)
+            self.fc = nn.Linear(4, 4, bias=False)
+            self.fc.weight = nn.Parameter(torch.ones(4, 4))
+            self.ln.weight = nn.Parameter(torch.ones(4))
+            self.ln2 = nn.LayerNorm(4)
+            self.ln2.weight = self.ln.weight
+            self.fc2 = nn.Linear(4, 4, bias=False)
+            self.fc2.weight = self.fc.weight
+
+        def forward(self, x):
+            return self.fc2(self.ln2(self.fc(self.ln(x))))
+
+    with pytest.warns(UserWarning, match="share a parameter"):
+        GradientCapture(Odd()).attach().detach()
