@@ -16,6 +16,12 @@ from dattri_ds.ops import (
     grad_sum, layer_cross_gram, materialize, norms, project, project_batch, sq_norms,
 )
 
+from dattri_ds.ops.kronecker import KFACConfig, KFACFactors
+from dattri_ds.methods import (
+    Attributor, Checkpoint, Scores, fit_factors, get_attributor, make_attributor,
+    registered_attributors,
+)
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -25,6 +31,8 @@ __all__ = [
     "CostModel", "Roofline", "Projector", "GradAccumulator",
     "materialize", "layer_cross_gram", "cross_gram", "sq_norms", "norms", "cosine",
     "grad_sum", "project", "project_batch",
+    "KFACConfig", "KFACFactors", "Attributor", "Checkpoint", "Scores", "fit_factors",
+    "get_attributor", "make_attributor", "registered_attributors",
     "DattriDSError", "ConfigError", "UnsupportedLayerError", "ShapeError",
     "StoreMismatchError", "CaptureError",
 ]

@@ -9,6 +9,13 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
+import torch  # noqa: E402
+
+# Two shared cores: small ops (float64 eigh, tiny matmuls) run far slower with 2 threads
+# fighting the other tests' processes than with one.
+torch.set_num_threads(1)
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "dist: multi-process (gloo) tests")
     config.addinivalue_line("markers", "gpu: needs CUDA")

@@ -1,0 +1,16 @@
+"""Attribution methods sharing one train x query scoring loop; importing registers them.
+
+``graddot``, ``gradcos``, ``tracin``, ``kfac``, ``ekfac``: ``make_attributor(name, ...)``.
+"""
+
+from dattri_ds.methods.base import (
+    Attributor, Scores, get_attributor, make_attributor, registered_attributors,
+)
+from dattri_ds.methods.curvature import EKFAC, KFAC, fit_factors
+from dattri_ds.methods.graddot import GradCos, GradDot
+from dattri_ds.methods.tracin import Checkpoint, TracIn
+
+__all__ = [
+    "Attributor", "Scores", "get_attributor", "make_attributor", "registered_attributors",
+    "GradDot", "GradCos", "TracIn", "Checkpoint", "KFAC", "EKFAC", "fit_factors",
+]

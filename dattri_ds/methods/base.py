@@ -1,0 +1,152 @@
+"""Attributor: the shared train x query scoring loop of inner-product attribution methods.
+
+Every method scores a training example n against a query q as an inner product of their
+per-example gradients after a method-specific *preconditioning of the query side*::
+
+    score[n, q] = c_n c_q <g_n, M g_q>         (M = I, H^-1, ...; c = optional normalizers)
+
+Sign convention: ``score[n, q] > 0`` means training on example n lowers the loss of query
+q to first order. One SGD step of size ``lr`` on example n changes the query loss by
+``-lr <g_q, g_n>``; upweighting n by ``eps`` in an objective with curvature H changes it by
+``-eps <g_q, H^-1 g_n>``. So positive scores are *proponents*, negative *opponents*.
+
+Methods override ``precondition(query) -> GradBatch`` (and optionally ``query_scale`` /
+``train_scale``). Training gradients are read once, in batches, and never preconditioned:
+memory is the preconditioned query plus one train batch, and the ``[N, Q]`` result.
+Both sides may be factorized (from capture) or dense projected rows (from a store), as
+long as they are in the same space (same projection tag): see ``ops.inner.cross_gram``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from typing import ClassVar, NamedTuple
+
+import torch
+
+from dattri_ds.errors import ConfigError, ShapeError
+from dattri_ds.gradient import GradBatch
+from dattri_ds.ops.cost import CostModel
+from dattri_ds.ops.inner import cross_gram
+
+__all__ = ["Scores", "Attributor", "get_attributor", "registered_attributors",
+           "make_attributor"]
+
+_REGISTRY: dict[str, type[Attributor]] = {}
+
+
+class Scores(NamedTuple):
+    """Attribution scores; unpacks as ``train_ids, values = scores``.
+
+    Attributes:
+        train_ids: sample id of each row, in the order the training batches came.
+        values: ``[N, Q]`` float32 on CPU, ``values[n, q] > 0`` = n helps q (module docstring).
+    """
+
+    train_ids: tuple[str, ...]
+    values: torch.Tensor
+
+
+class Attributor(ABC):
+    """Base of attribution methods; ``class M(Attributor, name="m")`` registers ``m``.
+
+    Args:
+        layers: layer names to score on (default: every layer of the query).
+        cost: cost model for the ghost/dense routing of the inner products.
+    """
+
+    name: ClassVar[str]
+
+    def __init_subclass__(cls, name: str | None = None, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if name is not None:
+            cls.name = name
+            _REGISTRY[name] = cls  # later registrations win, as for LayerKind
+
+    def __init__(self, *, layers: Iterable[str] | None = None,
+                 cost: CostModel | None = None) -> None:
+        self.layers = tuple(layers) if layers is not None else None
+        self.cost = cost
+
+    # ---- what methods override ----------------------------------------------------------
+    @abstractmethod
+    def precondition(self, query: GradBatch) -> GradBatch:
+        """The query side ``M g_q`` (same ids, same layers, any LayerGrad form)."""
+
+    def query_scale(self, query: GradBatch, layers: tuple[str, ...]) -> torch.Tensor | None:
+        """Optional per-query factor ``c_q`` ``[Q]`` (None = 1)."""
+        return None
+
+    def train_scale(self, train: GradBatch, layers: tuple[str, ...]) -> torch.Tensor | None:
+        """Optional per-train-example factor ``c_n`` ``[B]`` (None = 1)."""
+        return None
+
+    # ---- the shared loop ----------------------------------------------------------------
+    def select(self, batch: GradBatch) -> GradBatch:
+        """Restrict a batch to ``self.layers`` (raising ShapeError naming a missing layer)."""
+        if self.layers is None:
+            return batch
+        missing = [n for n in self.layers if n not in batch.layers]
+        if missing:
+            raise ShapeError(f"Layers {missing} are not in the gradient batch (it has "
+                             f"{list(batch.layers)[:8]}...); capture them or drop them "
+                             f"from layers=")
+        return GradBatch(batch.step, batch.sample_ids, {n: batch.layers[n] for n in self.layers},
+                         batch.micro_batch, batch.token_counts)
+
+    def scores(self, train: Iterable[GradBatch], query: GradBatch) -> Scores:
+        """``[N, Q]`` scores of every training example against every query, streaming.
+
+        Args:
+            train: training gradients, one GradBatch at a time (any batch sizes).
+            query: the query gradients ``[Q]`` (preconditioned once here).
+
+        Returns:
+            Scores with the concatenated train ids and ``values [N, Q]``.
+
+        Raises:
+            ShapeError: a scored layer is missing from a train batch, or the two sides are
+                in different spaces (projection or shape), naming the layer.
+        """
+        query = self.select(query)
+        names = tuple(query.layers)
+        pq = self.precondition(query)
+        qs = self.query_scale(query, names)
+        ids: list[str] = []
+        blocks: list[torch.Tensor] = []
+        for batch in train:
+            missing = [n for n in names if n not in batch.layers]
+            if missing:
+                raise ShapeError(
+                    f"Layer '{missing[0]}' of the query is missing from the training batch "
+                    f"(step {batch.step}, first id {batch.sample_ids[:1]}); score with "
+                    f"layers= restricted to layers both sides hold")
+            s = cross_gram(batch, pq, names, self.cost)
+            ts = self.train_scale(batch, names)
+            if ts is not None:
+                s = s * ts.to(s.device).unsqueeze(1)
+            if qs is not None:
+                s = s * qs.to(s.device).unsqueeze(0)
+            blocks.append(s.detach().float().cpu())
+            ids.extend(batch.sample_ids)
+        values = torch.cat(blocks) if blocks else torch.zeros(0, query.batch_size)
+        return Scores(tuple(ids), values)
+
+
+def get_attributor(name: str) -> type[Attributor]:
+    """The registered Attributor class called ``name``."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ConfigError(f"No attribution method named '{name}'; registered methods: "
+                          f"{sorted(_REGISTRY)}") from None
+
+
+def registered_attributors() -> dict[str, type[Attributor]]:
+    return dict(_REGISTRY)
+
+
+def make_attributor(name: str, **kwargs) -> Attributor:
+    """Instantiate a registered method, e.g. ``make_attributor("ekfac", factors=f)``."""
+    return get_attributor(name)(**kwargs)

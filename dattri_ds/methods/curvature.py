@@ -1,0 +1,106 @@
+"""K-FAC / EK-FAC influence: the query is preconditioned by the inverse layer curvature.
+
+``score[n, q] = <g_n, (F + lambda)^-1 g_q>`` per layer, summed over layers (block-diagonal
+over layers), with ``F`` the Kronecker-factored empirical Fisher of ``ops/kronecker.py``
+(``kfac``: eigenvalues ``l_S l_A^T``; ``ekfac``: corrected eigenvalues). Positive = training
+on n lowers q's loss (``-d loss_q / d eps`` of upweighting n; ``methods.base``).
+
+What is supported:
+
+* train and query factorized (from capture) or dense unprojected: factors fitted from
+  factorized captures without projection;
+* dense Kronecker-projected rows (a store written with ``ProjectionConfig(kind="kronecker")``):
+  fit with ``KFACFactors(projector=Projector(<that config>))`` on factorized captures (the
+  factors become ``P_in A P_in^T``, ``P_out S P_out^T``); EK-FAC eigenvalues may then be
+  accumulated from the store rows themselves; queries may be factorized (projected on the
+  fly) or projected rows;
+* dense-projected factorized layers (``kind="dense"``) are refused (no Kronecker structure);
+  layernorm/rmsnorm use the diagonal Fisher on whatever rows are stored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from dattri_ds.distributed import ParallelContext
+from dattri_ds.errors import ConfigError, DattriDSError
+from dattri_ds.gradient import GradBatch
+from dattri_ds.methods.base import Attributor
+from dattri_ds.ops.cost import CostModel
+from dattri_ds.ops.kronecker import KFACConfig, KFACFactors
+from dattri_ds.ops.projection import Projector
+
+__all__ = ["KFAC", "EKFAC", "fit_factors"]
+
+Batches = Callable[[], Iterable[GradBatch]] | Iterable[GradBatch]
+
+
+class KFAC(Attributor, name="kfac"):
+    """Influence with the K-FAC inverse ``Q_S [X / (l_S l_A^T + lambda)] Q_A^T``.
+
+    Args:
+        factors: eigendecomposed KFACFactors (``fit_factors`` or ``KFACFactors.load``).
+        layers, cost: as for Attributor.
+    """
+
+    method = "kfac"
+
+    def __init__(self, *, factors: KFACFactors, layers: Iterable[str] | None = None,
+                 cost: CostModel | None = None) -> None:
+        super().__init__(layers=layers, cost=cost)
+        if not factors.eigendecomposed:
+            raise DattriDSError(f"{type(self).__name__} needs eigendecomposed factors; call "
+                                f"factors.eigendecompose() (fit_factors does)")
+        self.factors = factors
+
+    def precondition(self, query: GradBatch) -> GradBatch:
+        return self.factors.precondition(query, method=self.method)
+
+
+class EKFAC(KFAC, name="ekfac"):
+    """Influence with EK-FAC eigenvalues ``L = E_b[(Q_S^T G_b Q_A)^2]``."""
+
+    method = "ekfac"
+
+    def __init__(self, *, factors: KFACFactors, layers: Iterable[str] | None = None,
+                 cost: CostModel | None = None) -> None:
+        super().__init__(factors=factors, layers=layers, cost=cost)
+        if not factors.has_correction:
+            raise DattriDSError("EKFAC needs corrected eigenvalues: run "
+                                "factors.update_correction() over the training data and "
+                                "reduce() (fit_factors(..., ekfac=True) does), or use 'kfac'")
+
+
+def _passes(batches: Batches) -> Callable[[], Iterable[GradBatch]]:
+    if callable(batches):
+        return batches
+    if iter(batches) is batches:
+        raise ConfigError("fit_factors() reads the data twice (factors, then EK-FAC "
+                          "eigenvalues): pass a list or a zero-argument callable returning "
+                          "a fresh iterator, not a one-shot iterator")
+    return lambda: batches
+
+
+def fit_factors(batches: Batches, *, config: KFACConfig | None = None,
+                projector: Projector | None = None, ekfac: bool = True,
+                ctx: ParallelContext | None = None) -> KFACFactors:
+    """Fit curvature factors: sums, reduce, eigendecompose, then (EK-FAC) a second pass.
+
+    Args:
+        batches: factorized training GradBatches of this rank; a re-iterable or a callable
+            returning a fresh iterable per pass.
+        config: damping and accumulation dtype.
+        projector: Kronecker projector of the store the factors will precondition.
+        ekfac: also accumulate the EK-FAC eigenvalues (second pass).
+        ctx: data-parallel context (default: the default process group, or one process).
+    """
+    make = _passes(batches)
+    factors = KFACFactors(config, projector)
+    for b in make():
+        factors.update(b)
+    factors.reduce(ctx).eigendecompose()
+    if ekfac:
+        for b in make():
+            factors.update_correction(b)
+        factors.reduce(ctx)
+    return factors

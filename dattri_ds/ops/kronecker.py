@@ -1,0 +1,517 @@
+"""K-FAC / EK-FAC per layer: streaming factor sums, eigenbases, query preconditioning.
+
+Notation: example b has the per-example gradient ``G_b = sum_t g_bt a_bt^T`` (``[O, I']``,
+bias folded into ``a``), flattened row-major, so ``vec(G_b) = sum_t g_bt (x) a_bt``. The
+curvature is the empirical Fisher of per-example (summed-over-tokens) losses,
+``F = (1/N) sum_b vec(G_b) vec(G_b)^T``, approximated per layer as ``F ~ S (x) A`` with::
+
+    A = (1/M) sum_{b,t in V} a_bt a_bt^T        [I', I']   (M = |V| counted tokens)
+    S = (1/N) sum_{b,t}      g_bt g_bt^T        [O, O]     (N = examples)
+
+``V`` is the set of tokens whose output-grad row is not all zero (tokens that contribute to
+some ``G_b``), so padding and prompt-masked positions change nothing. Dropping cross-token
+terms and assuming ``a`` independent of ``g``,
+``F ~ (1/N) sum_{b,t} (g g^T) (x) (a a^T) ~ [(1/N) sum_{b,t} g g^T] (x) E_tok[a a^T] = S (x) A``:
+A is a per-token mean, S a per-example sum of token terms (the standard K-FAC for
+per-example-sum losses; the Kronecker order matches the row-major ``[O, I']`` layout).
+Since ``(S (x) A) vec(X) = vec(S X A)``, with ``S = Q_S diag(l_S) Q_S^T`` and
+``A = Q_A diag(l_A) Q_A^T`` (``torch.linalg.eigh`` in float64)::
+
+    K-FAC:   H^-1 vec(G) = vec( Q_S [ (Q_S^T G Q_A) / (l_S l_A^T + lambda) ] Q_A^T )
+    EK-FAC:  same with l_S l_A^T replaced by L_ij = (1/N) sum_b (Q_S^T G_b Q_A)_ij^2
+
+``L`` (George et al., 2018) is the diagonal of F in the Kronecker eigenbasis, accumulated in
+a second pass from factors without building ``G_b``:
+``Q_S^T G_b Q_A = sum_t (Q_S^T g_bt)(Q_A^T a_bt)^T``. Damping ``lambda`` is absolute, or
+relative: ``damping * mean(eigenvalues)`` of the layer (``mean(l_S) mean(l_A)`` or
+``mean(L)``). Larger damping makes ``H^-1 -> I / lambda``, i.e. plain gradient dot products.
+
+Forms, by layer kind:
+
+* ``kron``: linear/conv1d (A dense ``[I', I']``).
+* ``kron_index``: embedding with index inputs: ``A = diag(token counts) / M`` kept as a
+  vector ``[V]``, ``Q_A = I``.
+* ``diagonal``: dense-only kinds (layernorm/rmsnorm): ``F ~ diag((1/N) sum_b v_b^2)`` on the
+  captured row ``v_b`` (``[W]``, projected or not); K-FAC and EK-FAC coincide.
+
+Projection (LoGra): with a Kronecker ``Projector``, ``a`` and ``g`` are projected per side
+before accumulation (``a' = P_in a``, ``g' = P_out g``), so the factors are exactly
+``P_in A P_in^T`` and ``P_out S P_out^T`` and the projected gradients of a store
+(``P_out G_b P_in^T``) can be corrected and preconditioned. Layers with ``O*I' <= dim`` are
+kept exactly (``identity:<tag>``), as ``ops.project`` does. Fitting needs factorized data
+(a dense gradient has lost ``a`` and ``g``); dense-projected factorized kinds are refused.
+Tensor-parallel shards are independent layers: block-diagonal K-FAC over shards.
+
+Phases: ``update`` (factor sums) -> ``reduce`` -> ``eigendecompose`` -> ``update_correction``
+(EK-FAC sums) -> ``reduce``. Sums and counts are all-reduced, so R ranks give the single-process
+factors up to float rounding. ``save``/``load`` use ``torch.save`` of plain tensors and JSON.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from dattri_ds.distributed import ParallelContext, all_gather_object, all_reduce_sum
+from dattri_ds.errors import ConfigError, DattriDSError, ShapeError, StoreMismatchError
+from dattri_ds.gradient import Dense, Factorized, GradBatch, LayerGrad
+from dattri_ds.layers.base import get_kind
+from dattri_ds.layers.outer import row_chunks
+from dattri_ds.ops.inner import COMPUTE_DTYPE, materialize, project
+from dattri_ds.ops.projection import Projector, kron_dims
+
+__all__ = ["KFACConfig", "LayerFactors", "KFACFactors", "METHODS"]
+
+METHODS = ("kfac", "ekfac")
+_FORMAT = "dattri_ds.kfac/1"
+_COV_KEYS = {"kron": ("a", "s", "tokens", "examples"),
+             "kron_index": ("a", "s", "tokens", "examples"), "diagonal": ("d", "examples")}
+_LAM_KEYS = ("lam", "lam_examples")
+
+
+@dataclass(frozen=True, kw_only=True)
+class KFACConfig:
+    """How curvature factors are accumulated and inverted."""
+
+    damping: float = 0.1
+    """Added to every eigenvalue before inverting: absolute value, or a fraction of the
+    layer's mean eigenvalue (``damping_mode``). Must be > 0."""
+
+    damping_mode: Literal["relative", "absolute"] = "relative"
+    """``relative``: ``lambda = damping * mean(eigenvalues)`` per layer; ``absolute``:
+    ``lambda = damping``."""
+
+    dtype: Literal["float64", "float32"] = "float64"
+    """Dtype of the factor and eigenvalue sums (float32 halves memory for wide layers).
+    Eigendecompositions always run in float64; counts are always float64."""
+
+    def __post_init__(self) -> None:
+        if not self.damping > 0:
+            raise ConfigError(f"kfac.damping must be > 0, got {self.damping}")
+        if self.damping_mode not in ("relative", "absolute"):
+            raise ConfigError(f"kfac.damping_mode must be 'relative' or 'absolute', "
+                              f"got '{self.damping_mode}'")
+        if self.dtype not in ("float64", "float32"):
+            raise ConfigError(f"kfac.dtype must be 'float64' or 'float32', got '{self.dtype}'")
+
+
+@dataclass
+class LayerFactors:
+    """One layer's factor sums and eigenbasis.
+
+    Attributes:
+        name, kind, shape: as in LayerGrad (``shape`` is the canonical ``(O, I')``).
+        projection: projection tag of the vectors these factors act on (None = unprojected).
+        form: ``kron``, ``kron_index`` or ``diagonal`` (module docstring).
+        dims: ``(o, i)`` of the working space: ``shape``, ``(ko, ki)`` when Kronecker
+            projected, ``(1, W)`` for ``diagonal``.
+        sums: ``a`` (``[i, i]`` or ``[i]``), ``s`` ``[o, o]``, ``d`` ``[W]``, ``lam`` ``[o, i]``
+            and the float64 counts ``tokens``, ``examples``, ``lam_examples``.
+        eig: ``q_a``, ``l_a``, ``q_s``, ``l_s`` once eigendecomposed (float64).
+    """
+
+    name: str
+    kind: str
+    shape: tuple[int, int]
+    projection: str | None
+    form: str
+    dims: tuple[int, int]
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    eig: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def meta(self) -> dict:
+        return {"name": self.name, "kind": self.kind, "shape": list(self.shape),
+                "projection": self.projection, "form": self.form, "dims": list(self.dims)}
+
+    @classmethod
+    def from_meta(cls, m: dict) -> LayerFactors:
+        return cls(m["name"], m["kind"], tuple(m["shape"]), m["projection"], m["form"],
+                   tuple(m["dims"]))
+
+    def zero_sums(self, keys: Iterable[str], dtype: torch.dtype, device) -> None:
+        o, i = self.dims
+        shapes = {"a": (i,) if self.form == "kron_index" else (i, i), "s": (o, o), "d": (i,),
+                  "lam": (o, i)}
+        for k in keys:
+            if k not in self.sums:
+                dt = dtype if k in shapes else torch.float64
+                self.sums[k] = torch.zeros(shapes.get(k, ()), dtype=dt, device=device)
+
+    def covariances(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(A, S)`` normalized as in the module docstring (``A`` a vector for kron_index)."""
+        s = self.sums
+        return (s["a"].double() / s["tokens"].clamp_min(1),
+                s["s"].double() / s["examples"].clamp_min(1))
+
+
+class KFACFactors:
+    """Per-layer K-FAC/EK-FAC state: streaming sums, reduction, eigenbases, preconditioning.
+
+    Args:
+        config: damping and accumulation dtype.
+        projector: Kronecker projector of the store the factors will precondition (LoGra
+            factors ``P_in A P_in^T``, ``P_out S P_out^T``); None for unprojected gradients.
+    """
+
+    def __init__(self, config: KFACConfig | None = None, projector: Projector | None = None):
+        self.config = config or KFACConfig()
+        self.projector = projector
+        self.layers: dict[str, LayerFactors] = {}
+        self._reduced: set[str] = set()
+        self._dtype = getattr(torch, self.config.dtype)
+
+    @property
+    def eigendecomposed(self) -> bool:
+        return bool(self.layers) and all(lf.eig for lf in self.layers.values())
+
+    @property
+    def has_correction(self) -> bool:
+        """Whether EK-FAC eigenvalues were accumulated for every Kronecker layer."""
+        return self.eigendecomposed and all(
+            float(lf.sums["lam_examples"]) > 0 for lf in self.layers.values()
+            if lf.form != "diagonal")
+
+    # ---- pass 1: factor sums --------------------------------------------------------
+    def _layout(self, lg: LayerGrad) -> LayerFactors:
+        kind = get_kind(lg.kind)
+        o, i = lg.shape
+        p = self.projector
+        if kind.dense_only:
+            rows = self._dense_rows(lg)
+            return LayerFactors(lg.name, lg.kind, lg.shape, rows.projection, "diagonal",
+                                (1, rows.data.values.shape[1]))
+        if not lg.is_factorized:
+            state = f"projected ({lg.projection})" if lg.projection else "unprojected dense"
+            raise ShapeError(
+                f"Layer '{lg.name}' ({lg.kind}) holds {state} gradients: K-FAC factors need the "
+                f"factorized form (a, g). Fit factors from a capture without "
+                f"capture.projection and pass KFACFactors(projector=Projector(<store config>)) "
+                f"to precondition projected stores")
+        index = not lg.data.a.is_floating_point()
+        if p is None or o * i <= p.config.dim:
+            tag = None if p is None else f"identity:{p.config.tag}"
+            return LayerFactors(lg.name, lg.kind, lg.shape, tag,
+                                "kron_index" if index else "kron", (o, i))
+        if p.config.kind != "kronecker":
+            raise ConfigError(
+                f"Layer '{lg.name}': K-FAC on a '{p.config.kind}' projection has no Kronecker "
+                f"structure; use ProjectionConfig(kind='kronecker') (LoGra) or unprojected data")
+        return LayerFactors(lg.name, lg.kind, lg.shape, p.config.tag, "kron",
+                            kron_dims(p.config.dim, o, i))
+
+    def _dense_rows(self, lg: LayerGrad) -> LayerGrad:
+        if lg.projection is not None or self.projector is None:
+            return lg.replace(data=Dense(materialize(lg)))
+        return project(lg, self.projector)
+
+    def _factors(self, lf: LayerFactors, lg: LayerGrad) -> Factorized:
+        """Factors in ``lf``'s working space (side-projected when Kronecker projected)."""
+        f = lg.data
+        if lf.projection is None or lf.projection.startswith("identity:"):
+            return f
+        o, i = lf.shape
+        ko, ki = lf.dims
+        dev = f.g.device
+        p_out = self.projector.side(lf.name, "out", ko, o, dev, self._dtype)
+        p_in = self.projector.side(lf.name, "in", ki, i, dev, self._dtype)
+        a = p_in.T[f.a] if not f.a.is_floating_point() else f.a.to(self._dtype) @ p_in.T
+        return Factorized(a, f.g.to(self._dtype) @ p_out.T)
+
+    def update(self, batch: GradBatch) -> None:
+        """Fold a batch's factors into the sums (pass 1); new layers are added as they come."""
+        if self.eigendecomposed or "cov" in self._reduced:
+            raise DattriDSError("KFACFactors.update() after reduce()/eigendecompose(): factor "
+                                "sums are final; start a new KFACFactors for new data")
+        for name, lg in batch.layers.items():
+            lf = self.layers.get(name)
+            if lf is None:
+                lf = self.layers[name] = self._layout(lg)
+            self._check(lf, lg, allow_projection_change=True)
+            if lf.form == "diagonal":
+                rows = self._dense_rows(lg)
+                self._check(lf, rows)
+                v = rows.data.values.to(self._dtype)
+                self._width(lf, v)
+                lf.zero_sums(_COV_KEYS["diagonal"], self._dtype, v.device)
+                lf.sums["d"] += v.pow(2).sum(0)
+                lf.sums["examples"] += v.shape[0]
+                continue
+            self._accumulate_kron(lf, lg)
+
+    def _accumulate_kron(self, lf: LayerFactors, lg: LayerGrad) -> None:
+        if not lg.is_factorized:
+            self._layout(lg)  # raises the explanatory error
+        mask = (lg.data.g != 0).any(-1)  # [B, T] tokens that contribute to some G_b
+        f = self._factors(lf, lg)
+        g = f.g.to(self._dtype).reshape(-1, f.g.shape[-1])
+        lf.zero_sums(_COV_KEYS[lf.form], self._dtype, g.device)
+        if lf.form == "kron_index":
+            lf.sums["a"] += torch.bincount(f.a[mask], minlength=lf.dims[1]).to(self._dtype)
+        else:
+            a = f.a[mask].to(self._dtype)
+            lf.sums["a"] += a.T @ a
+        lf.sums["s"] += g.T @ g
+        lf.sums["tokens"] += mask.sum()
+        lf.sums["examples"] += f.g.shape[0]
+
+    # ---- distributed / merging --------------------------------------------------------
+    def _phase(self) -> str:
+        return "lam" if self.eigendecomposed else "cov"
+
+    def _phase_keys(self, lf: LayerFactors, phase: str) -> tuple[str, ...]:
+        if phase == "cov":
+            return _COV_KEYS[lf.form]
+        return () if lf.form == "diagonal" else _LAM_KEYS
+
+    def _device(self):
+        for lf in self.layers.values():
+            for t in lf.sums.values():
+                return t.device
+        return torch.device("cpu")
+
+    def reduce(self, ctx: ParallelContext | None = None) -> KFACFactors:
+        """Sum this phase's sums and counts over the data-parallel group (no-op at world 1).
+
+        Before eigendecomposition it reduces the factor sums, after it the EK-FAC sums.
+        Layers are matched by name (a rank that saw none of a layer contributes zeros), so
+        every rank must call it, once per phase.
+        """
+        ctx = ctx or ParallelContext.from_default_group()
+        phase = self._phase()
+        if phase in self._reduced:
+            raise DattriDSError(f"KFACFactors.reduce() called twice in the '{phase}' phase: the "
+                                f"sums would be counted world-size times")
+        self._reduced.add(phase)
+        if ctx.dp_world == 1:
+            return self
+        if phase == "cov":
+            metas = all_gather_object([lf.meta() for lf in self.layers.values()],
+                                      ctx.dp_group, ctx.dp_world)
+            for m in (m for rank in metas for m in rank):
+                self._adopt(LayerFactors.from_meta(m))
+        dev = self._device()
+        for name in sorted(self.layers):
+            lf = self.layers[name]
+            keys = self._phase_keys(lf, phase)
+            lf.zero_sums(keys, self._dtype, dev)
+            for k in keys:
+                all_reduce_sum(lf.sums[k], ctx.dp_group, ctx.dp_world)
+        return self
+
+    def _adopt(self, other: LayerFactors) -> LayerFactors:
+        mine = self.layers.setdefault(other.name, LayerFactors.from_meta(other.meta()))
+        if mine.meta() != other.meta():
+            raise StoreMismatchError(
+                f"Layer '{other.name}': factors disagree between the parts being merged: "
+                f"{mine.meta()} vs {other.meta()}; fit every part with the same capture and "
+                f"projection configuration")
+        return mine
+
+    def merge(self, other: KFACFactors) -> KFACFactors:
+        """Add another part's sums of the current phase (data split in parts == one pass).
+
+        Both must be in the same phase; in the EK-FAC phase both must share the eigenbasis
+        (e.g. ``copy()`` of one eigendecomposed object, then different data).
+        """
+        phase = self._phase()
+        if other._phase() != phase:
+            raise DattriDSError("KFACFactors.merge(): one part is eigendecomposed, the other "
+                                "is not; merge factor sums before eigendecompose()")
+        for name, olf in other.layers.items():
+            lf = self._adopt(olf)
+            if phase == "lam" and any(not torch.equal(lf.eig[k], olf.eig[k]) for k in lf.eig):
+                raise DattriDSError(f"Layer '{name}': EK-FAC sums of different eigenbases "
+                                    f"cannot be merged; copy() one eigendecomposed object")
+            for k in self._phase_keys(olf, phase):
+                if k in olf.sums:
+                    lf.zero_sums((k,), self._dtype, olf.sums[k].device)
+                    lf.sums[k] += olf.sums[k].to(lf.sums[k].device)
+        return self
+
+    def copy(self) -> KFACFactors:
+        """Deep copy (e.g. one per data part for the EK-FAC pass)."""
+        return copy.deepcopy(self)
+
+    # ---- eigendecomposition and the EK-FAC pass ---------------------------------------
+    def eigendecompose(self) -> KFACFactors:
+        """``eigh`` of A and S per layer in float64 (eigenvalues clamped at 0)."""
+        if not self.layers:
+            raise DattriDSError("KFACFactors.eigendecompose(): no batch was added (update())")
+        for lf in self.layers.values():
+            if lf.form == "diagonal":
+                lf.eig["l"] = lf.sums["d"].double() / lf.sums["examples"].clamp_min(1)
+                continue
+            a, s = lf.covariances()
+            lf.eig["l_s"], lf.eig["q_s"] = _eigh(s)
+            if lf.form == "kron_index":
+                lf.eig["l_a"] = a
+            else:
+                lf.eig["l_a"], lf.eig["q_a"] = _eigh(a)
+            lf.zero_sums(_LAM_KEYS, self._dtype, lf.sums["s"].device)
+        return self
+
+    def update_correction(self, batch: GradBatch) -> None:
+        """EK-FAC pass: ``lam += sum_b (Q_S^T G_b Q_A)^2`` (factorized or matching dense rows)."""
+        if not self.eigendecomposed:
+            raise DattriDSError("KFACFactors.update_correction() needs eigendecompose() first")
+        if "lam" in self._reduced:
+            raise DattriDSError("KFACFactors.update_correction() after the EK-FAC reduce()")
+        for name, lg in batch.layers.items():
+            lf = self._get(name)
+            if lf.form == "diagonal":
+                continue
+            x = self._prepare(lf, lg)
+            for sl in row_chunks(lg.batch_size, lf.dims[0] * lf.dims[1]):
+                rot = self._rotate(lf, x.index(sl) if isinstance(x, Factorized) else x[sl])
+                lf.sums["lam"] += rot.pow(2).sum(0).to(self._dtype)
+            lf.sums["lam_examples"] += lg.batch_size
+
+    # ---- preconditioning --------------------------------------------------------------
+    def precondition(self, batch: GradBatch, method: str = "ekfac") -> GradBatch:
+        """``H^-1 g`` for every layer of a (query) batch: dense LayerGrads ``[Q, o*i]``."""
+        layers = {n: self.precondition_layer(lg, method) for n, lg in batch.layers.items()}
+        return GradBatch(batch.step, batch.sample_ids, layers, batch.micro_batch,
+                         batch.token_counts)
+
+    def precondition_layer(self, lg: LayerGrad, method: str = "ekfac") -> LayerGrad:
+        """One layer: ``Q_S [(Q_S^T G Q_A) / (eigenvalues + lambda)] Q_A^T`` -> Dense float32.
+
+        Args:
+            lg: factorized or dense (projected as the factors are) query gradients.
+            method: ``kfac`` (eigenvalues ``l_S l_A^T``) or ``ekfac`` (corrected ``L``).
+
+        Raises:
+            ShapeError: the layer is unknown to the factors or its shape/projection differs.
+        """
+        if method not in METHODS:
+            raise ConfigError(f"method must be one of {METHODS}, got '{method}'")
+        lf = self._get(lg.name)
+        if not lf.eig:
+            raise DattriDSError("KFACFactors.precondition() needs eigendecompose() first")
+        ev = self._eigenvalues(lf, method)
+        mean = ev.mean()
+        lam = self.config.damping * (mean if self.config.damping_mode == "relative" else 1.0)
+        inv = torch.where(ev + lam > 0, 1.0 / (ev + lam).clamp_min(1e-300), 0.0)
+        x = self._prepare(lf, lg)
+        o, i = lf.dims
+        out = torch.empty(lg.batch_size, o * i, dtype=COMPUTE_DTYPE, device=inv.device)
+        for sl in row_chunks(lg.batch_size, o * i):  # bounds the float64 intermediates
+            part = x.index(sl) if isinstance(x, Factorized) else x[sl]
+            out[sl] = self._unrotate(lf, self._rotate(lf, part) * inv).reshape(-1, o * i)
+        return lg.replace(data=Dense(out), projection=lf.projection)
+
+    def _eigenvalues(self, lf: LayerFactors, method: str) -> torch.Tensor:
+        if lf.form == "diagonal":
+            return lf.eig["l"].view(1, -1)
+        if method == "kfac":
+            return torch.outer(lf.eig["l_s"], lf.eig["l_a"])
+        n = float(lf.sums["lam_examples"])
+        if n == 0:
+            raise DattriDSError(
+                f"Layer '{lf.name}': EK-FAC eigenvalues were not accumulated; run "
+                f"update_correction() over the training data (and reduce()), or use method='kfac'")
+        return lf.sums["lam"].double() / n
+
+    def _get(self, name: str) -> LayerFactors:
+        lf = self.layers.get(name)
+        if lf is None:
+            raise ShapeError(f"Layer '{name}' has no curvature factors; fitted layers are "
+                             f"{sorted(self.layers)}. Fit factors on the same capture.include/"
+                             f"exclude as the query, or restrict the query to fitted layers")
+        return lf
+
+    def _check(self, lf: LayerFactors, lg: LayerGrad, allow_projection_change: bool = False):
+        if lg.kind != lf.kind or tuple(lg.shape) != tuple(lf.shape):
+            raise ShapeError(f"Layer '{lf.name}': factors are for kind '{lf.kind}' shape "
+                             f"{lf.shape}, got kind '{lg.kind}' shape {lg.shape}")
+        if not allow_projection_change and lg.projection != lf.projection:
+            raise ShapeError(
+                f"Layer '{lf.name}': gradients have projection {lg.projection!r} but the "
+                f"factors act on {lf.projection!r}; project queries with the store's "
+                f"ProjectionConfig (or build KFACFactors with that projector)")
+
+    def _width(self, lf: LayerFactors, v: torch.Tensor) -> None:
+        if v.shape[1] != lf.dims[0] * lf.dims[1]:
+            raise ShapeError(f"Layer '{lf.name}': expected {lf.dims[0]}*{lf.dims[1]} = "
+                             f"{lf.dims[0] * lf.dims[1]} columns (projection {lf.projection!r}), "
+                             f"got shape {tuple(v.shape)}")
+
+    def _prepare(self, lf: LayerFactors, lg: LayerGrad) -> Factorized | torch.Tensor:
+        """Query/train data in the factors' working space: factors (unprojected) or rows."""
+        if lg.projection is None and lf.projection is not None and self.projector is not None:
+            lg = project(lg, self.projector) if lf.form != "diagonal" else self._dense_rows(lg)
+        self._check(lf, lg)
+        dev = next(iter(lf.sums.values())).device  # compute where the factors live
+        if isinstance(lg.data, Factorized) and lf.form != "diagonal":
+            return lg.data.to(dev)
+        v = materialize(lg)
+        self._width(lf, v)
+        return v.to(dev)
+
+    def _rotate(self, lf: LayerFactors, x: Factorized | torch.Tensor) -> torch.Tensor:
+        """``Q_S^T G_b Q_A`` ``[B, o, i]`` float64 (``G_b`` itself for ``diagonal``)."""
+        o, i = lf.dims
+        e = lf.eig
+        if isinstance(x, torch.Tensor):
+            g = x.double().view(-1, o, i)
+            if lf.form == "diagonal":
+                return g
+            g = e["q_s"].T @ g
+            return g @ e["q_a"] if lf.form == "kron" else g
+        gs = x.g.double() @ e["q_s"]  # rows Q_S^T g_bt
+        if lf.form == "kron_index":
+            return get_kind(lf.kind).materialize(Factorized(x.a, gs), (o, i)).view(-1, o, i)
+        return torch.bmm(gs.transpose(1, 2), x.a.double() @ e["q_a"])
+
+    def _unrotate(self, lf: LayerFactors, r: torch.Tensor) -> torch.Tensor:
+        if lf.form == "diagonal":
+            return r
+        r = lf.eig["q_s"] @ r
+        return r @ lf.eig["q_a"].T if lf.form == "kron" else r
+
+    # ---- persistence --------------------------------------------------------------------
+    def save(self, path: str | Path) -> None:
+        """Write config, layer metadata (JSON text) and plain tensors with ``torch.save``."""
+        state = {"format": _FORMAT, "config": json.dumps(asdict(self.config)),
+                 "reduced": json.dumps(sorted(self._reduced)),
+                 "layers": json.dumps([lf.meta() for lf in self.layers.values()]),
+                 "sums": {n: {k: t.cpu() for k, t in lf.sums.items()}
+                          for n, lf in self.layers.items()},
+                 "eig": {n: {k: t.cpu() for k, t in lf.eig.items()}
+                         for n, lf in self.layers.items()}}
+        torch.save(state, Path(path))
+
+    @classmethod
+    def load(cls, path: str | Path, projector: Projector | None = None,
+             map_location: str | torch.device = "cpu") -> KFACFactors:
+        """Read factors written by ``save`` (``weights_only``: no pickled objects)."""
+        state = torch.load(Path(path), map_location=map_location, weights_only=True)
+        if state.get("format") != _FORMAT:
+            raise StoreMismatchError(f"{path} is not a K-FAC factor file ({_FORMAT}), got "
+                                     f"format {state.get('format')!r}")
+        out = cls(KFACConfig(**json.loads(state["config"])), projector)
+        out._reduced = set(json.loads(state["reduced"]))
+        for m in json.loads(state["layers"]):
+            lf = out.layers[m["name"]] = LayerFactors.from_meta(m)
+            lf.sums, lf.eig = dict(state["sums"][lf.name]), dict(state["eig"][lf.name])
+        if projector is not None:
+            tags = {lf.projection.removeprefix("identity:") for lf in out.layers.values()
+                    if lf.projection is not None}
+            if tags - {projector.config.tag}:
+                raise StoreMismatchError(f"{path}: factors were fitted under projection "
+                                         f"{sorted(tags)}, the projector is "
+                                         f"{projector.config.tag!r}")
+        return out
+
+
+def _eigh(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eigenvalues (clamped at 0) and eigenvectors of a symmetrized float64 matrix."""
+    m = m.double()
+    lam, q = torch.linalg.eigh((m + m.T) / 2)
+    return lam.clamp_min(0), q

@@ -1,0 +1,259 @@
+"""K-FAC / EK-FAC factors and preconditioning against explicit dense references.
+
+Invariants: preconditioning with the Kronecker factors equals ``G_train (F + lambda I)^-1
+G_query^T`` with ``F`` built by ``torch.kron`` of plain-torch factors and inverted as a
+``[D, D]`` matrix (EK-FAC: ``F = Q diag(L) Q^T``, ``Q = kron(Q_S, Q_A)``); factors fitted in
+parts and merged equal one pass; Kronecker-projected factors are ``P A P^T``; padding tokens
+change nothing; bad inputs raise errors naming the layer.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dattri_ds import GradientCapture, GradBatch, LayerGrad, Dense
+from dattri_ds.errors import DattriDSError, ShapeError
+from dattri_ds.ops import ProjectionConfig, Projector, cross_gram, kron_dims, project_batch
+from dattri_ds.ops.kronecker import KFACConfig, KFACFactors
+from reference import reference_grads, rel_err, tiny_gpt2
+
+TOL = 1e-5
+VOCAB = 31
+
+
+def _capture(model, ids, mask=None):
+    labels = ids if mask is None else ids.masked_fill(mask == 0, -100)
+    with GradientCapture(model, probe_only=True) as cap:
+        batch = cap.probe(lambda: model(input_ids=ids, attention_mask=mask, labels=labels).loss)
+    ref = reference_grads(model, ids, attention_mask=mask, labels=labels)
+    return batch, ref
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Small float64 matmuls: one intra-op thread is ~100x faster on a shared 2-core box."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def setup(one_thread):
+    """Tiny GPT-2 (every layer D < 300): a padded train batch and a query batch."""
+    model = tiny_gpt2(seed=0, n_layer=1, n_embd=8, vocab=VOCAB, n_positions=16)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, VOCAB, (6, 7), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, 4:] = 0
+    mask[4, 5:] = 0
+    train, rtrain = _capture(model, ids, mask)
+    query, rquery = _capture(model, torch.randint(1, VOCAB, (3, 7), generator=gen))
+    return model, train, rtrain, query, rquery
+
+
+def _fit(batches, config=None, projector=None, ekfac=True):
+    f = KFACFactors(config, projector)
+    for b in batches:
+        f.update(b)
+    f.reduce().eigendecompose()
+    if ekfac:
+        for b in batches:
+            f.update_correction(b)
+        f.reduce()
+    return f
+
+
+def _ref_factors(lg: LayerGrad, p_out=None, p_in=None):
+    """Plain-torch A = sum over contributing tokens a a^T / M, S = sum g g^T / N (float64)."""
+    a, g = lg.data.a, lg.data.g.double()
+    mask = (g != 0).any(-1).double()
+    a = F.one_hot(a, lg.shape[1]).double() if not a.is_floating_point() else a.double()
+    if p_in is not None:
+        a, g = a @ p_in.double().T, g @ p_out.double().T
+    A = torch.einsum("bti,btj,bt->ij", a, a, mask) / mask.sum()
+    S = torch.einsum("bto,btp->op", g, g) / g.shape[0]
+    return A, S
+
+
+def _ref_influence(gt, gq, A, S, method, damping, mode="relative"):
+    """``gt (F + lambda I)^-1 gq^T`` with F explicit ``[D, D]`` (diagonal F when A is None)."""
+    gt, gq = gt.double(), gq.double()
+    if A is None:  # dense-only kinds: diagonal empirical Fisher
+        evals = gt.pow(2).mean(0)
+        fisher = torch.diag(evals)
+    else:
+        l_s, q_s = torch.linalg.eigh(S)
+        if torch.equal(A, torch.diag(torch.diagonal(A))):
+            l_a, q_a = torch.diagonal(A), torch.eye(A.shape[0], dtype=A.dtype)
+        else:
+            l_a, q_a = torch.linalg.eigh(A)
+        q = torch.kron(q_s.contiguous(), q_a.contiguous())
+        if method == "kfac":
+            fisher = torch.kron(S, A)
+            evals = torch.diagonal(fisher)  # same mean as the eigenvalues: trace(F) / D
+        else:
+            evals = ((gt @ q) ** 2).mean(0)
+            fisher = q @ torch.diag(evals) @ q.T
+    lam = damping * evals.mean() if mode == "relative" else damping
+    h = fisher + lam * torch.eye(fisher.shape[0], dtype=fisher.dtype)
+    return gt @ torch.linalg.inv(h) @ gq.T
+
+
+def _per_layer_reference(train, rtrain, rquery, method, damping, mode="relative", proj=None):
+    out = {}
+    for name, lg in train.layers.items():
+        gt, gq = rtrain[name], rquery[name]
+        if lg.is_factorized:
+            sides = proj.get(name) if proj else None
+            A, S = _ref_factors(lg, *(sides or ()))
+            if sides is not None:
+                k = torch.kron(*sides)
+                gt, gq = gt @ k.T, gq @ k.T
+        else:
+            A = S = None
+        out[name] = _ref_influence(gt, gq, A, S, method, damping, mode)
+    return out
+
+
+@pytest.mark.parametrize("method", ["kfac", "ekfac"])
+@pytest.mark.parametrize("damping,mode", [(0.1, "relative"), (1e-3, "absolute")])
+def test_influence_equals_dense_kron_reference(setup, method, damping, mode):
+    """Every kind (embedding/conv1d/linear/layernorm): factors -> scores == [D, D] inverse."""
+    _, train, rtrain, query, rquery = setup
+    f = _fit([train], KFACConfig(damping=damping, damping_mode=mode))
+    pq = f.precondition(query, method)
+    got = cross_gram(train, pq, per_layer=True)
+    want = _per_layer_reference(train, rtrain, rquery, method, damping, mode)
+    assert {lf.form for lf in f.layers.values()} == {"kron", "kron_index", "diagonal"}
+    for name in want:
+        assert rel_err(got[name], want[name].float()) <= TOL, name
+
+
+def test_large_damping_approaches_graddot(setup):
+    """lambda -> inf: lambda * <g_n, (F + lambda)^-1 g_q> -> <g_n, g_q> (K-FAC and EK-FAC)."""
+    _, train, _, query, _ = setup
+    lam = 1e9
+    f = _fit([train], KFACConfig(damping=lam, damping_mode="absolute"))
+    dot = cross_gram(train, query)
+    for method in ("kfac", "ekfac"):
+        assert rel_err(cross_gram(train, f.precondition(query, method)) * lam, dot) <= 1e-4
+
+
+def test_parts_merged_equal_one_pass_and_save_load(setup, tmp_path):
+    """Factor and EK-FAC sums of two halves, merged, equal one pass (stand-in for 2 ranks)."""
+    _, train, _, query, _ = setup
+    halves = [train.index([0, 1, 2]), train.index([3, 4, 5])]
+    one = _fit([train])
+    parts = [KFACFactors() for _ in halves]
+    for p, h in zip(parts, halves):
+        p.update(h)
+    merged = parts[0].merge(parts[1]).reduce().eigendecompose()
+    corr = [merged.copy() for _ in halves]
+    for c, h in zip(corr, halves):
+        c.update_correction(h)
+    merged = corr[0].merge(corr[1]).reduce()
+    for name, lf in one.layers.items():
+        for k, t in lf.sums.items():
+            assert rel_err(merged.layers[name].sums[k], t) <= 1e-10, (name, k)
+    want = one.precondition(query)
+    for name, lg in merged.precondition(query).layers.items():
+        assert rel_err(lg.data.values, want.layers[name].data.values) <= TOL, name
+    merged.save(tmp_path / "f.pt")
+    back = KFACFactors.load(tmp_path / "f.pt")
+    assert back.has_correction and back.config == merged.config
+    for name, lg in back.precondition(query).layers.items():
+        assert torch.equal(lg.data.values, merged.precondition(query).layers[name].data.values)
+
+
+def test_padding_tokens_change_nothing(setup):
+    """Appending zero-gradient tokens (with random activations) leaves the factors unchanged."""
+    _, train, _, _, _ = setup
+    layers = {}
+    for name, lg in train.layers.items():
+        d = lg.data
+        if lg.is_factorized:
+            pad_a = d.a[:, :3] if not d.a.is_floating_point() else torch.randn_like(d.a[:, :3])
+            d = type(d)(torch.cat([d.a, pad_a], 1), torch.cat([d.g, 0 * d.g[:, :3]], 1))
+        layers[name] = lg.replace(data=d)
+    padded = GradBatch(0, train.sample_ids, layers)
+    a, b = _fit([train], ekfac=False), _fit([padded], ekfac=False)
+    for name, lf in a.layers.items():
+        for k, t in lf.sums.items():
+            assert rel_err(b.layers[name].sums[k], t) <= 1e-12, (name, k)
+
+
+def test_kronecker_projected_factors(setup):
+    """LoGra: projected factors == P_in A P_in^T, P_out S P_out^T; scores == projected reference.
+
+    EK-FAC eigenvalues accumulated from projected store rows equal those from factors.
+    """
+    _, train, rtrain, query, rquery = setup
+    proj = Projector(ProjectionConfig(kind="kronecker", dim=16, seed=3))
+    f = _fit([train], projector=proj)
+    sides = {}
+    for name, lg in train.layers.items():
+        o, i = lg.shape
+        if not lg.is_factorized or o * i <= 16:
+            continue
+        ko, ki = kron_dims(16, o, i)
+        sides[name] = (proj.side(name, "out", ko, o, torch.device("cpu")),
+                       proj.side(name, "in", ki, i, torch.device("cpu")))
+        A, S = _ref_factors(lg)
+        fa, fs = f.layers[name].covariances()
+        p_out, p_in = (s.double() for s in sides[name])
+        assert rel_err(fa, p_in @ A @ p_in.T) <= 1e-6 and rel_err(fs, p_out @ S @ p_out.T) <= 1e-6
+    assert len(sides) >= 4
+    store_train = project_batch(train, proj)
+    store_query = project_batch(query, proj)
+    for method in ("kfac", "ekfac"):
+        want = _per_layer_reference(train, rtrain, rquery, method, 0.1, proj=sides)
+        got = cross_gram(store_train, f.precondition(store_query, method), per_layer=True)
+        got_f = cross_gram(store_train, f.precondition(query, method), per_layer=True)
+        for name in want:
+            assert rel_err(got[name], want[name].float()) <= TOL, (method, name)
+            assert rel_err(got_f[name], got[name]) <= TOL, (method, name)
+    from_rows = f.copy()
+    from_rows._reduced.discard("lam")
+    for lf in from_rows.layers.values():
+        if lf.form != "diagonal":
+            lf.sums["lam"].zero_()
+            lf.sums["lam_examples"].zero_()
+    from_rows.update_correction(store_train)
+    for name, lf in f.layers.items():
+        if lf.form != "diagonal":
+            assert rel_err(from_rows.layers[name].sums["lam"], lf.sums["lam"]) <= 1e-5, name
+
+
+def test_bad_inputs_name_the_layer(setup):
+    """Unknown layer, shape/projection mismatch, wrong width, missing EK-FAC pass, dense fit."""
+    _, train, rtrain, query, _ = setup
+    name = "transformer.h.0.mlp.c_fc"
+    f = _fit([train.index([0, 1])], ekfac=False)
+    sub = KFACFactors()
+    sub.update(GradBatch(0, train.sample_ids, {name: train.layers[name]}))
+    sub.reduce().eigendecompose()
+    with pytest.raises(ShapeError, match="transformer.wte.*no curvature factors"):
+        sub.precondition(query, "kfac")
+    lg = query.layers[name]
+    with pytest.raises(ShapeError, match=name):
+        f.precondition_layer(lg.replace(kind="linear"), "kfac")
+    with pytest.raises(DattriDSError, match="update_correction"):
+        f.precondition(query, "ekfac")
+    with pytest.raises(ShapeError, match=f"{name}.*factorized form"):
+        dense = train.layers[name].replace(data=Dense(rtrain[name]))
+        KFACFactors().update(GradBatch(0, train.sample_ids, {name: dense}))
+    proj = Projector(ProjectionConfig(dim=16, seed=0))
+    fp = _fit([train], projector=proj, ekfac=False)
+    other = project_batch(query, Projector(ProjectionConfig(dim=16, seed=1)))
+    with pytest.raises(ShapeError, match=f"{name}.*projection"):
+        fp.precondition_layer(other.layers[name], "kfac")
+    bad = project_batch(query, proj).layers[name]
+    bad = bad.replace(data=Dense(bad.data.values[:, :-1]))
+    with pytest.raises(ShapeError, match=f"{name}.*16 columns"):
+        fp.precondition_layer(bad, "kfac")
+    fp.reduce()  # the EK-FAC phase's reduce
+    with pytest.raises(DattriDSError, match="twice"):
+        fp.reduce()
