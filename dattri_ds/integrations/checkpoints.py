@@ -1,0 +1,80 @@
+"""Full weights from saved checkpoints: DeepSpeed ZeRO-0/1/2/3 directories and HF model dirs.
+
+ZeRO checkpoints written by any number of ranks are consolidated to fp32 on the CPU with
+DeepSpeed's own ``zero_to_fp32`` (no GPU, no process group). Errors name the path and say
+what was expected.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dattri_ds.errors import ConfigError
+
+__all__ = ["load_state_dict", "checkpoint_tags"]
+
+_HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+
+
+def checkpoint_tags(root: str | Path) -> list[str]:
+    """Tags (sub-folders) of a DeepSpeed checkpoint root, oldest step first."""
+    root = Path(root)
+    tags = [p.name for p in root.iterdir() if p.is_dir() and any(p.glob("*model_states.pt"))]
+    return sorted(tags, key=lambda t: (len(t), t))
+
+
+def _hf_state(path: Path) -> dict[str, torch.Tensor]:
+    st = path / "model.safetensors"
+    if st.exists():
+        from safetensors.torch import load_file
+        return load_file(str(st))
+    return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+
+
+def load_state_dict(path: str | Path, tag: str | None = None) -> dict[str, torch.Tensor]:
+    """fp32 state dict of a checkpoint.
+
+    Args:
+        path: a DeepSpeed checkpoint root (``save_checkpoint``'s directory, with tag
+            sub-folders and usually ``latest``), one tag folder itself, or a Hugging Face
+            model directory (``config.json`` + ``model.safetensors`` / ``pytorch_model.bin``).
+        tag: DeepSpeed tag (default: ``latest``, else the last tag found).
+
+    Raises:
+        ConfigError: the path does not exist or holds no recognizable checkpoint.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"Checkpoint '{p}' does not exist; pass the checkpoints/ folder of a "
+                          f"launch/train.py run, one of its tag folders, or a HF model folder")
+    if (p / "config.json").exists() and any((p / w).exists() for w in _HF_WEIGHTS):
+        return _hf_state(p)
+    if any(p.glob("*model_states.pt")):  # a tag folder
+        p, tag = p.parent, p.name
+    if tag is None:
+        latest = p / "latest"
+        tags = checkpoint_tags(p) if p.is_dir() else []
+        if latest.exists():
+            tag = latest.read_text().strip()
+        elif tags:
+            tag = tags[-1]
+        else:
+            raise ConfigError(
+                f"'{p}' holds no checkpoint: expected a DeepSpeed checkpoint folder (tag "
+                f"sub-folders with *_model_states.pt files) or a Hugging Face model folder "
+                f"(config.json + {' or '.join(_HF_WEIGHTS)})")
+    folder = p / tag
+    if not folder.is_dir():
+        raise ConfigError(f"Checkpoint tag '{tag}' not found in '{p}'; available tags: "
+                          f"{checkpoint_tags(p)}")
+    if any(folder.glob("zero_pp_rank_*_optim_states.pt")):  # ZeRO-1/2/3: partitioned fp32
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        state = get_fp32_state_dict_from_zero_checkpoint(str(p), tag=tag)
+    else:  # ZeRO-0: the full module state sits in the model-states file
+        files = sorted(folder.glob("mp_rank_*_model_states.pt"))
+        if not files:
+            raise ConfigError(f"No model states in '{folder}'")
+        state = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
+    return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}

@@ -1,0 +1,182 @@
+"""Attribute query texts to the training examples of a gradient store.
+
+    python tools/attribute.py --run runs/main/selection --store runs/main/grads \
+        --queries data/target/hamlet.jsonl --query-max-docs 4 --method ekfac \
+        --factors runs/main/factors.pt --out runs/main/attr-ekfac
+    --method graddot | gradcos | tracin | kfac | ekfac
+
+Streams the store in blocks of ``--block-rows`` (memory: one block plus the preconditioned
+queries plus the ``[N, Q]`` result). Writes ``scores.npy`` (``[N, Q]``, positive = the
+training example lowers the query's loss), ``train_ids.json``, ``queries.json``,
+``topk.json`` (proponents and opponents per query), for TracIn ``per_checkpoint.npy``
+(``[C, N, Q]`` lr-weighted contributions), and the resolved config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from dattri_ds.tools.common import (  # noqa: E402
+    Run, concat, gradients, load_texts, logger, projection_from_tag, setup_logging,
+    write_config,
+)
+
+METHODS = ("graddot", "gradcos", "tracin", "kfac", "ekfac")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dattri-ds attribute", description=__doc__.splitlines()[0])
+    p.add_argument("--run", required=True, help="launch/train.py output directory")
+    p.add_argument("--store", required=True,
+                   help="a gradient store, or a folder of per-checkpoint stores (collect --out)")
+    p.add_argument("--queries", required=True, help="jsonl of query texts")
+    p.add_argument("--query-max-docs", type=int, default=None)
+    p.add_argument("--method", choices=METHODS, default="graddot")
+    p.add_argument("--checkpoints", default=None,
+                   help="tracin: all | tag,tag (default all stored); others: one tag "
+                        "(default: the newest stored)")
+    p.add_argument("--factors", help="kfac/ekfac: factors file from tools/fit.py")
+    p.add_argument("--top-k", type=int, default=10)
+    p.add_argument("--block-rows", type=int, default=1024)
+    p.add_argument("--truncate", action="store_true",
+                   help="score the first context-many tokens of queries longer than the "
+                        "model's context (default: error)")
+    p.add_argument("--out", required=True)
+    return p
+
+
+def stores(root: Path) -> dict[str, Path]:
+    """tag -> store path under ``root`` (or ``root`` itself, tagged from its fingerprint)."""
+    from dattri_ds.errors import ConfigError
+
+    if (root / "info.json").exists():
+        fp = json.loads((root / "info.json").read_text())["spec"]["fingerprint"]
+        return {fp.rsplit("@", 1)[-1]: root}
+    found = {p.name: p for p in sorted(root.iterdir()) if (p / "info.json").exists()} \
+        if root.is_dir() else {}
+    if not found:
+        raise ConfigError(f"'{root}' holds no gradient store: run tools/collect.py --out {root}")
+    return found
+
+
+def _open_checked(path: Path, run: Run, tag: str):
+    from dattri_ds.errors import StoreMismatchError
+    from dattri_ds.store import GradientStore
+
+    store = GradientStore.open(path)
+    want = f"{run.fingerprint()}@{tag}"
+    got = store.spec.fingerprint
+    if got != want:
+        store.close()
+        raise StoreMismatchError(
+            f"Store '{path}' was collected from another model or checkpoint:\n  store: {got}\n"
+            f"  this run: {want}\nRe-collect it: tools/collect.py --run {run.root} --out "
+            f"{path.parent}")
+    return store
+
+
+def _choose_tags(args, run: Run, available: dict[str, Path]) -> list[str]:
+    from dattri_ds.errors import ConfigError
+
+    order = [c["tag"] for c in run.trajectory() if c["tag"] in available]
+    if args.checkpoints not in (None, "all"):
+        order = [t.strip() for t in args.checkpoints.split(",")]
+        missing = [t for t in order if t not in available]
+        if missing:
+            raise ConfigError(f"No store for checkpoint(s) {missing} under {args.store}; "
+                              f"stored: {sorted(available)}")
+    if not order:
+        raise ConfigError(f"None of the stores under {args.store} ({sorted(available)}) is a "
+                          f"checkpoint of {run.root}")
+    return order if args.method == "tracin" else order[-1:]
+
+
+def _attributor(args, proj):
+    from dattri_ds import KFACFactors, Projector, make_attributor
+    from dattri_ds.errors import ConfigError
+
+    if args.method in ("kfac", "ekfac"):
+        if not args.factors or not Path(args.factors).exists():
+            raise ConfigError(f"--method {args.method} needs --factors from tools/fit.py "
+                              f"(got {args.factors!r}); fit them with --store {args.store}")
+        factors = KFACFactors.load(args.factors, projector=Projector(proj))
+        return make_attributor(args.method, factors=factors)
+    return make_attributor("graddot" if args.method == "tracin" else args.method)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from dattri_ds import CaptureConfig
+
+    args = build_parser().parse_args(argv)
+    setup_logging()
+    run = Run.open(args.run)
+    available = stores(Path(args.store))
+    tags = _choose_tags(args, run, available)
+    tok = run.tokenizer()
+    queries = load_texts(args.queries, tok, run.context, args.query_max_docs,
+                         context=run.context, truncate=args.truncate)
+    t0 = time.perf_counter()
+    total, per_ckpt, train_ids, attributor = None, [], None, None
+    for tag in tags:
+        store = _open_checked(available[tag], run, tag)
+        proj = projection_from_tag(store.spec.projection)
+        attributor = attributor or _attributor(args, proj)
+        model = run.model(tag)
+        q = concat(list(gradients(model, queries, torch.arange(len(queries)),
+                                  capture=CaptureConfig(projection=proj), batch_size=8)))
+        ids, vals = attributor.scores(store.iter_batches(args.block_rows), q)
+        store.close()
+        lr = float(run.checkpoint(tag)["lr"]) if args.method == "tracin" else 1.0
+        if train_ids is not None and ids != train_ids:
+            from dattri_ds.errors import ShapeError
+            raise ShapeError(f"The store of checkpoint '{tag}' holds other examples than that "
+                             f"of '{tags[0]}'; collect the same data at every checkpoint")
+        train_ids = ids
+        per_ckpt.append(vals * lr)
+        total = per_ckpt[-1] if total is None else total + per_ckpt[-1]
+        logger.info("%s: scored %d train x %d queries (%s)", tag, len(ids), len(q.sample_ids),
+                    args.method)
+    seconds = time.perf_counter() - t0
+    return write_outputs(Path(args.out), args, run, tags, queries, train_ids, total, per_ckpt,
+                         seconds)
+
+
+def write_outputs(out: Path, args, run, tags, queries, train_ids, total, per_ckpt, seconds):
+    out.mkdir(parents=True, exist_ok=True)
+    np.save(out / "scores.npy", total.numpy())
+    if args.method == "tracin":
+        np.save(out / "per_checkpoint.npy", torch.stack(per_ckpt).numpy())
+    (out / "train_ids.json").write_text(json.dumps(list(train_ids)))
+    qinfo = [{"id": d.id, "source": d.source, "text": d.text} for d in queries.docs]
+    (out / "queries.json").write_text(json.dumps(qinfo, indent=1))
+    k = min(args.top_k, len(train_ids))
+    top = []
+    for j, qd in enumerate(queries.docs):
+        col = total[:, j]
+        pro = torch.topk(col, k).indices.tolist()
+        opp = torch.topk(-col, k).indices.tolist()
+        top.append({"query": qd.id,
+                    "proponents": [{"id": train_ids[i], "score": float(col[i])} for i in pro],
+                    "opponents": [{"id": train_ids[i], "score": float(col[i])} for i in opp]})
+    (out / "topk.json").write_text(json.dumps(top, indent=1))
+    summary = {"method": args.method, "checkpoints": tags, "train": len(train_ids),
+               "queries": len(queries), "seconds": round(seconds, 3),
+               "pairs_per_second": round(len(train_ids) * len(queries) / max(seconds, 1e-9))}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    write_config(out, "attribute", args)
+    logger.info("attribution -> %s (%s)", out, json.dumps(summary))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""Collect projected per-example gradients of a dataset at checkpoints into gradient stores.
+
+    python tools/collect.py --run runs/main/selection --data data/corpus/train.jsonl \
+        --max-docs 500 --checkpoints all --out runs/main/grads
+    torchrun --standalone --nproc_per_node 2 tools/collect.py ...    # one shard per rank
+
+Each checkpoint gets its own store ``<out>/<tag>/`` (fingerprint ``<model>@<tag>``).
+Resumable: examples already stored are skipped before their gradients are computed, and
+a run killed at any moment loses at most ``--flush-every`` rows per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from dattri_ds.tools.common import (  # noqa: E402
+    Run, example_ids, gradients, init_distributed, load_texts, logger, setup_logging,
+    write_config,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dattri-ds collect", description=__doc__.splitlines()[0])
+    p.add_argument("--run", required=True, help="launch/train.py output directory")
+    p.add_argument("--data", default="data/corpus/train.jsonl", help="jsonl to collect")
+    p.add_argument("--max-docs", type=int, default=None)
+    p.add_argument("--checkpoints", default="all", help="all | last | tag,tag,...")
+    p.add_argument("--out", required=True, help="store root (one store per checkpoint)")
+    p.add_argument("--projection", choices=["kronecker", "dense"], default="kronecker")
+    p.add_argument("--projection-dim", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0, help="projection seed")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
+    p.add_argument("--flush-every", type=int, default=256)
+    return p
+
+
+def collect_checkpoint(run: Run, tag: str, data, args, rank: int, world: int) -> int:
+    """Write the store of one checkpoint; return how many rows this rank added."""
+    from dattri_ds import CaptureConfig, ProjectionConfig
+    from dattri_ds.store import GradientStore, GradientStoreWriter, StoreConfig, StoreSpec
+
+    proj = ProjectionConfig(kind=args.projection, dim=args.projection_dim, seed=args.seed)
+    path = Path(args.out) / tag
+    fingerprint = f"{run.fingerprint()}@{tag}"
+    rows = torch.arange(rank, len(data), world)
+    done: set[str] = set()
+    if (path / "info.json").exists():
+        with GradientStore.open(path, duplicates="first") as old:
+            done = set(old.ids)
+    if done:
+        ids = example_ids(data, rows)
+        rows = rows[torch.tensor([i not in done for i in ids], dtype=torch.bool)]
+        logger.info("%s: %d examples already stored, %d to go", tag, len(done), rows.numel())
+    if rows.numel() == 0:
+        return 0
+    model = run.model(tag)
+    writer, added = None, 0
+    cfg = StoreConfig(path=str(path), dtype=args.dtype, flush_every=args.flush_every)
+    for batch in gradients(model, data, rows, capture=CaptureConfig(projection=proj),
+                           batch_size=args.batch_size, progress=f"collect {tag}"):
+        if writer is None:
+            spec = StoreSpec.from_batch(batch, projection=proj, fingerprint=fingerprint)
+            writer = GradientStoreWriter(cfg, spec, rank=rank, world=world)
+        added += writer.append(batch)
+    if writer is not None:
+        writer.close()
+    return added
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    rank, world = init_distributed()
+    setup_logging(rank)
+    run = Run.open(args.run)
+    data = load_texts(args.data, run.tokenizer(), run.seq_len, args.max_docs)
+    if rank == 0:
+        write_config(Path(args.out), "collect", args)
+    summary = {}
+    for tag in run.tags(args.checkpoints):
+        t0 = time.perf_counter()
+        added = collect_checkpoint(run, tag, data, args, rank, world)
+        summary[tag] = added
+        logger.info("%s: stored %d examples in %.1f s (rank %d/%d)", tag, added,
+                    time.perf_counter() - t0, rank, world)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,223 @@
+"""What the offline tools share: a training run's artifacts, models at checkpoints, queries."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dattri_ds.errors import ConfigError
+from dattri_ds.ops.projection import ProjectionConfig
+
+__all__ = ["Run", "setup_logging", "projection_from_tag", "init_distributed", "write_config"]
+
+logger = logging.getLogger("dattri_ds.tools")
+
+
+def setup_logging(rank: int = 0) -> None:
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+
+
+@dataclass(frozen=True)
+class Run:
+    """A ``launch/train.py`` output directory (or any folder laid out the same way).
+
+    Attributes:
+        root: the run directory: ``model/config.json``, ``tokenizer.model``,
+            ``checkpoints/<tag>/``, ``trajectory.json``, ``resolved_dattri_ds_config.json``.
+    """
+
+    root: Path
+
+    @staticmethod
+    def open(path: str | os.PathLike) -> Run:
+        root = Path(path)
+        missing = [f for f in ("model/config.json", "tokenizer.model") if not (root / f).exists()]
+        if missing:
+            raise ConfigError(f"'{root}' is not a training run directory: missing {missing}. "
+                              f"Pass the --out folder of launch/train.py")
+        return Run(root)
+
+    @property
+    def seq_len(self) -> int:
+        cfg = self.root / "resolved_dattri_ds_config.json"
+        return json.loads(cfg.read_text())["train"]["seq_len"] if cfg.exists() else 128
+
+    @property
+    def context(self) -> int:
+        """The model's context length (``n_positions`` / ``max_position_embeddings``)."""
+        cfg = json.loads((self.root / "model/config.json").read_text())
+        return int(cfg.get("n_positions") or cfg.get("max_position_embeddings") or self.seq_len)
+
+    def tokenizer(self):
+        from dattri_ds.data import Tokenizer
+        return Tokenizer.load(self.root / "tokenizer.model")
+
+    def trajectory(self) -> list[dict]:
+        """Saved checkpoints ``[{"tag", "step", "lr"}]``, oldest first."""
+        path = self.root / "trajectory.json"
+        if not path.exists():
+            from dattri_ds.integrations.checkpoints import checkpoint_tags
+            return [{"tag": t, "step": i, "lr": 1.0} for i, t in
+                    enumerate(checkpoint_tags(self.root / "checkpoints"))]
+        return json.loads(path.read_text())["checkpoints"]
+
+    def checkpoint(self, tag: str) -> dict:
+        for c in self.trajectory():
+            if c["tag"] == tag:
+                return c
+        raise ConfigError(f"Checkpoint '{tag}' is not in {self.root / 'trajectory.json'}; "
+                          f"available: {[c['tag'] for c in self.trajectory()]}")
+
+    def tags(self, wanted: str | None) -> list[str]:
+        """``all``/None -> every checkpoint, ``last`` -> the newest, else a comma list."""
+        tags = [c["tag"] for c in self.trajectory()]
+        if not tags:
+            raise ConfigError(f"No checkpoints in {self.root / 'checkpoints'}")
+        if wanted in (None, "all"):
+            return tags
+        if wanted == "last":
+            return tags[-1:]
+        chosen = [t.strip() for t in wanted.split(",") if t.strip()]
+        for t in chosen:
+            self.checkpoint(t)
+        return chosen
+
+    def fingerprint(self) -> str:
+        """Identity of the model family: model config + tokenizer (stores record it)."""
+        import hashlib
+        h = hashlib.blake2b(digest_size=8)
+        h.update((self.root / "model/config.json").read_bytes())
+        h.update((self.root / "tokenizer.model").read_bytes())
+        return f"model:{h.hexdigest()}"
+
+    def model(self, tag: str, device: torch.device | str = "cpu"):
+        """The model at checkpoint ``tag``, fp32, eval mode, no dropout."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from dattri_ds.integrations.checkpoints import load_state_dict
+
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.root / "model"))
+        state = load_state_dict(self.root / "checkpoints", tag)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        bad = [m for m in missing if not m.endswith((".attn.bias", ".masked_bias"))]
+        if bad or unexpected:
+            raise ConfigError(f"Checkpoint '{tag}' of {self.root} does not match the run's "
+                              f"model config: missing {bad[:5]}, unexpected {unexpected[:5]}")
+        return model.to(device).eval()
+
+
+_TAG = re.compile(r"^(kronecker|dense):(gaussian|rademacher):k(\d+):s(-?\d+)$")
+
+
+def projection_from_tag(tag: str) -> ProjectionConfig:
+    """The ProjectionConfig whose ``.tag`` is ``tag`` (stores record the tag)."""
+    m = _TAG.match(tag)
+    if m is None:
+        raise ConfigError(f"Unrecognized projection tag '{tag}'")
+    return ProjectionConfig(kind=m[1], distribution=m[2], dim=int(m[3]), seed=int(m[4]))
+
+
+def init_distributed() -> tuple[int, int]:
+    """(rank, world) under torchrun/deepspeed (gloo on CPU), (0, 1) for a plain process."""
+    import torch.distributed as dist
+
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def write_config(out: Path, name: str, args) -> None:
+    """Write the resolved arguments of a tool next to its output."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}_config.json").write_text(
+        json.dumps({k: v for k, v in vars(args).items()}, indent=2, default=str) + "\n")
+
+
+def example_ids(data, rows: torch.Tensor, label_shift: int = 1) -> list[str]:
+    """The sample ids capture will give these rows (``<doc id>#<content hash>``)."""
+    from dattri_ds.semantics import batch_info
+
+    batch = data.batch(rows)
+    info = batch_info((), batch, label_shift=label_shift,
+                      user_ids=[data.docs[i].id for i in rows.tolist()])
+    return list(info.sample_ids)
+
+
+def gradients(model, data, rows: torch.Tensor, *, capture, batch_size: int,
+              device: torch.device | str = "cpu", progress: str | None = None):
+    """Per-example gradients (GradBatch per ``batch_size`` rows) by probe passes: no
+    parameter ``.grad`` is touched. ``capture`` is a CaptureConfig (projection applies)."""
+    from dattri_ds import GradientCapture
+
+    bar = _bar(rows.numel(), progress)
+    with GradientCapture(model, capture, probe_only=True) as cap:
+        for start in range(0, rows.numel(), batch_size):
+            idx = rows[start:start + batch_size]
+            batch = {k: v.to(device) for k, v in data.batch(idx).items()}
+            cap.tag([data.docs[i].id for i in idx.tolist()])
+            got = cap.probe(lambda b=batch: model(**b).loss)
+            if bar is not None:
+                bar.update(idx.numel())
+            if got is not None:
+                yield got
+    if bar is not None:
+        bar.close()
+
+
+def _bar(total: int, desc: str | None):
+    import sys
+    if desc is None or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total, desc=desc, dynamic_ncols=True)
+
+
+def load_texts(path: str, tokenizer, seq_len: int, max_docs: int | None = None,
+               context: int | None = None, truncate: bool = True):
+    """Tokenized documents of a jsonl file; errors name the file and the fix."""
+    from dattri_ds.data import load_documents, tokenize_documents
+
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"Data file '{p}' does not exist")
+    docs = load_documents(p)
+    if max_docs:
+        docs = docs[:max_docs]
+    if not docs:
+        raise ConfigError(f"'{p}' holds no documents: give at least one jsonl line with a "
+                          f"'text' field")
+    data = tokenize_documents(docs, tokenizer, seq_len)
+    if not truncate and bool(data.truncated.any()):
+        i = int(torch.nonzero(data.truncated)[0])
+        raise ConfigError(
+            f"Document '{docs[i].id}' of '{p}' is longer than {seq_len} tokens (the model "
+            f"context{'' if context is None else f' is {context}'}): shorten it, or pass "
+            f"--truncate to score its first {seq_len} tokens")
+    return data
+
+
+def concat(batches: list) -> object:
+    """One GradBatch from several with the same dense layers (e.g. all queries)."""
+    from dattri_ds.errors import ShapeError
+    from dattri_ds.gradient import Dense, GradBatch
+
+    if not batches:
+        raise ShapeError("no gradient batches to concatenate")
+    first = batches[0]
+    layers = {}
+    for name, lg in first.layers.items():
+        vals = [b.layers[name].data for b in batches]
+        if not all(isinstance(v, Dense) for v in vals):
+            raise ShapeError(f"Layer '{name}': only dense (projected) batches concatenate")
+        layers[name] = lg.replace(data=Dense(torch.cat([v.values for v in vals])))
+    ids = tuple(i for b in batches for i in b.sample_ids)
+    return GradBatch(first.step, ids, layers)
