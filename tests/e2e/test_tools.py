@@ -1,0 +1,117 @@
+"""Offline attribution tools on a real (tiny) DeepSpeed run: collect -> fit -> attribute -> report.
+
+Invariants: TracIn equals the lr-weighted sum of per-checkpoint grad-dot scores; collect
+resumes without recomputing or duplicating; bad input (missing checkpoint, store of another
+model, query longer than the context, empty query file) fails with an error naming the file
+and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dattri_ds.errors import ConfigError, StoreMismatchError
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+TINY = str(ROOT / "data/tiny/train.jsonl")
+QUERIES = str(ROOT / "data/tiny/target.jsonl")
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    pytest.importorskip("deepspeed")
+    from test_launch import ENV, SMALL, _config
+
+    tmp = tmp_path_factory.mktemp("tools")
+    out = tmp / "run"
+    cmd = [sys.executable, str(ROOT / "launch/train.py"), "--deepspeed_config",
+           str(_config(tmp, 3)), "--out", str(out), "--steps", "4", "--save-every", "2", *SMALL]
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def _collect(run_dir, out, n=16):
+    from dattri_ds.tools import collect
+    return collect.main(["--run", str(run_dir), "--data", TINY, "--max-docs", str(n), "--out",
+                         str(out), "--projection-dim", "32", "--batch-size", "8"])
+
+
+def test_collect_fit_attribute_report(run_dir, tmp_path):
+    """The whole offline pipeline; TracIn == sum_c lr_c * graddot_c."""
+    from dattri_ds.tools import attribute, fit, report
+
+    grads = tmp_path / "grads"
+    assert _collect(run_dir, grads) == {"step2": 16, "step4": 16}
+    base = ["--run", str(run_dir), "--store", str(grads), "--queries", QUERIES,
+            "--query-max-docs", "2", "--truncate"]
+    attribute.main([*base, "--method", "tracin", "--out", str(tmp_path / "tracin")])
+    tr = np.load(tmp_path / "tracin/scores.npy")
+    per = np.load(tmp_path / "tracin/per_checkpoint.npy")
+    assert tr.shape == (16, 2) and per.shape == (2, 16, 2)
+    lrs = {c["tag"]: c["lr"] for c in json.loads((run_dir / "trajectory.json").read_text())
+           ["checkpoints"]}
+    for c, tag in enumerate(["step2", "step4"]):
+        attribute.main([*base, "--method", "graddot", "--checkpoints", tag, "--out",
+                        str(tmp_path / f"gd-{tag}")])
+        gd = np.load(tmp_path / f"gd-{tag}/scores.npy")
+        np.testing.assert_allclose(per[c], lrs[tag] * gd, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(tr, per.sum(0), rtol=1e-6)
+    fit.main(["--run", str(run_dir), "--data", TINY, "--max-docs", "16", "--store",
+              str(grads / "step4"), "--out", str(tmp_path / "f.pt")])
+    attribute.main([*base, "--method", "ekfac", "--factors", str(tmp_path / "f.pt"), "--out",
+                    str(tmp_path / "ekfac")])
+    ek = np.load(tmp_path / "ekfac/scores.npy")
+    assert np.isfinite(ek).all() and not np.allclose(ek, 0)
+    md = report.main(["--attribution", str(tmp_path / "tracin"), "--train-data", TINY])
+    text = md.read_text()
+    assert "Top proponents" in text and "Top opponents" in text
+    assert (tmp_path / "tracin/tracin_checkpoints.png").exists()
+    assert (tmp_path / "tracin/report.html").exists()
+
+
+def test_collect_resumes_without_duplicates(run_dir, tmp_path):
+    """A second collect adds nothing; a larger one adds only the new documents."""
+    from dattri_ds.store import GradientStore
+
+    grads = tmp_path / "g"
+    _collect(run_dir, grads, 8)
+    assert _collect(run_dir, grads, 8) == {"step2": 0, "step4": 0}
+    assert _collect(run_dir, grads, 12) == {"step2": 4, "step4": 4}
+    with GradientStore.open(grads / "step4") as s:
+        assert len(s) == 12 and len(set(s.ids)) == 12
+
+
+def test_bad_input_is_named(run_dir, tmp_path):
+    """Missing checkpoint, store of another model, long or empty queries: clear errors."""
+    from dattri_ds.tools import attribute, collect
+
+    grads = tmp_path / "g"
+    _collect(run_dir, grads, 4)
+    args = ["--run", str(run_dir), "--store", str(grads), "--out", str(tmp_path / "a")]
+    with pytest.raises(ConfigError, match="not in .*trajectory.json"):
+        collect.main(["--run", str(run_dir), "--checkpoints", "step99", "--out", str(grads)])
+    with pytest.raises(ConfigError, match=r"longer than .* --truncate"):
+        attribute.main([*args, "--queries", str(ROOT / "data/target/hamlet.jsonl")])
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ConfigError, match="empty.jsonl.*no documents"):
+        attribute.main([*args, "--queries", str(empty)])
+    other = tmp_path / "other"
+    shutil.copytree(run_dir, other, ignore=shutil.ignore_patterns("checkpoints"))
+    (other / "checkpoints").symlink_to(run_dir / "checkpoints")
+    cfg = json.loads((other / "model/config.json").read_text())
+    cfg["dattri_note"] = "another model family"
+    (other / "model/config.json").write_text(json.dumps(cfg))
+    with pytest.raises(StoreMismatchError, match="another model or checkpoint"):
+        attribute.main(["--run", str(other), "--store", str(grads), "--out",
+                        str(tmp_path / "b"), "--queries", QUERIES, "--query-max-docs", "1",
+                        "--truncate"])
