@@ -21,6 +21,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _portable(obj):
+    """Tensors travel as numpy arrays: a tensor put on a queue is shared through a file
+    descriptor that dies with the worker."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().numpy()
+    if isinstance(obj, dict):
+        return {k: _portable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_portable(v) for v in obj)
+    return obj
+
+
 def _worker(rank, world, port, fn, kwargs, q):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
@@ -30,7 +44,7 @@ def _worker(rank, world, port, fn, kwargs, q):
 
     torch.set_num_threads(1)
     try:
-        q.put((rank, True, fn(rank, world, **kwargs)))
+        q.put((rank, True, _portable(fn(rank, world, **kwargs))))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         q.put((rank, False, traceback.format_exc()))
     finally:
