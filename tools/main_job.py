@@ -9,7 +9,11 @@
 2. trains the same model on the same candidate stream choosing uniformly at random
    (``--random-selection``): the "without selection" baseline at equal trained examples;
 3. prints held-out Hamlet loss for both, writes ``target_loss.png`` with both curves and a
-   ``report.md`` with the comparison and which corpus sources selection preferred.
+   ``report.md`` with the comparison and which corpus sources selection preferred;
+4. attributes held-out Hamlet passages to the training corpus offline, from the saved
+   ZeRO-3 checkpoints: ``collect`` (projected per-example gradients per checkpoint),
+   ``fit`` (EK-FAC factors in the projected space), ``attribute`` with TracIn and EK-FAC,
+   and ``report`` (Markdown/HTML with top proponents and opponents, plots).
 """
 
 from __future__ import annotations
@@ -85,6 +89,46 @@ def plot(curves: dict[str, list[dict]], path: Path) -> None:
     fig.savefig(path)
 
 
+def attribute_offline(run: Path, out: Path, args) -> list[Path]:
+    """Step 4: collect -> fit -> attribute (TracIn, EK-FAC) -> report, in-process."""
+    from dattri_ds.tools import attribute, collect, fit, report
+
+    corpus = str(ROOT / "data/corpus/train.jsonl")
+    queries = out / "queries.jsonl"  # held-out Hamlet passages (after the target/eval sets)
+    lines = (ROOT / "data/target/hamlet.jsonl").read_text().splitlines()
+    queries.write_text("\n".join(lines[130:133]) + "\n")
+    grads = out / "grads"
+    collect.main(["--run", str(run), "--data", corpus, "--max-docs", str(args.attr_docs),
+                  "--out", str(grads), "--projection-dim", "256"])
+    last = sorted(p.name for p in grads.iterdir() if (p / "info.json").exists())
+    last = [c["tag"] for c in json.loads((run / "trajectory.json").read_text())["checkpoints"]
+            if c["tag"] in last][-1]
+    fit.main(["--run", str(run), "--checkpoint", last, "--data", corpus, "--max-docs",
+              str(min(args.attr_docs, 256)), "--store", str(grads / last), "--out",
+              str(out / "ekfac_factors.pt")])
+    reports = []
+    for method in ("tracin", "ekfac"):
+        dest = out / f"attribution-{method}"
+        attribute.main(["--run", str(run), "--store", str(grads), "--queries", str(queries),
+                        "--method", method, "--factors", str(out / "ekfac_factors.pt"),
+                        "--truncate", "--out", str(dest)])
+        reports.append(report.main(["--attribution", str(dest), "--train-data", corpus]))
+    return reports
+
+
+def top_sources(att: Path) -> str:
+    """One line per query: the sources of its top-10 proponents."""
+    corpus = {}
+    for line in (ROOT / "data/corpus/train.jsonl").read_text().splitlines():
+        d = json.loads(line)
+        corpus[d["id"]] = d["source"]
+    lines = []
+    for q in json.loads((att / "topk.json").read_text()):
+        srcs = Counter(corpus.get(p["id"].split("#")[0], "?") for p in q["proponents"][:10])
+        lines.append(f"  {q['query']}: top-10 proponents by source {dict(srcs.most_common())}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="runs/main")
@@ -95,16 +139,19 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--save-every", type=int, default=50)
+    p.add_argument("--attr-docs", type=int, default=700,
+                   help="training documents attributed offline (step 4)")
     p.add_argument("--quick", action="store_true", help="a 1-minute smoke version")
     args = p.parse_args()
     if args.quick:
         args.steps, args.max_docs, args.eval_every, args.save_every = 12, 400, 4, 6
+        args.attr_docs = 64
     out = ROOT / args.out
-    print("== 1/3 DeepSpeed ZeRO-3 training WITH online selection (+ gradient capture)")
+    print("== 1/4 DeepSpeed ZeRO-3 training WITH online selection (+ gradient capture)")
     sel = run_training(out / "selection", args, ["--online-selection", "--capture"])
-    print("== 2/3 same candidates, uniform random choice (baseline)")
+    print("== 2/4 same candidates, uniform random choice (baseline)")
     base = run_training(out / "random", args, ["--online-selection", "--random-selection"])
-    print("== 3/3 report")
+    print("== 3/4 selection report")
     curves = {"online selection": sel["eval"], "random (no selection)": base["eval"]}
     plot(curves, out / "target_loss.png")
     srcs = chosen_sources(out / "selection", ROOT / "data/corpus/train.jsonl")
@@ -125,6 +172,12 @@ def main() -> None:
     (out / "report.md").write_text(report)
     print(report)
     print(f"plot: {out / 'target_loss.png'}\nreport: {out / 'report.md'}")
+    print("== 4/4 offline attribution of held-out Hamlet passages (TracIn, EK-FAC)", flush=True)
+    reports = attribute_offline(out / "selection", out, args)
+    for rep in reports:
+        print(f"\n{rep.parent.name}:\n{top_sources(rep.parent)}")
+        print("\n".join(rep.read_text().splitlines()[:14]))
+        print(f"  ... full report: {rep} (and {rep.with_suffix('.html').name})")
 
 
 if __name__ == "__main__":

@@ -4,4 +4,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup_env.sh
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"
-exec .venv/bin/python tools/demo.py "$@"
+exec .venv/bin/python tools/main_job.py "$@"
