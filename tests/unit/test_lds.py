@@ -1,0 +1,136 @@
+"""LDS evaluator: Spearman with ties, the sign of the prediction, and the built-in benchmark.
+
+Invariants: ``rankdata`` gives average ranks to ties (as scipy does); ``spearman`` equals
+hand-computed values; ``lds`` is ~1 when the actual subset losses are a noisy linear
+function ``-(M @ tau)`` of the mask and ~-1 when the scores have the wrong sign; and
+``tools/lds.py --quick`` produces a finite LDS for every method and writes its report.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from dattri_ds.errors import ConfigError, ShapeError
+from dattri_ds.eval import lds, predicted, rankdata, retrain_losses, spearman, subset_masks
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_rankdata_average_ties():
+    """Ties share the mean of the ranks they span (scipy.stats.rankdata 'average')."""
+    x = torch.tensor([10.0, 20.0, 10.0, 30.0, 20.0, 10.0])
+    assert rankdata(x).tolist() == [2.0, 4.5, 2.0, 6.0, 4.5, 2.0]
+    cols = torch.tensor([[3.0, 1.0], [1.0, 1.0], [2.0, 5.0]])
+    assert rankdata(cols).tolist() == [[3.0, 1.5], [1.0, 1.5], [2.0, 3.0]]
+
+
+def test_spearman_hand_values():
+    """Monotone maps give +-1; hand-computed values with and without ties."""
+    x = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
+    assert float(spearman(x, x.exp())) == pytest.approx(1.0)
+    assert float(spearman(x, -x ** 3)) == pytest.approx(-1.0)
+    # ranks (1,2,3,4,5) vs (2,1,4,3,5): 1 - 6 * sum d^2 / (n (n^2 - 1)) = 1 - 6*4/120 = 0.8
+    assert float(spearman(x, torch.tensor([2.0, 1.0, 4.0, 3.0, 5.0]))) == pytest.approx(0.8)
+    # ties: y ranks (1.5, 1.5, 3, 4): Pearson with (1, 2, 3, 4) = 4.5 / sqrt(5 * 4.5)
+    y = torch.tensor([7.0, 7.0, 8.0, 9.0])
+    assert float(spearman(x[:4], y)) == pytest.approx(4.5 / math.sqrt(5 * 4.5))
+
+
+def test_spearman_columns_and_undefined():
+    """Columns are independent; a constant column has no correlation (NaN)."""
+    x = torch.tensor([[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]])
+    y = torch.tensor([[3.0, 5.0], [2.0, 5.0], [1.0, 5.0]])
+    rho = spearman(x, y)
+    assert rho[0].item() == pytest.approx(-1.0) and math.isnan(rho[1].item())
+    with pytest.raises(ShapeError):
+        spearman(x, y[:2])
+
+
+def test_subset_masks_sizes_and_seed():
+    """Every subset has round(fraction * N) members; the same seed gives the same masks."""
+    m = subset_masks(11, 5, 0.5, seed=3)
+    assert m.shape == (5, 11) and m.dtype == torch.bool
+    assert m.sum(1).tolist() == [6] * 5
+    assert torch.equal(m, subset_masks(11, 5, 0.5, seed=3))
+    assert not torch.equal(m, subset_masks(11, 5, 0.5, seed=4))
+    with pytest.raises(ConfigError):
+        subset_masks(10, 5, 1.0)
+
+
+def _synthetic(n=40, q=6, s=60, noise=0.05, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    tau = torch.randn(n, q, generator=gen, dtype=torch.float64)
+    masks = subset_masks(n, s, 0.5, seed=seed)
+    # Including n lowers q's loss by tau[n, q] (the convention of methods.base).
+    actual = 3.0 - masks.double() @ tau + noise * torch.randn(s, q, generator=gen,
+                                                             dtype=torch.float64)
+    return tau, masks, actual
+
+
+def test_lds_linear_datamodel_near_one():
+    """Scores that are the true per-example effects give LDS ~1 (and the right sign)."""
+    tau, masks, actual = _synthetic()
+    res = lds(predicted(tau, masks), actual)
+    assert res.mean > 0.98 and res.per_query.shape == (6,) and res.std < 0.02
+    # Invariant to a per-query positive scale of the scores (e.g. a learning rate).
+    assert lds(predicted(tau * torch.tensor([1e-3, 1, 5, 7, 0.1, 2.0]), masks),
+               actual).mean == pytest.approx(res.mean)
+
+
+def test_lds_sign_flip_near_minus_one():
+    """Scores with the opposite sign convention give LDS ~-1."""
+    tau, masks, actual = _synthetic()
+    assert lds(predicted(-tau, masks), actual).mean < -0.98
+
+
+def test_lds_noise_only_near_zero_and_shapes():
+    """Unrelated scores give an LDS near 0; mismatched shapes are refused."""
+    tau, masks, actual = _synthetic(s=200)
+    other = torch.randn(tau.shape, generator=torch.Generator().manual_seed(9), dtype=tau.dtype)
+    assert abs(lds(predicted(other, masks), actual).mean) < 0.2
+    with pytest.raises(ShapeError):
+        predicted(tau[:-1], masks)
+    with pytest.raises(ShapeError):
+        lds(actual, actual[:, :2])
+
+
+def test_retrain_losses_averages_seeds():
+    """retrain_losses calls train_fn per (subset, seed) and averages the query losses."""
+    masks = subset_masks(6, 3, 0.5, seed=0)
+    calls = []
+
+    def train_fn(mask, seed):
+        calls.append((mask.clone(), seed))
+        m = torch.nn.Linear(1, 1)
+        m.value = float(mask.nonzero()[0]) + seed  # "loss" depends on data and seed
+        return m
+
+    out = retrain_losses(train_fn, masks, lambda m: torch.tensor([m.value, 2 * m.value]),
+                         seeds=(0, 1))
+    first = masks.double().argmax(1).double()
+    assert out.shape == (3, 2) and len(calls) == 6
+    assert torch.allclose(out[:, 0], first + 0.5) and torch.allclose(out[:, 1], 2 * first + 1)
+
+
+def test_tool_quick_runs(tmp_path):
+    """tools/lds.py --quick (tiny settings) gives a finite LDS per method and writes JSON."""
+    spec = importlib.util.spec_from_file_location("tools_lds", ROOT / "tools" / "lds.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    report = mod.main(["--quick", "--out", str(tmp_path), "--n-train", "32", "--subsets", "4",
+                       "--epochs", "2", "--n-hamlet", "3", "--n-code", "1",
+                       "--proj-dims", "0,64"])
+    saved = json.loads((tmp_path / "lds.json").read_text())
+    assert (tmp_path / "lds.md").is_file()
+    rows = {(r["method"], r["k"]): r for r in saved["results"]}
+    assert set(rows) == {(m, k) for m in mod.METHODS for k in (0, 64)}
+    for r in rows.values():
+        assert math.isfinite(r["lds_mean"]) and -1 <= r["lds_mean"] <= 1
+        assert r["time_s"] >= 0 and len(r["per_query"]) == 4
+    assert len(saved["retrained_query_loss"]) == 4 and report["results"] == saved["results"]

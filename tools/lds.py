@@ -1,0 +1,346 @@
+"""Built-in LDS benchmark: attribution methods scored against retraining on random subsets.
+
+A tiny GPT-2 (2 layers, n_embd 64, T = 64, SentencePiece vocabulary 512) is trained on N
+documents of ``data/tiny/train.jsonl``; the queries are Hamlet chunks of
+``data/tiny/target.jsonl`` and a few ``data/target/code.jsonl`` functions. Every method
+(``graddot``, ``gradcos``, ``tracin`` over checkpoints of the full run, ``kfac``, ``ekfac``)
+scores the N documents against the queries with ``GradientCapture`` per-example gradients,
+exactly (factorized, unprojected) and Kronecker-projected to each ``--proj-dims`` size
+(per layer; K-FAC/EK-FAC factors are then fitted in the projected space, LoGra style).
+The same model is then retrained from the same initialization on S random half subsets,
+and each method's Linear Datamodeling Score is the mean over queries of the Spearman
+correlation between ``-(mask @ scores)`` and the retrained query losses
+(``dattri_ds.eval.lds``).
+
+Usage::
+
+    python tools/lds.py [--quick] [--out runs/lds] [--subsets S] [--seeds R] ...
+
+The table (method, k, LDS mean +- std over queries, attribution wall time) is printed and
+written to ``<out>/lds.md``; everything else (config, per-query correlations, retrained
+losses, timings) to ``<out>/lds.json``. The time of a row is its own work (projection,
+factor fitting, scoring) plus the gradient captures it reads (the checkpoint captures for
+``tracin``, the final-model capture otherwise); retraining is excluded. ``--quick`` uses
+fewer documents, subsets and projection sizes (about 20 s on 2 busy CPU cores); the
+default (N = 128, S = 32 subsets x 2 seeds, k in {exact, 64, 256, 1024}) about 1.5 minutes.
+
+Training is plain Adam (or ``--optimizer sgd``) at a constant learning rate; every run,
+full or subset, starts from the same initialization and visits its documents in the
+order of one seeded permutation per epoch. TracIn weights its checkpoints by that
+constant rate (with Adam the rate is nominal: TracIn's SGD derivation does not hold).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from dattri_ds import (
+    Checkpoint, GradBatch, GradientCapture, KFACConfig, ProjectionConfig, fit_factors,
+    make_attributor,
+)
+from dattri_ds.data import (
+    Document, TokenizedDocuments, build_model, load_documents, source_counts,
+    tokenize_documents, train_tokenizer,
+)
+from dattri_ds.eval import lds, predicted, retrain_losses, subset_masks
+from dattri_ds.ops.inner import project_batch
+from dattri_ds.ops.projection import Projector
+
+logger = logging.getLogger("dattri_ds.tools.lds")
+
+ROOT = Path(__file__).resolve().parents[1]
+METHODS = ("graddot", "gradcos", "tracin", "kfac", "ekfac")
+MODEL = {"model_type": "gpt2", "n_layer": 2, "n_head": 4, "n_embd": 64, "n_positions": 64,
+         "activation_function": "gelu_new", "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+         "attn_pdrop": 0.0, "tie_word_embeddings": False}
+PRESETS = {
+    "default": dict(n_train=128, subsets=32, seeds=2, epochs=6, proj_dims="0,64,256,1024"),
+    "quick": dict(n_train=64, subsets=8, seeds=1, epochs=4, proj_dims="0,64"),
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--out", default="runs/lds", help="output directory (lds.json, lds.md)")
+    p.add_argument("--quick", action="store_true", help="smaller preset (about 30 s)")
+    p.add_argument("--n-train", type=int, help="training documents (prefix of the pool)")
+    p.add_argument("--subsets", type=int, help="random subsets retrained (S)")
+    p.add_argument("--seeds", type=int, help="training seeds averaged per subset")
+    p.add_argument("--epochs", type=int, help="epochs of every training run")
+    p.add_argument("--proj-dims", help="comma-separated projection sizes, 0 = exact")
+    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated methods")
+    p.add_argument("--fraction", type=float, default=0.5, help="subset size / N")
+    p.add_argument("--n-hamlet", type=int, default=8, help="Hamlet queries")
+    p.add_argument("--n-code", type=int, default=2, help="code queries")
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per document (T)")
+    p.add_argument("--vocab-size", type=int, default=512, help="SentencePiece vocabulary")
+    p.add_argument("--batch-size", type=int, default=16, help="training batch size")
+    p.add_argument("--optimizer", choices=("adam", "sgd"), default="adam",
+                   help="Adam or SGD with momentum 0.9, constant learning rate")
+    p.add_argument("--lr", type=float, help="learning rate (default: adam 3e-3, sgd 0.1)")
+    p.add_argument("--checkpoints", type=int, default=3, help="TracIn checkpoints")
+    p.add_argument("--damping", type=float, default=0.1, help="K-FAC relative damping")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--cache-dir", default=None, help="tokenizer cache directory")
+    p.add_argument("--seed", type=int, default=0, help="init, data and subset seed")
+    args = p.parse_args(argv)
+    for k, v in PRESETS["quick" if args.quick else "default"].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.lr is None:
+        args.lr = 0.1 if args.optimizer == "sgd" else 3e-3
+    args.proj_dims = [int(k) for k in str(args.proj_dims).split(",") if k.strip()]
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    for name in ("seeds", "epochs", "checkpoints", "n_train"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    unknown = sorted(set(args.methods) - set(METHODS))
+    if unknown:
+        p.error(f"unknown method(s) {unknown}; choose from {list(METHODS)}")
+    return args
+
+
+# ---- data and training -----------------------------------------------------------------
+def evenly_spaced(docs: list[Document], k: int) -> list[Document]:
+    """``k`` documents at evenly spaced positions of ``docs``."""
+    if k >= len(docs):
+        return list(docs)
+    return [docs[(2 * i + 1) * len(docs) // (2 * k)] for i in range(k)]
+
+
+def load_data(args: argparse.Namespace):
+    """Tokenizer, training documents ``[N, T]`` and queries ``[Q, T]``."""
+    pool = load_documents(ROOT / "data/tiny/train.jsonl")
+    queries = (evenly_spaced(load_documents(ROOT / "data/tiny/target.jsonl"), args.n_hamlet)
+               + evenly_spaced(load_documents(ROOT / "data/target/code.jsonl"), args.n_code))
+    tok = train_tokenizer([d.text for d in pool], vocab_size=args.vocab_size,
+                          cache_dir=args.cache_dir)
+    ds = tokenize_documents(pool[:args.n_train], tok, args.seq_len)
+    qds = tokenize_documents(queries, tok, args.seq_len)
+    return tok, ds, qds
+
+
+@torch.no_grad()
+def doc_losses(model: torch.nn.Module, ds: TokenizedDocuments) -> torch.Tensor:
+    """``[Q]`` token-mean causal-LM loss of every document (the model's own loss, per row)."""
+    model.eval()
+    logits = model(input_ids=ds.input_ids, attention_mask=ds.attention_mask).logits[:, :-1]
+    labels = ds.labels[:, 1:]
+    valid = labels != -100
+    ll = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                         labels.clamp_min(0).reshape(-1), reduction="none").view(labels.shape)
+    return (ll * valid).sum(1) / valid.sum(1).clamp_min(1)
+
+
+def make_trainer(init: torch.nn.Module, ds: TokenizedDocuments, args: argparse.Namespace):
+    """``train(mask [N], seed, on_epoch=None) -> model``: deterministic plain-torch loop.
+
+    Every run starts from a copy of ``init``. Epoch e visits the masked rows in the order
+    of ``randperm(N)`` drawn from ``(seed, e)``, so a subset sees its examples in the same
+    relative order as the full run: subsets differ only by their data.
+    """
+    n = len(ds)
+
+    def train(mask: torch.Tensor, seed: int, on_epoch: Callable | None = None):
+        model = copy.deepcopy(init)
+        model.train()
+        if args.optimizer == "sgd":
+            opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+        else:
+            opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+        for epoch in range(args.epochs):
+            gen = torch.Generator().manual_seed(1_000_003 * seed + epoch)
+            perm = torch.randperm(n, generator=gen)
+            order = perm[mask[perm]]
+            for s in range(0, len(order), args.batch_size):
+                loss = model(**ds.batch(order[s:s + args.batch_size])).loss
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+            if on_epoch is not None:
+                on_epoch(epoch + 1, model, args.lr)
+        return model
+
+    return train
+
+
+# ---- attribution -------------------------------------------------------------------------
+def capture(model: torch.nn.Module, ds: TokenizedDocuments, batch_size: int = 32):
+    """Factorized per-example gradients of every row, in row order (``probe``: no .grad)."""
+    model.eval()
+    out: list[GradBatch] = []
+    with GradientCapture(model, probe_only=True) as cap:
+        for s in range(0, len(ds), batch_size):
+            b = ds.batch(slice(s, s + batch_size))
+            gb = cap.probe(lambda: model(**b).loss)
+            if gb is None or gb.batch_size != len(b["input_ids"]):
+                raise RuntimeError(f"capture of rows {s}..{s + batch_size} returned no batch")
+            out.append(gb)
+    return out
+
+
+def attribute(method: str, k: int, grads: list[dict], args: argparse.Namespace) -> torch.Tensor:
+    """``[N, Q]`` scores of one method at projection size k (0 = exact), from captures.
+
+    ``grads`` holds one ``{"train", "query", "lr"}`` capture per checkpoint; the last is
+    the final model, the only one that methods other than ``tracin`` read.
+    """
+    proj = (Projector(ProjectionConfig(kind="kronecker", dim=k, seed=args.seed)) if k
+            else None)
+
+    def space(batches: list[GradBatch]) -> list[GradBatch]:
+        return [project_batch(b, proj) for b in batches] if proj is not None else batches
+
+    final = grads[-1]
+    if method == "tracin":
+        ckpts = [Checkpoint(space(g["train"]), space(g["query"])[0], g["lr"]) for g in grads]
+        return make_attributor("tracin").trajectory_scores(ckpts).values
+    if method in ("kfac", "ekfac"):
+        factors = fit_factors(final["train"], config=KFACConfig(damping=args.damping),
+                              projector=proj, ekfac=method == "ekfac")
+        attributor = make_attributor(method, factors=factors)
+    else:
+        attributor = make_attributor(method)
+    return attributor.scores(space(final["train"]), space(final["query"])[0]).values
+
+
+def capture_checkpoints(states: list[tuple[int, dict, float]], model: torch.nn.Module,
+                        ds: TokenizedDocuments, qds: TokenizedDocuments) -> list[dict]:
+    """Train and query captures at every saved checkpoint, with their capture time."""
+    out = []
+    for epoch, state, lr in states:
+        t0 = time.time()
+        model.load_state_dict(state)
+        train = capture(model, ds)
+        query = capture(model, qds, batch_size=len(qds))
+        out.append({"epoch": epoch, "lr": lr, "train": train, "query": query,
+                    "seconds": time.time() - t0})
+        logger.info("captured %d train + %d query gradients at epoch %d (%.1f s)", len(ds),
+                    len(qds), epoch, out[-1]["seconds"])
+    return out
+
+
+# ---- report ------------------------------------------------------------------------------
+def table(rows: list[dict]) -> str:
+    """Markdown table of the results."""
+    lines = ["| method | k | LDS (mean ± std over queries) | attribution time (s) |",
+             "|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['method']} | {r['k'] or 'exact'} | {r['lds_mean']:+.3f} ± "
+                     f"{r['lds_std']:.3f} | {r['time_s']:.2f} |")
+    return "\n".join(lines)
+
+
+def full_run(train: Callable, init: torch.nn.Module, ds: TokenizedDocuments,
+             qds: TokenizedDocuments, args: argparse.Namespace):
+    """Train on all N documents, keeping ``args.checkpoints`` evenly spaced epochs' states.
+
+    Returns:
+        ``(states, query_losses [Q])`` with ``states = [(epoch, state_dict, lr), ...]``,
+        the last being the final model.
+    """
+    at = {round(args.epochs * (c + 1) / args.checkpoints) for c in range(args.checkpoints)}
+    states: list[tuple[int, dict, float]] = []
+
+    def save(epoch: int, model: torch.nn.Module, lr: float) -> None:
+        if epoch in at:
+            states.append((epoch, copy.deepcopy(model.state_dict()), lr))
+
+    t0 = time.time()
+    full = train(torch.ones(len(ds), dtype=torch.bool), args.seed, on_epoch=save)
+    loss = doc_losses(full, qds)
+    logger.info("full run: %d epochs in %.1f s; query loss %.3f (init %.3f), train loss %.3f",
+                args.epochs, time.time() - t0, float(loss.mean()),
+                float(doc_losses(init, qds).mean()), float(doc_losses(full, ds).mean()))
+    return states, loss
+
+
+def score_all(grads: list[dict], args: argparse.Namespace) -> dict:
+    """``{(method, k): (scores [N, Q], seconds)}``; seconds include the captures read."""
+    scores: dict[tuple[str, int], tuple[torch.Tensor, float]] = {}
+    for k in args.proj_dims:
+        for method in args.methods:
+            t0 = time.time()
+            values = attribute(method, k, grads, args)
+            used = grads if method == "tracin" else grads[-1:]
+            seconds = time.time() - t0 + sum(g["seconds"] for g in used)
+            scores[(method, k)] = (values, seconds)
+            logger.info("%-8s k=%-5s scores %s in %.2f s", method, k or "exact",
+                        list(values.shape), seconds)
+    return scores
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the benchmark; returns the report also written to ``<out>/lds.json``."""
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    torch.set_num_threads(args.threads)
+    torch.set_flush_denormal(True)
+    torch.manual_seed(args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.time()
+
+    tok, ds, qds = load_data(args)
+    logger.info("%d training documents %s, %d queries (%s); T=%d, vocab %d", len(ds),
+                source_counts(ds.docs), len(qds), ", ".join(qds.ids), args.seq_len,
+                tok.vocab_size)
+    init = build_model(MODEL, tokenizer=tok, seed=args.seed)
+    train = make_trainer(init, ds, args)
+    states, full_loss = full_run(train, init, ds, qds, args)
+    grads = capture_checkpoints(states, copy.deepcopy(init), ds, qds)
+    scores = score_all(grads, args)
+
+    masks = subset_masks(len(ds), args.subsets, args.fraction, seed=args.seed)
+    t0 = time.time()
+    per_seed = [retrain_losses(train, masks, lambda m: doc_losses(m, qds), seeds=[args.seed + r])
+                for r in range(args.seeds)]  # one call per seed: seed agreement below
+    actual = torch.stack(per_seed).mean(0)
+    retrain_s = time.time() - t0
+    # Reproducibility of the target itself: rank correlation of two seeds' retrained losses
+    # (a rough ceiling for the LDS of any method against a single seed).
+    agree = lds(per_seed[0], per_seed[1]) if args.seeds > 1 else None
+
+    rows = []
+    for (method, k), (values, seconds) in scores.items():
+        res = lds(predicted(values, masks), actual)
+        rows.append({"method": method, "k": k, "lds_mean": res.mean, "lds_std": res.std,
+                     "time_s": round(seconds, 3),
+                     "per_query": [round(float(r), 4) for r in res.per_query]})
+    md = table(rows)
+    head = (f"LDS over {args.subsets} subsets of {round(args.fraction * len(ds))}/{len(ds)} "
+            f"documents ({args.seeds} training seed(s) each), {len(qds)} queries")
+    if agree is not None:
+        head += (f"; seed-to-seed agreement of retrained losses {agree.mean:+.3f} ± "
+                 f"{agree.std:.3f}")
+    print(f"\n{head}\n{md}")
+    report = {
+        "args": vars(args), "model": MODEL, "tokenizer": tok.fingerprint,
+        "train_ids": ds.ids, "query_ids": qds.ids, "results": rows,
+        "full_model_query_loss": full_loss.tolist(),
+        "retrained_query_loss": actual.tolist(), "masks": masks.int().tolist(),
+        "seed_agreement": None if agree is None else {"mean": agree.mean, "std": agree.std},
+        "checkpoints": [{"epoch": g["epoch"], "lr": g["lr"]} for g in grads],
+        "runtime_s": {"retrain": round(retrain_s, 2),
+                      "total": round(time.time() - t_start, 2)},
+    }
+    (out / "lds.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
+    (out / "lds.md").write_text(f"{head}\n\n{md}\n", encoding="utf-8")
+    logger.info("wrote %s and %s (total %.1f s, retraining %.1f s)", out / "lds.json",
+                out / "lds.md", report["runtime_s"]["total"], retrain_s)
+    return report
+
+
+if __name__ == "__main__":
+    main()
