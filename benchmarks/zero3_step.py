@@ -62,7 +62,10 @@ def _worker(rank, world, port, args, q):
 
     cap = GradientCapture.for_engine(cap_eng, CaptureConfig(
         projection=ProjectionConfig(dim=args.k)), callbacks=[Drop()]).attach()
-    scfg = SelectionConfig(enabled=True, candidate_multiple=2.0, refresh_every=10**6)
+    scfg = SelectionConfig(
+        enabled=True, candidate_multiple=2.0, refresh_every=10**6,
+        projection=ProjectionConfig(dim=args.sel_k) if args.sel_k else None,
+        include=tuple(args.sel_include.split(",")) if args.sel_include else ())
     probe = OnlineSelector.probe_capture(sel_eng.module, scfg)
     gen = torch.Generator().manual_seed(rank)
     tgt = torch.randint(0, args.vocab, (8, T), generator=gen)
@@ -116,6 +119,11 @@ def main() -> None:
     p.add_argument("--T", type=int, default=128)
     p.add_argument("--micro", type=int, default=8)
     p.add_argument("--k", type=int, default=1024)
+    p.add_argument("--sel-k", type=int, default=0,
+                   help="score selection in a Kronecker-projected space of this size "
+                        "(0 = exact ghost scores)")
+    p.add_argument("--sel-include", default="",
+                   help="comma-separated module patterns scored (default: every layer)")
     args = p.parse_args()
     if args.quick:
         args.layers, args.width, args.vocab, args.T, args.micro, args.k = 2, 64, 512, 32, 4, 256
@@ -134,7 +142,10 @@ def main() -> None:
         pr.join()
     times = results[0]
     print(f"ZeRO-3, 2 ranks, GPT-2 {args.layers}x{args.width}, vocab {args.vocab}, T={args.T}, "
-          f"micro-batch {args.micro}/rank, k={args.k}; {environment()}")
+          f"micro-batch {args.micro}/rank, k={args.k}; selection scores: "
+          f"{'projected k=' + str(args.sel_k) if args.sel_k else 'exact'}"
+          f"{', layers ' + args.sel_include if args.sel_include else ', all layers'}; "
+          f"{environment()}")
     rows = [[n, median(v) * 1e3, *[x * 1e3 for x in spread(v)]] for n, v in times.items()]
     print(table(["variant", "median ms/step", "p25", "p75"], rows))
     ratio = {n: median([a / b for a, b in zip(times[n], times["plain"])])

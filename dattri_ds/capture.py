@@ -266,14 +266,15 @@ class GradientCapture:
             a = kind.activation(module, args).detach()
             new_output = None
             b = len(rec.info.sample_ids) if rec.info is not None else 0
-            if out is output and out.dim() >= 2 and out.shape[0] == 1 and b > 1:
+            if (out is output and out.dim() >= 2 and out.shape[0] == 1 and b > 1
+                    and _batch_dim(kind, module) == 0):
                 # Broadcast over the batch after this layer (e.g. position embeddings [1, T, D]):
                 # hand the model a batch-sized view so every example gets its own output-grad.
                 # The forward value and the summed weight gradient are unchanged.
                 out = new_output = out.expand(b, *out.shape[1:])
                 a = a.expand(b, *a.shape[1:])
             rec.outputs.append(weakref.ref(out))
-            rec.empty.setdefault(name, _empty_factors(a, out))
+            rec.empty.setdefault(name, _empty_factors(a, out, _batch_dim(kind, module)))
             if self._probing:
                 rec.probe.append((name, a, out))
             else:
@@ -308,7 +309,7 @@ class GradientCapture:
             batch = project_batch(batch, self._projector, self.cost)
         self._deliver(batch)
 
-    def _info(self, rec: _Record, b: int) -> BatchInfo:
+    def _info(self, rec: _Record, b: int, t: int) -> BatchInfo:
         if rec.info is not None and len(rec.info.sample_ids) == b:
             return rec.info
         if not self._warned_no_info:
@@ -318,15 +319,16 @@ class GradientCapture:
                 "sample ids fall back to '<micro-batch>:<row>' and every position counts as a "
                 "loss token; pass input_ids/labels/attention_mask for exact semantics",
                 stacklevel=3)
-        some = next(iter(rec.pairs.values()))[0][1]
-        t = some.shape[1] if some.dim() > 2 else 1
         counts = torch.full((b,), max(t - self.config.label_shift, 1), dtype=torch.long)
         return BatchInfo(tuple(f"{rec.index}:{i}" for i in range(b)), counts)
 
     def _build(self, rec: _Record, scale_c: float | None = None) -> GradBatch | None:
         cfg = self.config
-        some_a = next(iter(rec.pairs.values()))[0][0]
-        info = self._info(rec, some_a.shape[0])
+        first, first_pairs = next(iter(rec.pairs.items()))
+        bdim = _batch_dim(self.layers[first][1], self.layers[first][0])
+        some_g = first_pairs[0][1]
+        tokens = some_g.shape[1 - bdim] if some_g.dim() > 2 else 1
+        info = self._info(rec, first_pairs[0][0].shape[bdim], tokens)
         if scale_c is None:
             scale_c = cfg.backward_scale * (self.scale_fn() if self.scale_fn else 1.0)
         scale = example_scale(info.token_counts, loss_reduction=cfg.loss_reduction,
@@ -343,7 +345,8 @@ class GradientCapture:
                     f"Layer '{name}' ran {len(pairs)} times in one forward pass (weight "
                     f"sharing or a module called twice); set capture.allow_shared=True to sum "
                     f"its gradients over the calls")
-            parts = [kind.build(module, a, self._scaled(g, scale, kind)) for a, g in pairs]
+            parts = [kind.build(module, a, self._scaled(g, scale, _batch_dim(kind, module)))
+                     for a, g in pairs]
             data = _merge(parts)
             bad = _nonfinite(data)
             if bad:
@@ -354,10 +357,12 @@ class GradientCapture:
         merge_tied(layers, self._tied)
         return GradBatch(rec.step, info.sample_ids, layers, rec.index, info.token_counts)
 
-    def _scaled(self, g: torch.Tensor, scale: torch.Tensor, kind: LayerKind) -> torch.Tensor:
+    def _scaled(self, g: torch.Tensor, scale: torch.Tensor, bdim: int = 0) -> torch.Tensor:
         dtype = getattr(torch, self.config.dtype) if self.config.dtype else g.dtype
         s = scale.to(device=g.device, dtype=torch.float32)
-        return (g.float() * s.view(-1, *([1] * (g.dim() - 1)))).to(dtype)
+        shape = [1] * g.dim()
+        shape[bdim] = -1
+        return (g.float() * s.view(shape)).to(dtype)
 
     def _nonfinite(self, name: str, rec: _Record) -> None:
         msg = (f"Layer '{name}' has a NaN/inf per-example gradient in micro-batch {rec.index} "
@@ -436,11 +441,21 @@ class GradientCapture:
         self.step += 1
 
 
-def _empty_factors(a: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zero-token factors ``[B, 0, ...]``: the exact gradient of a layer that got no grad."""
-    b = a.shape[0]
-    a0 = a.new_empty((b, 0) + ((a.shape[-1],) if a.is_floating_point() else ()))
-    return a0, out.new_empty((b, 0, out.shape[-1]))
+def _batch_dim(kind: LayerKind, module: nn.Module) -> int:
+    """Where B sits in the saved input and output-grad: 0, or 1 for sequence-first kinds
+    (Megatron ``[S, B, H]``) that define ``batch_dim(module)``."""
+    fn = getattr(kind, "batch_dim", None)
+    return fn(module) if fn is not None else 0
+
+
+def _empty_factors(a: torch.Tensor, out: torch.Tensor,
+                   bdim: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero-token factors ``[B, 0, ...]`` (``[0, B, ...]`` sequence-first): the exact gradient
+    of a layer that got no grad."""
+    b = a.shape[bdim]
+    lead = (b, 0) if bdim == 0 else (0, b)
+    a0 = a.new_empty(lead + ((a.shape[-1],) if a.is_floating_point() else ()))
+    return a0, out.new_empty(lead + (out.shape[-1],))
 
 
 def _merge(parts: list[Factorized | Dense]) -> Factorized | Dense:
@@ -453,5 +468,6 @@ def _merge(parts: list[Factorized | Dense]) -> Factorized | Dense:
 
 
 def _nonfinite(data: Factorized | Dense) -> bool:
+    """NaN/inf anywhere in the output-grads (one reduction: NaN and inf propagate)."""
     t = data.g if isinstance(data, Factorized) else data.values
-    return not bool(torch.isfinite(t).all())
+    return not bool(torch.isfinite(t.sum(dtype=torch.float32)))
