@@ -29,6 +29,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -38,6 +39,7 @@ from dattri_ds.layers.base import LayerDims
 __all__ = ["PathCost", "Roofline", "Decision", "CostModel", "OPS", "PATHS", "estimate"]
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 PATHS = ("ghost", "dense")
 
@@ -67,19 +69,20 @@ class Roofline:
 
     @staticmethod
     def default(device: torch.device | str = "cpu") -> Roofline:
-        """Conservative defaults by device type (no measurement)."""
+        """Defaults by device type (no measurement): one modern CPU core / one data-centre GPU."""
         if torch.device(device).type == "cuda":
             return Roofline(flops_per_s=4e13, bytes_per_s=2e12)
-        return Roofline(flops_per_s=5e10, bytes_per_s=8e9)
+        return Roofline(flops_per_s=1e11, bytes_per_s=2e10)
 
     @staticmethod
     def measure(device: torch.device | str = "cpu", size: int = 512) -> Roofline:
         """Measure a ``size``-square matmul and a 64 MB copy on ``device`` (about 0.1 s)."""
         dev = torch.device(device)
         a = torch.randn(size, size, device=dev)
-        big = torch.empty(1 << 24, device=dev)
+        big = torch.randn(1 << 24, device=dev)
+        dst = torch.empty_like(big)  # copy into a live buffer: bandwidth, not page faults
         flops = _best_rate(lambda: a @ a, 2 * size**3, dev)
-        bw = _best_rate(lambda: big.clone(), 2 * big.numel() * 4, dev)
+        bw = _best_rate(lambda: dst.copy_(big), 2 * big.numel() * 4, dev)
         return Roofline(flops_per_s=flops, bytes_per_s=bw)
 
 
@@ -225,12 +228,17 @@ class CostModel:
     Args:
         roofline: device throughput; ``Roofline.default("cpu")`` when omitted.
         force: op name (or ``"*"``) -> path, e.g. ``{"cross_gram": "dense"}``.
+        calibrate: settle close calls by timing both paths once (see ``run``).
+        calibrate_band: estimates within this factor of each other count as close.
     """
 
     def __init__(self, roofline: Roofline | None = None,
-                 force: Mapping[str, str] | None = None) -> None:
+                 force: Mapping[str, str] | None = None, calibrate: bool = False,
+                 calibrate_band: float = 2.0) -> None:
         self.roofline = roofline or Roofline.default("cpu")
         self.force = dict(force or {})
+        self.calibrate = calibrate
+        self.calibrate_band = calibrate_band
         for op, path in self.force.items():
             if op != "*" and op not in OPS:
                 raise ConfigError(f"cannot force unknown op '{op}'; known ops: {sorted(OPS)}")
@@ -256,6 +264,31 @@ class CostModel:
         self._cache[key] = dec
         logger.debug(dec.explain())
         return dec
+
+    def run(self, op: str, layer: str, dims: LayerDims, paths: Mapping[str, Callable[[], T]], *,
+            path: str | None = None, **kwargs: int) -> T:
+        """Choose a path for ``op`` and run it: ``paths = {"ghost": fn, "dense": fn}``.
+
+        With ``calibrate=True``, a decision whose two estimates lie within
+        ``calibrate_band`` of each other (where roofline estimates are unreliable: shapes
+        with small inner dimensions run matmuls far below peak) is settled by timing both
+        paths once on the real tensors; the faster is cached for this (op, layer, shape).
+        """
+        dec = self.choose(op, layer, dims, path=path, **kwargs)
+        secs = sorted(dec.seconds.values())
+        close = secs[-1] <= self.calibrate_band * max(secs[0], 1e-30)
+        if not (self.calibrate and close and not dec.forced and "timed" not in dec.args):
+            return paths[dec.path]()
+        timed, result = {}, None
+        for name, fn in paths.items():
+            t0 = time.perf_counter()
+            result = fn()
+            timed[name] = time.perf_counter() - t0
+        best = min(timed, key=timed.__getitem__)
+        key = (op, layer, dims, path, tuple(sorted(kwargs.items())))
+        self._cache[key] = Decision(op, layer, best, dec.costs, dec.seconds, False,
+                                    {**dec.args, "timed": 1})
+        return result
 
     def decisions(self) -> list[Decision]:
         """Every distinct decision made so far, in the order they were made."""
