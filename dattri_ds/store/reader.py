@@ -218,15 +218,23 @@ class GradientStore:
                              f"{n} rows: got min {idx.min()}, max {idx.max()}")
         return np.where(idx < 0, idx + n, idx)
 
-    def read(self, rows: Rows, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
-        """Rows ``[n, P]`` (a copy) in ``dtype`` (None: the storage dtype).
+    def read(self, rows: Rows, dtype: torch.dtype | None = torch.float32,
+             copy: bool = True) -> torch.Tensor:
+        """Rows ``[n, P]`` in ``dtype`` (None: the storage dtype).
 
         Args:
             rows: a slice, a sequence/array/1-D tensor of row numbers, or one int (``[1, P]``).
+            copy: False allows a read-only tensor viewing the memory map when the rows are
+                contiguous in one shard and no conversion is needed (streamed scoring).
         """
         idx = self._rows(rows)
-        out = np.empty((idx.size, self.width), dtype=self._np_dtype)
         shard_of, local = self._shard_of[idx], self._local[idx]
+        if idx.size and shard_of[0] == shard_of[-1] and bool(np.all(shard_of == shard_of[0])):
+            fast = self._read_one_shard(int(shard_of[0]), local, copy)  # no masks
+            if fast is not None:
+                t = from_storage(fast, self.dtype)
+                return t if dtype is None else t.to(dtype)
+        out = np.empty((idx.size, self.width), dtype=self._np_dtype)
         for s in np.unique(shard_of):
             sel = shard_of == s
             loc = local[sel]
@@ -241,18 +249,34 @@ class GradientStore:
         t = from_storage(out, self.dtype)
         return t if dtype is None else t.to(dtype)
 
+    def _read_one_shard(self, s: int, loc: np.ndarray, copy: bool) -> np.ndarray | None:
+        """Rows ``loc`` of shard ``s`` when contiguous (one copy, or a view), else None."""
+        lo = int(loc[0])
+        if int(loc[-1]) - lo + 1 != loc.size or not bool(np.all(np.diff(loc) == 1)):
+            return None
+        shard = self._shards[s]
+        if shard.rows is None:
+            raise DattriDSError(f"Gradient store '{self.path}' was closed")
+        if self._lazy:
+            shard.verify(loc)
+        view = shard.rows[lo:lo + loc.size]
+        return np.array(view) if copy else view
+
     def layer_view(self, values: torch.Tensor) -> dict[str, torch.Tensor]:
         """Split rows ``[n, P]`` into layer name -> ``[n, P_l]`` views (no copy)."""
         return {name: values[:, sl] for name, sl in self._slices.items()}
 
     def iter_blocks(self, block_rows: int, dtype: torch.dtype | None = torch.float32
                     ) -> Iterator[tuple[tuple[str, ...], torch.Tensor]]:
-        """Stream ``(ids, rows [n, P])`` in row order, ``n <= block_rows``."""
+        """Stream ``(ids, rows [n, P])`` in row order, ``n <= block_rows``.
+
+        Rows may be read-only views of the memory map (no copy): do not modify them in place.
+        """
         if block_rows < 1:
             raise ConfigError(f"block_rows must be >= 1, got {block_rows}")
         for start in range(0, len(self), block_rows):
             stop = min(len(self), start + block_rows)
-            yield self._ids[start:stop], self.read(slice(start, stop), dtype)
+            yield self._ids[start:stop], self.read(slice(start, stop), dtype, copy=False)
 
     def to_gradbatch(self, rows: Rows, dtype: torch.dtype = torch.float32) -> GradBatch:
         """Rows as a GradBatch of Dense projected LayerGrads (``step=-1``: see ``steps``).
