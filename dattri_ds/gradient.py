@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -94,17 +95,53 @@ class Dense:
 class ShardInfo:
     """Where a layer's captured gradient sits inside the full (unsharded) parameter.
 
+    A shard is the contiguous block ``[offset, offset + n)`` of the canonical ``(O, I')``
+    layout along ``dim`` (``n`` = the local LayerGrad's ``shape[dim]``); the other dimension
+    is whole. Shards of one layer tile it exactly once, so inner products, norms and
+    projections of the full layer are sums of per-shard terms over ``group``.
+
     Attributes:
         dim: which canonical dimension is sharded: 0 = O (column-parallel), 1 = I (row-parallel).
         rank: this shard's index in its tensor-parallel group.
         world: number of shards.
         full_shape: the canonical ``(O, I')`` shape of the unsharded layer.
+        offset: first index of this shard along ``dim`` (None = ``rank * full_shape[dim] //
+            world``, equal shards).
+        group: the process group the shards are spread over (not compared).
     """
 
     dim: int
     rank: int
     world: int
     full_shape: tuple[int, int]
+    offset: int | None = None
+    group: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def start(self) -> int:
+        """First index of this shard along ``dim`` of the full canonical layout."""
+        if self.offset is not None:
+            return self.offset
+        return self.rank * self.full_shape[self.dim] // self.world
+
+    def local_of(self, full: torch.Tensor, local_shape: tuple[int, int]) -> torch.Tensor:
+        """This shard's entries of full canonical rows: ``[Q, O*I'] -> [Q, o*i']``."""
+        q = full.shape[0]
+        n = local_shape[self.dim]
+        part = full.reshape(q, *self.full_shape).narrow(self.dim + 1, self.start, n)
+        return part.reshape(q, -1)
+
+    def flat_index(self, local_shape: tuple[int, int],
+                   device: torch.device | str | None = None) -> torch.Tensor:
+        """``[o*i']`` positions of this shard's entries in the flattened full layout."""
+        i_full = self.full_shape[1]
+        rows = torch.arange(local_shape[0], device=device)
+        cols = torch.arange(local_shape[1], device=device)
+        if self.dim == 0:
+            rows = rows + self.start
+        else:
+            cols = cols + self.start
+        return (rows[:, None] * i_full + cols[None, :]).reshape(-1)
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,7 @@ from typing import Literal
 import torch
 
 from dattri_ds.distributed import ParallelContext, all_gather_object, all_reduce_sum
-from dattri_ds.errors import ConfigError, DattriDSError, ShapeError, StoreMismatchError
+from dattri_ds.errors import ConfigError, DattriDSError, ShapeError, StoreMismatchError, UnsupportedLayerError
 from dattri_ds.gradient import Dense, Factorized, GradBatch, LayerGrad
 from dattri_ds.layers.base import get_kind
 from dattri_ds.layers.outer import row_chunks
@@ -179,6 +179,11 @@ class KFACFactors:
 
     # ---- pass 1: factor sums --------------------------------------------------------
     def _layout(self, lg: LayerGrad) -> LayerFactors:
+        if lg.shard is not None:
+            raise UnsupportedLayerError(
+                f"Layer '{lg.name}' is a tensor-parallel shard: K-FAC factors need the whole "
+                f"layer; pass dattri_ds.ops.inner.unshard_batch(batch) (all-gathers the "
+                f"sharded factor)")
         kind = get_kind(lg.kind)
         o, i = lg.shape
         p = self.projector

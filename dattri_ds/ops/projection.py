@@ -143,6 +143,25 @@ class Projector:
             out += x[:, start:start + cols] @ p.T
         return out
 
+    def dense_apply_at(self, layer: str, x: torch.Tensor, rows: int, index: torch.Tensor,
+                       d: int) -> torch.Tensor:
+        """``x [B, n]`` holds columns ``index [n]`` of a ``[B, D]`` matrix: ``x @ P[:, index]^T``.
+
+        The tensor-parallel form of ``dense_apply``: a shard's partial projection, streamed
+        over the seeded column blocks that ``index`` touches (each block as ``dense_apply``
+        builds it for the full width ``d``), so the shards' partial results sum to the
+        projection of the full row. Returns ``[B, rows]``.
+        """
+        out = x.new_zeros(x.shape[0], rows)
+        index = index.to(x.device)
+        blocks = torch.div(index, BLOCK, rounding_mode="floor")
+        for blk in torch.unique(blocks).tolist():
+            sel = (blocks == blk).nonzero().squeeze(1)
+            width = min(BLOCK, d - blk * BLOCK)
+            p = self.dense_block(layer, blk, rows, width, x.device, x.dtype)
+            out += x[:, sel] @ p[:, index[sel] - blk * BLOCK].T
+        return out
+
     def dense_matrix(self, layer: str, d: int, rows: int) -> torch.Tensor:
         """The whole dense ``[rows, D]`` matrix (for references and small layers)."""
         blocks = [self.dense_block(layer, b, rows, min(BLOCK, d - s), torch.device("cpu"))

@@ -73,3 +73,23 @@ def test_measured_roofline_is_positive():
     """Roofline.measure returns finite positive throughputs on this device."""
     rl = Roofline.measure("cpu", size=128)
     assert rl.flops_per_s > 1e6 and rl.bytes_per_s > 1e6
+
+
+def test_calibrate_settles_close_calls_by_timing():
+    """calibrate=True: a close call is timed once on the real tensors and cached (marked
+    'timed'); the result is the same as either path's."""
+    import torch
+
+    from dattri_ds import Factorized, LayerGrad
+    from dattri_ds.ops import layer_cross_gram
+
+    gen = torch.Generator().manual_seed(0)
+    f = Factorized(torch.randn(4, 3, 8, generator=gen), torch.randn(4, 3, 8, generator=gen))
+    lg = LayerGrad("fc", "linear", f, (8, 8))
+    cm = CostModel(RL, calibrate=True, calibrate_band=1e9)  # every decision counts as close
+    got = layer_cross_gram(lg, lg, cost=cm)
+    dec = cm.decisions()[0]
+    assert dec.args.get("timed") == 1 and dec.path in ("ghost", "dense")
+    assert torch.allclose(got, layer_cross_gram(lg, lg, path="dense"), rtol=1e-5)
+    again = layer_cross_gram(lg, lg, cost=cm)  # cached: no second timing
+    assert torch.allclose(again, got) and len(cm.decisions()) == 1
