@@ -303,11 +303,8 @@ class GradientCapture:
             self._open.remove(rec)
         batch = self._build(rec)
         rec.pairs.clear()
-        if batch is None:
-            return
-        if self._projector is not None:
-            batch = project_batch(batch, self._projector, self.cost)
-        self._deliver(batch)
+        if batch is not None:
+            self._deliver(batch)
 
     def _info(self, rec: _Record, b: int, t: int) -> BatchInfo:
         if rec.info is not None and len(rec.info.sample_ids) == b:
@@ -323,7 +320,14 @@ class GradientCapture:
         return BatchInfo(tuple(f"{rec.index}:{i}" for i in range(b)), counts)
 
     def _build(self, rec: _Record, scale_c: float | None = None) -> GradBatch | None:
+        """The record's GradBatch: per-example scaled, tied layers merged, projected if asked.
+
+        With a projection the per-example scale multiplies the projected rows instead of the
+        output-grads (projection is linear per example, so the result is the same), saving a
+        scaled copy of every output-grad.
+        """
         cfg = self.config
+        post = self._projector is not None
         first, first_pairs = next(iter(rec.pairs.items()))
         bdim = _batch_dim(self.layers[first][1], self.layers[first][0])
         some_g = first_pairs[0][1]
@@ -345,7 +349,8 @@ class GradientCapture:
                     f"Layer '{name}' ran {len(pairs)} times in one forward pass (weight "
                     f"sharing or a module called twice); set capture.allow_shared=True to sum "
                     f"its gradients over the calls")
-            parts = [kind.build(module, a, self._scaled(g, scale, _batch_dim(kind, module)))
+            parts = [kind.build(module, a, g if post else
+                                self._scaled(g, scale, _batch_dim(kind, module)))
                      for a, g in pairs]
             data = _merge(parts)
             bad = _nonfinite(data)
@@ -355,7 +360,14 @@ class GradientCapture:
             layers[name] = LayerGrad(name, kind.name, data, kind.layer_shape(module),
                                      shard=kind.shard_info(module))
         merge_tied(layers, self._tied)
-        return GradBatch(rec.step, info.sample_ids, layers, rec.index, info.token_counts)
+        batch = GradBatch(rec.step, info.sample_ids, layers, rec.index, info.token_counts)
+        if not post:
+            return batch
+        batch = project_batch(batch, self._projector, self.cost)
+        s = scale.to(torch.float32)
+        return GradBatch(batch.step, batch.sample_ids, {
+            n: lg.replace(data=Dense(lg.data.values * s.to(lg.data.values.device)[:, None]))
+            for n, lg in batch.layers.items()}, batch.micro_batch, batch.token_counts)
 
     def _scaled(self, g: torch.Tensor, scale: torch.Tensor, bdim: int = 0) -> torch.Tensor:
         dtype = getattr(torch, self.config.dtype) if self.config.dtype else g.dtype
@@ -415,8 +427,6 @@ class GradientCapture:
             return None
         batch = self._build(rec, scale_c=1.0)
         rec.pairs.clear()
-        if batch is not None and self._projector is not None:
-            batch = project_batch(batch, self._projector, self.cost)
         return batch
 
     # ---- consumer API ---------------------------------------------------------------

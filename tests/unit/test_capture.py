@@ -207,3 +207,33 @@ def test_probe_matches_reference_and_leaves_param_grads_alone():
         assert cap.pop() is None  # probes are returned, not queued
     assert all(p.grad is None for p in model.parameters())
     _assert_matches(batch, reference_grads(model, ids))
+
+
+def test_projected_capture_with_padding_matches_projected_reference():
+    """With capture.projection the per-example scale is applied to the projected rows: equal
+    to projecting the reference gradients, also when examples have different token counts."""
+    from dattri_ds import ProjectionConfig, Projector
+    from dattri_ds.ops import kron_dims
+
+    torch.manual_seed(11)
+    model = tiny_gpt2()
+    ids = torch.randint(1, 97, (3, 10))
+    mask = torch.ones_like(ids)
+    mask[0, 6:] = 0
+    mask[2, 3:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    proj = ProjectionConfig(dim=64, seed=4)
+    batch = _capture(model, CaptureConfig(projection=proj, per_example_loss="mean"),
+                     input_ids=ids, attention_mask=mask, labels=labels)
+    ref = reference_grads(model, ids, attention_mask=mask, labels=labels, per_example_loss="mean")
+    projector = Projector(proj)
+    for name, lg in batch.layers.items():
+        o, i = lg.shape
+        if o * i <= proj.dim:
+            want = ref[name]
+        else:
+            ko, ki = kron_dims(proj.dim, o, i)
+            cpu = torch.device("cpu")
+            want = ref[name] @ torch.kron(projector.side(name, "out", ko, o, cpu),
+                                          projector.side(name, "in", ki, i, cpu)).T
+        assert rel_err(lg.data.values, want) <= TOL, name
