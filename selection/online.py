@@ -146,11 +146,20 @@ class OnlineSelector:
         target = self.target.get(step)
         if user_ids is not None:
             self.probe.tag(user_ids)
-        grads = self.probe.probe(lambda: self.model(**batch).loss)
+        grads = self.probe.probe(lambda: self._loss(batch))
         if grads is None:
             raise ConfigError("The probe pass captured nothing: the model's loss does not "
                               "depend on any captured layer")
         return grads, alignment_scores(grads, target, self.cost)
+
+    def _loss(self, batch: Batch) -> torch.Tensor:
+        """The model's loss on ``batch``, under autocast when ``probe_autocast`` is set."""
+        dtype = self.config.probe_autocast
+        if dtype is None:
+            return self.model(**batch).loss
+        device = next(iter(batch.values())).device.type
+        with torch.autocast(device_type=device, dtype=getattr(torch, dtype)):
+            return self.model(**batch).loss
 
     def select(self, batch: Batch, k: int, step: int,
                user_ids: list[str] | None = None) -> Selection:

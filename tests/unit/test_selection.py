@@ -118,3 +118,17 @@ def test_target_tokenized_differently_is_refused():
         check_target_compatible(train, tokenize_documents(docs[10:12], tok_b, 16))
     with pytest.raises(ConfigError, match="seq_len"):
         check_target_compatible(train, tokenize_documents(docs[10:12], tok_a, 24))
+
+
+def test_bf16_probe_autocast_scores_track_fp32():
+    """probe_autocast='bfloat16' scores candidates close to float32 scoring (same top pick)."""
+    model, cfg, probe, target, _ = _setup()
+    cand = torch.randint(0, 97, (8, 10), generator=torch.Generator().manual_seed(5))
+    batch = {"input_ids": cand, "labels": cand}
+    exact = OnlineSelector(model, cfg, target, probe=probe).score(batch, 0)[1]
+    fast_cfg = SelectionConfig(enabled=True, probe_autocast="bfloat16")
+    fast = OnlineSelector(model, fast_cfg, target, probe=probe).score(batch, 0)[1]
+    assert fast.dtype == torch.float32
+    assert torch.nn.functional.cosine_similarity(exact, fast, dim=0) > 0.99
+    assert int(exact.argmax()) == int(fast.argmax())
+    probe.detach()
