@@ -43,6 +43,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--random-selection", action="store_true", default=None,
                    help="baseline: draw the trained examples uniformly from the same candidates "
                         "[selection.random]")
+    m = p.add_argument_group("backend (launch/megatron_backend.py for megatron)")
+    m.add_argument("--backend", choices=["deepspeed", "megatron"], default="deepspeed",
+                   help="deepspeed: a DeepSpeed engine on a Hugging Face model; megatron: a "
+                        "Megatron-core GPTModel with tensor parallelism and a torch optimizer "
+                        "(the DeepSpeed JSON gives the dattri_ds block, batch sizes, optimizer "
+                        "and scheduler)")
+    m.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                   help="megatron: tensor-parallel size (must divide the number of processes, "
+                        "hidden size, heads and FFN size)")
+    m.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="megatron: only 1 is supported (refused otherwise)")
+    m.add_argument("--verify-checkpoints", action="store_true",
+                   help="megatron: reload each consolidated checkpoint on every rank and check "
+                        "it equals the live tensor-parallel shards")
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1,
                    help="set by the deepspeed launcher")
     try:

@@ -127,6 +127,12 @@ def main(argv: list[str] | None = None) -> dict:
                              refresh_every=args.refresh_every, random=args.random_selection)
     if args.capture:
         cfg = replace(cfg, capture_enabled=True)
+    if args.backend == "megatron":
+        from dattri_ds.launch.megatron_backend import run
+        return run(args, ds_config, cfg)
+    if args.tensor_model_parallel_size != 1 or args.pipeline_model_parallel_size != 1:
+        from dattri_ds.errors import ConfigError
+        raise ConfigError("--tensor/pipeline-model-parallel-size need --backend megatron")
     rank, world = setup_distributed()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format="%(asctime)s %(message)s", datefmt="%H:%M:%S")

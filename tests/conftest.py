@@ -20,3 +20,10 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "dist: multi-process (gloo) tests")
     config.addinivalue_line("markers", "gpu: needs CUDA")
     config.addinivalue_line("markers", "slow: end-to-end subprocess tests")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Run the forked multi-process tests (tests/dist) first: they need a parent process in
+    which no process group or Megatron state was ever created, which in-process end-to-end
+    tests (offline tools on Megatron runs) cannot guarantee afterwards."""
+    items.sort(key=lambda item: 0 if "/tests/dist/" in str(item.fspath) else 1)

@@ -98,7 +98,13 @@ class Run:
         return f"model:{h.hexdigest()}"
 
     def model(self, tag: str, device: torch.device | str = "cpu"):
-        """The model at checkpoint ``tag``, fp32, eval mode, no dropout."""
+        """The model at checkpoint ``tag``, fp32, eval mode, no dropout.
+
+        A ``--backend megatron`` run (``checkpoints/<tag>/megatron_consolidated.pt``) gives a
+        TP=1 GPTModel called like a Hugging Face model (``_MegatronLM``).
+        """
+        if (self.root / "checkpoints" / tag / MEGATRON_CONSOLIDATED).exists():
+            return _megatron_model(self.root, tag).to(device).eval()
         from transformers import AutoConfig, AutoModelForCausalLM
 
         from dattri_ds.integrations.checkpoints import load_state_dict
@@ -111,6 +117,55 @@ class Run:
             raise ConfigError(f"Checkpoint '{tag}' of {self.root} does not match the run's "
                               f"model config: missing {bad[:5]}, unexpected {unexpected[:5]}")
         return model.to(device).eval()
+
+
+# ---- Megatron runs (launch/megatron_backend.py documents the checkpoint format) -----------
+MEGATRON_CONSOLIDATED = "megatron_consolidated.pt"
+
+
+def _megatron_single_process() -> None:
+    """Megatron groups with TP=1 (a 1-process gloo group if none exists); CPU workarounds."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from dattri_ds.integrations.megatron import cpu_workarounds
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if ps.model_parallel_is_initialized():
+        if ps.get_tensor_model_parallel_world_size() != 1:
+            raise ConfigError("Offline tools rebuild Megatron models with TP=1, but this process "
+                              "already initialized Megatron with tensor parallelism "
+                              f"{ps.get_tensor_model_parallel_world_size()}")
+        return
+    ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    if not torch.cuda.is_available():  # SETUP.md s.5
+        cpu_workarounds()
+
+
+def _megatron_model(root: Path, tag: str) -> torch.nn.Module:
+    """The TP=1 GPTModel of a Megatron run's consolidated checkpoint, prepared for capture."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|Torch Norm).*")
+        from dattri_ds.integrations.megatron import MegatronLM, build_gpt, prepare_model
+
+    cfg = json.loads((root / "model/config.json").read_text())
+    if cfg.get("backend") != "megatron":
+        raise ConfigError(f"{root / 'checkpoints' / tag} holds a Megatron checkpoint but "
+                          f"{root / 'model/config.json'} is not a Megatron model config")
+    _megatron_single_process()
+    kw = {**cfg["transformer_config"], "tensor_model_parallel_size": 1}
+    gpt = build_gpt(kw, cfg["vocab_size"], cfg["max_position_embeddings"], seed=0)
+    state = torch.load(root / "checkpoints" / tag / MEGATRON_CONSOLIDATED, map_location="cpu",
+                       weights_only=True)
+    missing, unexpected = gpt.load_state_dict(state, strict=False)
+    bad = [m for m in missing if not m.endswith("_extra_state")]
+    if bad or unexpected:
+        raise ConfigError(f"Megatron checkpoint '{tag}' of {root} does not match its model "
+                          f"config: missing {bad[:5]}, unexpected {unexpected[:5]}")
+    return prepare_model(MegatronLM(gpt))
 
 
 _TAG = re.compile(r"^(kronecker|dense):(gaussian|rademacher):k(\d+):s(-?\d+)$")

@@ -126,6 +126,8 @@ def build_model(config: str | os.PathLike | Mapping[str, Any], *,
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = model_cls(cfg)
+    if getattr(model, "loss_type", "") is None:
+        model.loss_type = "ForCausalLM"  # HF infers it from the class name, not for GPT-2
     logger.info("Built %s with %.2fM parameters (vocab %d)", model_cls.__name__,
                 sum(p.numel() for p in model.parameters()) / 1e6, size)
     return model

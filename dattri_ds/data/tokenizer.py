@@ -291,10 +291,9 @@ class TokenizedDocuments:
 
     def batch(self, idx: Sequence[int] | torch.Tensor | slice) -> dict[str, torch.Tensor]:
         """Model inputs ``[B, T]`` of the given rows."""
-        if not isinstance(idx, slice):
-            idx = torch.as_tensor(idx, dtype=torch.long)
-        return {"input_ids": self.input_ids[idx], "attention_mask": self.attention_mask[idx],
-                "labels": self.labels[idx]}
+        rows = idx if isinstance(idx, slice) else torch.as_tensor(idx, dtype=torch.long)
+        return {"input_ids": self.input_ids[rows], "attention_mask": self.attention_mask[rows],
+                "labels": self.labels[rows]}
 
     def subset(self, idx: Sequence[int] | torch.Tensor) -> TokenizedDocuments:
         """The given rows as a new TokenizedDocuments (documents follow)."""

@@ -25,8 +25,11 @@ this module imports it inside functions only.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
+from types import SimpleNamespace
 
+import torch
 from torch import nn
 
 from dattri_ds.callbacks import TrainingCallback
@@ -37,7 +40,8 @@ from dattri_ds.integrations.base import EngineAdapter
 from dattri_ds.layers import kind_for
 from dattri_ds.layers.megatron import SEQUENCE_FIRST_ATTR, UNSUPPORTED_ATTR
 
-__all__ = ["MegatronAdapter", "prepare_model", "megatron_capture", "megatron_parallel_context"]
+__all__ = ["MegatronAdapter", "prepare_model", "megatron_capture", "megatron_parallel_context",
+           "MegatronLM", "cpu_workarounds", "build_gpt"]
 
 _SEQUENCE_FIRST_SCOPES = ("TransformerBlock", "TransformerLayer", "MultiTokenPredictionBlock")
 _BATCH_FIRST_KINDS = ("linear", "conv1d", "embedding")
@@ -164,3 +168,56 @@ def megatron_capture(model: nn.Module, config: CaptureConfig | None = None, *,
     cap.adapter = adapter
     return cap
 
+
+# ---- shared by launch (--backend megatron) and the offline tools ------------------------
+class MegatronLM(nn.Module):
+    """A GPTModel called like a Hugging Face causal LM.
+
+    ``forward(input_ids [B, T], labels [B, T], attention_mask=None)`` returns ``.loss``, the
+    mean of Megatron's per-token loss ``[B, T]`` at positions t < T-1 whose next label
+    ``labels[:, t+1]`` is not -100 (the HF shift), and ``.token_losses`` ``[B, T-1]``
+    (0 where masked). Padding is on the right, so the causal mask alone keeps real tokens
+    from seeing pads and ``attention_mask`` is not needed.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None):
+        b, t = input_ids.shape
+        labels = input_ids if labels is None else labels
+        nxt = torch.cat([labels[:, 1:], labels.new_full((b, 1), -100)], dim=1)
+        keep = nxt != -100
+        pos = torch.arange(t, device=input_ids.device).expand(b, t)
+        mask = torch.triu(torch.ones(1, 1, t, t, dtype=torch.bool, device=input_ids.device), 1)
+        per_tok = self.model(input_ids, pos, mask, labels=nxt.clamp_min(0))  # [B, T]
+        per_tok = per_tok * keep
+        loss = per_tok.sum() / keep.sum().clamp_min(1)
+        return SimpleNamespace(loss=loss, token_losses=per_tok[:, :-1])
+
+
+def cpu_workarounds() -> None:
+    """SETUP.md s.5: a no-op RNG tracker and a CPU attention scratch buffer (after init)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.utils import GlobalMemoryBuffer
+
+    class CPUBuf(GlobalMemoryBuffer):
+        def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
+            return torch.empty(math.prod(tensor_shape), dtype=dtype).view(*tensor_shape)
+
+    tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    ps._GLOBAL_MEMORY_BUFFER = CPUBuf()
+
+
+def build_gpt(kw: dict, vocab: int, context: int, seed: int) -> nn.Module:
+    """A GPTModel from TransformerConfig kwargs (local spec, untied output), seeded init."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    torch.manual_seed(seed)
+    return GPTModel(TransformerConfig(**kw), get_gpt_layer_local_spec(), vocab_size=vocab,
+                    max_sequence_length=context, share_embeddings_and_output_weights=False)

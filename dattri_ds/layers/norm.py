@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from dattri_ds.errors import UnsupportedLayerError
-from dattri_ds.gradient import Dense, Factorized
+from dattri_ds.gradient import Dense
 from dattri_ds.layers.base import LayerKind, param_shape
 
 __all__ = ["DenseKind", "LayerNormKind", "RMSNormKind"]

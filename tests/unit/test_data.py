@@ -1,0 +1,236 @@
+"""Data pipeline invariants: offline documents, cached tokenizer, fixed-length examples, models.
+
+What each test guards is in its docstring. Everything runs offline on ``data/tiny``; the
+end-to-end test runs ``tools/demo.py --quick`` in a subprocess (about 30 s on 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("sentencepiece")
+pytest.importorskip("transformers")
+
+from dattri_ds.data import (  # noqa: E402
+    BOS_ID, EOS_ID, IGNORE_INDEX, PAD_ID, Document, Tokenizer, build_model, load_documents,
+    load_model_config, source_counts, tokenize_documents, train_tokenizer,
+)
+from dattri_ds.errors import ConfigError  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "data" / "tiny" / "train.jsonl"
+GPT2_CFG = ROOT / "configs" / "model_gpt2_tiny.json"
+LLAMA_CFG = ROOT / "configs" / "model_llama_tiny.json"
+
+
+@pytest.fixture(scope="module")
+def docs() -> list[Document]:
+    return load_documents(TINY)
+
+
+@pytest.fixture(scope="module")
+def tok(docs, tmp_path_factory) -> Tokenizer:
+    cache = tmp_path_factory.mktemp("tok-cache")
+    return train_tokenizer([d.text for d in docs], vocab_size=384, cache_dir=cache)
+
+
+# ---- documents -------------------------------------------------------------------------
+def test_load_documents_schema_and_filters(docs):
+    """Loading keeps id/source/title/text of every line in file order; filters compose."""
+    assert len(docs) == 200 and len({d.id for d in docs}) == 200
+    assert set(source_counts(docs)) == {"austen", "jargon", "kjv", "python_code", "python_docs",
+                                        "shakespeare", "wordnet"}
+    first = json.loads(TINY.read_text(encoding="utf-8").splitlines()[0])
+    assert docs[0].to_dict() == {k: first[k] for k in ("id", "source", "title", "text")}
+    some = load_documents(TINY, sources=["kjv"], limit=5)
+    assert len(some) == 5 and all(d.source == "kjv" for d in some)
+
+
+def test_load_documents_errors(tmp_path):
+    """Bad input names the file and line: missing key, bad JSON, duplicate ids, no file."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a", "source": "s", "title": "t"}\n', encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"bad.jsonl:1.*\['text'\]"):
+        load_documents(bad)
+    bad.write_text('{"id": "a", "source": "s", "title": "t", "text": "x"}\n{oops\n',
+                   encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"bad.jsonl:2: not valid JSON"):
+        load_documents(bad)
+    dup = tmp_path / "dup.jsonl"
+    dup.write_text('{"id": "a", "source": "s", "title": "t", "text": "x"}\n', encoding="utf-8")
+    with pytest.raises(ConfigError, match="appears twice"):
+        load_documents([dup, dup])
+    with pytest.raises(FileNotFoundError):
+        load_documents(tmp_path / "missing.jsonl")
+
+
+def test_datasets_backend_matches_json(tmp_path, monkeypatch):
+    """The optional Hugging Face ``datasets`` backend yields exactly the same documents."""
+    pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    small = tmp_path / "small.jsonl"
+    small.write_text("".join(TINY.read_text(encoding="utf-8").splitlines(True)[:20]),
+                     encoding="utf-8")
+    ref = load_documents(small)
+    got = load_documents(small, backend="datasets", cache_dir=str(tmp_path / "hf"))
+    assert got == ref
+
+
+def test_import_dattri_ds_is_light():
+    """``import dattri_ds`` (and even ``dattri_ds.data``) pulls in no sentencepiece/datasets."""
+    code = ("import sys, dattri_ds, dattri_ds.data; "
+            "print([m for m in ('sentencepiece', 'datasets', 'transformers') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+# ---- tokenizer -------------------------------------------------------------------------
+def test_tokenizer_cache_and_fingerprint(docs, tok, tmp_path):
+    """Same (texts, vocab, type) reuses the cached file; other texts or vocab give a new key;
+    the fingerprint is a stable hash of the model bytes, so a retrain matches it."""
+    texts = [d.text for d in docs]
+    assert tok.vocab_size == 384 and tok.path.is_file()
+    mtime = tok.path.stat().st_mtime_ns
+    again = train_tokenizer(texts, vocab_size=384, cache_dir=tok.path.parents[1])
+    assert again.path == tok.path and tok.path.stat().st_mtime_ns == mtime
+    assert again.fingerprint == tok.fingerprint == Tokenizer.load(tok.path).fingerprint
+    fresh = train_tokenizer(texts, vocab_size=384, cache_dir=tmp_path)  # retrain elsewhere
+    assert fresh.fingerprint == tok.fingerprint
+    other = train_tokenizer(texts, vocab_size=320, cache_dir=tmp_path)
+    assert other.path != fresh.path and other.fingerprint != tok.fingerprint
+    fewer = train_tokenizer(texts[:100], vocab_size=384, cache_dir=tmp_path)
+    assert fewer.path != fresh.path
+    assert pickle.loads(pickle.dumps(tok)).fingerprint == tok.fingerprint
+
+
+def test_tokenizer_ids_and_roundtrip(docs, tok):
+    """Special ids are fixed; decode(encode(s)) == s, code indentation and newlines included."""
+    assert (tok.pad_id, tok.bos_id, tok.eos_id) == (PAD_ID, BOS_ID, EOS_ID)
+    code = next(d.text for d in docs if d.source == "python_code")
+    for text in (docs[0].text, code, "def f(x):\n    return x  # two  spaces\n\nHAMLET. To be"):
+        assert tok.decode(tok.encode(text)) == text
+    ids = tok.encode("hello")
+    assert tok.decode([BOS_ID, *ids, EOS_ID, PAD_ID, PAD_ID]) == "hello"
+
+
+def test_tokenizer_errors(tmp_path):
+    """Unknown model type or an impossible vocabulary is a ConfigError, not a crash."""
+    with pytest.raises(ConfigError, match="model_type"):
+        train_tokenizer(["abc"], model_type="wordpiece", cache_dir=tmp_path)
+    with pytest.raises(ConfigError, match="vocab_size"):
+        train_tokenizer(["a tiny text"], vocab_size=5000, cache_dir=tmp_path)
+
+
+# ---- fixed-length examples ---------------------------------------------------------------
+def test_padding_labels_and_mask(tok):
+    """Row = [bos] + tokens + [eos], truncated to T, then pads with mask 0 and label -100."""
+    short, long = "to be or not", " ".join(["word"] * 200)
+    ds = tokenize_documents([short, long], tok, seq_len=32)
+    assert ds.input_ids.shape == ds.attention_mask.shape == ds.labels.shape == (2, 32)
+    body = tok.encode(short)
+    n = len(body) + 2
+    assert ds.input_ids[0, :n].tolist() == [BOS_ID, *body, EOS_ID]
+    assert (ds.input_ids[0, n:] == PAD_ID).all()
+    assert ds.attention_mask[0].tolist() == [1] * n + [0] * (32 - n)
+    assert ds.labels[0, :n].tolist() == ds.input_ids[0, :n].tolist()
+    assert (ds.labels[0, n:] == IGNORE_INDEX).all()
+    assert ds.truncated.tolist() == [False, True]
+    assert ds.attention_mask[1].all() and ds.input_ids[1, 0] == BOS_ID
+    assert ds.input_ids[1, -1] != EOS_ID  # eos is cut with the rest of a long document
+    assert ds.lengths.tolist() == [n, 32]
+    item = ds[0]
+    assert set(item) == {"input_ids", "attention_mask", "labels"} and item["labels"].shape == (32,)
+
+
+def test_tokenize_is_deterministic_and_keeps_metadata(docs, tok):
+    """Same documents give identical tensors; rows follow the documents; subsets agree."""
+    a = tokenize_documents(docs, tok, seq_len=48)
+    b = tokenize_documents(docs, tok, seq_len=48)
+    assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.labels, b.labels)
+    assert a.ids == [d.id for d in docs] and a.tokenizer_fingerprint == tok.fingerprint
+    sub = a.subset([5, 2])
+    assert sub.ids == [docs[5].id, docs[2].id]
+    assert torch.equal(sub.input_ids, a.input_ids[[5, 2]])
+    loader = torch.utils.data.DataLoader(a, batch_size=8)
+    assert next(iter(loader))["input_ids"].shape == (8, 48)
+    with pytest.raises(ConfigError, match="seq_len"):
+        tokenize_documents(docs, tok, seq_len=1)
+
+
+# ---- models -------------------------------------------------------------------------------
+@pytest.mark.parametrize("cfg", [GPT2_CFG, LLAMA_CFG], ids=["gpt2", "llama"])
+def test_build_model_offline(cfg, tok):
+    """Both tiny configs build offline with the tokenizer's vocab and special ids, give a
+    finite loss, ignore padded positions, and are seeded."""
+    model = build_model(cfg, tokenizer=tok, seed=0)
+    c = model.config
+    assert c.vocab_size == tok.vocab_size
+    assert (c.bos_token_id, c.eos_token_id, c.pad_token_id) == (BOS_ID, EOS_ID, PAD_ID)
+    assert c.tokenizer_fingerprint == tok.fingerprint
+    assert model.get_input_embeddings().num_embeddings == tok.vocab_size
+    ds = tokenize_documents(["to be or not to be", "that is the question, whether"], tok, 24)
+    model.eval()
+    with torch.no_grad():
+        loss = model(**ds.batch([0, 1])).loss
+        alone = model(**tokenize_documents(["to be or not to be"], tok, 12).batch([0])).loss
+        pad0 = model(**ds.batch([0])).loss
+    assert math.isfinite(float(loss)) and abs(float(loss) - math.log(tok.vocab_size)) < 1.5
+    assert torch.allclose(alone, pad0, atol=1e-5)  # pads change neither loss nor logits used
+    twin = build_model(cfg, tokenizer=tok, seed=0)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
+
+
+def test_model_config_errors(tmp_path):
+    """Misspelt keys and unknown architectures are refused with the fix in the message."""
+    d = load_model_config(GPT2_CFG)
+    with pytest.raises(ConfigError, match="n_layers.*n_layer"):
+        build_model({**d, "n_layers": 2}, vocab_size=64)
+    with pytest.raises(ConfigError, match="model_type"):
+        build_model({**d, "model_type": "bert"}, vocab_size=64)
+    with pytest.raises(ConfigError, match="vocabulary size"):
+        build_model({k: v for k, v in d.items()})
+    with pytest.raises(FileNotFoundError):
+        build_model(tmp_path / "nope.json")
+
+
+# ---- end to end -------------------------------------------------------------------------
+def test_demo_quick_end_to_end(tmp_path):
+    """``tools/demo.py --quick`` trains, captures and attributes: it writes a report with
+    finite, non-constant scores, and the Hamlet queries favour shakespeare documents: it is the
+    source with the highest mean score (averaged over the 3 queries) and it fills more of
+    their top-10 than chance. Both held for seeds 0-3; the test runs the default seed 0."""
+    out = tmp_path / "demo"
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "demo.py"), "--quick", "--out", str(out),
+         "--cache-dir", str(tmp_path / "cache")],
+        capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "precision@10" in proc.stdout
+    report = json.loads((out / "report.json").read_text(encoding="utf-8"))
+    saved = torch.load(out / "scores.pt")
+    scores = saved["scores"]
+    att = report["attribution"]
+    assert scores.shape == (att["n_train"], att["n_query"]) == (200, 9)
+    assert torch.isfinite(scores).all() and (scores.std(0) > 0).all()
+    assert saved["train_ids"] == [d.id for d in load_documents(TINY)]
+    losses = [loss for _, loss in report["train"]["losses"]]
+    assert losses[-1] < losses[0]
+    hamlet = [q for q in att["queries"] if q["target_set"] == "hamlet"]
+    assert len(hamlet) == 3
+    for q in hamlet:
+        assert len(q["top"]) == len(q["bottom"]) == 10
+        assert q["top"][0]["score"] >= q["top"][-1]["score"] >= q["bottom"][0]["score"]
+    by_source = att["mean_score_by_source_by_target"]["hamlet"]
+    assert max(by_source, key=by_source.get) == "shakespeare", by_source
+    p = att["precision_at_k_by_target"]["hamlet"]
+    assert p["precision_at_k"] > p["chance"], p
