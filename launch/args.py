@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="[selection.policy]")
     g.add_argument("--selection-scope", choices=["rank", "global"], help="[selection.scope]")
     g.add_argument("--refresh-every", type=int, help="[selection.refresh_every]")
+    g.add_argument("--selection-normalize", action="store_true", default=None,
+                   help="score by cosine with the target [selection.normalize]")
     g.add_argument("--random-selection", action="store_true", default=None,
                    help="baseline: draw the trained examples uniformly from the same candidates "
                         "[selection.random]")

@@ -124,7 +124,8 @@ def main(argv: list[str] | None = None) -> dict:
                              target_max_docs=args.target_max_docs,
                              candidate_multiple=args.candidate_multiple,
                              policy=args.selection_policy, scope=args.selection_scope,
-                             refresh_every=args.refresh_every, random=args.random_selection)
+                             refresh_every=args.refresh_every, random=args.random_selection,
+                             normalize=args.selection_normalize)
     if args.capture:
         cfg = replace(cfg, capture_enabled=True)
     if args.backend == "megatron":

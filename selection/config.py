@@ -59,6 +59,10 @@ class SelectionConfig:
     projection: ProjectionConfig | None = None
     """Score in a projected space (cheaper for big layers); None = exact ghost products."""
 
+    normalize: bool = False
+    """Score by cosine ``<g_b, g_target> / ||g_b||`` instead of the raw inner product, so
+    large-gradient (hard, long or noisy) candidates are not preferred for their norm alone."""
+
     probe_autocast: Literal["bfloat16", "float16"] | None = None
     """Run the candidate scoring pass under ``torch.autocast`` in this dtype (scores are
     still accumulated in float32). bfloat16 roughly halves the probe's time on CPUs with

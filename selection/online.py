@@ -32,7 +32,7 @@ from dattri_ds.config import CaptureConfig
 from dattri_ds.distributed import ParallelContext
 from dattri_ds.errors import ConfigError
 from dattri_ds.gradient import GradBatch
-from dattri_ds.ops import CostModel
+from dattri_ds.ops import CostModel, norms
 from dattri_ds.ops.projection import stable_seed
 from dattri_ds.semantics import content_id
 from dattri_ds.selection.config import SelectionConfig
@@ -150,7 +150,10 @@ class OnlineSelector:
         if grads is None:
             raise ConfigError("The probe pass captured nothing: the model's loss does not "
                               "depend on any captured layer")
-        return grads, alignment_scores(grads, target, self.cost)
+        scores = alignment_scores(grads, target, self.cost)
+        if self.config.normalize:
+            scores = scores / norms(grads, list(target.layers), self.cost).clamp_min(1e-12)
+        return grads, scores
 
     def _loss(self, batch: Batch) -> torch.Tensor:
         """The model's loss on ``batch``, under autocast when ``probe_autocast`` is set."""

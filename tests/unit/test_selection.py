@@ -132,3 +132,18 @@ def test_bf16_probe_autocast_scores_track_fp32():
     assert torch.nn.functional.cosine_similarity(exact, fast, dim=0) > 0.99
     assert int(exact.argmax()) == int(fast.argmax())
     probe.detach()
+
+
+def test_normalized_scores_divide_by_candidate_norms():
+    """normalize=True: score_b = <g_b, g_target> / ||g_b|| with reference gradients."""
+    model, _, probe, target, tgt_ids = _setup()
+    cfg = SelectionConfig(enabled=True, normalize=True)
+    cand = torch.randint(0, 97, (5, 10), generator=torch.Generator().manual_seed(6))
+    got = OnlineSelector(model, cfg, target, probe=probe).score(
+        {"input_ids": cand, "labels": cand}, 0)[1]
+    ref_c = reference_grads(model, cand)
+    ref_t = reference_grads(model, tgt_ids)
+    dots = sum(ref_c[n] @ ref_t[n].mean(0) for n in ref_c)
+    norm = torch.cat([ref_c[n] for n in ref_c], 1).norm(dim=1)
+    assert rel_err(got, dots / norm) <= 1e-5
+    probe.detach()
