@@ -40,7 +40,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -50,6 +49,7 @@ from torch import nn
 from dattri_ds.errors import ConfigError
 from dattri_ds.integrations.megatron import MegatronLM, build_gpt, cpu_workarounds
 from dattri_ds.launch.config import RunConfig, dump_json
+from dattri_ds.launch.runlog import RunLog
 
 __all__ = ["MegatronLM", "transformer_kwargs", "consolidated_state", "load_consolidated",
            "run", "CONSOLIDATED", "CONSOLIDATED_META"]
@@ -451,17 +451,19 @@ def train(loop, cfg: RunConfig, data, out: Path, tok, selector=None, evaluator=N
     """The loop of launch/train.py with a torch optimizer; hooks and the selector do the rest."""
     import torch.distributed as dist
 
-    from dattri_ds.launch.train import _progress, micro_batch_indices
+    from dattri_ds.launch.train import micro_batch_indices
 
     tc, lm, ctx, micro, gas = cfg.train, loop.lm, loop.ctx, loop.micro, loop.gas
     rank = dist.get_rank()
     capture = _capture(loop, cfg, out, tok)
     n_cand = selector.num_candidates(micro) if selector is not None else micro
-    ckpt_dir, lrs, checkpoints, evals = out / "checkpoints", [], [], []
-    if evaluator is not None:
-        evals.append({"step": 0, "examples": 0, "target_loss": evaluator()})
-    bar = _progress(tc.steps, rank)
-    t0, seen, loss_avg = time.perf_counter(), 0, float("nan")
+    ckpt_dir = out / "checkpoints"
+    log = RunLog(tc, out, rank, evaluator)
+
+    def save(tag: str, step: int, lr: float) -> None:
+        save_checkpoint(lm, ckpt_dir / tag, {"tag": tag, "step": step, "lr": lr,
+                                             "model": loop.model_cfg}, data, loop.verify)
+
     lm.train()
     for step in range(tc.steps):
         idx = micro_batch_indices(len(data), step, n_cand, gas, ctx.dp_rank, ctx.dp_world,
@@ -485,33 +487,10 @@ def train(loop, cfg: RunConfig, data, out: Path, tok, selector=None, evaluator=N
             capture.adapter.step_done()
         if ctx.dp_world > 1:
             dist.all_reduce(step_loss, group=ctx.dp_group)
-        loss_avg = float(step_loss) / ctx.dp_world
-        lrs.append({"step": step, "lr": lr, "loss": loss_avg})
-        seen += micro * gas * ctx.dp_world
-        if (step + 1) % tc.log_every == 0 or step + 1 == tc.steps:
-            logger.info("step %d/%d loss %.4f lr %.2e %.1f ex/s", step + 1, tc.steps, loss_avg,
-                        lr, seen / (time.perf_counter() - t0))
-        if evaluator is not None and ((step + 1) % tc.eval_every == 0 or step + 1 == tc.steps):
-            evals.append({"step": step + 1, "examples": seen, "target_loss": evaluator()})
-            logger.info("step %d target loss %.4f", step + 1, evals[-1]["target_loss"])
-        if (tc.save_every and (step + 1) % tc.save_every == 0) or step + 1 == tc.steps:
-            tag = f"step{step + 1}"
-            save_checkpoint(lm, ckpt_dir / tag, {"tag": tag, "step": step + 1, "lr": lr,
-                                                 "model": loop.model_cfg}, data, loop.verify)
-            checkpoints.append({"tag": tag, "step": step + 1, "lr": lr})
-            if rank == 0:
-                dump_json(out / "trajectory.json", {"checkpoints": checkpoints, "lrs": lrs})
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss_avg:.3f}")
-    if bar is not None:
-        bar.close()
+        log.end_step(step, float(step_loss) / ctx.dp_world, lr, micro * gas * ctx.dp_world, save)
     if capture is not None:
         capture.detach()
-    summary = {"steps": tc.steps, "examples": seen, "final_loss": loss_avg,
-               "world": dist.get_world_size(), "seconds": round(time.perf_counter() - t0, 2),
-               "checkpoints": [c["tag"] for c in checkpoints], "captured": bool(capture),
-               "eval": evals}
+    summary = log.summary(world=dist.get_world_size(), captured=bool(capture))
     if selector is not None:
         summary["selection"] = selector.summary()
         selector.close()

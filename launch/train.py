@@ -17,7 +17,6 @@ import json
 import logging
 import os
 import sys
-import time
 import warnings
 from dataclasses import replace
 from pathlib import Path
@@ -29,6 +28,7 @@ import torch  # noqa: E402
 
 from dattri_ds.launch.args import parse_args  # noqa: E402
 from dattri_ds.launch.config import RunConfig, dump_json, load_run_config  # noqa: E402
+from dattri_ds.launch.runlog import RunLog  # noqa: E402
 
 logger = logging.getLogger("dattri_ds.launch")
 # DeepSpeed calls torch collectives that torch 2.13 marks deprecated: noise for our users.
@@ -250,11 +250,12 @@ def train(engine, cfg: RunConfig, data, out: Path, rank: int, world: int, tok,
     device = engine.device
     capture = _capture(engine, cfg, out, rank, world, tok)
     n_cand = selector.num_candidates(micro) if selector is not None else micro
-    ckpt_dir, lrs, checkpoints, evals = out / "checkpoints", [], [], []
-    if evaluator is not None:
-        evals.append({"step": 0, "examples": 0, "target_loss": evaluator()})
-    bar = _progress(tc.steps, rank)
-    t0, seen, loss_avg = time.perf_counter(), 0, float("nan")
+    ckpt_dir = out / "checkpoints"
+    log = RunLog(tc, out, rank, evaluator)
+
+    def save(tag: str, step: int, lr: float) -> None:
+        engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": step, "lr": lr})
+
     for step in range(tc.steps):
         idx = micro_batch_indices(len(data), step, n_cand, gas, rank, world, tc.seed)
         step_loss = torch.zeros((), device=device)
@@ -272,51 +273,17 @@ def train(engine, cfg: RunConfig, data, out: Path, rank: int, world: int, tok,
             engine.step()
             step_loss += loss.detach() / gas
         torch.distributed.all_reduce(step_loss)
-        loss_avg = float(step_loss) / world
         lr = float(engine.get_lr()[0]) if engine.lr_scheduler is not None else \
             float(engine.optimizer.param_groups[0]["lr"])
-        lrs.append({"step": step, "lr": lr, "loss": loss_avg})
-        seen += micro * gas * world
-        if (step + 1) % tc.log_every == 0 or step + 1 == tc.steps:
-            rate = seen / (time.perf_counter() - t0)
-            logger.info("step %d/%d loss %.4f lr %.2e %.1f ex/s", step + 1, tc.steps, loss_avg,
-                        lr, rate)
-        if evaluator is not None and ((step + 1) % tc.eval_every == 0 or step + 1 == tc.steps):
-            evals.append({"step": step + 1, "examples": seen, "target_loss": evaluator()})
-            logger.info("step %d target loss %.4f", step + 1, evals[-1]["target_loss"])
-        if (tc.save_every and (step + 1) % tc.save_every == 0) or step + 1 == tc.steps:
-            tag = f"step{step + 1}"
-            engine.save_checkpoint(str(ckpt_dir), tag=tag,
-                                   client_state={"step": step + 1, "lr": lr})
-            checkpoints.append({"tag": tag, "step": step + 1, "lr": lr})
-            if rank == 0:
-                dump_json(out / "trajectory.json", {"checkpoints": checkpoints, "lrs": lrs})
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss_avg:.3f}")
-    if bar is not None:
-        bar.close()
+        log.end_step(step, float(step_loss) / world, lr, micro * gas * world, save)
     if capture is not None:
         capture.detach()
-    summary = {"steps": tc.steps, "examples": seen, "final_loss": loss_avg, "world": world,
-               "seconds": round(time.perf_counter() - t0, 2),
-               "checkpoints": [c["tag"] for c in checkpoints], "captured": bool(capture),
-               "eval": evals}
+    summary = log.summary(world=world, captured=bool(capture))
     if selector is not None:
         summary["selection"] = selector.summary()
         selector.close()
     torch.distributed.barrier()
     return summary
-
-
-def _progress(total: int, rank: int):
-    if rank != 0 or not sys.stderr.isatty():
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover
-        return None
-    return tqdm(total=total, desc="train", dynamic_ncols=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,79 @@
+"""RunLog: the bookkeeping every training backend shares, so the loops only train.
+
+Per step: the learning rate and loss (``trajectory.json``'s ``lrs``), the log line, held-out
+evaluation points, checkpoints (the backend saves; the log records tag, step and lr for
+TracIn and rewrites ``trajectory.json``), the progress bar; at the end, the summary.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from dattri_ds.launch.config import TrainConfig, dump_json
+
+__all__ = ["RunLog"]
+
+logger = logging.getLogger("dattri_ds.launch")
+
+
+class RunLog:
+    """Bookkeeping of one training run (rank 0 writes files and draws the bar)."""
+
+    def __init__(self, tc: TrainConfig, out: Path, rank: int,
+                 evaluator: Callable[[], float] | None = None) -> None:
+        self.tc, self.out, self.rank, self.evaluator = tc, out, rank, evaluator
+        self.lrs: list[dict] = []
+        self.checkpoints: list[dict] = []
+        self.evals: list[dict] = []
+        self.seen, self.loss = 0, float("nan")
+        if evaluator is not None:
+            self.evals.append({"step": 0, "examples": 0, "target_loss": evaluator()})
+        self.bar = _progress(tc.steps, rank)
+        self.t0 = time.perf_counter()
+
+    def end_step(self, step: int, loss: float, lr: float, examples: int,
+                 save: Callable[[str, int, float], None]) -> None:
+        """Record optimizer step ``step`` (0-based); ``save(tag, step + 1, lr)`` checkpoints."""
+        tc, n = self.tc, step + 1
+        self.loss = loss
+        self.lrs.append({"step": step, "lr": lr, "loss": loss})
+        self.seen += examples
+        if n % tc.log_every == 0 or n == tc.steps:
+            logger.info("step %d/%d loss %.4f lr %.2e %.1f ex/s", n, tc.steps, loss, lr,
+                        self.seen / (time.perf_counter() - self.t0))
+        if self.evaluator is not None and (n % tc.eval_every == 0 or n == tc.steps):
+            self.evals.append({"step": n, "examples": self.seen, "target_loss": self.evaluator()})
+            logger.info("step %d target loss %.4f", n, self.evals[-1]["target_loss"])
+        if (tc.save_every and n % tc.save_every == 0) or n == tc.steps:
+            tag = f"step{n}"
+            save(tag, n, lr)
+            self.checkpoints.append({"tag": tag, "step": n, "lr": lr})
+            if self.rank == 0:
+                dump_json(self.out / "trajectory.json",
+                          {"checkpoints": self.checkpoints, "lrs": self.lrs})
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{loss:.3f}")
+
+    def summary(self, **extra) -> dict:
+        """Close the bar; the run summary (``extra`` adds backend-specific fields)."""
+        if self.bar is not None:
+            self.bar.close()
+        return {"steps": self.tc.steps, "examples": self.seen, "final_loss": self.loss,
+                "seconds": round(time.perf_counter() - self.t0, 2),
+                "checkpoints": [c["tag"] for c in self.checkpoints], "eval": self.evals,
+                **extra}
+
+
+def _progress(total: int, rank: int):
+    if rank != 0 or not sys.stderr.isatty():
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        return None
+    return tqdm(total=total, desc="train", dynamic_ncols=True)
