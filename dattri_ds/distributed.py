@@ -5,10 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import os
+import socket
+
 import torch
 import torch.distributed as dist
 
-__all__ = ["ParallelContext", "all_reduce_sum", "all_gather_object", "broadcast_object"]
+__all__ = ["ParallelContext", "all_reduce_sum", "all_gather_object", "broadcast_object",
+           "default_rendezvous_env"]
 
 
 @dataclass(frozen=True)
@@ -65,3 +69,17 @@ def broadcast_object(obj: Any, src: int = 0, group: Any = None, world: int = 1) 
     box = [obj]
     dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
+
+
+def default_rendezvous_env() -> None:
+    """Fill RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT for a single process (a free
+    loopback port) where no launcher set them, so ``init_process_group`` works alike under
+    ``deepspeed``, ``torchrun`` and plain ``python``."""
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])

@@ -259,14 +259,9 @@ def setup_parallel(tp: int, pp: int) -> tuple[int, int]:
         raise ConfigError(f"--pipeline-model-parallel-size {pp} is not supported by dattri-ds: "
                           f"per-example losses live on the last stage only. Use tensor and "
                           f"data parallelism (--tensor-model-parallel-size)")
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        import socket
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    from dattri_ds.distributed import default_rendezvous_env
+
+    default_rendezvous_env()
     cuda = torch.cuda.is_available()
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo")

@@ -41,15 +41,9 @@ def setup_distributed() -> tuple[int, int]:
 
     import deepspeed
 
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        import socket
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    from dattri_ds.distributed import default_rendezvous_env
+
+    default_rendezvous_env()
     cuda = torch.cuda.is_available()
     if not cuda:  # gloo needs no shm op; skip its JIT build
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
