@@ -83,14 +83,19 @@ class CaptureConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CaptureConfig:
-        d = dict(d)
-        if isinstance(d.get("projection"), dict):
-            d["projection"] = from_dict(ProjectionConfig, d["projection"], "capture.projection")
-        return from_dict(cls, d, "capture")
+        return from_dict(cls, d, "capture", nested={"projection": ProjectionConfig})
 
 
-def from_dict(cls: type[C], d: dict[str, Any], where: str) -> C:
-    """Build a frozen config dataclass, refusing unknown keys with the allowed ones listed."""
+def from_dict(cls: type[C], d: dict[str, Any], where: str,
+              nested: dict[str, type] | None = None) -> C:
+    """Build a frozen config dataclass, refusing unknown keys with the allowed ones listed.
+
+    ``nested`` maps field names to config classes built from sub-dicts the same way.
+    """
+    d = dict(d)
+    for key, sub in (nested or {}).items():
+        if isinstance(d.get(key), dict):
+            d[key] = from_dict(sub, d[key], f"{where}.{key}")
     allowed = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
     unknown = sorted(set(d) - set(allowed))
     if unknown:

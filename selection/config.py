@@ -105,7 +105,4 @@ class SelectionConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SelectionConfig:
-        d = dict(d)
-        if isinstance(d.get("projection"), dict):
-            d["projection"] = from_dict(ProjectionConfig, d["projection"], "selection.projection")
-        return from_dict(cls, d, "selection")
+        return from_dict(cls, d, "selection", nested={"projection": ProjectionConfig})
