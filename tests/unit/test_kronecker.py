@@ -31,17 +31,8 @@ def _capture(model, ids, mask=None):
     return batch, ref
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Small float64 matmuls: one intra-op thread is ~100x faster on a shared 2-core box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
-def setup(one_thread):
+def setup():
     """Tiny GPT-2 (every layer D < 300): a padded train batch and a query batch."""
     model = tiny_gpt2(seed=0, n_layer=1, n_embd=8, vocab=VOCAB, n_positions=16)
     gen = torch.Generator().manual_seed(0)

@@ -26,15 +26,6 @@ TOL = 1e-5
 VOCAB = 31
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Small matmuls: one intra-op thread is ~100x faster on a shared 2-core box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _model(seed=0):
     return tiny_gpt2(seed=seed, n_layer=1, n_embd=8, vocab=VOCAB, n_positions=16)
 
@@ -47,7 +38,7 @@ def _capture(model, ids):
 
 
 @pytest.fixture(scope="module")
-def data(one_thread):
+def data():
     gen = torch.Generator().manual_seed(1)
     model = _model()
     train_ids = torch.randint(1, VOCAB, (5, 6), generator=gen)
