@@ -184,6 +184,11 @@ class LayerGrad:
         return self.data.batch_size
 
     @property
+    def device(self) -> torch.device:
+        """Where the gradient tensors live."""
+        return self.data.g.device if isinstance(self.data, Factorized) else self.data.values.device
+
+    @property
     def is_factorized(self) -> bool:
         return isinstance(self.data, Factorized)
 
@@ -234,11 +239,6 @@ class GradBatch:
         """Select a subset of examples (ids, layers and token counts alike)."""
         idx_t = torch.as_tensor(idx, dtype=torch.long)
         ids = tuple(self.sample_ids[i] for i in idx_t.tolist())
-        layers = {n: lg.index(idx_t.to(_device_of(lg))) for n, lg in self.layers.items()}
+        layers = {n: lg.index(idx_t.to(lg.device)) for n, lg in self.layers.items()}
         counts = None if self.token_counts is None else self.token_counts[idx_t]
         return GradBatch(self.step, ids, layers, self.micro_batch, counts)
-
-
-def _device_of(lg: LayerGrad) -> torch.device:
-    data = lg.data
-    return data.g.device if isinstance(data, Factorized) else data.values.device

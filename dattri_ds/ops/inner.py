@@ -57,16 +57,12 @@ def default_cost_model(device: torch.device | str = "cpu") -> CostModel:
     return _DEFAULT_MODELS[key]
 
 
-def _dev(lg: LayerGrad) -> torch.device:
-    return lg.data.g.device if isinstance(lg.data, Factorized) else lg.data.values.device
-
-
 def _f32(f: Factorized) -> Factorized:
     return f.to(dtype=COMPUTE_DTYPE) if f.g.dtype != COMPUTE_DTYPE else f
 
 
 def _cm(cost: CostModel | None, lg: LayerGrad) -> CostModel:
-    return cost or default_cost_model(_dev(lg))
+    return cost or default_cost_model(lg.device)
 
 
 def materialize(lg: LayerGrad) -> torch.Tensor:
@@ -251,7 +247,7 @@ def project(lg: LayerGrad, projector: Projector, cost: CostModel | None = None,
     o, i = lg.shape
     if o * i <= cfg.dim:
         return lg.replace(data=Dense(materialize(lg)), projection=f"identity:{cfg.tag}")
-    dev = _dev(lg)
+    dev = lg.device
     if cfg.kind == "kronecker" and isinstance(lg.data, Factorized):
         ko, ki = kron_dims(cfg.dim, o, i)
         p_out = projector.side(lg.name, "out", ko, o, dev)
@@ -402,7 +398,7 @@ def _project_shard(lg: LayerGrad, projector: Projector, cost: CostModel | None,
                           shard=None, projection=f"identity:{cfg.tag}")
     local = lg.replace(shard=None)
     if cfg.kind == "kronecker" and isinstance(lg.data, Factorized):
-        dev = _dev(lg)
+        dev = lg.device
         ko, ki = kron_dims(cfg.dim, o, i)
         p_out = projector.side(lg.name, "out", ko, o, dev)
         p_in = projector.side(lg.name, "in", ki, i, dev)
