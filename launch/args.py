@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--tensor-model-parallel-size", type=int, default=1,
                    help="megatron: tensor-parallel size (must divide the number of processes, "
                         "hidden size, heads and FFN size)")
+    m.add_argument("--sequence-parallel", action="store_true",
+                   help="megatron: Megatron sequence parallelism (needs TP > 1 and a sequence "
+                        "length divisible by it)")
     m.add_argument("--pipeline-model-parallel-size", type=int, default=1,
                    help="megatron: only 1 is supported (refused otherwise)")
     m.add_argument("--verify-checkpoints", action="store_true",

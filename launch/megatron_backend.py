@@ -1,7 +1,8 @@
 """Megatron-core backend of launch/train.py: a GPTModel trained with tensor (and data) parallelism.
 
     torchrun --standalone --nproc_per_node 2 launch/train.py --backend megatron \
-        --tensor-model-parallel-size 2 --deepspeed_config configs/zero1_cpu.json --capture
+        --tensor-model-parallel-size 2 [--sequence-parallel] \
+        --deepspeed_config configs/zero1_cpu.json --capture
 
 The DeepSpeed JSON is still the run's config: its ``"dattri_ds"`` block, the micro-batch
 size, gradient accumulation, gradient clipping, the optimizer (``AdamW``/``Adam``/``SGD``,
@@ -10,11 +11,13 @@ optimizer) are used; every other DeepSpeed key (ZeRO, precision, ...) is ignored
 logged note. Ranks form ``world = TP x DP`` groups (Megatron's ``parallel_state``); pipeline
 parallelism is refused. TP ranks of one DP group train the same examples, in the data order
 of the DeepSpeed path (``micro_batch_indices`` with the DP rank and size). Gradients of
-data-parallel replicas are averaged by an all-reduce over the DP group (Megatron's DDP and
-optimizer need CUDA, SETUP.md s.5).
+sequence-parallel parameters (the norms) are summed over the TP group, then those of
+data-parallel replicas averaged over the DP group (Megatron's DDP and optimizer need CUDA,
+SETUP.md s.5).
 
-The model is ``MegatronLM``: a ``GPTModel`` (local layer spec, learned absolute positions,
-untied output layer) called like a Hugging Face model, ``lm(input_ids=, labels=).loss`` being
+The model is ``MegatronLM``: a ``GPTModel`` (``integrations.megatron.gpt_block_spec``:
+Megatron's local layer spec with torch norms that allow sequence parallelism; learned
+absolute positions, untied output layer) called like a Hugging Face model, ``lm(input_ids=, labels=).loss`` being
 the token mean over ``labels[:, 1:] != -100`` (so captures use the default ``label_shift=1``).
 
 Artifacts (besides those of the DeepSpeed path: resolved configs, tokenizer, trajectory.json
@@ -65,7 +68,8 @@ CHECK_EXAMPLES = 4
 
 
 # ---- model config ---------------------------------------------------------------------------
-def transformer_kwargs(model_config: str | Path | dict, tp: int) -> tuple[dict, int]:
+def transformer_kwargs(model_config: str | Path | dict, tp: int,
+                       sequence_parallel: bool = False) -> tuple[dict, int]:
     """TransformerConfig kwargs (CPU-safe: no fusions, no dropout) and the context length.
 
     A GPT-2 style JSON (configs/model_gpt2_tiny.json) maps ``n_layer -> num_layers``,
@@ -73,7 +77,8 @@ def transformer_kwargs(model_config: str | Path | dict, tp: int) -> tuple[dict, 
     ``4 n_embd``) ``-> ffn_hidden_size``, ``n_positions`` -> the context length.
 
     Raises:
-        ConfigError: another ``model_type``, or a size the TP size does not divide.
+        ConfigError: another ``model_type``, a size the TP size does not divide, or
+            sequence parallelism at TP 1.
     """
     d = model_config if isinstance(model_config, dict) else json.loads(
         Path(model_config).read_text())
@@ -89,7 +94,10 @@ def transformer_kwargs(model_config: str | Path | dict, tp: int) -> tuple[dict, 
               tensor_model_parallel_size=tp, use_cpu_initialization=True,
               perform_initialization=True, gradient_accumulation_fusion=False,
               masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
-              persist_layer_norm=False, hidden_dropout=0.0, attention_dropout=0.0)
+              persist_layer_norm=False, hidden_dropout=0.0, attention_dropout=0.0,
+              sequence_parallel=bool(sequence_parallel))
+    if sequence_parallel and tp == 1:
+        raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1")
     for what in ("hidden_size", "num_attention_heads", "ffn_hidden_size"):
         if kw[what] % tp:
             raise ConfigError(f"{what}={kw[what]} is not divisible by the tensor-parallel size "
@@ -219,9 +227,19 @@ def make_optimizer(ds_config: dict, params):
 
 
 def _reduce_grads(model: nn.Module, ctx) -> None:
-    """Average gradients of data-parallel replicas (no-op at DP world 1)."""
+    """Sum sequence-parallel grads over TP, then average data-parallel replicas.
+
+    Under sequence parallelism a replicated parameter (norms) sees ``S/TP`` tokens per rank,
+    so its gradient is a partial sum (what Megatron's ``finalize_model_grads`` all-reduces).
+    """
     import torch.distributed as dist
 
+    from dattri_ds.integrations.megatron import sequence_parallel_params
+
+    if ctx.tp_world > 1:
+        for p in sequence_parallel_params(model):
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=ctx.tp_group)
     if ctx.dp_world == 1:
         return
     for p in model.parameters():
@@ -302,7 +320,10 @@ def run(args, ds_config: dict, cfg: RunConfig) -> dict:
         raise ConfigError("--model-path loads a Hugging Face model: --backend megatron builds a "
                           "GPTModel from --model-config; drop --model-path or use --backend "
                           "deepspeed")
-    kw, context = transformer_kwargs(tc.model_config, tp)  # size errors before any process group
+    kw, context = transformer_kwargs(tc.model_config, tp, args.sequence_parallel)  # before any
+    if args.sequence_parallel and tc.seq_len % tp:  # process group: errors at start
+        raise ConfigError(f"--sequence-parallel splits the sequence over the {tp} tensor-"
+                          f"parallel ranks: --seq-len {tc.seq_len} must be divisible by {tp}")
     rank, world = setup_parallel(tp, args.pipeline_model_parallel_size)
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
@@ -323,7 +344,8 @@ def run(args, ds_config: dict, cfg: RunConfig) -> dict:
     prepare_model(lm)
     ctx = megatron_parallel_context()
     model_cfg = {"backend": "megatron", "transformer_config": {**kw,
-                 "tensor_model_parallel_size": 1}, "vocab_size": vocab,
+                 "tensor_model_parallel_size": 1, "sequence_parallel": False},
+                 "vocab_size": vocab, "trained_sequence_parallel": bool(args.sequence_parallel),
                  "tokenizer_vocab_size": tok.vocab_size, "max_position_embeddings": context,
                  "trained_tensor_model_parallel_size": tp, "tokenizer_fingerprint": tok.fingerprint}
     if rank == 0:
@@ -331,8 +353,9 @@ def run(args, ds_config: dict, cfg: RunConfig) -> dict:
         dump_json(out / "resolved_dattri_ds_config.json", cfg)
         (out / "model").mkdir(exist_ok=True)
         dump_json(out / "model" / "config.json", model_cfg)
-        logger.info("megatron: TP=%d DP=%d, %d layers, hidden %d, vocab %d (padded from %d)",
-                    ctx.tp_world, ctx.dp_world, kw["num_layers"], kw["hidden_size"], vocab,
+        logger.info("megatron: TP=%d%s DP=%d, %d layers, hidden %d, vocab %d (padded from %d)",
+                    ctx.tp_world, " (sequence parallel)" if args.sequence_parallel else "",
+                    ctx.dp_world, kw["num_layers"], kw["hidden_size"], vocab,
                     tok.vocab_size)
     opt, sched = make_optimizer(ds_config, lm.parameters())
     loop = SimpleNamespace(

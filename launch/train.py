@@ -125,9 +125,11 @@ def main(argv: list[str] | None = None) -> dict:
     if args.backend == "megatron":
         from dattri_ds.launch.megatron_backend import run
         return run(args, ds_config, cfg)
-    if args.tensor_model_parallel_size != 1 or args.pipeline_model_parallel_size != 1:
+    if args.tensor_model_parallel_size != 1 or args.pipeline_model_parallel_size != 1 or \
+            args.sequence_parallel:
         from dattri_ds.errors import ConfigError
-        raise ConfigError("--tensor/pipeline-model-parallel-size need --backend megatron")
+        raise ConfigError("--tensor/pipeline-model-parallel-size and --sequence-parallel need "
+                          "--backend megatron")
     rank, world = setup_distributed()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format="%(asctime)s %(message)s", datefmt="%H:%M:%S")

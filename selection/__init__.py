@@ -6,7 +6,8 @@ package on the index).
 
 from dattri_ds.selection.config import SelectionConfig
 from dattri_ds.selection.online import (
-    OnlineSelector, Selection, check_engine_supported, check_target_compatible,
+    OnlineSelector, Selection, check_engine_supported, check_target_compatible, log_file,
+    read_selection_log,
 )
 from dattri_ds.selection.policy import POLICIES, choose, greats, threshold, top_fraction, top_k
 from dattri_ds.selection.scorer import alignment_scores, redundancy_gram
@@ -14,7 +15,7 @@ from dattri_ds.selection.target import FixedTarget, TargetProvider, ValidationTa
 
 __all__ = [
     "SelectionConfig", "OnlineSelector", "Selection", "check_engine_supported",
-    "check_target_compatible",
+    "check_target_compatible", "log_file", "read_selection_log",
     "POLICIES", "choose", "greats", "threshold", "top_fraction", "top_k",
     "alignment_scores", "redundancy_gram", "TargetProvider", "ValidationTarget", "FixedTarget",
 ]

@@ -76,7 +76,8 @@ class SelectionConfig:
     measuring what scoring adds."""
 
     log_scores: bool = True
-    """Write chosen ids and scores of every step to ``<out>/selection.jsonl``."""
+    """Write chosen ids and scores of every step to ``<out>/selection.jsonl`` (one file per
+    data-parallel rank under local scope: ``selection.dp<r>.jsonl``)."""
 
     def __post_init__(self) -> None:
         if self.candidate_multiple < 1:

@@ -29,7 +29,7 @@ from torch import nn
 
 from dattri_ds.capture import GradientCapture
 from dattri_ds.config import CaptureConfig
-from dattri_ds.distributed import ParallelContext
+from dattri_ds.distributed import ParallelContext, all_reduce_sum
 from dattri_ds.errors import ConfigError
 from dattri_ds.gradient import GradBatch
 from dattri_ds.ops import CostModel, norms
@@ -99,6 +99,26 @@ def check_target_compatible(train: object, target: object) -> None:
                           "document")
 
 
+def log_file(log_path: str | Path, dp_rank: int) -> Path:
+    """The selection log of a data-parallel rank: ``log_path`` itself for rank 0, else
+    ``<stem>.dp<rank><suffix>`` next to it (``selection.dp1.jsonl``)."""
+    p = Path(log_path)
+    return p if dp_rank == 0 else p.with_name(f"{p.stem}.dp{dp_rank}{p.suffix}")
+
+
+def read_selection_log(log_path: str | Path) -> list[dict]:
+    """Every record of a run's selection log, all DP ranks' files merged, ordered by
+    ``(step, dp_rank)`` (a rank's micro-batches keep their order). Missing log: ``[]``."""
+    p = Path(log_path)
+    files = [p] if p.exists() else []
+    files += sorted(p.parent.glob(f"{p.stem}.dp*{p.suffix}"))
+    records = []
+    for f in files:
+        with open(f, encoding="utf-8") as fh:
+            records += [json.loads(line) for line in fh if line.strip()]
+    return sorted(records, key=lambda r: (r["step"], r.get("dp_rank", 0)))
+
+
 class OnlineSelector:
     """Chooses, each micro-batch, which candidates the engine trains on.
 
@@ -108,8 +128,10 @@ class OnlineSelector:
         target: provider of the target gradient (use ``probe_capture`` to build one).
         ctx: data-parallel group (for global scope).
         lr_fn: current learning rate (for GREATS).
-        log_path: jsonl file for the per-step log of chosen ids and scores (rank 0 writes;
-            under global scope every rank's view is identical).
+        log_path: jsonl file for the per-step log of chosen ids and scores. Under global
+            scope (every rank's view identical) DP rank 0 writes it; under local scope with
+            several DP ranks each writes its own, ``log_file(log_path, dp_rank)``, and
+            ``read_selection_log`` merges them.
         cost: cost model for routing.
     """
 
@@ -122,8 +144,10 @@ class OnlineSelector:
         self.ctx = ctx or ParallelContext()
         self.lr_fn = lr_fn
         self.cost = cost
-        self._log = open(log_path, "a", encoding="utf-8") if (
-            log_path is not None and config.log_scores and self.ctx.dp_rank == 0) else None
+        per_rank = config.scope != "global" and self.ctx.dp_world > 1
+        self._log = open(log_file(log_path, self.ctx.dp_rank), "a", encoding="utf-8") if (
+            log_path is not None and config.log_scores
+            and (per_rank or self.ctx.dp_rank == 0)) else None
         self.stats = {"steps": 0, "candidates": 0, "chosen": 0, "score_sum": 0.0,
                       "chosen_score_sum": 0.0}
 
@@ -246,13 +270,20 @@ class OnlineSelector:
         st["chosen_score_sum"] += float(sel.chosen_scores.sum())
         if self._log is not None:
             self._log.write(json.dumps({
-                "step": step, "chosen": list(sel.chosen_ids),
+                "step": step, "dp_rank": self.ctx.dp_rank, "chosen": list(sel.chosen_ids),
                 "chosen_scores": [round(float(s), 6) for s in sel.chosen_scores],
                 "candidate_scores": [round(float(s), 6) for s in sel.scores]}) + "\n")
 
     def summary(self) -> dict:
-        """Selection statistics of the run so far."""
-        st = self.stats
+        """Selection statistics of the run so far, over all data-parallel ranks.
+
+        Collective over the data-parallel group (every DP rank must call it).
+        """
+        keys = ("steps", "candidates", "chosen", "score_sum", "chosen_score_sum")
+        local = torch.tensor([float(self.stats[k]) for k in keys], dtype=torch.float64,
+                             device=next(self.model.parameters()).device)
+        total = all_reduce_sum(local, self.ctx.dp_group, self.ctx.dp_world).tolist()
+        st = {k: (v if k.endswith("sum") else int(round(v))) for k, v in zip(keys, total)}
         return {"micro_batches": st["steps"], "candidates": st["candidates"],
                 "chosen": st["chosen"],
                 "mean_candidate_score": st["score_sum"] / max(1, st["candidates"]),

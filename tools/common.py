@@ -156,7 +156,8 @@ def _megatron_model(root: Path, tag: str) -> torch.nn.Module:
         raise ConfigError(f"{root / 'checkpoints' / tag} holds a Megatron checkpoint but "
                           f"{root / 'model/config.json'} is not a Megatron model config")
     _megatron_single_process()
-    kw = {**cfg["transformer_config"], "tensor_model_parallel_size": 1}
+    kw = {**cfg["transformer_config"], "tensor_model_parallel_size": 1,
+          "sequence_parallel": False}
     gpt = build_gpt(kw, cfg["vocab_size"], cfg["max_position_embeddings"], seed=0)
     state = torch.load(root / "checkpoints" / tag / MEGATRON_CONSOLIDATED, map_location="cpu",
                        weights_only=True)

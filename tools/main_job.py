@@ -61,12 +61,12 @@ def chosen_sources(run: Path, corpus: Path) -> Counter:
         for line in f:
             d = json.loads(line)
             source[d["id"]] = d["source"]
+    from dattri_ds.selection import read_selection_log
+
     counts: Counter = Counter()
-    log = run / "selection.jsonl"
-    if log.exists():
-        for line in log.read_text().splitlines():
-            for sid in json.loads(line)["chosen"]:
-                counts[source.get(sid.split("#")[0], "?")] += 1
+    for record in read_selection_log(run / "selection.jsonl"):
+        for sid in record["chosen"]:
+            counts[source.get(sid.split("#")[0], "?")] += 1
     return counts
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 from torch import nn
@@ -41,7 +42,8 @@ from dattri_ds.layers import kind_for
 from dattri_ds.layers.megatron import SEQUENCE_FIRST_ATTR, UNSUPPORTED_ATTR
 
 __all__ = ["MegatronAdapter", "prepare_model", "megatron_capture", "megatron_parallel_context",
-           "MegatronLM", "cpu_workarounds", "build_gpt"]
+           "MegatronLM", "cpu_workarounds", "build_gpt", "TorchNorm", "gpt_block_spec",
+           "sequence_parallel_params"]
 
 _SEQUENCE_FIRST_SCOPES = ("TransformerBlock", "TransformerLayer", "MultiTokenPredictionBlock")
 _BATCH_FIRST_KINDS = ("linear", "conv1d", "embedding")
@@ -199,7 +201,11 @@ class MegatronLM(nn.Module):
 
 
 def cpu_workarounds() -> None:
-    """SETUP.md s.5: a no-op RNG tracker and a CPU attention scratch buffer (after init)."""
+    """SETUP.md s.5: a no-op RNG tracker and a CPU attention scratch buffer (after init).
+
+    Without CUDA, ``torch.cuda.current_device`` also answers ``"cpu"``: Megatron's
+    sequence-parallel gathers allocate their buffers on it. Call only in a CPU-only process.
+    """
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
     from megatron.core.utils import GlobalMemoryBuffer
@@ -210,14 +216,78 @@ def cpu_workarounds() -> None:
 
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     ps._GLOBAL_MEMORY_BUFFER = CPUBuf()
+    if not torch.cuda.is_available():
+        torch.cuda.current_device = lambda: "cpu"
+
+
+class TorchNorm:
+    """A torch ``LayerNorm``/``RMSNorm`` for Megatron layer specs that allows sequence parallelism.
+
+    Megatron's ``WrappedTorchNorm`` (its local spec's norm without Apex) refuses
+    ``sequence_parallel``; Apex's ``FusedLayerNorm`` and TE's norms need CUDA builds. The
+    maths of a norm does not change under sequence parallelism, only the reduction of its
+    replicated weight: every rank sees ``S/R`` tokens, so its weight gradient is a partial sum.
+    The parameters are marked ``sequence_parallel`` (as Megatron's own norms do), so
+    Megatron's ``finalize_model_grads`` (or ``allreduce_sequence_parallel_grads``) sums them
+    over the tensor-parallel group.
+
+    Called like Megatron's norm modules: ``TorchNorm(config, hidden_size, eps, ...)``.
+    """
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm=False,
+                zero_centered_gamma: bool = False, normalization: str | None = None):
+        kind = normalization or getattr(config, "normalization", "LayerNorm")
+        if getattr(config, "layernorm_zero_centered_gamma", False) or zero_centered_gamma:
+            raise ConfigError("layernorm_zero_centered_gamma is not supported by dattri-ds' "
+                              "torch norm spec; set it to False")
+        classes = {"LayerNorm": nn.LayerNorm, "RMSNorm": nn.RMSNorm}
+        if kind not in classes:
+            raise ConfigError(f"normalization='{kind}' is not supported; use LayerNorm or "
+                              f"RMSNorm")
+        norm = classes[kind](hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = bool(getattr(config, "sequence_parallel", False))
+        return norm
+
+
+def gpt_block_spec(config) -> Any:
+    """Megatron's local GPT layer spec, every norm a ``TorchNorm``: a ``TransformerBlock`` spec.
+
+    Runs on CPU and GPU without Apex or Transformer Engine, with or without sequence
+    parallelism; pass it to ``GPTModel(transformer_layer_spec=...)``.
+    """
+    from dataclasses import replace
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlock, TransformerBlockSubmodules,
+    )
+
+    layer = get_gpt_layer_local_spec(normalization=config.normalization)
+    layer = replace(layer, submodules=replace(layer.submodules, input_layernorm=TorchNorm,
+                                              pre_mlp_layernorm=TorchNorm))
+    return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(
+        layer_specs=[layer] * config.num_layers, layer_norm=TorchNorm))
+
+
+def sequence_parallel_params(model: nn.Module) -> list[nn.Parameter]:
+    """Replicated parameters that see a sequence shard per rank (grads: sum over TP)."""
+    return [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
 
 
 def build_gpt(kw: dict, vocab: int, context: int, seed: int) -> nn.Module:
-    """A GPTModel from TransformerConfig kwargs (local spec, untied output), seeded init."""
+    """A GPTModel from TransformerConfig kwargs (``gpt_block_spec``, untied output), seeded.
+
+    Raises:
+        ConfigError: sequence parallelism without tensor parallelism.
+    """
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
+    if kw.get("sequence_parallel") and kw.get("tensor_model_parallel_size", 1) == 1:
+        raise ConfigError("sequence_parallel needs tensor_model_parallel_size > 1")
+    config = TransformerConfig(**kw)
     torch.manual_seed(seed)
-    return GPTModel(TransformerConfig(**kw), get_gpt_layer_local_spec(), vocab_size=vocab,
+    return GPTModel(config, gpt_block_spec(config), vocab_size=vocab,
                     max_sequence_length=context, share_embeddings_and_output_weights=False)

@@ -31,7 +31,9 @@ from dattri_ds import (  # noqa: E402
     CaptureConfig, Dense, GradientCapture, ProjectionConfig, Projector,
 )
 from dattri_ds.errors import ConfigError, UnsupportedLayerError  # noqa: E402
-from dattri_ds.integrations.megatron import megatron_capture, prepare_model  # noqa: E402
+from dattri_ds.integrations.megatron import (  # noqa: E402
+    gpt_block_spec, megatron_capture, prepare_model,
+)
 from dattri_ds.layers import kind_for  # noqa: E402
 from dattri_ds.ops import (  # noqa: E402
     cross_gram, grad_sum, kron_dims, layer_cross_gram, materialize, sq_norms,
@@ -306,10 +308,14 @@ def test_mlp_block_tp2_equals_tp1(sp):
 
 
 # ---- GPTModel ----------------------------------------------------------------------------
-def gpt(tp: int) -> GPTModel:
+def gpt(tp: int, sp: bool = False) -> GPTModel:
+    """Megatron's local spec, or with sequence parallelism dattri-ds' ``gpt_block_spec``
+    (Megatron's torch norm refuses sequence parallelism; same parameter names)."""
+    cfg = tconfig(tp, sp=sp)
+    spec = gpt_block_spec(cfg) if sp else get_gpt_layer_local_spec()
     torch.manual_seed(0)
-    return GPTModel(tconfig(tp), get_gpt_layer_local_spec(), vocab_size=V,
-                    max_sequence_length=S, share_embeddings_and_output_weights=False)
+    return GPTModel(cfg, spec, vocab_size=V, max_sequence_length=S,
+                    share_embeddings_and_output_weights=False)
 
 
 def gpt_call(model):
@@ -321,7 +327,7 @@ def gpt_call(model):
     return call
 
 
-def _gpt_tp2_vs_tp1(rank, world):
+def _gpt_tp2_vs_tp1(rank, world, sp):
     ids, labels = examples(1)
     labels = labels.clamp_min(0)  # Megatron's GPT loss has no ignore index
     cfg = CaptureConfig(label_shift=0, loss_reduction="token_mean")
@@ -338,20 +344,25 @@ def _gpt_tp2_vs_tp1(rank, world):
     errs1, _ = compare(b1, ref, shapes)
 
     init_parallel(2)
-    m2 = gpt(2)
+    m2 = gpt(2, sp=sp)
     load_shards(m2, state)
+    seen = []  # tokens per rank at the final norm: S/2 under sequence parallelism
+    m2.decoder.final_layernorm.register_forward_pre_hook(lambda m, a: seen.append(a[0].shape[0]))
     b2 = capture(m2, gpt_call(m2), ids, labels, cfg, megatron=True)
     errs2, scores = compare(b2, ref, shapes)
     kinds = {n: (lg.kind, lg.shard is not None) for n, lg in b2.layers.items()}
-    return dict(errs1=errs1, errs2=errs2, scores=scores, kinds=kinds)
+    return dict(errs1=errs1, errs2=errs2, scores=scores, kinds=kinds, norm_tokens=seen[-1])
 
 
-def test_gpt_model_tp2_equals_tp1():
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sequence-parallel"])
+def test_gpt_model_tp2_equals_tp1(sp):
     """GPTModel (local spec, learned positions, 2 layers): every captured layer of TP=2
     (sharded qkv/proj/fc1/fc2/output/vocab embedding, replicated norms and positions)
-    equals TP=1 and the autograd reference, for grads, projections, grams and norms."""
-    res = run(_gpt_tp2_vs_tp1, 2)
+    equals TP=1 and the autograd reference, for grads, projections, grams and norms; with
+    sequence parallelism too (norms and the output layer see sequence-sharded tokens)."""
+    res = run(_gpt_tp2_vs_tp1, 2, sp=sp)
     for r, out in enumerate(res):
+        assert out["norm_tokens"] == (S // 2 if sp else S)
         assert max(out["errs1"].values()) <= TOL, (r, out["errs1"])
         assert max(out["errs2"].values()) <= TOL, (r, out["errs2"])
     kinds = res[0]["kinds"]

@@ -207,8 +207,10 @@ def test_offline_attribution_from_tp2_checkpoint_equals_tp1(run_dir, tmp_path, t
 
 
 def test_bad_parallel_sizes_fail_at_start():
-    """A TP size that does not divide the model, and pipeline parallelism, are refused
-    before any process group exists, with the offending value and the fix."""
+    """A TP size that does not divide the model, pipeline parallelism, sequence parallelism
+    without tensor parallelism (or with a sequence length TP does not divide), and TP/SP flags
+    without --backend megatron are refused before any process group exists, with the
+    offending value and the fix."""
     from dattri_ds.errors import ConfigError
     from dattri_ds.launch.megatron_backend import setup_parallel, transformer_kwargs
 
@@ -219,3 +221,14 @@ def test_bad_parallel_sizes_fail_at_start():
         setup_parallel(2, 2)
     with pytest.raises(ConfigError, match="model_type='llama'"):
         transformer_kwargs({"model_type": "llama"}, 1)
+    with pytest.raises(ConfigError, match="--sequence-parallel needs --tensor-model-parallel"):
+        transformer_kwargs({"model_type": "gpt2", "n_embd": 32, "n_head": 4}, 1, True)
+    from dattri_ds.launch.train import main
+
+    base = ["--deepspeed_config", str(ROOT / "configs/zero1_cpu.json"), "--train-data",
+            str(ROOT / "data/tiny/train.jsonl")]
+    with pytest.raises(ConfigError, match="--seq-len 33 must be divisible by 2"):
+        main([*base, "--backend", "megatron", "--tensor-model-parallel-size", "2",
+              "--sequence-parallel", "--seq-len", "33"])
+    with pytest.raises(ConfigError, match="need --backend megatron"):
+        main([*base, "--sequence-parallel"])
