@@ -1,7 +1,9 @@
 """Megatron TP=2 on CPU: capture+projection step time over a plain step, and bytes reduced.
 
-Model: Megatron-core GPTModel (local spec, 2 layers, hidden 128, 4 heads, ffn 512, vocab
-1024), S=64, B=8, tensor-parallel size 2 on 2 gloo processes (forked), token-mean loss.
+Model: Megatron-core GPTModel (``build_gpt``: local spec with torch norms; by default the
+size of benchmarks/capture_overhead.py: 4 layers, hidden 256, 4 heads, ffn 1024, vocab
+1024), S=128, B=16, tensor-parallel size 2 on 2 gloo processes (forked), token-mean loss;
+``--sequence-parallel`` adds Megatron sequence parallelism.
 Variants, timed interleaved in the same rounds (median of per-round ratios):
 
 * ``plain``: forward + backward of the TP=2 model.
@@ -20,7 +22,6 @@ Run: ``.venv/bin/python benchmarks/megatron_capture.py [--quick] [--sequence-par
 from __future__ import annotations
 
 import argparse
-import math
 import multiprocessing as mp
 import os
 import socket
@@ -40,35 +41,21 @@ def _free_port() -> int:
 def _setup(tp: int) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
-    from megatron.core.utils import GlobalMemoryBuffer
 
-    class CPUBuf(GlobalMemoryBuffer):
-        def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
-            return torch.empty(math.prod(tensor_shape), dtype=dtype).view(*tensor_shape)
+    from dattri_ds.integrations.megatron import cpu_workarounds
 
     dist.init_process_group("gloo")
     ps.initialize_model_parallel(tensor_model_parallel_size=tp)
-    tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-    ps._GLOBAL_MEMORY_BUFFER = CPUBuf()
-    torch.cuda.current_device = lambda: "cpu"
+    cpu_workarounds()
 
 
 def _model(args):
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer import TransformerConfig
+    from dattri_ds.integrations.megatron import build_gpt
+    from dattri_ds.launch.megatron_backend import transformer_kwargs
 
-    cfg = TransformerConfig(
-        num_layers=2, hidden_size=args.hidden, num_attention_heads=4,
-        ffn_hidden_size=4 * args.hidden, tensor_model_parallel_size=2,
-        use_cpu_initialization=True, perform_initialization=True,
-        gradient_accumulation_fusion=False, masked_softmax_fusion=False,
-        bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-        hidden_dropout=0.0, attention_dropout=0.0)
-    torch.manual_seed(0)
-    return GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=args.vocab,
-                    max_sequence_length=args.seq, share_embeddings_and_output_weights=False)
+    kw, _ = transformer_kwargs({"model_type": "gpt2", "n_layer": args.layers,
+                                "n_embd": args.hidden, "n_head": 4}, 2, args.sequence_parallel)
+    return build_gpt(kw, args.vocab, args.seq, seed=0)
 
 
 class _Counter:
@@ -165,14 +152,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="small model, 3 rounds")
     p.add_argument("--reps", type=int, default=7)
-    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=16)
     p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--sequence-parallel", action="store_true")
     args = p.parse_args()
     if args.quick:
-        args.reps, args.hidden, args.vocab, args.seq, args.batch = 3, 64, 256, 32, 4
+        args.reps, args.layers, args.hidden, args.vocab, args.seq, args.batch = \
+            3, 2, 64, 256, 32, 4
     import megatron.core  # noqa: F401  (import once in the parent: forked workers start fast)
 
     ctx = mp.get_context("fork")
@@ -187,7 +177,8 @@ def main() -> None:
         if isinstance(v, str):
             raise SystemExit(f"rank {r} failed:\n{v}")
     m = res[0]
-    print(f"GPTModel TP=2 CPU: hidden {args.hidden}, vocab {args.vocab}, S={args.seq}, "
+    print(f"GPTModel TP=2{' sequence-parallel' if args.sequence_parallel else ''} CPU: "
+          f"{args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, S={args.seq}, "
           f"B={args.batch}, Kronecker dim {args.dim}, {m['layers']} layers captured "
           f"({m['sharded']} sharded), {args.reps} rounds")
     print(f"{'plain step':<34}{m['plain'] * 1e3:10.1f} ms")

@@ -352,18 +352,18 @@ class GradientCapture:
             parts = [kind.build(module, a, g if post else
                                 self._scaled(g, scale, _batch_dim(kind, module)))
                      for a, g in pairs]
-            data = _merge(parts)
-            bad = _nonfinite(data)
-            if bad:
-                self._nonfinite(name, rec)
-                return None
-            layers[name] = LayerGrad(name, kind.name, data, kind.layer_shape(module),
+            layers[name] = LayerGrad(name, kind.name, _merge(parts), kind.layer_shape(module),
                                      shard=kind.shard_info(module))
         merge_tied(layers, self._tied)
         batch = GradBatch(rec.step, info.sample_ids, layers, rec.index, info.token_counts)
+        if post:  # NaN/inf propagate through the projection: check the small projected rows
+            batch = project_batch(batch, self._projector, self.cost)
+        bad = _first_nonfinite(batch, agree=not post)
+        if bad is not None:
+            self._nonfinite(bad, rec)
+            return None
         if not post:
             return batch
-        batch = project_batch(batch, self._projector, self.cost)
         s = scale.to(torch.float32)
         return GradBatch(batch.step, batch.sample_ids, {
             n: lg.replace(data=Dense(lg.data.values * s.to(lg.data.values.device)[:, None]))
@@ -377,7 +377,8 @@ class GradientCapture:
         return (g.float() * s.view(shape)).to(dtype)
 
     def _nonfinite(self, name: str, rec: _Record) -> None:
-        msg = (f"Layer '{name}' has a NaN/inf per-example gradient in micro-batch {rec.index} "
+        who = f"Layer '{name}'" if name else "A layer sharded on another tensor-parallel rank"
+        msg = (f"{who} has a NaN/inf per-example gradient in micro-batch {rec.index} "
                f"(step {rec.step})")
         if self.config.on_nonfinite == "raise":
             raise CaptureError(msg + "; set capture.on_nonfinite='skip' to drop such batches")
@@ -481,3 +482,28 @@ def _nonfinite(data: Factorized | Dense) -> bool:
     """NaN/inf anywhere in the output-grads (one reduction: NaN and inf propagate)."""
     t = data.g if isinstance(data, Factorized) else data.values
     return not bool(torch.isfinite(t.sum(dtype=torch.float32)))
+
+
+def _first_nonfinite(batch: GradBatch, agree: bool) -> str | None:
+    """The first layer with a NaN/inf gradient, or None.
+
+    Tensor-parallel ranks must take the same decision (a rank dropping a batch its peers
+    keep would desynchronize their collectives). Projected batches already agree: sharded
+    layers were all-reduced. With ``agree`` (unprojected factors, each rank checks only its
+    shard) a flag is max-reduced over each shard group: one 1-element reduction per batch.
+    """
+    bad = next((n for n, lg in batch.layers.items() if _nonfinite(lg.data)), None)
+    if not agree:
+        return bad
+    groups = {id(lg.shard.group): lg.shard for lg in batch.layers.values()
+              if lg.shard is not None and lg.shard.world > 1}
+    if not groups:
+        return bad
+    import torch.distributed as dist
+
+    flag = torch.tensor([float(bad is not None)], device=next(iter(batch.layers.values())).device)
+    for shard in groups.values():
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=shard.group)
+    if bad is None and flag.item() > 0:
+        return ""  # found by a peer: its shard of some layer
+    return bad

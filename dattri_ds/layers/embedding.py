@@ -12,7 +12,7 @@ from torch import nn
 from dattri_ds.errors import UnsupportedLayerError
 from dattri_ds.gradient import Factorized
 from dattri_ds.layers.base import LayerKind
-from dattri_ds.layers.outer import row_chunks
+from dattri_ds.layers.outer import row_chunks, rows_matmul
 
 __all__ = ["EmbeddingKind"]
 
@@ -82,7 +82,7 @@ class EmbeddingKind(LayerKind, name="embedding", modules=(nn.Embedding,)):
 
     def project_kron(self, f: Factorized, p_out: torch.Tensor, p_in: torch.Tensor) -> torch.Tensor:
         """``sum_t (P_out g_t)(P_in[:, idx_t])^T``: the one-hot side is a column gather."""
-        ga = f.g @ p_out.T  # [B, T, ko]
+        ga = rows_matmul(f.g, p_out.T)  # [B, T, ko]
         aa = p_in.T[f.a]  # [B, T, ki]
         return torch.bmm(ga.transpose(1, 2), aa.to(ga.dtype)).reshape(f.g.shape[0], -1)
 

@@ -27,7 +27,8 @@ over the tensor-parallel group: the ColumnParallelLinear input (in forward, as M
 does), the RowParallelLinear output-grad and a reduce-scattered embedding's output-grad
 (after backward). Norms inside a Megatron decoder see sequence-first (and, with sequence
 parallelism, sequence-sharded) activations: ``integrations.megatron.prepare_model`` marks
-them for ``SequenceFirstNormKind``, and marks batch-first kinds it cannot place
+them for ``SequenceFirstNormKind`` (which sums over its own tokens and all-reduces the
+small ``[B, 2H]`` partial sums instead of gathering), and marks batch-first kinds it cannot place
 (e.g. a plain ``nn.Linear`` in the decoder) as unsupported.
 
 Refused at start (``check``): expert layers (tokens are permuted), Transformer Engine
@@ -127,14 +128,22 @@ def gather_sequence(t: torch.Tensor, group: Any, world: int) -> torch.Tensor:
     return torch.cat(bufs, 0)
 
 
-def _batch_first(module: nn.Module, t: torch.Tensor) -> torch.Tensor:
-    """``[S, B, F] -> [B, S, F]`` (contiguous), refusing inputs without a batch dimension."""
+def _batch_first(module: nn.Module, t: torch.Tensor, bias: bool = False) -> torch.Tensor:
+    """``[S, B, F] -> [B, S, F]`` (``F + 1`` with ``bias``), refusing inputs without a batch
+    dimension.
+
+    A view, not a copy: the factor keeps Megatron's memory layout and the projections
+    multiply it in place (``outer.rows_matmul``); the bias column, when asked for, is
+    appended in that layout too (one copy instead of transpose-copy plus cat).
+    """
     if t.dim() != 3:
         raise CaptureError(
             f"Layer '{_name(module)}' ({type(module).__name__}) saw a tensor of shape "
             f"{tuple(t.shape)}; per-example gradients need sequence-first [S, B, H] "
             f"activations (token-flattened inputs such as MoE experts lose the example)")
-    return t.transpose(0, 1).contiguous()
+    if bias:
+        t = with_bias_column(t)
+    return t.transpose(0, 1)
 
 
 def _check_parallel(module: nn.Module, name: str) -> None:
@@ -220,10 +229,8 @@ class ColumnParallelLinearKind(_MegatronLinear, name="megatron_column"):
         if g.shape[-1] != per:  # gather_output: the hooked output holds every shard
             _, rank, _ = tp_of(module)
             g = g.narrow(-1, rank * per, per)
-        a3, g3 = _batch_first(module, a), _batch_first(module, g)
-        if self._bias(module):
-            a3 = with_bias_column(a3)
-        return Factorized(a3, g3)
+        return Factorized(_batch_first(module, a, bias=bool(self._bias(module))),
+                          _batch_first(module, g))
 
     def canonical(self, module, grads):
         w = grads["weight"]
@@ -272,10 +279,8 @@ class RowParallelLinearKind(_MegatronLinear, name="megatron_row"):
         group, _, world = tp_of(module)
         if getattr(module, "sequence_parallel", False):
             g = gather_sequence(g, group, world)  # the output was reduce-scattered along S
-        a3, g3 = _batch_first(module, a), _batch_first(module, g)
-        if self._owns_bias(module):
-            a3 = with_bias_column(a3)
-        return Factorized(a3, g3)
+        return Factorized(_batch_first(module, a, bias=bool(self._owns_bias(module))),
+                          _batch_first(module, g))
 
     def canonical(self, module, grads):
         w = grads["weight"]
@@ -347,9 +352,9 @@ def _base_norm(module: nn.Module) -> LayerKind | None:
 class SequenceFirstNormKind(DenseKind, name="megatron_norm"):
     """A LayerNorm/RMSNorm marked by ``prepare_model``: ``[S, B, H]`` (or ``[S/R, B, H]``).
 
-    The maths is the plain norm kind's after ``[S, B, H] -> [B, S, H]``; with sequence
-    parallelism input and output-grad are first all-gathered along S (the weight is
-    replicated, each rank would otherwise hold a partial sum over its tokens).
+    The maths is the plain norm kind's, summed over the token dim 0 in place; with sequence
+    parallelism each rank holds a partial sum over its tokens (the weight is replicated),
+    so the small per-example sums are all-reduced over the group.
     """
 
     def matches(self, module):
@@ -367,10 +372,16 @@ class SequenceFirstNormKind(DenseKind, name="megatron_norm"):
         return _base_norm(module).layer_shape(module)
 
     def build(self, module, a, g):
+        """Per-example ``[B, (1 + bias) D]`` sums over this rank's tokens; with sequence
+        parallelism the partial sums are all-reduced over the group (``B (1 + bias) D``
+        floats instead of gathering both ``[S/R, B, D]`` sides)."""
         group, world = getattr(module, SEQUENCE_FIRST_ATTR)
+        dense = self._dense(module, _base_norm(module).normalized(module, a), g, token_dim=0)
         if world > 1:
-            a, g = gather_sequence(a, group, world), gather_sequence(g, group, world)
-        return _base_norm(module).build(module, a.transpose(0, 1), g.transpose(0, 1))
+            import torch.distributed as dist
+
+            dist.all_reduce(dense.values, group=group)
+        return dense
 
     def canonical(self, module, grads):
         return _base_norm(module).canonical(module, grads)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from dattri_ds.errors import UnsupportedLayerError
 from dattri_ds.gradient import Dense
@@ -28,13 +29,27 @@ class DenseKind(LayerKind):
 
     materialize = cross_gram = cross_dense = project_kron = _no_factorized
 
-    def _dense(self, module: nn.Module, xhat: torch.Tensor, g: torch.Tensor) -> Dense:
-        x3 = self.to_batch_first(xhat)
-        g3 = self.to_batch_first(g).to(x3.dtype)
-        rows = [(g3 * x3).sum(1)]
+    def _dense(self, module: nn.Module, xhat: torch.Tensor, g: torch.Tensor,
+               token_dim: int | None = None) -> Dense:
+        """``[sum_t g_t * xhat_t ; sum_t g_t]`` per example -> ``[B, (1 + bias) * D]``.
+
+        ``token_dim=None``: batch-first ``[B, *, D]``; ``0``: sequence-first ``[S, B, D]``,
+        summed in place (no transpose copy).
+        """
+        if token_dim is None:
+            xhat, g, token_dim = self.to_batch_first(xhat), self.to_batch_first(g), 1
+        g = g.to(xhat.dtype)
+        rows = [(g * xhat).sum(token_dim)]
         if getattr(module, "bias", None) is not None:
-            rows.append(g3.sum(1))
+            rows.append(g.sum(token_dim))
         return Dense(torch.cat(rows, dim=1))
+
+    def normalized(self, module: nn.Module, a: torch.Tensor) -> torch.Tensor:
+        """``xhat`` (fp32) of the module's input ``a``, any layout with features last."""
+        raise NotImplementedError
+
+    def build(self, module, a, g):
+        return self._dense(module, self.normalized(module, a), g)
 
     def canonical(self, module, grads):
         rows = [grads["weight"]]
@@ -56,11 +71,8 @@ class LayerNormKind(DenseKind, name="layernorm", modules=(nn.LayerNorm,)):
     def layer_shape(self, module):
         return 1 + int(module.bias is not None), module.normalized_shape[0]
 
-    def build(self, module, a, g):
-        x = a.float()
-        mean = x.mean(-1, keepdim=True)
-        var = x.var(-1, unbiased=False, keepdim=True)
-        return self._dense(module, (x - mean) * torch.rsqrt(var + module.eps), g)
+    def normalized(self, module, a):
+        return F.layer_norm(a.float(), a.shape[-1:], eps=module.eps)
 
 
 def _rms_eps(module: nn.Module) -> float | None:
@@ -88,9 +100,8 @@ class RMSNormKind(DenseKind, name="rmsnorm"):
     def layer_shape(self, module):
         return 1 + int(getattr(module, "bias", None) is not None), param_shape(module.weight)[-1]
 
-    def build(self, module, a, g):
-        x = a.float()
+    def normalized(self, module, a):
         eps = _rms_eps(module)
         if eps is None:
             eps = torch.finfo(a.dtype).eps
-        return self._dense(module, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps), g)
+        return F.rms_norm(a.float(), a.shape[-1:], eps=eps)

@@ -12,7 +12,7 @@ import torch
 from dattri_ds.gradient import Factorized
 from dattri_ds.layers.base import LayerKind
 
-__all__ = ["OuterProductKind", "row_chunks"]
+__all__ = ["OuterProductKind", "row_chunks", "rows_matmul", "with_bias_column"]
 
 #: Upper bound on elements of one ``[c, T, B2, S]`` ghost intermediate (about 64 MB fp32).
 GHOST_CHUNK_ELEMENTS = 1 << 24
@@ -26,8 +26,17 @@ def row_chunks(n_rows: int, row_elems: int, budget: int = GHOST_CHUNK_ELEMENTS):
 
 
 def with_bias_column(a: torch.Tensor) -> torch.Tensor:
-    """``[B, T, I] -> [B, T, I+1]``, appending the constant 1 that multiplies the bias."""
+    """``[..., I] -> [..., I+1]``, appending the constant 1 that multiplies the bias."""
     return torch.cat([a, a.new_ones(a.shape[:-1] + (1,))], dim=-1)
+
+
+def rows_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w`` for ``x [B, T, F]``, also when ``x`` is a ``[T, B, F]`` tensor seen through
+    ``transpose(0, 1)`` (sequence-first layers): multiplied in its own memory layout, so
+    the large factor is never copied; only the ``[B, T, k]`` result is a strided view."""
+    if x.dim() == 3 and not x.is_contiguous() and x.transpose(0, 1).is_contiguous():
+        return (x.transpose(0, 1) @ w).transpose(0, 1)
+    return x @ w
 
 
 class OuterProductKind(LayerKind):
@@ -79,6 +88,6 @@ class OuterProductKind(LayerKind):
 
     def project_kron(self, f: Factorized, p_out: torch.Tensor, p_in: torch.Tensor) -> torch.Tensor:
         """``sum_t (P_out g_t)(P_in a_t)^T`` -> ``[B, ko*ki]``; cost 2*B*T*(O*ko + I*ki + ko*ki)."""
-        ga = f.g @ p_out.T  # [B, T, ko]
-        aa = f.a @ p_in.T  # [B, T, ki]
+        ga = rows_matmul(f.g, p_out.T)  # [B, T, ko]
+        aa = rows_matmul(f.a, p_in.T)  # [B, T, ki]
         return torch.bmm(ga.transpose(1, 2), aa).reshape(f.g.shape[0], -1)

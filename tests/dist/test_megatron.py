@@ -423,6 +423,44 @@ def test_bad_input_fails_at_attach_with_names():
     assert "embedding.word_embeddings" in out["tied"]
 
 
+# ---- NaN in one tensor-parallel rank's shard ---------------------------------------------
+def _nonfinite_one_rank(rank, world):
+    """fc1's output-grad is made inf on rank 1 only (rank 0's shard of fc1 stays finite)."""
+    init_parallel(2)
+    torch.manual_seed(0)
+    m = MLPBlock(tconfig(2))
+    ids, labels = examples()
+    if rank == 1:
+        def poison(mod, args, out):
+            out[0].register_hook(lambda g: g * float("inf"))
+        m.fc1.register_forward_hook(poison)
+    out = {}
+    for key, proj in (("factors", None), ("projected", PROJ["kron"])):
+        cfg = CaptureConfig(label_shift=0, include=("fc1",), projection=proj)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with megatron_capture(m, cfg) as cap:
+                m(ids, labels).mean().backward()
+                out[key] = (cap.pop() is None, cap.skipped,
+                            [str(w.message) for w in caught if "NaN" in str(w.message)])
+        m.zero_grad(set_to_none=True)
+    return out
+
+
+def test_nonfinite_shard_on_one_rank_drops_the_batch_on_every_rank():
+    """A NaN/inf only in rank 1's shard: both tensor-parallel ranks drop the micro-batch
+    (factors: a 1-element flag reduction; projected: the reduced rows carry it), so their
+    later collectives stay in step; rank 1 names the layer, rank 0 its peer."""
+    res = run(_nonfinite_one_rank, 2)
+    for key in ("factors", "projected"):
+        for rank, out in enumerate(res):
+            dropped, skipped, msgs = out[key]
+            assert dropped and skipped == 1 and len(msgs) == 1, (key, rank, out)
+        assert "Layer 'fc1'" in res[1]["factors"][2][0]
+        assert "another tensor-parallel rank" in res[0]["factors"][2][0]
+        assert "Layer 'fc1'" in res[0]["projected"][2][0]
+
+
 # ---- online selection --------------------------------------------------------------------
 class LM(nn.Module):
     """GPTModel called like a Hugging Face model: ``.loss`` is the token-mean loss."""

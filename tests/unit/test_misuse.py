@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from dattri_ds import (
-    CaptureConfig, CaptureError, GradientCapture, UnsupportedLayerError, materialize,
+    CaptureConfig, CaptureError, GradientCapture, ProjectionConfig, UnsupportedLayerError,
+    materialize,
 )
 from reference import reference_grads, rel_err, tiny_gpt2
 
@@ -102,6 +103,22 @@ def test_nonfinite_gradients_skip_or_raise_naming_layer():
                                             on_nonfinite="raise")):
         with pytest.raises(CaptureError, match=r"Layer '\d' has a NaN"):
             (net(x).sum() * float("inf")).backward()
+
+
+def test_nonfinite_detected_after_projection():
+    """With a projection the check runs on the projected rows (NaN/inf propagate through
+    it): an inf in one example's output-grads still drops the batch naming the layer."""
+    net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    x = torch.randn(3, 8)
+    cfg = CaptureConfig(loss_reduction="sum", label_shift=0, projection=ProjectionConfig(dim=4))
+    with GradientCapture(net, cfg) as cap:
+        out = net(x)
+        out.register_hook(lambda g: g.index_fill(0, torch.tensor([1]), float("inf")))
+        with pytest.warns(UserWarning, match=r"Layer '0' has a NaN"):  # inf reaches it too
+            out.sum().backward()
+        assert cap.pop() is None and cap.skipped == 1
+        net(x).sum().backward()  # a finite batch afterwards is captured
+        assert cap.pop() is not None
 
 
 class _Twice(nn.Module):
