@@ -10,10 +10,14 @@ as a torch optimizer) and the scheduler (a DeepSpeed ``lr_schedules`` class driv
 optimizer) are used; every other DeepSpeed key (ZeRO, precision, ...) is ignored, with a
 logged note. Ranks form ``world = TP x DP`` groups (Megatron's ``parallel_state``); pipeline
 parallelism is refused. TP ranks of one DP group train the same examples, in the data order
-of the DeepSpeed path (``micro_batch_indices`` with the DP rank and size). Gradients of
-sequence-parallel parameters (the norms) are summed over the TP group, then those of
-data-parallel replicas averaged over the DP group (Megatron's DDP and optimizer need CUDA,
-SETUP.md s.5).
+of the DeepSpeed path (``micro_batch_indices`` with the DP rank and size). Gradients are
+synchronized by Megatron's own ``DistributedDataParallel`` (grad buffers, ``main_grad``)
+and ``finalize_model_grads``: replicas averaged over the DP group, sequence-parallel
+parameters (the norms) summed over the TP group. It runs on CPU too (gloo, with the
+``cpu_workarounds``). The optimizer: on CUDA Megatron's own (``get_megatron_optimizer``,
+fp32, with its global-norm clipping); on CPU, where Megatron's optimizer needs CUDA
+(SETUP.md s.5), the torch optimizer of the DeepSpeed JSON on ``main_grad`` with a global-
+norm clip summed over the TP group.
 
 The model is ``MegatronLM``: a ``GPTModel`` (``integrations.megatron.gpt_block_spec``:
 Megatron's local layer spec with torch norms that allow sequence parallelism; learned
@@ -217,35 +221,58 @@ def make_optimizer(ds_config: dict, params):
         raise ConfigError(f"optimizer.type '{spec.get('type')}' is not supported by --backend "
                           f"megatron; use one of AdamW, Adam, SGD")
     opt = classes[kind](params, **p)
-    sched = None
-    if "scheduler" in ds_config:
-        from deepspeed.runtime import lr_schedules
-
-        s = ds_config["scheduler"]
-        sched = getattr(lr_schedules, s["type"])(opt, **s.get("params", {}))
-    return opt, sched
+    return opt, make_schedule(ds_config, opt)
 
 
-def _reduce_grads(model: nn.Module, ctx) -> None:
-    """Sum sequence-parallel grads over TP, then average data-parallel replicas.
+def make_schedule(ds_config: dict, opt):
+    """The DeepSpeed ``lr_schedules`` class of the JSON driving a torch optimizer, or None."""
+    if "scheduler" not in ds_config:
+        return None
+    from deepspeed.runtime import lr_schedules
 
-    Under sequence parallelism a replicated parameter (norms) sees ``S/TP`` tokens per rank,
-    so its gradient is a partial sum (what Megatron's ``finalize_model_grads`` all-reduces).
+    s = ds_config["scheduler"]
+    return getattr(lr_schedules, s["type"])(opt, **s.get("params", {}))
+
+
+def wrap_ddp(gpt: nn.Module) -> nn.Module:
+    """Megatron's ``DistributedDataParallel`` around the GPTModel (grad buffers; no overlap).
+
+    Parameter gradients accumulate into ``param.main_grad``; ``finalize_model_grads``
+    averages them over the DP group and sums sequence-parallel ones over TP. The GPTModel
+    itself stays the module that is called and captured (same layer names as at TP=1).
     """
-    import torch.distributed as dist
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    from dattri_ds.integrations.megatron import sequence_parallel_params
+    return DistributedDataParallel(gpt.config, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False),
+        gpt)
 
-    if ctx.tp_world > 1:
-        for p in sequence_parallel_params(model):
-            if p.grad is not None:
-                dist.all_reduce(p.grad, group=ctx.tp_group)
-    if ctx.dp_world == 1:
-        return
+
+def megatron_optimizer(ds_config: dict, ddp: nn.Module, clip: float):
+    """CUDA: Megatron's optimizer (fp32 params, clipping inside) from the DeepSpeed JSON."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    spec = ds_config.get("optimizer", {"type": "AdamW", "params": {"lr": 1e-3}})
+    kind, p = spec.get("type", "AdamW").lower(), dict(spec.get("params", {}))
+    if kind not in ("adamw", "adam", "sgd"):
+        raise ConfigError(f"optimizer.type '{spec.get('type')}' is not supported by --backend "
+                          f"megatron; use one of AdamW, Adam, SGD")
+    betas = p.get("betas", (0.9, 0.999))
+    cfg = OptimizerConfig(
+        optimizer="sgd" if kind == "sgd" else "adam", lr=float(p.get("lr", 1e-3)),
+        weight_decay=float(p.get("weight_decay", 0.0)), adam_beta1=float(betas[0]),
+        adam_beta2=float(betas[1]), adam_eps=float(p.get("eps", 1e-8)),
+        sgd_momentum=float(p.get("momentum", 0.0)), clip_grad=float(clip), bf16=False,
+        fp16=False, params_dtype=torch.float32, use_distributed_optimizer=False)
+    return get_megatron_optimizer(cfg, [ddp])
+
+
+def _main_grads_to_grad(model: nn.Module) -> None:
+    """Point ``param.grad`` at the synchronized ``main_grad`` (torch optimizer on CPU)."""
     for p in model.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad, group=ctx.dp_group)
-            p.grad /= ctx.dp_world
+        mg = getattr(p, "main_grad", None)
+        if mg is not None:
+            p.grad = mg if mg.dtype == p.dtype else mg.to(p.dtype)
 
 
 def _clip(model: nn.Module, max_norm: float, ctx) -> float:
@@ -357,13 +384,19 @@ def run(args, ds_config: dict, cfg: RunConfig) -> dict:
                     ctx.tp_world, " (sequence parallel)" if args.sequence_parallel else "",
                     ctx.dp_world, kw["num_layers"], kw["hidden_size"], vocab,
                     tok.vocab_size)
-    opt, sched = make_optimizer(ds_config, lm.parameters())
+    ddp = wrap_ddp(lm.model)
+    clip = float(ds_config.get("gradient_clipping", 0.0))
+    if torch.cuda.is_available():
+        opt = megatron_optimizer(ds_config, ddp, clip)
+        sched = make_schedule(ds_config, opt.optimizer)
+    else:
+        opt, sched = make_optimizer(ds_config, lm.parameters())
     loop = SimpleNamespace(
-        lm=lm, opt=opt, sched=sched, ctx=ctx, device=device, model_cfg=model_cfg,
+        lm=lm, ddp=ddp, opt=opt, sched=sched, megatron_opt=torch.cuda.is_available(),
+        ctx=ctx, device=device, model_cfg=model_cfg,
         micro=int(ds_config.get("train_micro_batch_size_per_gpu", 1)),
         gas=int(ds_config.get("gradient_accumulation_steps", 1)),
-        clip=float(ds_config.get("gradient_clipping", 0.0)),
-        verify=bool(getattr(args, "verify_checkpoints", False)))
+        clip=clip, verify=bool(getattr(args, "verify_checkpoints", False)))
     selector = _selector(loop, cfg, data, tok, out)
     evaluator = _evaluator(loop, cfg, tok, data.seq_len)
     summary = train(loop, cfg, data, out, tok, selector, evaluator)
@@ -456,11 +489,19 @@ def _evaluator(loop, cfg: RunConfig, tok, seq_len: int):
 
 
 def _optimizer_step(loop) -> None:
-    _reduce_grads(loop.lm, loop.ctx)
-    if loop.clip > 0:
-        _clip(loop.lm, loop.clip, loop.ctx)
-    loop.opt.step()
+    """Synchronize (Megatron DDP), clip, step, zero the grad buffers, advance the schedule."""
+    from megatron.core.distributed import finalize_model_grads
+
+    finalize_model_grads([loop.ddp])
+    if loop.megatron_opt:
+        loop.opt.step()  # clips by the global norm itself
+    else:
+        _main_grads_to_grad(loop.lm)
+        if loop.clip > 0:
+            _clip(loop.lm, loop.clip, loop.ctx)
+        loop.opt.step()
     loop.opt.zero_grad(set_to_none=True)
+    loop.ddp.zero_grad_buffer()
     if loop.sched is not None:
         loop.sched.step()
 

@@ -42,8 +42,7 @@ from dattri_ds.layers import kind_for
 from dattri_ds.layers.megatron import SEQUENCE_FIRST_ATTR, UNSUPPORTED_ATTR
 
 __all__ = ["MegatronAdapter", "prepare_model", "megatron_capture", "megatron_parallel_context",
-           "MegatronLM", "cpu_workarounds", "build_gpt", "TorchNorm", "gpt_block_spec",
-           "sequence_parallel_params"]
+           "MegatronLM", "cpu_workarounds", "build_gpt", "TorchNorm", "gpt_block_spec"]
 
 _SEQUENCE_FIRST_SCOPES = ("TransformerBlock", "TransformerLayer", "MultiTokenPredictionBlock")
 _BATCH_FIRST_KINDS = ("linear", "conv1d", "embedding")
@@ -269,11 +268,6 @@ def gpt_block_spec(config) -> Any:
                                               pre_mlp_layernorm=TorchNorm))
     return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(
         layer_specs=[layer] * config.num_layers, layer_norm=TorchNorm))
-
-
-def sequence_parallel_params(model: nn.Module) -> list[nn.Parameter]:
-    """Replicated parameters that see a sequence shard per rank (grads: sum over TP)."""
-    return [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
 
 
 def build_gpt(kw: dict, vocab: int, context: int, seed: int) -> nn.Module:
