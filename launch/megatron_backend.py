@@ -21,8 +21,9 @@ norm clip summed over the TP group.
 
 The model is ``MegatronLM``: a ``GPTModel`` (``integrations.megatron.gpt_block_spec``:
 Megatron's local layer spec with torch norms that allow sequence parallelism; learned
-absolute positions, untied output layer) called like a Hugging Face model, ``lm(input_ids=, labels=).loss`` being
-the token mean over ``labels[:, 1:] != -100`` (so captures use the default ``label_shift=1``).
+absolute positions, untied output layer) called like a Hugging Face model,
+``lm(input_ids=, labels=).loss`` being the token mean over ``labels[:, 1:] != -100`` (so
+captures use the default ``label_shift=1``).
 
 Artifacts (besides those of the DeepSpeed path: resolved configs, tokenizer, trajectory.json
 with the lr of every step, summary.json, grad_store/, selection.jsonl):
