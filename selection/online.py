@@ -106,6 +106,15 @@ def log_file(log_path: str | Path, dp_rank: int) -> Path:
     return p if dp_rank == 0 else p.with_name(f"{p.stem}.dp{dp_rank}{p.suffix}")
 
 
+def _remove_stale_logs(log_path: str | Path, writers: int) -> None:
+    """Delete ``<stem>.dp<r><suffix>`` for ``r >= writers`` (files no rank of this run owns)."""
+    p = Path(log_path)
+    for f in p.parent.glob(f"{p.stem}.dp*{p.suffix}"):
+        rank = f.name[len(p.stem) + 3:len(f.name) - len(p.suffix)]
+        if rank.isdigit() and int(rank) >= writers:
+            f.unlink(missing_ok=True)
+
+
 def read_selection_log(log_path: str | Path) -> list[dict]:
     """Every record of a run's selection log, all DP ranks' files merged, ordered by
     ``(step, dp_rank)`` (a rank's micro-batches keep their order). Missing log: ``[]``."""
@@ -128,10 +137,11 @@ class OnlineSelector:
         target: provider of the target gradient (use ``probe_capture`` to build one).
         ctx: data-parallel group (for global scope).
         lr_fn: current learning rate (for GREATS).
-        log_path: jsonl file for the per-step log of chosen ids and scores. Under global
-            scope (every rank's view identical) DP rank 0 writes it; under local scope with
-            several DP ranks each writes its own, ``log_file(log_path, dp_rank)``, and
-            ``read_selection_log`` merges them.
+        log_path: jsonl file for the per-step log of chosen ids and scores, rewritten by
+            every run (training restarts at step 0). Under global scope (every rank's view
+            identical) DP rank 0 writes it; under local scope with several DP ranks each
+            writes its own, ``log_file(log_path, dp_rank)``, and ``read_selection_log``
+            merges them; rank 0 removes logs of ranks a previous, wider run left behind.
         cost: cost model for routing.
     """
 
@@ -145,7 +155,9 @@ class OnlineSelector:
         self.lr_fn = lr_fn
         self.cost = cost
         per_rank = config.scope != "global" and self.ctx.dp_world > 1
-        self._log = open(log_file(log_path, self.ctx.dp_rank), "a", encoding="utf-8") if (
+        if log_path is not None and self.ctx.dp_rank == 0:
+            _remove_stale_logs(log_path, self.ctx.dp_world if per_rank else 1)
+        self._log = open(log_file(log_path, self.ctx.dp_rank), "w", encoding="utf-8") if (
             log_path is not None and config.log_scores
             and (per_rank or self.ctx.dp_rank == 0)) else None
         self.stats = {"steps": 0, "candidates": 0, "chosen": 0, "score_sum": 0.0,

@@ -147,3 +147,28 @@ def test_normalized_scores_divide_by_candidate_norms():
     norm = torch.cat([ref_c[n] for n in ref_c], 1).norm(dim=1)
     assert rel_err(got, dots / norm) <= 1e-5
     probe.detach()
+
+
+def test_selection_log_is_rewritten_per_run_and_merged(tmp_path):
+    """Each run rewrites its log (training restarts at step 0, so appending would repeat
+    steps); logs of DP ranks a previous, wider run left behind are removed; the reader
+    merges rank files ordered by (step, rank)."""
+    from dattri_ds.selection import log_file, read_selection_log
+
+    log = tmp_path / "selection.jsonl"
+    stale = log_file(log, 3)
+    stale.write_text('{"step": 0, "dp_rank": 3, "chosen": ["x"]}\n')
+    assert stale.name == "selection.dp3.jsonl"
+    cand = torch.randint(0, 97, (4, 10), generator=torch.Generator().manual_seed(2))
+    for _run in range(2):
+        model, cfg, probe, target, _ = _setup()
+        sel = OnlineSelector(model, cfg, target, probe=probe, log_path=log)
+        for step in range(3):
+            chosen = sel.select({"input_ids": cand, "labels": cand}, k=2, step=step)
+        sel.close()
+    records = read_selection_log(log)
+    assert [r["step"] for r in records] == [0, 1, 2] and not stale.exists()
+    assert records[-1]["chosen"] == list(chosen.chosen_ids)
+    log_file(log, 1).write_text('{"step": 1, "dp_rank": 1, "chosen": ["y"]}\n')
+    assert [(r["step"], r["dp_rank"]) for r in read_selection_log(log)] == \
+        [(0, 0), (1, 0), (1, 1), (2, 0)]
