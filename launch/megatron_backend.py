@@ -211,17 +211,30 @@ def _verify(gpt: nn.Module, saved: dict[str, torch.Tensor], path: Path) -> None:
 
 
 # ---- optimization ---------------------------------------------------------------------------
-def make_optimizer(ds_config: dict, params):
-    """A torch optimizer and (optionally) a DeepSpeed lr schedule from the DeepSpeed JSON."""
+_OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+
+
+def _optimizer_spec(ds_config: dict) -> tuple[str, dict]:
+    """``(kind, params)`` of the JSON's optimizer: kind in ``_OPTIMIZERS``, DeepSpeed-only
+    params (``torch_adam``, ``adam_w_mode``) dropped.
+
+    Raises:
+        ConfigError: another optimizer type.
+    """
     spec = ds_config.get("optimizer", {"type": "AdamW", "params": {"lr": 1e-3}})
     kind, p = spec.get("type", "AdamW").lower(), dict(spec.get("params", {}))
-    p.pop("torch_adam", None)
-    p.pop("adam_w_mode", None)
-    classes = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
-    if kind not in classes:
+    if kind not in _OPTIMIZERS:
         raise ConfigError(f"optimizer.type '{spec.get('type')}' is not supported by --backend "
                           f"megatron; use one of AdamW, Adam, SGD")
-    opt = classes[kind](params, **p)
+    p.pop("torch_adam", None)
+    p.pop("adam_w_mode", None)
+    return kind, p
+
+
+def make_optimizer(ds_config: dict, params):
+    """A torch optimizer and (optionally) a DeepSpeed lr schedule from the DeepSpeed JSON."""
+    kind, p = _optimizer_spec(ds_config)
+    opt = _OPTIMIZERS[kind](params, **p)
     return opt, make_schedule(ds_config, opt)
 
 
@@ -253,11 +266,7 @@ def megatron_optimizer(ds_config: dict, ddp: nn.Module, clip: float):
     """CUDA: Megatron's optimizer (fp32 params, clipping inside) from the DeepSpeed JSON."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    spec = ds_config.get("optimizer", {"type": "AdamW", "params": {"lr": 1e-3}})
-    kind, p = spec.get("type", "AdamW").lower(), dict(spec.get("params", {}))
-    if kind not in ("adamw", "adam", "sgd"):
-        raise ConfigError(f"optimizer.type '{spec.get('type')}' is not supported by --backend "
-                          f"megatron; use one of AdamW, Adam, SGD")
+    kind, p = _optimizer_spec(ds_config)
     betas = p.get("betas", (0.9, 0.999))
     cfg = OptimizerConfig(
         optimizer="sgd" if kind == "sgd" else "adam", lr=float(p.get("lr", 1e-3)),
@@ -341,7 +350,7 @@ def run(args, ds_config: dict, cfg: RunConfig) -> dict:
     import torch.distributed as dist
 
     from dattri_ds.integrations.megatron import megatron_parallel_context, prepare_model
-    from dattri_ds.launch.train import prepare_data
+    from dattri_ds.launch.train import make_evaluator, make_selector, prepare_data
 
     tc, tp = cfg.train, args.tensor_model_parallel_size
     if tc.model_path:
@@ -398,8 +407,10 @@ def run(args, ds_config: dict, cfg: RunConfig) -> dict:
         micro=int(ds_config.get("train_micro_batch_size_per_gpu", 1)),
         gas=int(ds_config.get("gradient_accumulation_steps", 1)),
         clip=clip, verify=bool(getattr(args, "verify_checkpoints", False)))
-    selector = _selector(loop, cfg, data, tok, out)
-    evaluator = _evaluator(loop, cfg, tok, data.seq_len)
+    selector = make_selector(lm, cfg, data, tok, ctx, device,
+                             lambda: float(loop.opt.param_groups[0]["lr"]),
+                             out / "selection.jsonl" if ctx.tp_rank == 0 else None)
+    evaluator = make_evaluator(lm, cfg, tok, data.seq_len, ctx, device)
     summary = train(loop, cfg, data, out, tok, selector, evaluator)
     summary.update(backend="megatron", tensor_model_parallel_size=ctx.tp_world,
                    data_parallel_size=ctx.dp_world)
@@ -427,66 +438,6 @@ def _capture(loop, cfg: RunConfig, out: Path, tok):
                                  rank=ctx.dp_rank, world=ctx.dp_world))
     adapter = MegatronAdapter(loop.lm, backward_scale=1.0 / loop.gas)
     return megatron_capture(loop.lm, cfg.capture, callbacks=cbs, adapter=adapter).attach()
-
-
-def _selector(loop, cfg: RunConfig, data, tok, out: Path):
-    """OnlineSelector on the Megatron model; DP groups from parallel_state."""
-    sc = cfg.selection
-    if not sc.enabled:
-        return None
-    from dattri_ds.launch.train import _target_docs
-    from dattri_ds.selection import (
-        FixedTarget, OnlineSelector, ValidationTarget, check_target_compatible,
-    )
-
-    lm, ctx = loop.lm, loop.ctx
-    probe = OnlineSelector.probe_capture(lm, sc, cfg.capture)
-    if sc.target_store:
-        target = FixedTarget(sc.target_store)
-    else:
-        tdata = _target_docs(sc.target_data, tok, data.seq_len, 0, sc.target_max_docs)
-        check_target_compatible(data, tdata)
-        target = ValidationTarget(
-            probe, lambda b: lm(**b).loss, tdata.batch(slice(None)), ctx=ctx,
-            refresh_every=sc.refresh_every, batch_size=sc.target_batch_size, device=loop.device)
-    return OnlineSelector(lm, sc, target, probe=probe, ctx=ctx,
-                          lr_fn=lambda: float(loop.opt.param_groups[0]["lr"]),
-                          log_path=out / "selection.jsonl" if ctx.tp_rank == 0 else None)
-
-
-def _evaluator(loop, cfg: RunConfig, tok, seq_len: int):
-    """``evaluate() -> mean token loss`` on held-out texts, each DP rank a share."""
-    import torch.distributed as dist
-
-    from dattri_ds.launch.train import _target_docs
-
-    tc, lm, ctx = cfg.train, loop.lm, loop.ctx
-    if not tc.eval_every:
-        return None
-    path = tc.eval_data or cfg.selection.target_data
-    ev = _target_docs(path, tok, seq_len, tc.eval_skip if tc.eval_data is None else 0,
-                      tc.eval_max_docs)
-    rows = torch.arange(ctx.dp_rank, len(ev), ctx.dp_world)
-    n_batches = -(-len(ev) // (8 * ctx.dp_world))  # the same count on every DP rank
-
-    @torch.no_grad()
-    def evaluate() -> float:
-        was = lm.training
-        lm.eval()
-        tot = torch.zeros(2, dtype=torch.float64, device=loop.device)
-        for i in range(max(n_batches, 1)):
-            idx, weight = rows[i * 8:(i + 1) * 8], 1.0
-            if idx.numel() == 0:  # keep TP collectives in step
-                idx, weight = torch.tensor([0]), 0.0
-            b = {k: v.to(loop.device) for k, v in ev.batch(idx).items()}
-            n = float((b["labels"][:, 1:] != -100).sum()) * weight
-            tot += torch.tensor([float(lm(**b).loss) * n, n], dtype=torch.float64,
-                                device=loop.device)
-        if ctx.dp_world > 1:
-            dist.all_reduce(tot, group=ctx.dp_group)
-        lm.train(was)
-        return float(tot[0] / tot[1].clamp_min(1))
-    return evaluate
 
 
 def _optimizer_step(loop) -> None:

@@ -26,6 +26,7 @@ if __package__ in (None, ""):  # run as a script: make `dattri_ds.launch` import
 
 import torch  # noqa: E402
 
+from dattri_ds.distributed import ParallelContext  # noqa: E402
 from dattri_ds.launch.args import parse_args  # noqa: E402
 from dattri_ds.launch.config import RunConfig, dump_json, load_run_config  # noqa: E402
 from dattri_ds.launch.runlog import RunLog  # noqa: E402
@@ -148,8 +149,9 @@ def main(argv: list[str] | None = None) -> dict:
         dump_json(out / "resolved_deepspeed_config.json", ds_config)
         dump_json(out / "resolved_dattri_ds_config.json", cfg)
         model.config.save_pretrained(str(out / "model"))  # HF config.json for offline tools
-    selector = _selector(engine, cfg, data, tok, out, rank, world)
-    evaluator = _evaluator(engine, cfg, tok, data.seq_len, rank, world)
+    ctx = ParallelContext(dp_rank=rank, dp_world=world)
+    selector = _selector(engine, cfg, data, tok, out, ctx)
+    evaluator = make_evaluator(engine.module, cfg, tok, data.seq_len, ctx, engine.device)
     summary = train(engine, cfg, data, out, rank, world, tok, selector, evaluator)
     if rank == 0:
         dump_json(out / "summary.json", summary)
@@ -179,61 +181,74 @@ def _target_docs(path: str, tok, seq_len: int, skip: int, limit: int | None):
     return tokenize_documents(docs[:limit] if limit else docs, tok, seq_len)
 
 
-def _selector(engine, cfg: RunConfig, data, tok, out: Path, rank: int, world: int):
-    """The OnlineSelector of ``--online-selection``; every check runs before the first step."""
+def make_selector(model, cfg: RunConfig, data, tok, ctx, device, lr_fn, log_path):
+    """The OnlineSelector of ``--online-selection`` on ``model`` (what the loop calls), for
+    both backends; every check runs before the first step. None when selection is off."""
     sc = cfg.selection
     if not sc.enabled:
         return None
-    from dattri_ds.distributed import ParallelContext
     from dattri_ds.selection import (
-        FixedTarget, OnlineSelector, ValidationTarget, check_engine_supported,
-        check_target_compatible,
+        FixedTarget, OnlineSelector, ValidationTarget, check_target_compatible,
     )
 
-    check_engine_supported(engine)
-    ctx = ParallelContext(dp_rank=rank, dp_world=world)
-    probe = OnlineSelector.probe_capture(engine.module, sc, cfg.capture)
+    probe = OnlineSelector.probe_capture(model, sc, cfg.capture)
     if sc.target_store:
         target = FixedTarget(sc.target_store)
     else:
         tdata = _target_docs(sc.target_data, tok, data.seq_len, 0, sc.target_max_docs)
         check_target_compatible(data, tdata)
         target = ValidationTarget(
-            probe, lambda b: engine.module(**b).loss, tdata.batch(slice(None)), ctx=ctx,
-            refresh_every=sc.refresh_every, batch_size=sc.target_batch_size, device=engine.device)
-    return OnlineSelector(engine.module, sc, target, probe=probe, ctx=ctx,
-                          lr_fn=lambda: float(engine.get_lr()[0]),
-                          log_path=out / "selection.jsonl")
+            probe, lambda b: model(**b).loss, tdata.batch(slice(None)), ctx=ctx,
+            refresh_every=sc.refresh_every, batch_size=sc.target_batch_size, device=device)
+    return OnlineSelector(model, sc, target, probe=probe, ctx=ctx, lr_fn=lr_fn,
+                          log_path=log_path)
 
 
-def _evaluator(engine, cfg: RunConfig, tok, seq_len: int, rank: int, world: int):
-    """``evaluate() -> mean token loss`` on held-out texts, every rank a share (ZeRO-3 safe)."""
+def _selector(engine, cfg: RunConfig, data, tok, out: Path, ctx: ParallelContext):
+    """``make_selector`` on a DeepSpeed engine (refused engines fail here, at start)."""
+    if not cfg.selection.enabled:
+        return None
+    from dattri_ds.selection import check_engine_supported
+
+    check_engine_supported(engine)
+    return make_selector(engine.module, cfg, data, tok, ctx, engine.device,
+                         lambda: float(engine.get_lr()[0]), out / "selection.jsonl")
+
+
+def make_evaluator(model, cfg: RunConfig, tok, seq_len: int, ctx, device):
+    """``evaluate() -> mean token loss`` on held-out texts, each DP rank a share; None when
+    ``train.eval_every`` is 0.
+
+    Every rank runs the same number of forward calls (``ceil(N / (8 * dp_world))``, a rank
+    without rows left runs a zero-weight batch) so ZeRO-3 gathers and tensor-parallel
+    collectives stay in step; the token-weighted sums are all-reduced over the DP group.
+    """
+    from dattri_ds.distributed import all_reduce_sum
+
     tc = cfg.train
     if not tc.eval_every:
         return None
     path = tc.eval_data or cfg.selection.target_data
-    skip = tc.eval_skip if tc.eval_data is None else 0
-    ev = _target_docs(path, tok, seq_len, skip, tc.eval_max_docs)
-    rows = torch.arange(rank, len(ev), world)
+    ev = _target_docs(path, tok, seq_len, tc.eval_skip if tc.eval_data is None else 0,
+                      tc.eval_max_docs)
+    rows = torch.arange(ctx.dp_rank, len(ev), ctx.dp_world)
+    n_batches = max(-(-len(ev) // (8 * ctx.dp_world)), 1)  # the same count on every DP rank
 
     @torch.no_grad()
     def evaluate() -> float:
-        was = engine.module.training
-        engine.module.eval()
-        tot = torch.zeros(2, dtype=torch.float64, device=engine.device)
-        for start in range(0, max(len(rows), 1), 8):
-            idx = rows[start:start + 8]
-            if idx.numel() == 0:  # keep ZeRO-3 collectives in step on every rank
-                idx = rows[:1] if rows.numel() else torch.tensor([0])
-                weight = 0.0
-            else:
-                weight = 1.0
-            b = {k: v.to(engine.device) for k, v in ev.batch(idx).items()}
-            n = float((b["labels"][:, 1:] != -100).sum())
-            tot += torch.tensor([float(engine.module(**b).loss) * n * weight, n * weight],
-                                dtype=torch.float64, device=engine.device)
-        torch.distributed.all_reduce(tot)
-        engine.module.train(was)
+        was = model.training
+        model.eval()
+        tot = torch.zeros(2, dtype=torch.float64, device=device)
+        for i in range(n_batches):
+            idx, weight = rows[i * 8:(i + 1) * 8], 1.0
+            if idx.numel() == 0:  # keep collectives in step on every rank
+                idx, weight = torch.tensor([0]), 0.0
+            b = {k: v.to(device) for k, v in ev.batch(idx).items()}
+            n = float((b["labels"][:, 1:] != -100).sum()) * weight
+            tot += torch.tensor([float(model(**b).loss) * n, n], dtype=torch.float64,
+                                device=device)
+        all_reduce_sum(tot, ctx.dp_group, ctx.dp_world)
+        model.train(was)
         return float(tot[0] / tot[1].clamp_min(1))
     return evaluate
 
