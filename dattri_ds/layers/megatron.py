@@ -168,6 +168,10 @@ class _MegatronLinear(OuterProductKind):
     """Shared capture rules of Column/RowParallelLinear (outputs are ``(output, bias)``)."""
 
     cls_name: str = ""
+    #: The weight dimension split over the tensor-parallel group: 0 (``output_size``) for
+    #: column-parallel, 1 (``input_size``) for row-parallel; it is also the canonical
+    #: ``(O, I')`` dimension of the shard.
+    shard_dim: int = 0
 
     def matches(self, module: nn.Module) -> bool:
         return _megatron_class(module, self.cls_name) is not None
@@ -187,35 +191,53 @@ class _MegatronLinear(OuterProductKind):
                 f"(skip_weight_param_allocation, e.g. an output layer tied to the embedding); "
                 f"build the model with share_embeddings_and_output_weights=False or exclude "
                 f"it with capture.exclude=['{name}']")
+        _, _, world = tp_of(module)
+        size, per = self._split_sizes(module)
+        want = split_even(name, self._split_attr, size, world)
+        if per != want:
+            raise ConfigError(f"Layer '{name}': {self._split_attr}_per_partition = {per}, "
+                              f"expected {want}")
+
+    @property
+    def _split_attr(self) -> str:
+        return ("output_size", "input_size")[self.shard_dim]
+
+    def _split_sizes(self, module: nn.Module) -> tuple[int, int]:
+        """``(full size, this rank's size)`` of the split dimension."""
+        return (getattr(module, self._split_attr),
+                getattr(module, f"{self._split_attr}_per_partition"))
 
     @staticmethod
     def _bias(module: nn.Module) -> int:
         return int(getattr(module, "bias", None) is not None)
 
-
-class ColumnParallelLinearKind(_MegatronLinear, name="megatron_column"):
-    """ColumnParallelLinear: shard of the output dimension (canonical dim 0)."""
-
-    cls_name = "ColumnParallelLinear"
-
-    def check(self, module, name):
-        super().check(module, name)
-        _, _, world = tp_of(module)
-        per = split_even(name, "output_size", module.output_size, world)
-        if per != module.output_size_per_partition:
-            raise ConfigError(f"Layer '{name}': output_size_per_partition = "
-                              f"{module.output_size_per_partition}, expected {per}")
-
-    def layer_shape(self, module):
-        return module.output_size_per_partition, module.input_size + self._bias(module)
+    def _bias_column(self, module: nn.Module) -> int:
+        """1 when this rank's block carries the bias column of the canonical layout."""
+        return self._bias(module)
 
     def shard_info(self, module):
         group, rank, world = tp_of(module)
         if world == 1:
             return None
         full = (module.output_size, module.input_size + self._bias(module))
-        return ShardInfo(0, rank, world, full, offset=rank * module.output_size_per_partition,
-                         group=group)
+        return ShardInfo(self.shard_dim, rank, world, full,
+                         offset=rank * self._split_sizes(module)[1], group=group)
+
+    def canonical(self, module, grads):
+        w = grads["weight"]
+        if "bias" in grads and self._bias_column(module):
+            w = torch.cat([w, grads["bias"].unsqueeze(-1)], dim=-1)
+        return w.flatten(-2)
+
+
+class ColumnParallelLinearKind(_MegatronLinear, name="megatron_column"):
+    """ColumnParallelLinear: shard of the output dimension (canonical dim 0)."""
+
+    cls_name = "ColumnParallelLinear"
+    shard_dim = 0
+
+    def layer_shape(self, module):
+        return module.output_size_per_partition, module.input_size + self._bias(module)
 
     def activation(self, module, args):
         a = args[0]
@@ -232,40 +254,20 @@ class ColumnParallelLinearKind(_MegatronLinear, name="megatron_column"):
         return Factorized(_batch_first(module, a, bias=bool(self._bias(module))),
                           _batch_first(module, g))
 
-    def canonical(self, module, grads):
-        w = grads["weight"]
-        if "bias" in grads:
-            w = torch.cat([w, grads["bias"].unsqueeze(-1)], dim=-1)
-        return w.flatten(-2)
-
 
 class RowParallelLinearKind(_MegatronLinear, name="megatron_row"):
     """RowParallelLinear: shard of the input dimension (canonical dim 1); bias on the last rank."""
 
     cls_name = "RowParallelLinear"
+    shard_dim = 1
 
-    def check(self, module, name):
-        super().check(module, name)
-        _, _, world = tp_of(module)
-        per = split_even(name, "input_size", module.input_size, world)
-        if per != module.input_size_per_partition:
-            raise ConfigError(f"Layer '{name}': input_size_per_partition = "
-                              f"{module.input_size_per_partition}, expected {per}")
-
-    def _owns_bias(self, module: nn.Module) -> int:
+    def _bias_column(self, module: nn.Module) -> int:
+        """The replicated bias is added once, after the reduction: the last rank owns it."""
         _, rank, world = tp_of(module)
         return self._bias(module) if rank == world - 1 else 0
 
     def layer_shape(self, module):
-        return module.output_size, module.input_size_per_partition + self._owns_bias(module)
-
-    def shard_info(self, module):
-        group, rank, world = tp_of(module)
-        if world == 1:
-            return None
-        full = (module.output_size, module.input_size + self._bias(module))
-        return ShardInfo(1, rank, world, full, offset=rank * module.input_size_per_partition,
-                         group=group)
+        return module.output_size, module.input_size_per_partition + self._bias_column(module)
 
     def activation(self, module, args):
         a = args[0]
@@ -279,14 +281,8 @@ class RowParallelLinearKind(_MegatronLinear, name="megatron_row"):
         group, _, world = tp_of(module)
         if getattr(module, "sequence_parallel", False):
             g = gather_sequence(g, group, world)  # the output was reduce-scattered along S
-        return Factorized(_batch_first(module, a, bias=bool(self._owns_bias(module))),
+        return Factorized(_batch_first(module, a, bias=bool(self._bias_column(module))),
                           _batch_first(module, g))
-
-    def canonical(self, module, grads):
-        w = grads["weight"]
-        if "bias" in grads and self._owns_bias(module):
-            w = torch.cat([w, grads["bias"].unsqueeze(-1)], dim=-1)
-        return w.flatten(-2)
 
 
 class VocabParallelEmbeddingKind(EmbeddingKind, name="megatron_vocab_embedding"):
