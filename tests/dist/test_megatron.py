@@ -9,7 +9,6 @@ bitwise identical on both tensor-parallel ranks; misconfigurations fail at attac
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import replace
 
@@ -25,14 +24,13 @@ from megatron.core import tensor_parallel  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.transformer import TransformerConfig  # noqa: E402
-from megatron.core.utils import GlobalMemoryBuffer  # noqa: E402
 
 from dattri_ds import (  # noqa: E402
     CaptureConfig, Dense, GradientCapture, ProjectionConfig, Projector,
 )
 from dattri_ds.errors import ConfigError, UnsupportedLayerError  # noqa: E402
 from dattri_ds.integrations.megatron import (  # noqa: E402
-    gpt_block_spec, megatron_capture, prepare_model,
+    cpu_workarounds, gpt_block_spec, megatron_capture, prepare_model,
 )
 from dattri_ds.layers import kind_for  # noqa: E402
 from dattri_ds.ops import (  # noqa: E402
@@ -52,13 +50,6 @@ V, H, FF, S, B = 32, 16, 32, 8, 3
 TOL = 1e-5
 
 
-class CPUBuf(GlobalMemoryBuffer):
-    """Megatron's attention scratch buffer on the CPU (SETUP.md s.5)."""
-
-    def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
-        return torch.empty(math.prod(tensor_shape), dtype=dtype).view(*tensor_shape)
-
-
 def init_parallel(tp: int, pp: int = 1) -> None:
     """(Re)build Megatron's groups on this worker; CPU workarounds of SETUP.md s.5."""
     import torch.distributed as dist
@@ -68,9 +59,7 @@ def init_parallel(tp: int, pp: int = 1) -> None:
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-    ps._GLOBAL_MEMORY_BUFFER = CPUBuf()
-    torch.cuda.current_device = lambda: "cpu"  # sequence-parallel buffers (forked worker only)
+    cpu_workarounds()  # the library's own (SETUP.md s.5), also for sequence-parallel buffers
 
 
 def tconfig(tp: int, sp: bool = False, **kw) -> TransformerConfig:
