@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
+from dattri_ds import schema
 from dattri_ds.errors import ConfigError
 from dattri_ds.ops.projection import ProjectionConfig
 from dattri_ds.semantics import LOSS_REDUCTIONS, PER_EXAMPLE_LOSSES
@@ -34,12 +34,14 @@ class CaptureConfig:
     per_example_loss: Literal["sum", "mean"] = "sum"
     """The per-example loss whose gradient is captured: sum or mean over its valid tokens."""
 
-    backward_scale: float = 1.0
+    backward_scale: float = field(default=1.0, metadata=schema.bounds(ne=0))
     """Constant the loop multiplies the reduced loss by before ``backward`` (e.g. ``1/4`` for
     a loop dividing by 4 accumulation steps). Engine adapters supply it themselves."""
 
-    label_shift: int = 1
-    """Causal-LM label shift: position t predicts token t + shift (0 for non-causal heads)."""
+    label_shift: int = field(default=1, metadata=schema.bounds(ge=0, le=1))
+    """Causal-LM label shift: position t predicts token t + shift. 1 for Hugging Face causal
+    LMs (the model shifts internally), 0 when the loop passes labels already shifted
+    (Megatron) or for non-causal heads."""
 
     ignore_index: int = -100
     """Label value of positions without loss."""
@@ -58,28 +60,16 @@ class CaptureConfig:
     projection: ProjectionConfig | None = None
     """Project each micro-batch right after backward (compact storage); None keeps factors."""
 
-    max_pending: int = 64
+    max_pending: int = field(default=64, metadata=schema.bounds(ge=1))
     """Warn when more than this many captured batches wait to be popped (no callback)."""
 
     def __post_init__(self) -> None:
-        if self.loss_reduction not in LOSS_REDUCTIONS:
-            raise ConfigError(f"capture.loss_reduction must be one of {LOSS_REDUCTIONS}, "
-                              f"got '{self.loss_reduction}'")
-        if self.per_example_loss not in PER_EXAMPLE_LOSSES:
-            raise ConfigError(f"capture.per_example_loss must be one of {PER_EXAMPLE_LOSSES}, "
-                              f"got '{self.per_example_loss}'")
-        if self.on_nonfinite not in ("raise", "skip"):
-            raise ConfigError(f"capture.on_nonfinite must be 'raise' or 'skip', "
-                              f"got '{self.on_nonfinite}'")
-        if self.dtype not in (None, "float32", "bfloat16", "float16"):
-            raise ConfigError(f"capture.dtype must be float32, bfloat16, float16 or null, "
-                              f"got '{self.dtype}'")
-        if self.backward_scale == 0:
-            raise ConfigError("capture.backward_scale must be non-zero")
-        if self.label_shift < 0:
-            raise ConfigError(f"capture.label_shift must be >= 0, got {self.label_shift}")
-        object.__setattr__(self, "include", tuple(self.include))
-        object.__setattr__(self, "exclude", tuple(self.exclude))
+        schema.check(self, "capture")
+        if self.loss_reduction not in LOSS_REDUCTIONS or \
+                self.per_example_loss not in PER_EXAMPLE_LOSSES:  # the hints mirror semantics.py
+            raise ConfigError(f"capture: loss_reduction '{self.loss_reduction}' or "
+                              f"per_example_loss '{self.per_example_loss}' is not in "
+                              f"{LOSS_REDUCTIONS} / {PER_EXAMPLE_LOSSES}")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CaptureConfig:
@@ -88,16 +78,10 @@ class CaptureConfig:
 
 def from_dict(cls: type[C], d: dict[str, Any], where: str,
               nested: dict[str, type] | None = None) -> C:
-    """Build a frozen config dataclass, refusing unknown keys with the allowed ones listed.
+    """Build a frozen config dataclass from a JSON object with :func:`dattri_ds.schema.parse`:
+    strict types and ranges from the type hints, unknown keys refused at every level.
 
-    ``nested`` maps field names to config classes built from sub-dicts the same way.
+    ``nested`` is accepted for compatibility and ignored: nested config dataclasses are
+    found from the type hints.
     """
-    d = dict(d)
-    for key, sub in (nested or {}).items():
-        if isinstance(d.get(key), dict):
-            d[key] = from_dict(sub, d[key], f"{where}.{key}")
-    allowed = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
-    unknown = sorted(set(d) - set(allowed))
-    if unknown:
-        raise ConfigError(f"Unknown key(s) {unknown} in '{where}'; allowed keys: {allowed}")
-    return cls(**d)
+    return schema.parse(cls, d, where)

@@ -5,6 +5,7 @@ from __future__ import annotations
 __all__ = [
     "DattriDSError",
     "ConfigError",
+    "UsageError",
     "UnsupportedLayerError",
     "ShapeError",
     "StoreMismatchError",
@@ -20,6 +21,10 @@ class DattriDSError(Exception):
 
 class ConfigError(DattriDSError, ValueError):
     """A configuration value is invalid, unknown or inconsistent."""
+
+
+class UsageError(ConfigError):
+    """A command line is malformed (unknown flag, missing argument, bad flag value)."""
 
 
 class UnsupportedLayerError(DattriDSError, TypeError):

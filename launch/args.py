@@ -1,63 +1,119 @@
-"""Command-line flags of launch/train.py; each maps one-to-one onto a RunConfig field."""
+"""Command-line flags of launch/train.py, generated from the RunConfig dataclasses.
+
+Every leaf field of the ``"dattri_ds"`` block gets one flag (a field added to TrainConfig,
+CaptureConfig, StoreConfig, SelectionConfig or ProjectionConfig gets its flag with no edit
+here): ``train.<f>`` -> ``--<f>``, any other ``<a>.<b>.<f>`` -> ``--<a>-<b>-<f>``
+(underscores become dashes), e.g. ``--seq-len``, ``--capture-projection-dim``,
+``--selection-policy``, ``--store-fsync``. Values are parsed by the same strict rules as the
+JSON (dattri_ds/schema.py): ``true``/``false`` for booleans (a bare boolean flag means
+``true``), integer digits for counts, ``null`` for "none". Flags override the JSON. The help
+text of each flag is the field's attribute docstring. ``ALIASES`` keeps the documented
+shorter names (``--online-selection``, ``--capture``, ``--target-data``, ...).
+"""
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
-__all__ = ["build_parser", "parse_args"]
+from dattri_ds import schema
+from dattri_ds.errors import UsageError
+from dattri_ds.launch.config import BLOCK, RunConfig
+
+__all__ = ["build_parser", "parse_args", "flag_name", "ALIASES"]
+
+#: Extra names of a flag (key path in the ``"dattri_ds"`` block -> names).
+ALIASES: dict[str, tuple[str, ...]] = {
+    "capture_enabled": ("--capture",),
+    "selection.enabled": ("--online-selection", "--enable-online-selection"),
+    "selection.target_data": ("--target-data",),
+    "selection.target_max_docs": ("--target-max-docs",),
+    "selection.candidate_multiple": ("--candidate-multiple",),
+    "selection.refresh_every": ("--refresh-every",),
+    "selection.random": ("--random-selection",),
+}
+
+#: Sections whose fields are flags without a prefix.
+_UNPREFIXED = ("train",)
+
+
+def flag_name(leaf: schema.Leaf) -> str:
+    """The generated flag of a config leaf (``train.seq_len`` -> ``--seq-len``)."""
+    path = leaf.path[1:] if leaf.path[0] in _UNPREFIXED else leaf.path
+    return "--" + "-".join(path).replace("_", "-")
+
+
+class _FieldAction(argparse.Action):
+    """Parse a flag's text strictly and record it under ``namespace.overrides[key path]``."""
+
+    def __init__(self, option_strings: list[str], dest: str, leaf: schema.Leaf,
+                 **kwargs: Any) -> None:
+        self.leaf = leaf
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        key = f"{BLOCK}.{self.leaf.key}"
+        try:
+            value = schema.parse_text(self.leaf.hint, values, key, self.leaf.meta)
+        except Exception as e:  # ConfigError: name the flag, keep the key path
+            raise UsageError(f"{option_string} {_shown(values)}: {e}") from None
+        overrides = dict(getattr(namespace, "overrides", None) or {})
+        overrides[self.leaf.path] = value
+        namespace.overrides = overrides
+
+
+def _shown(values: Any) -> str:
+    return " ".join(values) if isinstance(values, list) else str(values)
+
+
+def _add_field_flags(p: argparse.ArgumentParser) -> None:
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for leaf in schema.leaves(RunConfig):
+        section = leaf.path[0] if len(leaf.path) > 1 else "run"
+        if section not in groups:
+            groups[section] = p.add_argument_group(
+                f"{section} settings ({BLOCK}.{section}.* in the DeepSpeed JSON; flags win)"
+                if section != "run" else f"run settings ({BLOCK}.* in the DeepSpeed JSON)")
+        names = [flag_name(leaf), *ALIASES.get(leaf.key, ())]
+        members, _ = schema._split_optional(leaf.hint)
+        kw: dict[str, Any] = {}
+        if members == [bool]:
+            kw = {"nargs": "?", "const": "true", "metavar": "true|false"}
+        elif getattr(members[0], "__origin__", None) is tuple:
+            kw = {"nargs": "+", "metavar": "STR"}
+        else:
+            kw = {"metavar": leaf.path[-1].upper()}
+        default = "" if leaf.default is schema._MISSING else \
+            f" [default {schema._show(leaf.default)}]"
+        helptext = f"{leaf.doc} ({schema.describe(leaf.hint, leaf.meta)}){default}".replace(
+            "%", "%%")
+        groups[section].add_argument(*names, action=_FieldAction, leaf=leaf,
+                                     dest=f"field:{leaf.key}", default=argparse.SUPPRESS,
+                                     help=helptext, **kw)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="Train a causal LM with DeepSpeed; capture per-example gradients and "
-                    "select data online with dattri-ds.")
+                    "select data online with dattri-ds. Settings come from the 'dattri_ds' "
+                    "block of the DeepSpeed JSON; the flags below override them.",
+        allow_abbrev=False)
+    p.set_defaults(overrides={})
     p.add_argument("--out", default="runs/train", help="output directory")
-    p.add_argument("--model-config", help="JSON model config (random init) [train.model_config]")
-    p.add_argument("--model-path", help="local HF model directory [train.model_path]")
-    p.add_argument("--train-data", nargs="+", help="training jsonl file(s) [train.train_data]")
-    p.add_argument("--max-docs", type=int, help="use the first N documents [train.max_docs]")
-    p.add_argument("--seq-len", type=int, help="tokens per example [train.seq_len]")
-    p.add_argument("--vocab-size", type=int, help="tokenizer vocabulary [train.vocab_size]")
-    p.add_argument("--steps", type=int, help="optimizer steps [train.steps]")
-    p.add_argument("--seed", type=int, help="seed [train.seed]")
-    p.add_argument("--save-every", type=int, help="checkpoint every N steps [train.save_every]")
-    p.add_argument("--log-every", type=int, help="log every N steps [train.log_every]")
-    p.add_argument("--eval-every", type=int, help="held-out loss every N steps [train.eval_every]")
-    p.add_argument("--eval-data", help="held-out jsonl [train.eval_data]")
-    p.add_argument("--capture", action="store_true", default=None,
-                   help="store projected per-example gradients of the training stream "
-                        "[capture_enabled]")
-    g = p.add_argument_group("online data selection (selection.* in the dattri_ds block)")
-    g.add_argument("--online-selection", "--enable-online-selection", dest="online_selection",
-                   action="store_true", default=None,
-                   help="score candidates against the target gradient every micro-batch and "
-                        "train on the best [selection.enabled]")
-    g.add_argument("--target-data", help="target texts (jsonl) [selection.target_data]")
-    g.add_argument("--target-max-docs", type=int, help="[selection.target_max_docs]")
-    g.add_argument("--candidate-multiple", type=float,
-                   help="candidates per trained example [selection.candidate_multiple]")
-    g.add_argument("--selection-policy", choices=["topk", "fraction", "threshold", "greats"],
-                   help="[selection.policy]")
-    g.add_argument("--selection-scope", choices=["rank", "global"], help="[selection.scope]")
-    g.add_argument("--refresh-every", type=int, help="[selection.refresh_every]")
-    g.add_argument("--selection-normalize", action="store_true", default=None,
-                   help="score by cosine with the target [selection.normalize]")
-    g.add_argument("--random-selection", action="store_true", default=None,
-                   help="baseline: draw the trained examples uniformly from the same candidates "
-                        "[selection.random]")
+    _add_field_flags(p)
     m = p.add_argument_group("backend (launch/megatron_backend.py for megatron)")
     m.add_argument("--backend", choices=["deepspeed", "megatron"], default="deepspeed",
                    help="deepspeed: a DeepSpeed engine on a Hugging Face model; megatron: a "
                         "Megatron-core GPTModel with tensor parallelism and a torch optimizer "
                         "(the DeepSpeed JSON gives the dattri_ds block, batch sizes, optimizer "
                         "and scheduler)")
-    m.add_argument("--tensor-model-parallel-size", type=int, default=1,
+    m.add_argument("--tensor-model-parallel-size", type=_positive, default=1,
                    help="megatron: tensor-parallel size (must divide the number of processes, "
                         "hidden size, heads and FFN size)")
     m.add_argument("--sequence-parallel", action="store_true",
                    help="megatron: Megatron sequence parallelism (needs TP > 1 and a sequence "
                         "length divisible by it)")
-    m.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+    m.add_argument("--pipeline-model-parallel-size", type=_positive, default=1,
                    help="megatron: only 1 is supported (refused otherwise)")
     m.add_argument("--verify-checkpoints", action="store_true",
                    help="megatron: reload each consolidated checkpoint on every rank and check "
@@ -69,12 +125,20 @@ def build_parser() -> argparse.ArgumentParser:
 
         deepspeed.add_config_arguments(p)  # --deepspeed, --deepspeed_config
     except ImportError:  # pragma: no cover - deepspeed is an optional extra
-        p.add_argument("--deepspeed_config", required=True)
+        p.add_argument("--deepspeed_config")
     return p
 
 
+def _positive(text: str) -> int:
+    if not schema._INT.fullmatch(text) or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got '{text}'")
+    return int(text)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
+    """Parsed flags; ``.overrides`` maps key paths of the ``"dattri_ds"`` block to values."""
+    p = build_parser()
+    args = p.parse_args(argv)
     if not getattr(args, "deepspeed_config", None):
-        build_parser().error("--deepspeed_config is required (e.g. configs/zero3_cpu.json)")
+        p.error("--deepspeed_config is required (e.g. configs/zero3_cpu.json)")
     return args

@@ -1,22 +1,29 @@
 """The ``"dattri_ds"`` block of a DeepSpeed JSON: parsed, validated, merged with flags, dumped.
 
 The DeepSpeed JSON in configs/ stays valid DeepSpeed: launch pops our block before
-``deepspeed.initialize``. Unknown keys are errors that list the allowed ones.
+``deepspeed.initialize``. The block is parsed by :mod:`dattri_ds.schema` from the dataclasses
+below (strict types, ranges, unknown keys refused at every level); flags generated from the
+same dataclasses (launch/args.py) override it. Unknown top-level DeepSpeed keys are warned
+about by name.
 """
 
 from __future__ import annotations
 
+import functools
 import json
-from dataclasses import asdict, dataclass, field, is_dataclass, replace
+import re
+import warnings
+from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from dattri_ds.config import CaptureConfig, from_dict
+from dattri_ds import schema
+from dattri_ds.config import CaptureConfig
 from dattri_ds.errors import ConfigError
 from dattri_ds.selection import SelectionConfig
 from dattri_ds.store import StoreConfig
 
-__all__ = ["TrainConfig", "RunConfig", "load_run_config", "dump_json"]
+__all__ = ["TrainConfig", "RunConfig", "load_run_config", "read_json", "dump_json"]
 
 BLOCK = "dattri_ds"
 
@@ -34,47 +41,41 @@ class TrainConfig:
     train_data: tuple[str, ...] = ("data/corpus/train.jsonl",)
     """jsonl files with a ``text`` field."""
 
-    max_docs: int | None = None
-    """Use only the first N documents (the corpus order is already mixed)."""
+    max_docs: int | None = field(default=None, metadata=schema.bounds(ge=1))
+    """Use only the first N documents (the corpus order is already mixed); null = all."""
 
-    seq_len: int = 128
+    seq_len: int = field(default=128, metadata=schema.bounds(ge=2))
     """Tokens per example (documents are truncated or padded)."""
 
-    vocab_size: int = 1024
+    vocab_size: int = field(default=1024, metadata=schema.bounds(ge=8))
     """SentencePiece vocabulary trained on the training texts (cached)."""
 
-    steps: int = 200
+    steps: int = field(default=200, metadata=schema.bounds(ge=1))
     """Optimizer steps."""
 
-    seed: int = 0
+    seed: int = field(default=0, metadata=schema.bounds(ge=0))
     """Seed of model init and data order."""
 
-    save_every: int = 0
+    save_every: int = field(default=0, metadata=schema.bounds(ge=0))
     """Save a DeepSpeed checkpoint every N steps (0 = only at the end)."""
 
-    log_every: int = 10
+    log_every: int = field(default=10, metadata=schema.bounds(ge=1))
     """Log loss and examples/s every N steps."""
 
     eval_data: str | None = None
     """jsonl of held-out texts whose loss is tracked (None = selection.target_data)."""
 
-    eval_skip: int = 64
+    eval_skip: int = field(default=64, metadata=schema.bounds(ge=0))
     """Skip the first N eval documents (by default those are the selection target set)."""
 
-    eval_max_docs: int = 64
+    eval_max_docs: int = field(default=64, metadata=schema.bounds(ge=1))
     """Evaluate on at most N documents."""
 
-    eval_every: int = 0
+    eval_every: int = field(default=0, metadata=schema.bounds(ge=0))
     """Evaluate the held-out loss every N steps (0 = never)."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "train_data", tuple(self.train_data) if not isinstance(
-            self.train_data, str) else (self.train_data,))
-        for name in ("seq_len", "vocab_size", "steps", "log_every"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
-        if self.save_every < 0:
-            raise ConfigError(f"train.save_every must be >= 0, got {self.save_every}")
+        schema.check(self, f"{BLOCK}.train")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,8 +88,9 @@ class RunConfig:
     capture: CaptureConfig = field(default_factory=CaptureConfig)
     """Per-example gradient capture during training (enabled by ``--capture``)."""
 
-    store: dict[str, Any] = field(default_factory=dict)
-    """StoreConfig fields; ``path`` defaults to ``<out>/grad_store``."""
+    store: dict[str, Any] = field(default_factory=dict, metadata=schema.partial(StoreConfig))
+    """StoreConfig fields (each checked as in StoreConfig); ``path`` defaults to
+    ``<out>/grad_store``."""
 
     capture_enabled: bool = False
     """Capture per-example gradients of the training stream into the store."""
@@ -96,45 +98,127 @@ class RunConfig:
     selection: SelectionConfig = field(default_factory=SelectionConfig)
     """Online data selection (enabled by ``--online-selection``)."""
 
+    def __post_init__(self) -> None:
+        schema.check(self, BLOCK)
+        self.store_config(Path("runs"))  # cross-field checks of the store block, now
+
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> RunConfig:
-        d = dict(d)
-        allowed = ("train", "capture", "store", "capture_enabled", "selection")
-        unknown = sorted(set(d) - set(allowed))
-        if unknown:
-            raise ConfigError(f"Unknown key(s) {unknown} in the '{BLOCK}' block; allowed keys: "
-                              f"{list(allowed)}")
-        train = from_dict(TrainConfig, d.get("train", {}), f"{BLOCK}.train")
-        capture = CaptureConfig.from_dict(d.get("capture", {}))
-        store = dict(d.get("store", {}))
-        StoreConfig.from_dict({"path": "x", **store})  # validate keys and values now
-        selection = SelectionConfig.from_dict(d.get("selection", {}))
-        return cls(train=train, capture=capture, store=store,
-                   capture_enabled=bool(d.get("capture_enabled", False)), selection=selection)
+    def from_dict(cls, d: Any) -> RunConfig:
+        """Parse the ``"dattri_ds"`` block; errors name ``dattri_ds.<key path>``."""
+        return schema.parse(cls, d, BLOCK)
 
     def store_config(self, out: Path) -> StoreConfig:
-        return StoreConfig.from_dict({"path": str(out / "grad_store"), **self.store})
-
-    def with_selection(self, **changes: Any) -> RunConfig:
-        changes = {k: v for k, v in changes.items() if v is not None}
-        return replace(self, selection=replace(self.selection, **changes)) if changes else self
-
-    def with_train(self, **changes: Any) -> RunConfig:
-        changes = {k: v for k, v in changes.items() if v is not None}
-        return replace(self, train=replace(self.train, **changes)) if changes else self
+        try:
+            return StoreConfig(**{"path": str(out / "grad_store"), **self.store})
+        except ConfigError as e:
+            raise ConfigError(f"{BLOCK}.store: {e}") from None
 
 
-def load_run_config(path: str | Path) -> tuple[dict[str, Any], RunConfig]:
-    """Read a DeepSpeed JSON; return (DeepSpeed config without our block, our RunConfig)."""
+def load_run_config(path: str | Path, overrides: dict[tuple[str, ...], Any] | None = None
+                    ) -> tuple[dict[str, Any], RunConfig]:
+    """Read a DeepSpeed JSON; return (DeepSpeed config without our block, our RunConfig).
+
+    Args:
+        path: the DeepSpeed JSON (``--deepspeed_config``).
+        overrides: ``{key path: value}`` from the generated flags (launch/args.py); they
+            replace the JSON's values before the block is parsed.
+
+    Raises:
+        ConfigError: the file is missing, not UTF-8, not JSON (file:line:column), or a value
+            of the block is invalid (its key path named).
+    """
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"DeepSpeed config '{p}' does not exist; pass --deepspeed_config "
-                          f"configs/zero3_cpu.json (or another file in configs/)")
-    ds = json.loads(p.read_text())
+    ds = read_json(p, "--deepspeed_config")
+    if not isinstance(ds, dict):
+        raise ConfigError(f"{p}: a DeepSpeed config must be a JSON object, got "
+                          f"{type(ds).__name__}. Fix: pass a file like configs/zero3_cpu.json")
     block = ds.pop(BLOCK, {})
     if not isinstance(block, dict):
-        raise ConfigError(f"'{BLOCK}' in {p} must be an object, got {type(block).__name__}")
+        raise ConfigError(f"{BLOCK} = {json.dumps(block)[:60]} in {p} is not allowed: expected "
+                          f"an object with keys {', '.join(RunConfig.__dataclass_fields__)}")
+    warn_unknown_deepspeed_keys(ds, p)
+    for key, value in (overrides or {}).items():
+        _set(block, key, value)
     return ds, RunConfig.from_dict(block)
+
+
+def _set(block: dict[str, Any], key: tuple[str, ...], value: Any) -> None:
+    """Put a flag's value at ``key`` in the raw block (creating parent objects; a parent that
+    is not an object is left for the schema to report)."""
+    node = block
+    for k in key[:-1]:
+        if node.get(k) is None:
+            node[k] = {}
+        node = node[k]
+        if not isinstance(node, dict):
+            return
+    node[key[-1]] = value
+
+
+def read_json(path: Path, flag: str) -> Any:
+    """A JSON file's content; every failure is a ConfigError naming the file (and line and
+    column for syntax errors, the flag that supplies the file when it is missing)."""
+    if not path.is_file():
+        raise ConfigError(f"{path} does not exist (or is not a file). Fix: pass an existing "
+                          f"file to {flag}, e.g. configs/zero3_cpu.json")
+    raw = path.read_bytes()
+    for bom, enc in ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"),
+                     (b"\xff\xfe", "UTF-16"), (b"\xfe\xff", "UTF-16")):
+        if raw.startswith(bom):
+            raise ConfigError(f"{path} is {enc} encoded; JSON configs must be UTF-8. Fix: save "
+                              f"it as UTF-8")
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise ConfigError(f"{path}:{line}: byte 0x{raw[e.start]:02x} is not UTF-8; JSON configs "
+                          f"must be UTF-8. Fix: save it as UTF-8") from None
+    try:
+        return json.loads(text, object_pairs_hook=functools.partial(_no_duplicates, path))
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}. Fix: correct "
+                          f"the syntax there (JSON has no comments or trailing commas, strings "
+                          f"use double quotes)") from None
+
+
+def _no_duplicates(path: Path, pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ConfigError(f"{path}: key '{k}' appears twice in one object (JSON keeps only "
+                              f"the last). Fix: keep one '{k}'")
+        out[k] = v
+    return out
+
+
+@functools.cache
+def _deepspeed_keys() -> frozenset[str] | None:
+    """Top-level keys DeepSpeed knows: the string constants its config module imports (from
+    deepspeed/runtime/constants.py and the per-feature config modules) and the literal keys
+    it reads from the dict. None when DeepSpeed is not installed."""
+    try:
+        import inspect
+
+        import deepspeed.runtime.config as rc
+    except ImportError:  # pragma: no cover - deepspeed is an optional extra
+        return None
+    keys = {v for k, v in vars(rc).items() if k.isupper() and isinstance(v, str)}
+    keys |= set(re.findall(r"param_dict(?:\.get\(|\[)\s*[\"'](\w+)[\"']", inspect.getsource(rc)))
+    return frozenset(keys)
+
+
+def warn_unknown_deepspeed_keys(ds: dict[str, Any], path: Path) -> list[str]:
+    """Warn (by name) about top-level keys DeepSpeed does not know: DeepSpeed ignores them,
+    so a typo like ``train_micro_batch_size_per_gpus`` silently keeps the default."""
+    known = _deepspeed_keys()
+    if known is None:
+        return []
+    unknown = [k for k in ds if k not in known]
+    for k in unknown:
+        warnings.warn(f"{path}: top-level key '{k}' is not a DeepSpeed config key, DeepSpeed "
+                      f"ignores it (ours go in the '{BLOCK}' block). Fix: correct the spelling "
+                      f"or remove it", UserWarning, stacklevel=3)
+    return unknown
 
 
 def _plain(obj: Any) -> Any:

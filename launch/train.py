@@ -18,7 +18,6 @@ import logging
 import os
 import sys
 import warnings
-from dataclasses import replace
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `dattri_ds.launch` importable
@@ -109,20 +108,7 @@ def fingerprint(cfg: RunConfig, tok) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    ds_config, cfg = load_run_config(args.deepspeed_config)
-    cfg = cfg.with_train(model_config=args.model_config, model_path=args.model_path,
-                         train_data=args.train_data, max_docs=args.max_docs, seq_len=args.seq_len,
-                         vocab_size=args.vocab_size, steps=args.steps, seed=args.seed,
-                         save_every=args.save_every, log_every=args.log_every,
-                         eval_every=args.eval_every, eval_data=args.eval_data)
-    cfg = cfg.with_selection(enabled=args.online_selection, target_data=args.target_data,
-                             target_max_docs=args.target_max_docs,
-                             candidate_multiple=args.candidate_multiple,
-                             policy=args.selection_policy, scope=args.selection_scope,
-                             refresh_every=args.refresh_every, random=args.random_selection,
-                             normalize=args.selection_normalize)
-    if args.capture:
-        cfg = replace(cfg, capture_enabled=True)
+    ds_config, cfg = load_run_config(args.deepspeed_config, args.overrides)
     if args.backend == "megatron":
         from dattri_ds.launch.megatron_backend import run
         return run(args, ds_config, cfg)
@@ -298,4 +284,6 @@ def train(engine, cfg: RunConfig, data, out: Path, rank: int, world: int, tok,
 
 
 if __name__ == "__main__":
-    main()
+    from dattri_ds.cli import run
+
+    sys.exit(run(main))

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from dattri_ds import schema
 from dattri_ds.config import from_dict
 from dattri_ds.errors import ConfigError
 from dattri_ds.ops.projection import ProjectionConfig
@@ -22,13 +23,13 @@ class SelectionConfig:
     target_data: str = "data/target/hamlet.jsonl"
     """jsonl file with the target texts (e.g. a validation set of the task you care about)."""
 
-    target_max_docs: int | None = 64
+    target_max_docs: int | None = field(default=64, metadata=schema.bounds(ge=1))
     """Use at most this many target documents (None = all)."""
 
     target_store: str | None = None
     """A gradient store whose mean vector is a fixed target (needs ``projection``)."""
 
-    candidate_multiple: float = 2.0
+    candidate_multiple: float = field(default=2.0, metadata=schema.bounds(ge=1))
     """Candidates scored per trained example (>= 1): 2 scores 2x the micro-batch."""
 
     policy: Literal["topk", "fraction", "threshold", "greats"] = "topk"
@@ -36,13 +37,13 @@ class SelectionConfig:
     ``threshold``: every candidate above ``tau`` (at most the micro-batch size); ``greats``:
     greedy with a redundancy discount (GREATS)."""
 
-    fraction: float = 0.5
+    fraction: float = field(default=0.5, metadata=schema.bounds(gt=0, le=1))
     """Kept fraction for ``policy="fraction"``."""
 
     tau: float = 0.0
     """Score threshold for ``policy="threshold"``."""
 
-    greats_lr: float | None = None
+    greats_lr: float | None = field(default=None, metadata=schema.bounds(gt=0))
     """Step size in the GREATS gain; None = the optimizer's current learning rate."""
 
     scope: Literal["rank", "global"] = "rank"
@@ -50,10 +51,10 @@ class SelectionConfig:
     best across ranks, then deal the chosen examples back so every rank trains the same
     number."""
 
-    refresh_every: int = 10
+    refresh_every: int = field(default=10, metadata=schema.bounds(ge=1))
     """Recompute the target gradient every N optimizer steps (it moves with the model)."""
 
-    target_batch_size: int = 8
+    target_batch_size: int = field(default=8, metadata=schema.bounds(ge=1))
     """Micro-batch size of the target-gradient passes."""
 
     projection: ProjectionConfig | None = None
@@ -80,29 +81,13 @@ class SelectionConfig:
     data-parallel rank under local scope: ``selection.dp<r>.jsonl``)."""
 
     def __post_init__(self) -> None:
-        if self.candidate_multiple < 1:
-            raise ConfigError(f"selection.candidate_multiple must be >= 1 (candidates per "
-                              f"trained example), got {self.candidate_multiple}")
-        if self.policy not in ("topk", "fraction", "threshold", "greats"):
-            raise ConfigError(f"selection.policy must be topk, fraction, threshold or greats, "
-                              f"got '{self.policy}'")
-        if self.scope not in ("rank", "global"):
-            raise ConfigError(f"selection.scope must be 'rank' or 'global', got '{self.scope}'")
-        if not 0 < self.fraction <= 1:
-            raise ConfigError(f"selection.fraction must be in (0, 1], got {self.fraction}")
-        if self.refresh_every < 1 or self.target_batch_size < 1:
-            raise ConfigError("selection.refresh_every and selection.target_batch_size must be "
-                              ">= 1")
+        schema.check(self, "selection")
         if self.target_store is not None and self.projection is None:
             raise ConfigError("selection.target_store holds projected gradients: set "
                               "selection.projection to the store's projection")
         if self.policy == "greats" and self.scope == "global" and self.projection is None:
             raise ConfigError("policy 'greats' with scope 'global' compares candidates across "
                               "ranks: set selection.projection (e.g. {\"dim\": 256})")
-        if self.probe_autocast not in (None, "bfloat16", "float16"):
-            raise ConfigError(f"selection.probe_autocast must be bfloat16, float16 or null, got "
-                              f"'{self.probe_autocast}'")
-        object.__setattr__(self, "include", tuple(self.include))
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SelectionConfig:

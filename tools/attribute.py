@@ -179,4 +179,6 @@ def write_outputs(out: Path, args, run, tags, queries, train_ids, total, per_ckp
 
 
 if __name__ == "__main__":
-    main()
+    from dattri_ds.cli import run
+
+    sys.exit(run(main))

@@ -1,12 +1,18 @@
 """``dattri-ds <subcommand>``: one console command for the tool scripts.
 
     dattri-ds collect | fit | attribute | report | lds  [options]   (see --help of each)
+
+Errors print one line ``dattri-ds: error: <message>`` (exit 2: usage or config, 1: runtime);
+``--debug`` or ``DATTRI_DS_DEBUG=1`` shows the traceback.
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
+
+from dattri_ds.cli import run
+from dattri_ds.errors import UsageError
 
 COMMANDS = {
     "collect": "dattri_ds.tools.collect",
@@ -18,15 +24,18 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print(__doc__.strip())
-        if argv and argv[0] not in ("-h", "--help"):
-            print(f"\nunknown subcommand '{argv[0]}'; choose one of {sorted(COMMANDS)}")
-            return 2
-        return 0
+    """The ``dattri-ds`` console command; errors print one line (see dattri_ds/cli.py)."""
+    return run(_dispatch, argv)
+
+
+def _dispatch(argv: list[str]) -> None:
+    if not argv or argv[0] in ("-h", "--help"):
+        sys.stdout.write(__doc__.strip() + "\n")
+        return
+    if argv[0] not in COMMANDS:
+        raise UsageError(f"unknown subcommand '{argv[0]}'; choose one of {sorted(COMMANDS)} "
+                         f"(see dattri-ds --help)")
     importlib.import_module(COMMANDS[argv[0]]).main(argv[1:])
-    return 0
 
 
 if __name__ == "__main__":

@@ -95,4 +95,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from dattri_ds.cli import run
+
+    sys.exit(run(main))

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
-from dattri_ds.errors import ConfigError
+from dattri_ds.schema import bounds, check
 
 __all__ = ["ProjectionConfig", "Projector", "stable_seed", "random_matrix", "kron_dims"]
 
@@ -42,7 +42,7 @@ class ProjectionConfig:
     """``kronecker``: project input and output sides separately (LoGra); ``dense``: one
     ``[k, D]`` matrix on the materialized gradient."""
 
-    dim: int = 1024
+    dim: int = field(default=1024, metadata=bounds(ge=1))
     """Target size per layer (``ko * ki`` for kronecker, about ``dim``)."""
 
     distribution: Literal["gaussian", "rademacher"] = "gaussian"
@@ -51,19 +51,11 @@ class ProjectionConfig:
     seed: int = 0
     """Base seed; the matrix of a layer depends only on (seed, layer name, role)."""
 
-    cache_bytes: int = 1 << 29
+    cache_bytes: int = field(default=1 << 29, metadata=bounds(ge=0))
     """Cache at most this many bytes of matrices per process (larger ones are regenerated)."""
 
     def __post_init__(self) -> None:
-        if self.kind not in ("kronecker", "dense"):
-            raise ConfigError(f"projection.kind must be 'kronecker' or 'dense', got '{self.kind}'")
-        if self.distribution not in ("gaussian", "rademacher"):
-            raise ConfigError(
-                f"projection.distribution must be 'gaussian' or 'rademacher', "
-                f"got '{self.distribution}'"
-            )
-        if self.dim < 1:
-            raise ConfigError(f"projection.dim must be >= 1, got {self.dim}")
+        check(self, "projection")
 
     @property
     def tag(self) -> str:

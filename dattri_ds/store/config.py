@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from dattri_ds import schema
 from dattri_ds.errors import ConfigError
 
 __all__ = ["StoreConfig", "STORE_DTYPES"]
@@ -27,7 +28,7 @@ class StoreConfig:
     """Dtype of the stored rows. ``float16`` halves the size but overflows above 65504 (an
     error, never a silent inf); ``bfloat16`` keeps the float32 range at 8 bits of mantissa."""
 
-    flush_every: int = 512
+    flush_every: int = field(default=512, metadata=schema.bounds(ge=1))
     """Commit (write, fsync, update the index) once this many new rows are buffered. A crash
     loses at most this many rows per rank, which a resumed run recomputes."""
 
@@ -35,7 +36,7 @@ class StoreConfig:
     """Write from a background thread, so ``append`` returns without waiting on the disk.
     An error in that thread is raised by the next ``append``, ``flush`` or ``close``."""
 
-    max_queue: int = 8
+    max_queue: int = field(default=8, metadata=schema.bounds(ge=1))
     """Batches the background thread may hold; ``append`` blocks when the queue is full, which
     bounds the host memory a slow disk can take."""
 
@@ -44,15 +45,11 @@ class StoreConfig:
     stores: without it a power loss can leave an index pointing at unwritten rows."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "path", os.fspath(self.path))
-        if not self.path:
-            raise ConfigError("store.path must name a directory, got an empty string")
-        if self.dtype not in STORE_DTYPES:
+        if isinstance(self.path, os.PathLike):
+            object.__setattr__(self, "path", os.fspath(self.path))
+        schema.check(self, "store")
+        if self.dtype not in STORE_DTYPES:  # pragma: no cover - the Literal mirrors it
             raise ConfigError(f"store.dtype must be one of {STORE_DTYPES}, got '{self.dtype}'")
-        if self.flush_every < 1:
-            raise ConfigError(f"store.flush_every must be >= 1, got {self.flush_every}")
-        if self.max_queue < 1:
-            raise ConfigError(f"store.max_queue must be >= 1, got {self.max_queue}")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> StoreConfig:

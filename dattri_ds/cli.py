@@ -1,0 +1,71 @@
+"""One error path for every command line: ``dattri-ds: error: <message>`` and an exit code.
+
+``launch/train.py``, ``python tools/<x>.py`` and ``dattri-ds <cmd>`` run their ``main``
+through :func:`run`:
+
+* a :class:`~dattri_ds.errors.ConfigError` (bad config, bad flag, usage error: argparse's
+  errors are raised as :class:`~dattri_ds.errors.UsageError`) exits with code 2;
+* any other error exits with code 1;
+* either way one line ``dattri-ds: error: <message>`` goes to stderr, no traceback. Pass
+  ``--debug`` (anywhere on the command line) or set ``DATTRI_DS_DEBUG=1`` for the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from dattri_ds.errors import ConfigError, DattriDSError, UsageError
+
+__all__ = ["run", "DEBUG_ENV", "EXIT_USAGE", "EXIT_RUNTIME"]
+
+DEBUG_ENV = "DATTRI_DS_DEBUG"
+EXIT_USAGE = 2
+EXIT_RUNTIME = 1
+PROG = "dattri-ds"
+
+
+@contextlib.contextmanager
+def _argparse_raises() -> Iterator[None]:
+    """Make ``ArgumentParser.error`` raise UsageError (instead of printing usage and exiting)
+    while ``main`` runs, so argparse's errors take the same one-line path."""
+    original = argparse.ArgumentParser.error
+
+    def error(self: argparse.ArgumentParser, message: str) -> Any:
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+    argparse.ArgumentParser.error = error  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        argparse.ArgumentParser.error = original  # type: ignore[method-assign]
+
+
+def message(err: BaseException) -> str:
+    """The one-line text of an error (unexpected error types are named)."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    if isinstance(err, DattriDSError):
+        return text
+    return f"{type(err).__name__}: {text} (unexpected; rerun with --debug for the traceback)"
+
+
+def run(main: Callable[[list[str]], Any], argv: list[str] | None = None) -> int:
+    """Call ``main(argv)``; return the process exit code (0, 1 runtime error, 2 usage or
+    config error) after printing a failure as one line. ``--debug`` is removed from ``argv``.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]
+    try:
+        with _argparse_raises():
+            main(argv)
+    except Exception as err:  # noqa: BLE001 - the one place errors become exit codes
+        if debug:
+            raise
+        sys.stderr.write(f"{PROG}: error: {message(err)}\n")
+        return EXIT_USAGE if isinstance(err, ConfigError) else EXIT_RUNTIME
+    return 0
