@@ -23,7 +23,7 @@ from dattri_ds.errors import ConfigError
 from dattri_ds.selection import SelectionConfig
 from dattri_ds.store import StoreConfig
 
-__all__ = ["TrainConfig", "RunConfig", "load_run_config", "read_json", "dump_json"]
+__all__ = ["TrainConfig", "RunConfig", "load_run_config", "dump_json"]
 
 BLOCK = "dattri_ds"
 
@@ -128,7 +128,7 @@ def load_run_config(path: str | Path, overrides: dict[tuple[str, ...], Any] | No
             of the block is invalid (its key path named).
     """
     p = Path(path)
-    ds = read_json(p, "--deepspeed_config")
+    ds = schema.read_json(p, "--deepspeed_config")
     if not isinstance(ds, dict):
         raise ConfigError(f"{p}: a DeepSpeed config must be a JSON object, got "
                           f"{type(ds).__name__}. Fix: pass a file like configs/zero3_cpu.json")
@@ -153,42 +153,6 @@ def _set(block: dict[str, Any], key: tuple[str, ...], value: Any) -> None:
         if not isinstance(node, dict):
             return
     node[key[-1]] = value
-
-
-def read_json(path: Path, flag: str) -> Any:
-    """A JSON file's content; every failure is a ConfigError naming the file (and line and
-    column for syntax errors, the flag that supplies the file when it is missing)."""
-    if not path.is_file():
-        raise ConfigError(f"{path} does not exist (or is not a file). Fix: pass an existing "
-                          f"file to {flag}, e.g. configs/zero3_cpu.json")
-    raw = path.read_bytes()
-    for bom, enc in ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"),
-                     (b"\xff\xfe", "UTF-16"), (b"\xfe\xff", "UTF-16")):
-        if raw.startswith(bom):
-            raise ConfigError(f"{path} is {enc} encoded; JSON configs must be UTF-8. Fix: save "
-                              f"it as UTF-8")
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        line = raw[:e.start].count(b"\n") + 1
-        raise ConfigError(f"{path}:{line}: byte 0x{raw[e.start]:02x} is not UTF-8; JSON configs "
-                          f"must be UTF-8. Fix: save it as UTF-8") from None
-    try:
-        return json.loads(text, object_pairs_hook=functools.partial(_no_duplicates, path))
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}. Fix: correct "
-                          f"the syntax there (JSON has no comments or trailing commas, strings "
-                          f"use double quotes)") from None
-
-
-def _no_duplicates(path: Path, pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ConfigError(f"{path}: key '{k}' appears twice in one object (JSON keeps only "
-                              f"the last). Fix: keep one '{k}'")
-        out[k] = v
-    return out
 
 
 @functools.cache

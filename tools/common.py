@@ -13,6 +13,7 @@ import torch
 
 from dattri_ds.errors import ConfigError
 from dattri_ds.ops.projection import ProjectionConfig
+from dattri_ds.schema import read_json
 
 __all__ = ["Run", "setup_logging", "projection_from_tag", "init_distributed", "write_config"]
 
@@ -46,8 +47,22 @@ class Run:
 
     @property
     def seq_len(self) -> int:
+        """The run's ``train.seq_len`` (from ``resolved_dattri_ds_config.json``).
+
+        Raises:
+            ConfigError: the file is missing or holds no integer ``train.seq_len``.
+        """
         cfg = self.root / "resolved_dattri_ds_config.json"
-        return json.loads(cfg.read_text())["train"]["seq_len"] if cfg.exists() else 128
+        hint = (f"it records the run's train.seq_len, which launch/train.py writes to its "
+                f"--out folder. Fix: pass --run the --out folder of a launch/train.py run")
+        if not cfg.is_file():
+            raise ConfigError(f"{cfg} is missing: {hint}")
+        data = read_json(cfg, "--run")
+        train = data.get("train") if isinstance(data, dict) else None
+        value = train.get("seq_len") if isinstance(train, dict) else None
+        if type(value) is not int or value < 2:
+            raise ConfigError(f"{cfg}: train.seq_len = {value!r} is not an integer >= 2: {hint}")
+        return value
 
     @property
     def context(self) -> int:
@@ -60,13 +75,27 @@ class Run:
         return Tokenizer.load(self.root / "tokenizer.model")
 
     def trajectory(self) -> list[dict]:
-        """Saved checkpoints ``[{"tag", "step", "lr"}]``, oldest first."""
+        """Saved checkpoints ``[{"tag", "step", "lr"}]``, oldest first.
+
+        Raises:
+            ConfigError: ``trajectory.json`` is missing or malformed. Its learning rates
+                weight TracIn's checkpoints; no stand-in (such as lr = 1) is assumed.
+        """
         path = self.root / "trajectory.json"
-        if not path.exists():
-            from dattri_ds.integrations.checkpoints import checkpoint_tags
-            return [{"tag": t, "step": i, "lr": 1.0} for i, t in
-                    enumerate(checkpoint_tags(self.root / "checkpoints"))]
-        return json.loads(path.read_text())["checkpoints"]
+        hint = ("it records every checkpoint's tag, step and learning rate (TracIn's weights); "
+                "launch/train.py writes it to its --out folder at each checkpoint. Fix: pass "
+                "--run the --out folder of a launch/train.py run that saved a checkpoint")
+        if not path.is_file():
+            raise ConfigError(f"{path} is missing: {hint}")
+        data = read_json(path, "--run")
+        ckpts = data.get("checkpoints") if isinstance(data, dict) else None
+        ok = isinstance(ckpts, list) and all(
+            isinstance(c, dict) and isinstance(c.get("tag"), str) and type(c.get("step")) is int
+            and type(c.get("lr")) in (int, float) for c in ckpts)
+        if not ok:
+            raise ConfigError(f"{path}: 'checkpoints' must be a list of {{tag, step, lr}} "
+                              f"objects, got {str(ckpts)[:80]}: {hint}")
+        return ckpts
 
     def checkpoint(self, tag: str) -> dict:
         for c in self.trajectory():

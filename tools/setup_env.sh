@@ -16,10 +16,15 @@ want="$(cat setup.py | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
-"$PY" -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
+# pip's "WARNING: Location" lines are noise; the filter must not hide pip's exit status:
+# with pipefail a failed install fails set-up, and `quiet` itself succeeds on empty output.
+quiet() { grep -v "^WARNING: Location" || true; }
+"$PY" -m pip install -q --upgrade pip 2>&1 | quiet
 if ! "$PY" -c "import torch" 2>/dev/null; then
-  "$PY" -m pip install -q "$TORCH_SPEC" 2>&1 | grep -v "^WARNING: Location" || true
+  "$PY" -m pip install -q "$TORCH_SPEC" 2>&1 | quiet
 fi
-"$PY" -m pip install -q -e ".[hf,deepspeed,megatron,plot,test]" 2>&1 | grep -v "^WARNING: Location" || true
-"$PY" -c "import torch, dattri_ds, transformers; print('dattri-ds env ready: torch', torch.__version__)"
+"$PY" -m pip install -q -e ".[hf,deepspeed,megatron,plot,test]" 2>&1 | quiet
+# Every extra the tests use must import, or set-up fails here (not as skipped tests later).
+"$PY" -c "import torch, dattri_ds, transformers, deepspeed, megatron.core, sentencepiece; \
+print('dattri-ds env ready: torch', torch.__version__, 'deepspeed', deepspeed.__version__)"
 echo "$want" > "$stamp"

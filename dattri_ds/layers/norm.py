@@ -34,15 +34,16 @@ class DenseKind(LayerKind):
         """``[sum_t g_t * xhat_t ; sum_t g_t]`` per example -> ``[B, (1 + bias) * D]``.
 
         ``token_dim=None``: batch-first ``[B, *, D]``; ``0``: sequence-first ``[S, B, D]``,
-        summed in place (no transpose copy).
+        summed in place (no transpose copy). The sums run in fp32 (``xhat`` is fp32); the
+        rows come back in ``g``'s dtype, the capture dtype, like the factors of other kinds.
         """
         if token_dim is None:
             xhat, g, token_dim = self.to_batch_first(xhat), self.to_batch_first(g), 1
-        g = g.to(xhat.dtype)
+        out_dtype, g = g.dtype, g.to(xhat.dtype)
         rows = [(g * xhat).sum(token_dim)]
         if getattr(module, "bias", None) is not None:
             rows.append(g.sum(token_dim))
-        return Dense(torch.cat(rows, dim=1))
+        return Dense(torch.cat(rows, dim=1).to(out_dtype))
 
     def normalized(self, module: nn.Module, a: torch.Tensor) -> torch.Tensor:
         """``xhat`` (fp32) of the module's input ``a``, any layout with features last."""

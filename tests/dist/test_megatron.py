@@ -13,11 +13,12 @@ import warnings
 from dataclasses import replace
 
 import pytest
+from _deps import require
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-pytest.importorskip("megatron.core")
+require("megatron.core", "megatron")
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|Torch Norm).*")
 from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core import tensor_parallel  # noqa: E402

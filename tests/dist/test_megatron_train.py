@@ -16,9 +16,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _deps import require
 import torch
 
-pytest.importorskip("megatron.core")
+require("megatron.core", "megatron")
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|Torch Norm).*")
 import megatron.core  # noqa: E402,F401  (imported once in the parent, before forking)
 

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _deps import require
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,7 +43,7 @@ SMALL = ["--train-data", str(ROOT / "data/tiny/train.jsonl"), "--max-docs", "64"
 def test_deepspeed_launcher_zero3_two_ranks(tmp_path):
     """`deepspeed --num_gpus 2 launch/train.py` trains, captures, and its ZeRO-3 checkpoint
     consolidates into full weights that load into the saved model config."""
-    pytest.importorskip("deepspeed")
+    require("deepspeed", "deepspeed")
     out = tmp_path / "run"
     cmd = [str(Path(PY).parent / "deepspeed"), "--num_gpus", "2", str(ROOT / "launch/train.py"),
            "--deepspeed_config", str(_config(tmp_path, 3)), "--out", str(out), "--steps", "3",
@@ -84,7 +85,7 @@ def _committed_rows(out: Path) -> int:
 def test_killed_capture_run_resumes_to_identical_store(tmp_path):
     """SIGKILL a capturing training run midway, rerun it: the store equals an uninterrupted
     run's (same ids, same vectors, each id once)."""
-    pytest.importorskip("deepspeed")
+    require("deepspeed", "deepspeed")
     cfg = _config(tmp_path, 2, store={"flush_every": 2})
     full = tmp_path / "full"
     p = _run_train(full, cfg)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _deps import require
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,7 +30,7 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNI
        "DS_ACCELERATOR": "cpu"}
 pytestmark = pytest.mark.slow
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|Torch Norm).*")
-pytest.importorskip("megatron.core")
+require("megatron.core", "megatron")
 STEPS, MICRO, MAX_DOCS = 3, 2, 32
 
 

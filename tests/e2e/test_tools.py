@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _deps import require
 
 from dattri_ds.errors import ConfigError, StoreMismatchError
 
@@ -27,7 +28,7 @@ QUERIES = str(ROOT / "data/tiny/target.jsonl")
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    pytest.importorskip("deepspeed")
+    require("deepspeed", "deepspeed")
     from test_launch import ENV, SMALL, _config
 
     tmp = tmp_path_factory.mktemp("tools")

@@ -15,11 +15,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from _deps import require
 import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                   reason="needs CUDA")]
-pytest.importorskip("megatron.core")
+require("megatron.core", "megatron")
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -15,10 +15,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from _deps import require
 import torch
 
-pytest.importorskip("sentencepiece")
-pytest.importorskip("transformers")
+require("sentencepiece", "hf")
+require("transformers", "hf")
 
 from dattri_ds.data import (  # noqa: E402
     BOS_ID, EOS_ID, IGNORE_INDEX, PAD_ID, Document, Tokenizer, build_model, load_documents,
@@ -75,7 +76,7 @@ def test_load_documents_errors(tmp_path):
 
 def test_datasets_backend_matches_json(tmp_path, monkeypatch):
     """The optional Hugging Face ``datasets`` backend yields exactly the same documents."""
-    pytest.importorskip("datasets")
+    require("datasets", "hf")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     small = tmp_path / "small.jsonl"
     small.write_text("".join(TINY.read_text(encoding="utf-8").splitlines(True)[:20]),
