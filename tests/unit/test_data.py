@@ -205,16 +205,20 @@ def test_model_config_errors(tmp_path):
 
 # ---- end to end -------------------------------------------------------------------------
 def test_demo_quick_end_to_end(tmp_path):
-    """``tools/demo.py --quick`` trains, captures and attributes: it writes a report with
-    finite, non-constant scores, and the Hamlet queries favour shakespeare documents: it is the
-    source with the highest mean score (averaged over the 3 queries) and it fills more of
-    their top-10 than chance. Both held for seeds 0-3; the test runs the default seed 0."""
+    """``tools/demo.py --quick`` trains (the loss falls), captures and attributes: it writes
+    finite, non-constant scores for every (train, query) pair, and its report is what those
+    scores say: each query's top-10 / bottom-10 lists, per-source mean scores, precision@10
+    and chance, recomputed here from ``scores.pt`` and the documents' sources. (Whether the
+    Hamlet queries favour Shakespeare is a property of the data and seed, observed on seeds
+    0-3 only, so it is reported by the demo, not asserted here.)"""
+    from collections import Counter
+
     out = tmp_path / "demo"
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "demo.py"), "--quick", "--out", str(out),
          "--cache-dir", str(tmp_path / "cache")],
-        capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+        capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "precision@10" in proc.stdout
     report = json.loads((out / "report.json").read_text(encoding="utf-8"))
@@ -223,15 +227,23 @@ def test_demo_quick_end_to_end(tmp_path):
     att = report["attribution"]
     assert scores.shape == (att["n_train"], att["n_query"]) == (200, 9)
     assert torch.isfinite(scores).all() and (scores.std(0) > 0).all()
-    assert saved["train_ids"] == [d.id for d in load_documents(TINY)]
+    docs = load_documents(TINY)
+    assert saved["train_ids"] == [d.id for d in docs]
     losses = [loss for _, loss in report["train"]["losses"]]
     assert losses[-1] < losses[0]
-    hamlet = [q for q in att["queries"] if q["target_set"] == "hamlet"]
-    assert len(hamlet) == 3
-    for q in hamlet:
-        assert len(q["top"]) == len(q["bottom"]) == 10
-        assert q["top"][0]["score"] >= q["top"][-1]["score"] >= q["bottom"][0]["score"]
-    by_source = att["mean_score_by_source_by_target"]["hamlet"]
-    assert max(by_source, key=by_source.get) == "shakespeare", by_source
-    p = att["precision_at_k_by_target"]["hamlet"]
-    assert p["precision_at_k"] > p["chance"], p
+    sources = [d.source for d in docs]
+    pool = Counter(sources)
+    assert att["pool_sources"] == dict(pool)
+    assert [q["query_id"] for q in att["queries"]] == saved["query_ids"]
+    for j, q in enumerate(att["queries"]):
+        col = scores[:, j].double()
+        order = sorted(range(len(docs)), key=lambda i: -float(col[i]))
+        assert {e["id"] for e in q["top"]} == {docs[i].id for i in order[:10]}, q["query_id"]
+        assert {e["id"] for e in q["bottom"]} == {docs[i].id for i in order[-10:]}
+        for src, mean in q["mean_score_by_source"].items():
+            want = float(col[[i for i, s in enumerate(sources) if s == src]].mean())
+            assert abs(mean - want) <= 1e-5, (q["query_id"], src, mean, want)
+        if q["expected_source"] is not None:
+            hits = sum(sources[i] == q["expected_source"] for i in order[:10])
+            assert q["precision_at_k"] == hits / 10
+            assert q["chance"] == pool[q["expected_source"]] / len(docs)
