@@ -48,15 +48,16 @@ _MISSING = dataclasses.MISSING
 
 def bounds(*, ge: float | None = None, gt: float | None = None, le: float | None = None,
            lt: float | None = None, ne: float | None = None,
-           nonfinite: bool = False) -> dict[str, Any]:
-    """Field metadata declaring a numeric range: ``field(default=1, metadata=bounds(ge=1))``.
+           nonfinite: bool = False, min_items: int = 0) -> dict[str, Any]:
+    """Field metadata declaring a range: ``field(default=1, metadata=bounds(ge=1))``.
 
     ``None`` values of an ``Optional`` field are not range-checked. ``nonfinite`` allows
-    NaN/inf for a float field (refused by default).
+    NaN/inf for a float field (refused by default); ``min_items`` is the shortest list a
+    ``tuple`` field takes.
     """
     return {"bounds": {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt),
                                          ("ne", ne)) if v is not None},
-            "nonfinite": nonfinite}
+            "nonfinite": nonfinite, "min_items": min_items}
 
 
 def partial(cls: type) -> dict[str, Any]:
@@ -142,7 +143,8 @@ def _describe_one(hint: Any, meta: dict[str, Any]) -> str:
     if typing.get_origin(hint) is Literal:
         return "one of " + ", ".join(_json(c) for c in typing.get_args(hint))
     if typing.get_origin(hint) is tuple:
-        return "a list of strings (e.g. [\"a\", \"b\"])"
+        n = meta.get("min_items", 0)
+        return f"a list of {f'at least {n} ' if n else ''}strings (e.g. [\"a\", \"b\"])"
     if dataclasses.is_dataclass(hint):
         return f"an object with keys {', '.join(f.name for f in _fields(hint))}"
     if meta.get("partial") is not None:
@@ -270,6 +272,8 @@ def _parse_one(hint: Any, value: Any, path: str, meta: dict, default: Any,
         item = typing.get_args(hint)[0]
         if not isinstance(value, (list, tuple)):
             raise _fail(path, value, full, meta, default)
+        if len(value) < meta.get("min_items", 0):
+            raise _fail(path, value, full, meta, default, "too few items")
         return tuple(parse_value(item, v, f"{path}[{i}]") for i, v in enumerate(value))
     if hint is bool:
         if type(value) is not bool:

@@ -38,7 +38,8 @@ class TrainConfig:
     model_path: str | None = None
     """A local Hugging Face model directory to start from (never downloaded)."""
 
-    train_data: tuple[str, ...] = ("data/corpus/train.jsonl",)
+    train_data: tuple[str, ...] = field(default=("data/corpus/train.jsonl",),
+                                        metadata=schema.bounds(min_items=1))
     """jsonl files with a ``text`` field."""
 
     max_docs: int | None = field(default=None, metadata=schema.bounds(ge=1))

@@ -65,6 +65,7 @@ from dattri_ds.layers.base import get_kind
 from dattri_ds.layers.outer import row_chunks
 from dattri_ds.ops.inner import COMPUTE_DTYPE, materialize, project
 from dattri_ds.ops.projection import Projector, kron_dims
+from dattri_ds.schema import bounds, check
 
 __all__ = ["KFACConfig", "LayerFactors", "KFACFactors", "METHODS"]
 
@@ -79,7 +80,7 @@ _LAM_KEYS = ("lam", "lam_examples")
 class KFACConfig:
     """How curvature factors are accumulated and inverted."""
 
-    damping: float = 0.1
+    damping: float = field(default=0.1, metadata=bounds(gt=0))
     """Added to every eigenvalue before inverting: absolute value, or a fraction of the
     layer's mean eigenvalue (``damping_mode``). Must be > 0."""
 
@@ -92,13 +93,7 @@ class KFACConfig:
     Eigendecompositions always run in float64; counts are always float64."""
 
     def __post_init__(self) -> None:
-        if not self.damping > 0:
-            raise ConfigError(f"kfac.damping must be > 0, got {self.damping}")
-        if self.damping_mode not in ("relative", "absolute"):
-            raise ConfigError(f"kfac.damping_mode must be 'relative' or 'absolute', "
-                              f"got '{self.damping_mode}'")
-        if self.dtype not in ("float64", "float32"):
-            raise ConfigError(f"kfac.dtype must be 'float64' or 'float32', got '{self.dtype}'")
+        check(self, "kfac")  # types, choices and the damping range (dattri_ds/schema.py)
 
 
 @dataclass

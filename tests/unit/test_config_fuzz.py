@@ -94,6 +94,7 @@ def bad_values(leaf: schema.Leaf) -> list[Any]:
     out += [b["le"] + step for _ in [0] if "le" in b]
     out += [b["lt"] for _ in [0] if "lt" in b]
     out += [b["ne"] for _ in [0] if "ne" in b]
+    out += [[]] if leaf.meta.get("min_items") else []
     return out + null
 
 
