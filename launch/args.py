@@ -6,7 +6,8 @@ here): ``train.<f>`` -> ``--<f>``, any other ``<a>.<b>.<f>`` -> ``--<a>-<b>-<f>`
 (underscores become dashes), e.g. ``--seq-len``, ``--capture-projection-dim``,
 ``--selection-policy``, ``--store-fsync``. Values are parsed by the same strict rules as the
 JSON (dattri_ds/schema.py): ``true``/``false`` for booleans (a bare boolean flag means
-``true``), integer digits for counts, ``null`` for "none". Flags override the JSON. The help
+``true``, ``--no-<flag>`` means ``false``), integer digits for counts, ``null`` for
+"none". Flags override the JSON. The help
 text of each flag is the field's attribute docstring. ``ALIASES`` keeps the documented
 shorter names (``--online-selection``, ``--capture``, ``--target-data``, ...).
 """
@@ -53,6 +54,8 @@ class _FieldAction(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         key = f"{BLOCK}.{self.leaf.key}"
+        if option_string is not None and option_string.startswith("--no-"):
+            values = "false"  # the --no-<flag> form of a boolean field
         try:
             value = schema.parse_text(self.leaf.hint, values, key, self.leaf.meta)
         except Exception as e:  # ConfigError: name the flag, keep the key path
@@ -90,6 +93,11 @@ def _add_field_flags(p: argparse.ArgumentParser) -> None:
         groups[section].add_argument(*names, action=_FieldAction, leaf=leaf,
                                      dest=f"field:{leaf.key}", default=argparse.SUPPRESS,
                                      help=helptext, **kw)
+        if members == [bool]:
+            groups[section].add_argument(
+                "--no-" + names[0][2:], action=_FieldAction, leaf=leaf, nargs=0,
+                dest=f"field:{leaf.key}", default=argparse.SUPPRESS,
+                help=f"same as {names[0]}=false")
 
 
 def build_parser() -> argparse.ArgumentParser:

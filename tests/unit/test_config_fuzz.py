@@ -289,11 +289,12 @@ def test_flags_override_json_and_aliases_name_real_fields(tmp_path):
     p = _write(tmp_path, "c.json", {**BASE, "dattri_ds": {"train": {"steps": 7},
                                                           "selection": {"enabled": False}}})
     args = parse_args(["--deepspeed_config", str(p), "--steps", "3", "--online-selection",
-                       "--capture-projection-dim", "64", "--store-fsync=false"])
+                       "--capture-projection-dim", "64", "--store-fsync=false",
+                       "--no-selection-log-scores"])
     _, cfg = load_run_config(p, args.overrides)
     assert (cfg.train.steps, cfg.selection.enabled) == (3, True)
     assert cfg.capture.projection is not None and cfg.capture.projection.dim == 64
-    assert cfg.store_config(tmp_path).fsync is False
+    assert cfg.store_config(tmp_path).fsync is False and cfg.selection.log_scores is False
     for key, names in ALIASES.items():
         leaf = next(lf for lf in LEAVES if lf.key == key)
         value = {bool: "true", int: "5", float: "3", str: "x.jsonl"}.get(_kind(leaf), "x")
