@@ -45,7 +45,10 @@ def test_deepspeed_launcher_zero3_two_ranks(tmp_path):
     consolidates into full weights that load into the saved model config."""
     require("deepspeed", "deepspeed")
     out = tmp_path / "run"
-    cmd = [str(Path(PY).parent / "deepspeed"), "--num_gpus", "2", str(ROOT / "launch/train.py"),
+    from dist._dist import free_port  # not DeepSpeed's fixed 29500: other runs may hold it
+
+    cmd = [str(Path(PY).parent / "deepspeed"), "--num_gpus", "2", "--master_port",
+           str(free_port()), str(ROOT / "launch/train.py"),
            "--deepspeed_config", str(_config(tmp_path, 3)), "--out", str(out), "--steps", "3",
            "--capture", *SMALL]
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
