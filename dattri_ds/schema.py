@@ -226,8 +226,8 @@ def _parse_fields(cls: type, value: dict, path: str, *, required: bool) -> dict[
     for name, f in fields.items():
         if name in value:
             out[name] = parse_value(hints[name], value[name], f"{path}.{name}", f.metadata,
-                                    _default(f))
-        elif required and _default(f) is _MISSING:
+                                    f.default)
+        elif required and f.default is _MISSING and f.default_factory is _MISSING:
             raise ConfigError(f"{path}.{name} is required: {describe(hints[name], f.metadata)}. "
                               f"Fix: add \"{name}\" to {path}")
     return out
@@ -324,7 +324,7 @@ def check(obj: Any, where: str) -> None:
             members, _ = _split_optional(hint)
             if type(value) in members:
                 continue  # validated by its own __post_init__
-        parsed = parse_value(hint, value, f"{where}.{f.name}", f.metadata, _default(f))
+        parsed = parse_value(hint, value, f"{where}.{f.name}", f.metadata, f.default)
         if isinstance(parsed, tuple) and not isinstance(value, tuple):
             object.__setattr__(obj, f.name, parsed)
 
