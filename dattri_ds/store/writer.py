@@ -26,12 +26,13 @@ from dattri_ds.errors import CaptureError, ConfigError
 from dattri_ds.gradient import GradBatch
 from dattri_ds.store.config import StoreConfig
 from dattri_ds.store.format import (
-    META_COLUMNS, row_bytes, save_info, shard_paths, to_storage, torch_dtype,
+    META_COLUMNS, ShardIndex, StoreCorruptError, list_shards, row_bytes, save_info, shard_paths,
+    to_storage, torch_dtype,
 )
 from dattri_ds.store.shard import ShardAppender, other_shard_ids
 from dattri_ds.store.spec import StoreSpec, check_stored, load_manifest
 
-__all__ = ["GradientStoreWriter"]
+__all__ = ["GradientStoreWriter", "seal_store"]
 
 logger = logging.getLogger(__name__)
 
@@ -104,12 +105,14 @@ class GradientStoreWriter:
         self.config, self.spec, self.rank, self.world = config, spec, rank, world
         self.path = Path(config.path)
         self.path.mkdir(parents=True, exist_ok=True)
-        stored = load_manifest(self.path)
+        stored = load_manifest(self.path, with_complete=True)
         if stored is None:  # first writer; re-read in case another rank raced us
             save_info(self.path, spec.to_json(), config.dtype, config.fsync)
-            stored = load_manifest(self.path) or (spec, config.dtype)
-        check_stored(*stored, path=str(self.path), expect=spec, dtype=config.dtype)
-        self._seen = set(other_shard_ids(self.path, rank))
+            stored = load_manifest(self.path, with_complete=True) or (spec, config.dtype, None)
+        check_stored(*stored[:2], path=str(self.path), expect=spec, dtype=config.dtype)
+        if stored[2] is not None:  # appending to a sealed store: it is incomplete until resealed
+            save_info(self.path, stored[0].to_json(), config.dtype, config.fsync)
+        self._seen = set(other_shard_ids(self.path, rank, row_bytes(spec.width, config.dtype)))
         self._shard = ShardAppender(
             shard_paths(self.path, rank), world=world, spec_digest=spec.digest(config.dtype),
             row_nbytes=row_bytes(spec.width, config.dtype), fsync=config.fsync)
@@ -257,3 +260,32 @@ class GradientStoreWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def seal_store(path: str | Path, fsync: bool = True) -> dict[int, int]:
+    """Record in the manifest that the store is complete: its shards and their row counts.
+
+    Call it once every writer of the store has closed (after a barrier, from one rank).
+    Readers then refuse the store when a shard, its index or any committed row is missing;
+    a writer appending later clears the record until the store is sealed again.
+
+    Returns:
+        Shard number -> committed rows.
+
+    Raises:
+        StoreCorruptError: the shards do not cover ranks ``0..world-1`` of their indexes
+            (the missing shard is named), or a manifest/index is damaged.
+    """
+    root = Path(path)
+    stored = load_manifest(root)
+    if stored is None:
+        raise StoreCorruptError(f"Cannot seal '{root}': it holds no gradient store (no info.json)")
+    spec, dtype = stored
+    rows = {p.rank: ShardIndex.load(p.index, p.rank) for p in list_shards(root)}
+    from dattri_ds.store.reader import check_shard_set
+
+    if rows:
+        check_shard_set(root, {r: idx.world for r, idx in rows.items()}, None)
+    counts = {r: idx.rows for r, idx in rows.items()}
+    save_info(root, spec.to_json(), dtype, fsync, complete={"rows": counts})
+    return counts
