@@ -67,6 +67,11 @@ class TrainConfig:
     eval_every: int = 0
     """Evaluate the held-out loss every N steps (0 = never)."""
 
+    max_nonfinite_steps: int = 3
+    """Fail the run (non-zero exit, ``summary.json`` says why) after this many consecutive
+    optimizer steps with a NaN/inf loss; 0 = never fail (non-finite steps are only counted
+    and warned about)."""
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "train_data", tuple(self.train_data) if not isinstance(
             self.train_data, str) else (self.train_data,))
@@ -75,6 +80,10 @@ class TrainConfig:
                 raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
         if self.save_every < 0:
             raise ConfigError(f"train.save_every must be >= 0, got {self.save_every}")
+        if isinstance(self.max_nonfinite_steps, bool) or not isinstance(
+                self.max_nonfinite_steps, int) or self.max_nonfinite_steps < 0:
+            raise ConfigError(f"train.max_nonfinite_steps must be an integer >= 0 (0 = never "
+                              f"fail), got {self.max_nonfinite_steps!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

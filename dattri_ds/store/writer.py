@@ -110,8 +110,8 @@ class GradientStoreWriter:
             save_info(self.path, spec.to_json(), config.dtype, config.fsync)
             stored = load_manifest(self.path, with_complete=True) or (spec, config.dtype, None)
         check_stored(*stored[:2], path=str(self.path), expect=spec, dtype=config.dtype)
-        if stored[2] is not None:  # appending to a sealed store: it is incomplete until resealed
-            save_info(self.path, stored[0].to_json(), config.dtype, config.fsync)
+        self._stored_spec = stored[0]
+        self._sealed = stored[2] is not None  # the first commit unseals (see seal_store)
         self._seen = set(other_shard_ids(self.path, rank, row_bytes(spec.width, config.dtype)))
         self._shard = ShardAppender(
             shard_paths(self.path, rank), world=world, spec_digest=spec.digest(config.dtype),
@@ -223,6 +223,10 @@ class GradientStoreWriter:
         data = np.concatenate([to_storage(r, self.config.dtype) for r, _, _ in pending])
         ids = [i for _, piece, _ in pending for i in piece]
         meta = np.concatenate([m for _, _, m in pending])
+        if self._sealed:  # appending to a complete store: incomplete until sealed again
+            save_info(self.path, self._stored_spec.to_json(), self.config.dtype,
+                      self.config.fsync)
+            self._sealed = False
         self._shard.commit(data, ids, meta)
 
     def flush(self) -> None:
