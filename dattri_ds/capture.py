@@ -117,6 +117,9 @@ class GradientCapture:
         self.step = 0
         self.skipped = 0  # micro-batches dropped whole (every example non-finite)
         self.skipped_examples = 0
+        #: Rows of the last built micro-batch that were kept (``[K]`` positions in the
+        #: forward's batch) when some were dropped as non-finite; None when all were kept.
+        self.last_kept: torch.Tensor | None = None
         self.layers: dict[str, tuple[nn.Module, LayerKind]] = {}
         self.unsupported: list[str] = []
         self._projector = Projector(self.config.projection) if self.config.projection else None
@@ -360,8 +363,10 @@ class GradientCapture:
         if post:  # NaN/inf propagate through the projection: check the small projected rows
             batch = project_batch(batch, self._projector, self.cost)
         bad, layer = _nonfinite_rows(batch, agree=not post)
+        self.last_kept = None
         if bad is not None:
             keep = torch.nonzero(~bad).flatten().cpu()
+            self.last_kept = keep
             self._nonfinite(layer, rec, [batch.sample_ids[i] for i in
                                          torch.nonzero(bad).flatten().tolist()], keep.numel())
             if keep.numel() == 0:
