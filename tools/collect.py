@@ -64,7 +64,8 @@ def collect_checkpoint(run: Run, tag: str, data, args, rank: int, world: int) ->
     rows = torch.arange(rank, len(data), world)
     done: set[str] = set()
     if store_files(path):  # resume: every kept row is checked (checksums, origin) first
-        with GradientStore.open(path, duplicates="first", verify="eager", origin=origin) as old:
+        with GradientStore.open(path, duplicates="first", verify="eager", origin=origin,
+                                allow_missing_shards=True) as old:
             done = set(old.ids)
     if done:
         ids = example_ids(data, rows)

@@ -98,7 +98,8 @@ class GradientStore:
              verify: Literal["lazy", "eager", "off"] = "lazy",
              duplicates: Literal["raise", "first"] = "raise",
              origin: dict[str, str | None] | None = None,
-             require_complete: bool = False) -> GradientStore:
+             require_complete: bool = False,
+             allow_missing_shards: bool = False) -> GradientStore:
         """Open every committed shard under ``path`` (uncommitted tails are ignored).
 
         Every shard the manifest's completion record lists, and every rank ``0..world-1``
@@ -114,6 +115,9 @@ class GradientStore:
                 equal the recorded ones.
             require_complete: refuse a store that was not sealed (``seal_store``): its
                 collection was interrupted or is still running.
+            allow_missing_shards: only to resume an interrupted or damaged collection (never
+                to score): open the shards that are present (still verified) even when
+                others, or all, are missing, so the resumed run recomputes their examples.
             verify: data checksums: ``lazy`` checks each commit the first time it is read,
                 ``eager`` checks everything now, ``off`` never (ids/meta are always checked).
             duplicates: ``raise`` on an id stored in two shards, or keep the ``first`` copy.
@@ -145,9 +149,10 @@ class GradientStore:
                 f"no completion record (the collection was interrupted or is still running). "
                 f"Rerun the collection to finish it (it resumes where it stopped)")
         indexes = {p.rank: ShardIndex.load(p.index, p.rank) for p in list_shards(root)}
-        check_shard_set(root, {r: i.world for r, i in indexes.items()}, complete)
-        for r, idx in indexes.items():
-            _check_rows(shard_paths(root, r), idx, complete)
+        if not allow_missing_shards:
+            check_shard_set(root, {r: i.world for r, i in indexes.items()}, complete)
+            for r, idx in indexes.items():
+                _check_rows(shard_paths(root, r), idx, complete)
         shards = [_open_shard(shard_paths(root, r), idx, spec, stored_dtype)
                   for r, idx in indexes.items()]
         store = cls(root, spec, stored_dtype, shards, duplicates, verify)

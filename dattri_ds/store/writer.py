@@ -204,7 +204,7 @@ class GradientStoreWriter:
             if not bool(torch.isfinite(v).all()):
                 raise CaptureError(
                     f"Layer '{ls.name}' has NaN/inf gradients at step {batch.step}; refusing to "
-                    f"store them: set capture.on_nonfinite='skip' to drop such micro-batches")
+                    f"store them: set capture.on_nonfinite='skip' to drop such examples")
         raise CaptureError(
             f"Gradients at step {batch.step} overflow store.dtype='{self.config.dtype}' "
             f"(largest float16 is 65504): set store.dtype='bfloat16' or 'float32'")

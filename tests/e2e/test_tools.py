@@ -150,6 +150,11 @@ def test_damaged_or_foreign_stores_are_refused(run_dir, tmp_path):
     g = damaged("noshards", lambda d: [p.unlink() for p in (d / "step4").glob("shard-*")])
     with pytest.raises(StoreCorruptError, match=r"step4.*no committed shard"):
         attr(g)
+    g = damaged("noindex", lambda d: (d / "step4/shard-00000.index.json").unlink())
+    with pytest.raises(StoreCorruptError, match=r"step4.*shard-00000\.index\.json"):
+        attr(g)
+    assert _collect(run_dir, g, 4) == {"step2": 0, "step4": 4}  # the advice: rerun collect
+    attr(g)
     other = tmp_path / "other"  # the same model family, another run (its own run id)
     shutil.copytree(run_dir, other, ignore=shutil.ignore_patterns("checkpoints"))
     (other / "checkpoints").symlink_to(run_dir / "checkpoints")
