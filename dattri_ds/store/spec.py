@@ -28,8 +28,9 @@ __all__ = ["LayerSpec", "StoreSpec", "mismatch_error", "check_stored", "load_man
 
 #: Provenance fields of a StoreSpec a reader can require (``GradientStore.open(origin=...)``).
 ORIGIN_FIELDS = ("fingerprint", "run_id", "checkpoint", "weights_hash")
-_FIX_ORIGIN = ("the store was collected from another run or checkpoint: collect it again for "
-               "this one (tools/collect.py), or point at the store of this run/checkpoint")
+_FIX_ORIGIN = ("the store was collected from another model or checkpoint (or another run): "
+               "collect it again for this one (tools/collect.py --run <this run>), or point "
+               "at the store of this run and checkpoint")
 _FIX_SEMANTICS = ("capture with the same capture.loss_reduction / per_example_loss / "
                   "label_shift / ignore_index as the store, or point store.path at a new "
                   "directory")
