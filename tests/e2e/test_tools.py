@@ -163,6 +163,11 @@ def test_damaged_or_foreign_stores_are_refused(run_dir, tmp_path):
     (other / "trajectory.json").write_text(json.dumps(traj))
     with pytest.raises(StoreMismatchError, match=r"run_id: stored .*requested 'run:another'"):
         attr(grads, run=other)
+    swapped = tmp_path / "swapped"  # same run id and tags, but step4 holds step2's weights
+    shutil.copytree(run_dir, swapped, ignore=shutil.ignore_patterns("step4"))
+    shutil.copytree(run_dir / "checkpoints/step2", swapped / "checkpoints/step4")
+    with pytest.raises(StoreMismatchError, match=r"(?s)Checkpoint 'step4'.*weights_hash"):
+        attr(grads, run=swapped)
     data = grads / "step2/shard-00000.data"
     buf = bytearray(data.read_bytes())
     buf[len(buf) // 2] ^= 0x10
