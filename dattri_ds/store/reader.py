@@ -28,7 +28,7 @@ from dattri_ds.store.format import (
 )
 from dattri_ds.store.spec import StoreSpec, check_stored, load_manifest, mismatch_error
 
-__all__ = ["GradientStore", "check_shard_set"]
+__all__ = ["GradientStore"]
 
 Rows = slice | int | Sequence[int] | np.ndarray | torch.Tensor
 
@@ -355,17 +355,17 @@ class GradientStore:
 
 def check_shard_set(root: Path, worlds: dict[int, int],
                     complete: dict[str, dict[int, int]] | None) -> None:
-    """Raise StoreCorruptError naming a missing shard index: the shards present must cover
-    ranks ``0..world-1`` of every index, and equal the completion record when there is one.
+    """Raise StoreCorruptError naming a missing shard index: the shards present must equal
+    the completion record when there is one (a rank that stored nothing has no shard), else
+    cover ranks ``0..world-1`` of every index.
     """
     if not worlds:
         raise StoreCorruptError(
             f"Gradient store '{root}' holds no committed shard (no shard-*.index.json; "
             f"'{shard_paths(root, 0).index.name}' is missing): nothing was stored, or the "
             f"shard files were deleted. Collect the store again")
-    want = set(range(max(worlds.values())))
+    want = set(range(max(worlds.values()))) if complete is None else set(complete["rows"])
     if complete is not None:
-        want |= set(complete["rows"])
         extra = sorted(set(worlds) - set(complete["rows"]))
         if extra:
             raise StoreCorruptError(
@@ -376,8 +376,9 @@ def check_shard_set(root: Path, worlds: dict[int, int],
     if missing:
         raise StoreCorruptError(
             f"Shard index '{shard_paths(root, missing[0]).index}' is missing (shards "
-            f"{missing} of the store '{root}', written by {max(worlds.values())} rank(s), are "
-            f"absent): it was deleted. Restore it, or rerun the collection to recompute "
+            f"{missing} of the store '{root}' are absent; "
+            f"{'the manifest lists them' if complete else 'the shard indexes name ranks up to'}"
+            f" {sorted(want)[-1]}): it was deleted. Restore it, or rerun the collection to recompute "
             f"that shard")
 
 

@@ -269,27 +269,22 @@ class GradientStoreWriter:
 def seal_store(path: str | Path, fsync: bool = True) -> dict[int, int]:
     """Record in the manifest that the store is complete: its shards and their row counts.
 
-    Call it once every writer of the store has closed (after a barrier, from one rank).
-    Readers then refuse the store when a shard, its index or any committed row is missing;
-    a writer appending later clears the record until the store is sealed again.
+    Call it once every writer of the store has closed (after a barrier, from one rank):
+    the shards present then are the store (a rank that stored nothing has none). Readers
+    then refuse the store when a shard, its index or any committed row is missing; a writer
+    appending later clears the record until the store is sealed again.
 
     Returns:
         Shard number -> committed rows.
 
     Raises:
-        StoreCorruptError: the shards do not cover ranks ``0..world-1`` of their indexes
-            (the missing shard is named), or a manifest/index is damaged.
+        StoreCorruptError: no store at ``path``, or its manifest or an index is damaged.
     """
     root = Path(path)
     stored = load_manifest(root)
     if stored is None:
         raise StoreCorruptError(f"Cannot seal '{root}': it holds no gradient store (no info.json)")
     spec, dtype = stored
-    rows = {p.rank: ShardIndex.load(p.index, p.rank) for p in list_shards(root)}
-    from dattri_ds.store.reader import check_shard_set
-
-    if rows:
-        check_shard_set(root, {r: idx.world for r, idx in rows.items()}, None)
-    counts = {r: idx.rows for r, idx in rows.items()}
+    counts = {p.rank: ShardIndex.load(p.index, p.rank).rows for p in list_shards(root)}
     save_info(root, spec.to_json(), dtype, fsync, complete={"rows": counts})
     return counts

@@ -321,3 +321,19 @@ def test_resume_refuses_damaged_rows(case, pristine, tmp_path):
         with pytest.raises(StoreCorruptError, match="|".join(case.names).replace(".", r"\.")):
             GradientStoreWriter(StoreConfig(path=str(root / TAGS[1])), spec, rank=rank,
                                 world=WORLD).close()
+
+
+def test_rank_that_stored_nothing_is_not_missing(tmp_path):
+    """A sealed store whose rank 1 (of 2) stored nothing (fewer examples than ranks, or all
+    its examples dropped) opens with rank 0's rows: the completion record lists the shards
+    that exist. Without the record, the indexes' world=2 makes the absent shard an error."""
+    spec = StoreSpec.from_batch(_batch(["probe"], TAGS[0], 0), projection=PROJ,
+                                capture=CaptureConfig(), **_origin(TAGS[0]))
+    w = GradientStoreWriter(StoreConfig(path=str(tmp_path)), spec, rank=0, world=2)
+    w.append(_batch(["doc0", "doc1"], TAGS[0], 0))
+    w.close()
+    with pytest.raises(StoreCorruptError, match=r"shard-00001\.index\.json' is missing"):
+        GradientStore.open(tmp_path)
+    assert seal_store(tmp_path) == {0: 2}
+    with GradientStore.open(tmp_path, require_complete=True, origin=_origin(TAGS[0])) as s:
+        assert s.ids == ("doc0", "doc1")
