@@ -505,8 +505,12 @@ def train(loop, cfg: RunConfig, data, out: Path, tok, selector=None, evaluator=N
     if capture is not None:
         capture.detach()
     summary = log.summary(world=dist.get_world_size(), captured=bool(capture))
-    if capture is not None:
-        summary["capture_dropped_examples"] = capture.skipped_examples
+    if capture is not None:  # examples dropped for a NaN/inf gradient, over the DP ranks
+        from dattri_ds.distributed import all_reduce_sum
+
+        dropped = torch.tensor([float(capture.skipped_examples)], device=loop.device)
+        all_reduce_sum(dropped, ctx.dp_group, ctx.dp_world)
+        summary["capture_dropped_examples"] = int(dropped.item())
     if selector is not None:
         summary["selection"] = selector.summary()
         selector.close()

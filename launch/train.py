@@ -292,8 +292,10 @@ def train(engine, cfg: RunConfig, data, out: Path, rank: int, world: int, tok,
     if capture is not None:
         capture.detach()
     summary = log.summary(world=world, captured=bool(capture))
-    if capture is not None:
-        summary["capture_dropped_examples"] = capture.skipped_examples
+    if capture is not None:  # examples dropped for a NaN/inf gradient, over all ranks
+        dropped = torch.tensor([float(capture.skipped_examples)], device=device)
+        torch.distributed.all_reduce(dropped)
+        summary["capture_dropped_examples"] = int(dropped.item())
     if selector is not None:
         summary["selection"] = selector.summary()
         selector.close()

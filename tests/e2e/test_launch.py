@@ -51,6 +51,7 @@ def test_deepspeed_launcher_zero3_two_ranks(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world"] == 2 and summary["checkpoints"] == ["step3"]
+    assert summary["status"] == "ok" and summary["capture_dropped_examples"] == 0
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoConfig, AutoModelForCausalLM
 
