@@ -115,7 +115,11 @@ class GradientCapture:
         self.adapter: EngineAdapter | None = None
         self._remove_step_hook: Callable[[], None] | None = None
         self.step = 0
-        self.skipped = 0
+        self.skipped = 0  # micro-batches dropped whole (every example non-finite)
+        self.skipped_examples = 0
+        #: Rows of the last built micro-batch that were kept (``[K]`` positions in the
+        #: forward's batch) when some were dropped as non-finite; None when all were kept.
+        self.last_kept: torch.Tensor | None = None
         self.layers: dict[str, tuple[nn.Module, LayerKind]] = {}
         self.unsupported: list[str] = []
         self._projector = Projector(self.config.projection) if self.config.projection else None
@@ -358,10 +362,16 @@ class GradientCapture:
         batch = GradBatch(rec.step, info.sample_ids, layers, rec.index, info.token_counts)
         if post:  # NaN/inf propagate through the projection: check the small projected rows
             batch = project_batch(batch, self._projector, self.cost)
-        bad = _first_nonfinite(batch, agree=not post)
+        bad, layer = _nonfinite_rows(batch, agree=not post)
+        self.last_kept = None
         if bad is not None:
-            self._nonfinite(bad, rec)
-            return None
+            keep = torch.nonzero(~bad).flatten().cpu()
+            self.last_kept = keep
+            self._nonfinite(layer, rec, [batch.sample_ids[i] for i in
+                                         torch.nonzero(bad).flatten().tolist()], keep.numel())
+            if keep.numel() == 0:
+                return None
+            batch, scale = batch.index(keep), scale[keep.to(scale.device)]
         if not post:
             return batch
         s = scale.to(torch.float32)
@@ -376,14 +386,21 @@ class GradientCapture:
         shape[bdim] = -1
         return (g.float() * s.view(shape)).to(dtype)
 
-    def _nonfinite(self, name: str, rec: _Record) -> None:
+    def _nonfinite(self, name: str, rec: _Record, bad_ids: list[str], kept: int) -> None:
+        """Warn (or raise) about examples with a NaN/inf gradient, naming them by sample id."""
         who = f"Layer '{name}'" if name else "A layer sharded on another tensor-parallel rank"
-        msg = (f"{who} has a NaN/inf per-example gradient in micro-batch {rec.index} "
-               f"(step {rec.step})")
+        shown = bad_ids[:5] + ([f"... {len(bad_ids) - 5} more"] if len(bad_ids) > 5 else [])
+        msg = (f"{who} has a NaN/inf per-example gradient for {len(bad_ids)} example(s) "
+               f"{shown} in micro-batch {rec.index} (step {rec.step})")
         if self.config.on_nonfinite == "raise":
-            raise CaptureError(msg + "; set capture.on_nonfinite='skip' to drop such batches")
-        self.skipped += 1
-        warnings.warn(msg + "; the micro-batch is dropped", stacklevel=3)
+            raise CaptureError(msg + "; set capture.on_nonfinite='skip' to drop such examples")
+        self.skipped_examples += len(bad_ids)
+        if kept == 0:
+            self.skipped += 1
+            warnings.warn(msg + "; the micro-batch is dropped", stacklevel=3)
+        else:
+            warnings.warn(msg + f"; only those are dropped, the other {kept} are kept",
+                          stacklevel=3)
 
     def _deliver(self, batch: GradBatch) -> None:
         if self.callbacks:
@@ -478,32 +495,44 @@ def _merge(parts: list[Factorized | Dense]) -> Factorized | Dense:
     return Factorized(torch.cat([p.a for p in parts], 1), torch.cat([p.g for p in parts], 1))
 
 
-def _nonfinite(data: Factorized | Dense) -> bool:
-    """NaN/inf anywhere in the output-grads (one reduction: NaN and inf propagate)."""
-    t = data.g if isinstance(data, Factorized) else data.values
-    return not bool(torch.isfinite(t.sum(dtype=torch.float32)))
-
-
-def _first_nonfinite(batch: GradBatch, agree: bool) -> str | None:
-    """The first layer with a NaN/inf gradient, or None.
-
-    Tensor-parallel ranks must take the same decision (a rank dropping a batch its peers
-    keep would desynchronize their collectives). Projected batches already agree: sharded
-    layers were all-reduced. With ``agree`` (unprojected factors, each rank checks only its
-    shard) a flag is max-reduced over each shard group: one 1-element reduction per batch.
-    """
-    bad = next((n for n, lg in batch.layers.items() if _nonfinite(lg.data)), None)
-    if not agree:
-        return bad
-    groups = {id(lg.shard.group): lg.shard for lg in batch.layers.values()
-              if lg.shard is not None and lg.shard.world > 1}
-    if not groups:
-        return bad
-    import torch.distributed as dist
-
-    flag = torch.tensor([float(bad is not None)], device=next(iter(batch.layers.values())).device)
-    for shard in groups.values():
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=shard.group)
-    if bad is None and flag.item() > 0:
-        return ""  # found by a peer: its shard of some layer
+def _bad_rows(data: Factorized | Dense) -> torch.Tensor:
+    """``[B]`` bool: examples with a NaN/inf in their factors (one reduction per tensor: NaN
+    and inf propagate through the per-example sums)."""
+    if isinstance(data, Dense):
+        return ~torch.isfinite(data.values.sum(dim=1, dtype=torch.float32))
+    bad = ~torch.isfinite(data.g.sum(dim=(1, 2), dtype=torch.float32))
+    if data.a.is_floating_point():
+        bad |= ~torch.isfinite(data.a.sum(dim=tuple(range(1, data.a.dim())), dtype=torch.float32))
     return bad
+
+
+def _nonfinite_rows(batch: GradBatch, agree: bool) -> tuple[torch.Tensor | None, str | None]:
+    """``([B] bool of examples with a NaN/inf gradient in any layer, first such layer)``, or
+    ``(None, None)`` when every example is finite.
+
+    Tensor-parallel ranks must take the same decision per example (a rank dropping an
+    example its peers keep would desynchronize their collectives). Projected batches already
+    agree: sharded layers were all-reduced. With ``agree`` (unprojected factors, each rank
+    checks only its shard) the ``[B]`` mask is max-reduced over each shard group: one
+    B-element reduction per batch. The layer is ``""`` when only a peer's shard was bad.
+    """
+    bad, first = None, None
+    for n, lg in batch.layers.items():
+        rows = _bad_rows(lg.data)
+        if first is None and bool(rows.any()):
+            first = n
+        bad = rows if bad is None else bad | rows.to(bad.device)
+    if bad is None:
+        return None, None
+    groups = {id(lg.shard.group): lg.shard for lg in batch.layers.values()
+              if lg.shard is not None and lg.shard.world > 1} if agree else {}
+    if groups:
+        import torch.distributed as dist
+
+        flag = bad.to(torch.float32)
+        for shard in groups.values():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=shard.group)
+        bad = flag > 0
+    if not bool(bad.any()):
+        return None, None
+    return bad, first if first is not None else ""

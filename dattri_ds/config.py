@@ -51,8 +51,9 @@ class CaptureConfig:
     summed. When False this is an error naming the module."""
 
     on_nonfinite: Literal["raise", "skip"] = "skip"
-    """NaN/inf in a captured gradient: ``skip`` drops the micro-batch with a warning naming the
-    layer (what loss-scaled training does with the step), ``raise`` raises CaptureError."""
+    """NaN/inf in a captured gradient: ``skip`` drops only the examples that have one, with a
+    warning naming the layer and their sample ids (the micro-batch when all of them do),
+    ``raise`` raises CaptureError."""
 
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
     """Keep captured factors in this dtype (None = the model's); inner products run in fp32."""

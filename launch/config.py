@@ -75,6 +75,11 @@ class TrainConfig:
     eval_every: int = field(default=0, metadata=schema.bounds(ge=0))
     """Evaluate the held-out loss every N steps (0 = never)."""
 
+    max_nonfinite_steps: int = field(default=3, metadata=schema.bounds(ge=0))
+    """Fail the run (non-zero exit, ``summary.json`` says why) after this many consecutive
+    optimizer steps with a NaN/inf loss; 0 = never fail (non-finite steps are only counted
+    and warned about)."""
+
     def __post_init__(self) -> None:
         schema.check(self, f"{BLOCK}.train")
 

@@ -420,7 +420,7 @@ def run(args, ds_config: dict, cfg: RunConfig) -> dict:
     return summary
 
 
-def _capture(loop, cfg: RunConfig, out: Path, tok):
+def _capture(loop, cfg: RunConfig, out: Path, tok, run_id: str | None = None):
     """Capture on every rank (projections all-reduce over TP); TP rank 0 writes the store."""
     if not cfg.capture_enabled:
         return None
@@ -435,7 +435,8 @@ def _capture(loop, cfg: RunConfig, out: Path, tok):
     if ctx.tp_rank == 0:  # TP ranks hold the same examples: one shard per DP rank
         cbs.append(StoreCallback(cfg.store_config(out), projection=cfg.capture.projection,
                                  fingerprint=f"{fingerprint(cfg, tok)}:megatron",
-                                 rank=ctx.dp_rank, world=ctx.dp_world))
+                                 rank=ctx.dp_rank, world=ctx.dp_world, capture=cfg.capture,
+                                 run_id=run_id))
     adapter = MegatronAdapter(loop.lm, backward_scale=1.0 / loop.gas)
     return megatron_capture(loop.lm, cfg.capture, callbacks=cbs, adapter=adapter).attach()
 
@@ -462,14 +463,16 @@ def train(loop, cfg: RunConfig, data, out: Path, tok, selector=None, evaluator=N
     """The loop of launch/train.py with a torch optimizer; hooks and the selector do the rest."""
     import torch.distributed as dist
 
-    from dattri_ds.launch.train import micro_batch_indices
+    from dattri_ds.launch.runlog import make_run_id
+    from dattri_ds.launch.train import fingerprint, micro_batch_indices, seal_captured_store
 
     tc, lm, ctx, micro, gas = cfg.train, loop.lm, loop.ctx, loop.micro, loop.gas
     rank = dist.get_rank()
-    capture = _capture(loop, cfg, out, tok)
+    run_id = make_run_id(f"{fingerprint(cfg, tok)}:megatron", out)
+    capture = _capture(loop, cfg, out, tok, run_id)
     n_cand = selector.num_candidates(micro) if selector is not None else micro
     ckpt_dir = out / "checkpoints"
-    log = RunLog(tc, out, rank, evaluator)
+    log = RunLog(tc, out, rank, evaluator, run_id=run_id)
 
     def save(tag: str, step: int, lr: float) -> None:
         save_checkpoint(lm, ckpt_dir / tag, {"tag": tag, "step": step, "lr": lr,
@@ -502,8 +505,16 @@ def train(loop, cfg: RunConfig, data, out: Path, tok, selector=None, evaluator=N
     if capture is not None:
         capture.detach()
     summary = log.summary(world=dist.get_world_size(), captured=bool(capture))
+    if capture is not None:  # examples dropped for a NaN/inf gradient, over the DP ranks
+        from dattri_ds.distributed import all_reduce_sum
+
+        dropped = torch.tensor([float(capture.skipped_examples)], device=loop.device)
+        all_reduce_sum(dropped, ctx.dp_group, ctx.dp_world)
+        summary["capture_dropped_examples"] = int(dropped.item())
     if selector is not None:
         summary["selection"] = selector.summary()
         selector.close()
     dist.barrier()
+    if capture is not None:
+        seal_captured_store(cfg.store_config(out).path, rank)
     return summary

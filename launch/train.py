@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from dattri_ds.distributed import ParallelContext  # noqa: E402
 from dattri_ds.launch.args import parse_args  # noqa: E402
 from dattri_ds.launch.config import RunConfig, dump_json, load_run_config  # noqa: E402
-from dattri_ds.launch.runlog import RunLog  # noqa: E402
+from dattri_ds.launch.runlog import RunLog, make_run_id  # noqa: E402
 
 logger = logging.getLogger("dattri_ds.launch")
 # DeepSpeed calls torch collectives that torch 2.13 marks deprecated: noise for our users.
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
     return summary
 
 
-def _capture(engine, cfg: RunConfig, out: Path, rank: int, world: int, tok):
+def _capture(engine, cfg: RunConfig, out: Path, rank: int, world: int, tok, run_id: str):
     if not cfg.capture_enabled:
         return None
     from dattri_ds import GradientCapture
@@ -156,7 +156,8 @@ def _capture(engine, cfg: RunConfig, out: Path, rank: int, world: int, tok):
         raise ConfigError("--capture stores projected gradients: set dattri_ds.capture."
                           "projection in the DeepSpeed JSON (e.g. {\"dim\": 256})")
     cb = StoreCallback(cfg.store_config(out), projection=cfg.capture.projection,
-                       fingerprint=fingerprint(cfg, tok), rank=rank, world=world)
+                       fingerprint=fingerprint(cfg, tok), rank=rank, world=world,
+                       capture=cfg.capture, run_id=run_id)
     return GradientCapture.for_engine(engine, cfg.capture, callbacks=[cb]).attach()
 
 
@@ -245,10 +246,11 @@ def train(engine, cfg: RunConfig, data, out: Path, rank: int, world: int, tok,
     tc = cfg.train
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     device = engine.device
-    capture = _capture(engine, cfg, out, rank, world, tok)
+    run_id = make_run_id(fingerprint(cfg, tok), out)
+    capture = _capture(engine, cfg, out, rank, world, tok, run_id)
     n_cand = selector.num_candidates(micro) if selector is not None else micro
     ckpt_dir = out / "checkpoints"
-    log = RunLog(tc, out, rank, evaluator)
+    log = RunLog(tc, out, rank, evaluator, run_id=run_id)
 
     def save(tag: str, step: int, lr: float) -> None:
         engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": step, "lr": lr})
@@ -276,11 +278,25 @@ def train(engine, cfg: RunConfig, data, out: Path, rank: int, world: int, tok,
     if capture is not None:
         capture.detach()
     summary = log.summary(world=world, captured=bool(capture))
+    if capture is not None:  # examples dropped for a NaN/inf gradient, over all ranks
+        dropped = torch.tensor([float(capture.skipped_examples)], device=device)
+        torch.distributed.all_reduce(dropped)
+        summary["capture_dropped_examples"] = int(dropped.item())
     if selector is not None:
         summary["selection"] = selector.summary()
         selector.close()
     torch.distributed.barrier()
+    if capture is not None:
+        seal_captured_store(cfg.store_config(out).path, rank)
     return summary
+
+
+def seal_captured_store(path: str, rank: int) -> None:
+    """After every rank closed its shard (a barrier), rank 0 records the store complete."""
+    from dattri_ds.store import seal_store
+
+    if rank == 0 and (Path(path) / "info.json").exists():
+        seal_store(path)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -30,7 +31,7 @@ from torch import nn
 from dattri_ds.capture import GradientCapture
 from dattri_ds.config import CaptureConfig
 from dattri_ds.distributed import ParallelContext, all_reduce_sum
-from dattri_ds.errors import ConfigError
+from dattri_ds.errors import CaptureError, ConfigError
 from dattri_ds.gradient import GradBatch
 from dattri_ds.ops import CostModel, norms
 from dattri_ds.ops.projection import stable_seed
@@ -53,7 +54,8 @@ class Selection:
         batch: model inputs of the chosen examples (``[k, T]`` tensors).
         indices: chosen candidate indices (into this rank's candidates for rank scope, into
             the rank-major concatenation of all ranks' candidates for global scope).
-        scores: ``[C]`` scores of this rank's candidates.
+        scores: ``[C]`` scores of this rank's candidates (of the kept ones when candidates
+            with a NaN/inf gradient or score were dropped).
         chosen_ids: sample ids (content hashes) of the chosen examples.
         chosen_scores: ``[k]`` their scores.
     """
@@ -162,6 +164,7 @@ class OnlineSelector:
             and (per_rank or self.ctx.dp_rank == 0)) else None
         self.stats = {"steps": 0, "candidates": 0, "chosen": 0, "score_sum": 0.0,
                       "chosen_score_sum": 0.0}
+        self.last_kept: torch.Tensor | None = None
 
     @staticmethod
     def probe_capture(model: nn.Module, config: SelectionConfig,
@@ -178,17 +181,46 @@ class OnlineSelector:
 
     def score(self, batch: Batch, step: int,
               user_ids: list[str] | None = None) -> tuple[GradBatch, torch.Tensor]:
-        """Per-example gradients of the candidates and their ``[C]`` scores."""
+        """Per-example gradients of the candidates and their scores.
+
+        Candidates with a NaN/inf gradient or score are dropped (named in a warning);
+        ``self.last_kept`` then holds the ``[K]`` positions of the kept candidates (None when
+        all are kept), and the returned grads/scores cover only those.
+
+        Raises:
+            CaptureError: every candidate has a non-finite gradient or score.
+        """
         target = self.target.get(step)
         if user_ids is not None:
             self.probe.tag(user_ids)
+        dropped = self.probe.skipped
         grads = self.probe.probe(lambda: self._loss(batch))
         if grads is None:
+            if self.probe.skipped > dropped:
+                raise CaptureError(
+                    f"Every candidate of step {step} has a NaN/inf gradient (the model's loss "
+                    f"is non-finite: training diverged, or the inputs hold NaN/inf); nothing "
+                    f"can be selected. Lower the learning rate or check the data")
             raise ConfigError("The probe pass captured nothing: the model's loss does not "
                               "depend on any captured layer")
+        kept = self.probe.last_kept
         scores = alignment_scores(grads, target, self.cost)
         if self.config.normalize:
             scores = scores / norms(grads, list(target.layers), self.cost).clamp_min(1e-12)
+        finite = torch.isfinite(scores)
+        if not bool(finite.all()):
+            ok = torch.nonzero(finite.cpu()).flatten()
+            if ok.numel() == 0:
+                raise CaptureError(
+                    f"Every candidate score of step {step} is NaN/inf although the candidates' "
+                    f"gradients are finite: the target gradient is non-finite (its model "
+                    f"diverged, or a target text has no loss token); nothing can be selected")
+            bad = [grads.sample_ids[i] for i in torch.nonzero(~finite.cpu()).flatten().tolist()]
+            warnings.warn(f"Step {step}: candidate(s) {bad[:5]} have a NaN/inf selection score "
+                          f"and are dropped", stacklevel=2)
+            grads, scores = grads.index(ok), scores[ok.to(scores.device)]
+            kept = ok if kept is None else kept[ok]
+        self.last_kept = kept
         return grads, scores
 
     def _loss(self, batch: Batch) -> torch.Tensor:
@@ -210,11 +242,15 @@ class OnlineSelector:
             return self._select_random(batch, k, step, user_ids)
         grads, scores = self.score(batch, step, user_ids)
         scores = scores.detach().float().cpu()
+        kept = self.last_kept  # candidates left after dropping non-finite ones (None: all)
+        if kept is not None:
+            batch = {n: v[kept.to(v.device)] for n, v in batch.items()}
         if self.config.scope == "global" and self.ctx.dp_world > 1:
             sel = self._select_global(batch, grads, scores, k)
         else:
             idx = self._choose(grads, scores, k, grads)
-            sel = Selection({n: v[idx.to(v.device)] for n, v in batch.items()}, idx, scores,
+            sel = Selection({n: v[idx.to(v.device)] for n, v in batch.items()},
+                            idx if kept is None else kept[idx], scores,
                             tuple(grads.sample_ids[i] for i in idx.tolist()), scores[idx])
         self._record(step, sel)
         return sel

@@ -56,13 +56,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def stores(root: Path) -> dict[str, Path]:
-    """tag -> store path under ``root`` (or ``root`` itself, tagged from its fingerprint)."""
-    from dattri_ds.errors import ConfigError
+    """tag -> store path under ``root`` (or ``root`` itself, tagged from its manifest).
 
-    if (root / "info.json").exists():
-        fp = json.loads((root / "info.json").read_text())["spec"]["fingerprint"]
-        return {fp.rsplit("@", 1)[-1]: root}
-    found = {p.name: p for p in sorted(root.iterdir()) if (p / "info.json").exists()} \
+    A directory holding a manifest or any shard file is a store, so a store whose
+    ``info.json`` was deleted is found (and refused when opened), never skipped.
+    """
+    from dattri_ds.errors import ConfigError
+    from dattri_ds.store.format import store_files
+    from dattri_ds.store.spec import load_manifest
+
+    if store_files(root):
+        spec = load_manifest(root)[0]
+        return {spec.checkpoint or spec.fingerprint.rsplit("@", 1)[-1]: root}
+    found = {p.name: p for p in sorted(root.iterdir()) if p.is_dir() and store_files(p)} \
         if root.is_dir() else {}
     if not found:
         raise ConfigError(f"'{root}' holds no gradient store: run tools/collect.py --out {root}")
@@ -70,31 +76,54 @@ def stores(root: Path) -> dict[str, Path]:
 
 
 def _open_checked(path: Path, run: Run, tag: str):
-    from dattri_ds.errors import StoreMismatchError
+    """The store of checkpoint ``tag``: complete, intact, and of this run and checkpoint.
+
+    Raises:
+        StoreCorruptError: a part of the store is missing or damaged (named).
+        StoreMismatchError: the store was collected from another model, run or checkpoint.
+    """
     from dattri_ds.store import GradientStore
 
-    store = GradientStore.open(path)
-    want = f"{run.fingerprint()}@{tag}"
-    got = store.spec.fingerprint
-    if got != want:
+    return GradientStore.open(path, require_complete=True, origin={
+        "fingerprint": f"{run.fingerprint()}@{tag}", "run_id": run.run_id, "checkpoint": tag})
+
+
+def _check_weights(store, model, tag: str) -> None:
+    """Refuse a store whose recorded weights hash differs from the loaded checkpoint's."""
+    from dattri_ds.store import weights_hash
+    from dattri_ds.store.spec import mismatch_error
+
+    lines = store.spec.origin_diff({"weights_hash": weights_hash(model)})
+    if lines:
         store.close()
-        raise StoreMismatchError(
-            f"Store '{path}' was collected from another model or checkpoint:\n  store: {got}\n"
-            f"  this run: {want}\nRe-collect it: tools/collect.py --run {run.root} --out "
-            f"{path.parent}")
-    return store
+        raise mismatch_error(str(store.path), lines, what=f"Checkpoint '{tag}' (its weights)")
 
 
 def _choose_tags(args, run: Run, available: dict[str, Path]) -> list[str]:
-    from dattri_ds.errors import ConfigError
+    """The checkpoints to score; a checkpoint the request needs but whose store is missing is
+    an error naming the expected path, never a fallback to the stores that exist."""
+    from dattri_ds.errors import ConfigError, StoreCorruptError
 
-    order = [c["tag"] for c in run.trajectory() if c["tag"] in available]
+    root = Path(args.store)
     if args.checkpoints not in (None, "all"):
         order = [t.strip() for t in args.checkpoints.split(",")]
         missing = [t for t in order if t not in available]
         if missing:
             raise ConfigError(f"No store for checkpoint(s) {missing} under {args.store}; "
                               f"stored: {sorted(available)}")
+        return order if args.method == "tracin" else order[-1:]
+    trajectory = [c["tag"] for c in run.trajectory()]
+    if len(available) == 1 and next(iter(available.values())) == root:
+        order = [t for t in trajectory if t in available]  # --store names one store
+    else:
+        order = trajectory if args.method == "tracin" else trajectory[-1:]
+        missing = [t for t in order if t not in available]
+        if missing:
+            raise StoreCorruptError(
+                f"No store for checkpoint '{missing[0]}' of {run.root}: expected "
+                f"'{root / missing[0]}' (stored: {sorted(available)}); it was deleted or never "
+                f"collected. Collect it (tools/collect.py --checkpoints {missing[0]}), or pass "
+                f"--checkpoints with the stored tags to use only those")
     if not order:
         raise ConfigError(f"None of the stores under {args.store} ({sorted(available)}) is a "
                           f"checkpoint of {run.root}")
@@ -129,11 +158,14 @@ def main(argv: list[str] | None = None) -> dict:
     total, per_ckpt, train_ids, attributor = None, [], None, None
     for tag in tags:
         store = _open_checked(available[tag], run, tag)
-        proj = projection_from_tag(store.spec.projection)
+        proj = (store.spec.projection_cfg() if store.spec.projection_config is not None
+                else projection_from_tag(store.spec.projection))
         attributor = attributor or _attributor(args, proj)
         model = run.model(tag)
+        _check_weights(store, model, tag)
+        qcap = CaptureConfig(projection=proj, **(store.spec.semantics or {}))
         q = concat(list(gradients(model, queries, torch.arange(len(queries)),
-                                  capture=CaptureConfig(projection=proj), batch_size=8)))
+                                  capture=qcap, batch_size=8)))
         ids, vals = attributor.scores(store.iter_batches(args.block_rows), q)
         store.close()
         lr = float(run.checkpoint(tag)["lr"]) if args.method == "tracin" else 1.0

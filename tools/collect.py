@@ -4,9 +4,12 @@
         --max-docs 500 --checkpoints all --out runs/main/grads
     torchrun --standalone --nproc_per_node 2 tools/collect.py ...    # one shard per rank
 
-Each checkpoint gets its own store ``<out>/<tag>/`` (fingerprint ``<model>@<tag>``).
-Resumable: examples already stored are skipped before their gradients are computed, and
-a run killed at any moment loses at most ``--flush-every`` rows per rank.
+Each checkpoint gets its own store ``<out>/<tag>/`` (fingerprint ``<model>@<tag>``; the
+manifest also records the run id, the tag, a hash of the checkpoint's weights and the capture
+semantics). Resumable: examples already stored (and intact: their checksums are verified)
+are skipped before their gradients are computed, and a run killed at any moment loses at
+most ``--flush-every`` rows per rank. A finished store is sealed (its shards and rows are
+recorded), so readers refuse it when any part goes missing.
 """
 
 from __future__ import annotations
@@ -46,15 +49,23 @@ def build_parser() -> argparse.ArgumentParser:
 def collect_checkpoint(run: Run, tag: str, data, args, rank: int, world: int) -> int:
     """Write the store of one checkpoint; return how many rows this rank added."""
     from dattri_ds import CaptureConfig, ProjectionConfig
-    from dattri_ds.store import GradientStore, GradientStoreWriter, StoreConfig, StoreSpec
+    from dattri_ds.store import (
+        GradientStore, GradientStoreWriter, StoreConfig, StoreSpec, weights_hash,
+    )
+    from dattri_ds.store.format import store_files
 
     proj = ProjectionConfig(kind=args.projection, dim=args.projection_dim, seed=args.seed)
+    capture = CaptureConfig(projection=proj)
     path = Path(args.out) / tag
     fingerprint = f"{run.fingerprint()}@{tag}"
+    model = run.model(tag)
+    origin = {"fingerprint": fingerprint, "run_id": run.run_id, "checkpoint": tag,
+              "weights_hash": weights_hash(model)}
     rows = torch.arange(rank, len(data), world)
     done: set[str] = set()
-    if (path / "info.json").exists():
-        with GradientStore.open(path, duplicates="first") as old:
+    if store_files(path):  # resume: every kept row is checked (checksums, origin) first
+        with GradientStore.open(path, duplicates="first", verify="eager", origin=origin,
+                                allow_missing_shards=True) as old:
             done = set(old.ids)
     if done:
         ids = example_ids(data, rows)
@@ -62,13 +73,12 @@ def collect_checkpoint(run: Run, tag: str, data, args, rank: int, world: int) ->
         logger.info("%s: %d examples already stored, %d to go", tag, len(done), rows.numel())
     if rows.numel() == 0:
         return 0
-    model = run.model(tag)
     writer, added = None, 0
     cfg = StoreConfig(path=str(path), dtype=args.dtype, flush_every=args.flush_every)
-    for batch in gradients(model, data, rows, capture=CaptureConfig(projection=proj),
+    for batch in gradients(model, data, rows, capture=capture,
                            batch_size=args.batch_size, progress=f"collect {tag}"):
         if writer is None:
-            spec = StoreSpec.from_batch(batch, projection=proj, fingerprint=fingerprint)
+            spec = StoreSpec.from_batch(batch, projection=proj, capture=capture, **origin)
             writer = GradientStoreWriter(cfg, spec, rank=rank, world=world)
         added += writer.append(batch)
     if writer is not None:
@@ -88,10 +98,23 @@ def main(argv: list[str] | None = None) -> dict:
     for tag in run.tags(args.checkpoints):
         t0 = time.perf_counter()
         added = collect_checkpoint(run, tag, data, args, rank, world)
+        _seal(Path(args.out) / tag, rank, world)
         summary[tag] = added
         logger.info("%s: stored %d examples in %.1f s (rank %d/%d)", tag, added,
                     time.perf_counter() - t0, rank, world)
     return summary
+
+
+def _seal(path: Path, rank: int, world: int) -> None:
+    """Once every rank has closed its writer, rank 0 records the store as complete."""
+    from dattri_ds.store import seal_store
+
+    if world > 1:
+        torch.distributed.barrier()
+    if rank == 0 and (path / "info.json").exists():
+        seal_store(path)
+    if world > 1:
+        torch.distributed.barrier()
 
 
 if __name__ == "__main__":

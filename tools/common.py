@@ -118,6 +118,12 @@ class Run:
             self.checkpoint(t)
         return chosen
 
+    @property
+    def run_id(self) -> str | None:
+        """The id launch/train.py gave this run (``trajectory.json``), None for older runs."""
+        path = self.root / "trajectory.json"
+        return json.loads(path.read_text()).get("run_id") if path.exists() else None
+
     def fingerprint(self) -> str:
         """Identity of the model family: model config + tokenizer (stores record it)."""
         import hashlib

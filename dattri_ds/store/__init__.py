@@ -9,12 +9,15 @@ from __future__ import annotations
 
 from dattri_ds.store.callback import StoreCallback
 from dattri_ds.store.config import StoreConfig
-from dattri_ds.store.format import FORMAT_VERSION, DuplicateSampleError, StoreCorruptError
+from dattri_ds.store.format import (
+    FORMAT_VERSION, DuplicateSampleError, StoreCorruptError, StoreMismatchError,
+)
 from dattri_ds.store.reader import GradientStore
-from dattri_ds.store.spec import LayerSpec, StoreSpec
-from dattri_ds.store.writer import GradientStoreWriter
+from dattri_ds.store.spec import LayerSpec, StoreSpec, weights_hash
+from dattri_ds.store.writer import GradientStoreWriter, seal_store
 
 __all__ = [
     "StoreConfig", "StoreSpec", "LayerSpec", "GradientStoreWriter", "GradientStore",
-    "StoreCallback", "StoreCorruptError", "DuplicateSampleError", "FORMAT_VERSION",
+    "StoreCallback", "StoreCorruptError", "DuplicateSampleError", "FORMAT_VERSION", "seal_store",
+    "StoreMismatchError", "weights_hash",
 ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from dattri_ds.callbacks import TrainingCallback
 from dattri_ds.gradient import GradBatch
 from dattri_ds.ops.projection import ProjectionConfig
@@ -21,7 +23,9 @@ class StoreCallback(TrainingCallback):
     """
 
     def __init__(self, config: StoreConfig, *, projection: ProjectionConfig, fingerprint: str,
-                 rank: int = 0, world: int = 1, spec: StoreSpec | None = None) -> None:
+                 rank: int = 0, world: int = 1, spec: StoreSpec | None = None,
+                 capture: Any = None, run_id: str | None = None,
+                 checkpoint: str | None = None, weights_hash: str | None = None) -> None:
         """
         Args:
             config: where and how to write.
@@ -31,8 +35,14 @@ class StoreCallback(TrainingCallback):
             rank: data-parallel rank (= shard number).
             world: data-parallel world size.
             spec: open the writer now with this spec instead of on the first batch.
+            capture: the CaptureConfig producing the batches (its loss semantics are
+                recorded in the manifest).
+            run_id, checkpoint, weights_hash: provenance recorded in the manifest (see
+                StoreSpec); None = not recorded (e.g. rows captured over many steps).
         """
         self.config, self.projection, self.fingerprint = config, projection, fingerprint
+        self._origin = {"capture": capture, "run_id": run_id, "checkpoint": checkpoint,
+                        "weights_hash": weights_hash}
         self.rank, self.world = rank, world
         self.writer: GradientStoreWriter | None = None
         if spec is not None:
@@ -50,7 +60,7 @@ class StoreCallback(TrainingCallback):
         writer = self.writer
         if writer is None:
             writer = self._open(StoreSpec.from_batch(batch, projection=self.projection,
-                                                     fingerprint=self.fingerprint))
+                                                     fingerprint=self.fingerprint, **self._origin))
         writer.append(batch)
 
     def on_close(self) -> None:

@@ -3,7 +3,9 @@
 A store is a directory::
 
     info.json                 manifest: format_version, dtype, StoreSpec (layers + widths,
-                              projection tag and seed, model fingerprint)
+                              projection, capture semantics, run id, checkpoint tag and
+                              weights hash), the expected shards and rows once the store is
+                              complete ("complete", set by ``seal``), and a checksum of itself
     shard-00000.data          rows [N_0, P], C order, little-endian <f4 / <f2 / raw bf16 <i2
     shard-00000.ids           sample ids, UTF-8, one per line, in row order
     shard-00000.meta          int64 [N_0, 2]: (optimizer step, loss token count or -1)
@@ -17,10 +19,16 @@ anything past what it commits is a torn write that a reader ignores and a writer
 Each commit ("chunk") records a CRC-32 of the bytes it added to each file (``crc32:``
 prefixed): it detects truncation, torn and flipped bytes at several GB/s, so verifying a
 store costs a fraction of reading it (not a defence against deliberate tampering).
+
+``info.json`` and every index also carry a ``checksum`` of their own content: an edit made
+outside dattri-ds (even one that leaves valid JSON) reads as corruption of that file
+(StoreCorruptError), never as a configuration mismatch (StoreMismatchError), which is kept for
+valid files written under another configuration, run or checkpoint.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import warnings
@@ -39,10 +47,12 @@ __all__ = [
     "FORMAT_VERSION", "StoreCorruptError", "DuplicateSampleError", "ShardPaths", "Chunk",
     "ShardIndex", "shard_paths", "list_shards", "write_json_atomic", "read_json", "save_info",
     "load_info", "to_storage", "from_storage", "numpy_dtype", "torch_dtype", "row_bytes",
-    "digest", "check_sizes", "read_committed_ids", "verify_chunk",
+    "digest", "check_sizes", "read_committed_ids", "verify_chunk", "verify_data",
+    "json_checksum", "store_files",
 ]
 
-FORMAT_VERSION = 1
+#: 2: manifest with capture semantics, provenance, completion record and self-checksums.
+FORMAT_VERSION = 2
 INFO_NAME = "info.json"
 META_COLUMNS = 2
 _NUMPY = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<i2")}
@@ -71,8 +81,46 @@ def shard_paths(root: str | Path, rank: int) -> ShardPaths:
 def list_shards(root: str | Path) -> list[ShardPaths]:
     """Shards with an index, in rank order (a data file without index holds no commit)."""
     ranks = sorted(int(p.name[len("shard-"):-len(".index.json")])
-                   for p in Path(root).glob("shard-*.index.json"))
+                   for p in Path(root).glob("shard-*.index.json")
+                   if p.name[len("shard-"):-len(".index.json")].isdigit())
     return [shard_paths(root, r) for r in ranks]
+
+
+def store_files(root: str | Path) -> list[Path]:
+    """Files that only a store holds (manifest, shard files): a directory with any of them
+    is a store, even when some of them were deleted."""
+    root = Path(root)
+    found = sorted(root.glob("shard-*.data")) + sorted(root.glob("shard-*.index.json"))
+    return ([root / INFO_NAME] if (root / INFO_NAME).exists() else []) + found
+
+
+def json_checksum(obj: dict[str, Any]) -> str:
+    """``blake2b:<hex>`` of the canonical JSON of ``obj`` without its ``checksum`` key."""
+    body = {k: v for k, v in obj.items() if k != "checksum"}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return "blake2b:" + hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def _check_self(path: Path, obj: Any, what: str) -> None:
+    """Raise StoreCorruptError unless ``obj`` is a dict whose checksum matches its content."""
+    if not isinstance(obj, dict):
+        raise StoreCorruptError(f"{what} '{path}' holds {type(obj).__name__}, not an object: "
+                                f"it was damaged outside dattri-ds; {_fix_for(path)}")
+    if obj.get("checksum") != json_checksum(obj):
+        raise StoreCorruptError(
+            f"{what} '{path}' fails its checksum (stored {obj.get('checksum')!r}, computed "
+            f"{json_checksum(obj)}): it was edited or damaged outside dattri-ds after it was "
+            f"written; {_fix_for(path)}")
+
+
+def _fix_for(path: Path) -> str:
+    """The repair advice for a damaged file (only ever the file's own shard or store)."""
+    if path.name == INFO_NAME:
+        return (f"restore it from a backup, or delete the store directory '{path.parent}' "
+                f"and collect it again (its shards cannot be trusted without it)")
+    stem = path.name.split(".")[0]
+    return (f"restore it, or delete the {stem}.* files so a resumed run recomputes that "
+            f"shard's examples")
 
 
 def digest(buf: bytes | memoryview | np.ndarray) -> str:
@@ -107,27 +155,53 @@ def read_json(path: Path) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
+    except FileNotFoundError:
+        raise StoreCorruptError(f"Gradient store file '{path}' is missing (deleted while the "
+                                f"store was in use?); {_fix_for(path)}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise StoreCorruptError(f"Gradient store file '{path}' is not valid JSON ({e}); it was "
-                                f"damaged outside dattri-ds: restore it or delete the shard") from e
+                                f"damaged outside dattri-ds: {_fix_for(path)}") from e
 
 
-def save_info(root: Path, spec_json: dict[str, Any], dtype: str, fsync: bool) -> None:
-    write_json_atomic(root / INFO_NAME, {"format_version": FORMAT_VERSION, "dtype": dtype,
-                                         "spec": spec_json}, fsync)
+def save_info(root: Path, spec_json: dict[str, Any], dtype: str, fsync: bool,
+              complete: dict[str, Any] | None = None) -> None:
+    """Write the manifest (with its checksum); ``complete`` is the record of ``seal``."""
+    info = {"format_version": FORMAT_VERSION, "dtype": dtype, "spec": spec_json,
+            "complete": complete}
+    info = json.loads(json.dumps(info))  # the checksum covers what a reader will load
+    info["checksum"] = json_checksum(info)
+    write_json_atomic(root / INFO_NAME, info, fsync)
 
 
 def load_info(root: Path) -> dict[str, Any] | None:
-    """The manifest, or None when the directory holds no store yet."""
+    """The manifest, or None when the directory holds no store yet.
+
+    Raises:
+        StoreCorruptError: the manifest is unreadable or fails its checksum, or it is
+            missing while shard files are present (the file is named).
+        StoreMismatchError: another format version wrote it.
+    """
     path = root / INFO_NAME
     if not path.exists():
+        others = store_files(root)
+        if others:
+            raise StoreCorruptError(
+                f"Gradient store '{root}' has shard files ({others[0].name}, ...) but its "
+                f"manifest '{path}' is missing: it was deleted. Restore it, or delete the "
+                f"directory and collect the store again")
         return None
     info = read_json(path)
-    version = info.get("format_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
+    version = info.get("format_version") if isinstance(info, dict) else None
+    if isinstance(version, int) and version != FORMAT_VERSION and "checksum" not in info:
         raise StoreMismatchError(
             f"Gradient store '{root}' has format_version {version!r}, this dattri-ds reads "
-            f"versions <= {FORMAT_VERSION}: upgrade dattri-ds or use another store.path")
+            f"version {FORMAT_VERSION}: collect the store again with this version (or use "
+            f"the dattri-ds that wrote it)")
+    _check_self(path, info, "Manifest")
+    if version != FORMAT_VERSION:
+        raise StoreMismatchError(
+            f"Gradient store '{root}' has format_version {version!r}, this dattri-ds reads "
+            f"version {FORMAT_VERSION}: upgrade dattri-ds or collect the store again")
     return info
 
 
@@ -187,13 +261,17 @@ class ShardIndex:
     chunks: list[Chunk] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        return {"format_version": FORMAT_VERSION, "rank": self.rank, "world": self.world,
-                "spec_digest": self.spec_digest, "rows": self.rows, "ids_bytes": self.ids_bytes,
-                "chunks": [[c.rows, c.id_bytes, c.data, c.ids, c.meta] for c in self.chunks]}
+        d = {"format_version": FORMAT_VERSION, "rank": self.rank, "world": self.world,
+             "spec_digest": self.spec_digest, "rows": self.rows, "ids_bytes": self.ids_bytes,
+             "chunks": [[c.rows, c.id_bytes, c.data, c.ids, c.meta] for c in self.chunks]}
+        d["checksum"] = json_checksum(d)
+        return d
 
     @classmethod
-    def load(cls, path: Path) -> ShardIndex:
+    def load(cls, path: Path, rank: int | None = None) -> ShardIndex:
+        """Read and check an index (``rank``: the shard number its file name gives)."""
         d = read_json(path)
+        _check_self(path, d, "Shard index")
         try:
             idx = cls(rank=int(d["rank"]), world=int(d["world"]), spec_digest=d["spec_digest"],
                       rows=int(d["rows"]), ids_bytes=int(d["ids_bytes"]),
@@ -204,6 +282,10 @@ class ShardIndex:
                 or sum(c.id_bytes for c in idx.chunks) != idx.ids_bytes):
             raise StoreCorruptError(f"Shard index '{path}' is inconsistent: its chunks do not sum "
                                     f"to the {idx.rows} rows / {idx.ids_bytes} id bytes it commits")
+        if rank is not None and idx.rank != rank:
+            raise StoreCorruptError(
+                f"Shard index '{path}' belongs to shard {idx.rank}, not {rank}: index files "
+                f"were renamed or swapped; {_fix_for(path)}")
         return idx
 
 
@@ -252,10 +334,24 @@ def _verify(path: Path, chunk: int, got: str, want: str) -> None:
     if got != want:
         raise StoreCorruptError(
             f"Checksum mismatch in shard file '{path}' (commit #{chunk}): stored {want}, "
-            f"computed {got}. The file was modified or damaged on disk; restore it, or delete "
-            f"the shard's files so a resumed run recomputes its examples")
+            f"computed {got}. The file was modified or damaged on disk; {_fix_for(path)}")
 
 
 def verify_chunk(path: Path, chunk: int, buf: np.ndarray, want: str) -> None:
     """Check one commit's data bytes (``buf`` C-contiguous) against its digest."""
     _verify(path, chunk, digest(buf), want)
+
+
+def verify_data(paths: ShardPaths, index: ShardIndex, row_nbytes: int) -> None:
+    """Check every committed commit of the data file against its digest (one read pass).
+
+    Raises:
+        StoreCorruptError: naming the data file and the first damaged commit.
+    """
+    with open(paths.data, "rb") as f:
+        for i, c in enumerate(index.chunks):
+            buf = f.read(c.rows * row_nbytes)
+            if len(buf) != c.rows * row_nbytes:
+                raise StoreCorruptError(f"Shard file '{paths.data}' ends inside commit #{i}: "
+                                        f"it was truncated; {_fix_for(paths.data)}")
+            _verify(paths.data, i, digest(buf), c.data)

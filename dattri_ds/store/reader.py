@@ -20,11 +20,11 @@ from typing import Literal
 import numpy as np
 import torch
 
-from dattri_ds.errors import ConfigError, DattriDSError
+from dattri_ds.errors import ConfigError, DattriDSError, StoreCorruptError
 from dattri_ds.gradient import Dense, GradBatch, LayerGrad
 from dattri_ds.store.format import (
-    DuplicateSampleError, ShardIndex, ShardPaths, check_sizes, from_storage, list_shards,
-    numpy_dtype, read_committed_ids, row_bytes, verify_chunk,
+    INFO_NAME, DuplicateSampleError, ShardIndex, ShardPaths, check_sizes, from_storage,
+    list_shards, numpy_dtype, read_committed_ids, row_bytes, shard_paths, verify_chunk,
 )
 from dattri_ds.store.spec import StoreSpec, check_stored, load_manifest, mismatch_error
 
@@ -96,35 +96,65 @@ class GradientStore:
     @classmethod
     def open(cls, path: str | Path, *, expect: StoreSpec | None = None, dtype: str | None = None,
              verify: Literal["lazy", "eager", "off"] = "lazy",
-             duplicates: Literal["raise", "first"] = "raise") -> GradientStore:
+             duplicates: Literal["raise", "first"] = "raise",
+             origin: dict[str, str | None] | None = None,
+             require_complete: bool = False,
+             allow_missing_shards: bool = False) -> GradientStore:
         """Open every committed shard under ``path`` (uncommitted tails are ignored).
+
+        Every shard the manifest's completion record lists, and every rank ``0..world-1``
+        the shard indexes name, must be present: a missing shard, index or manifest is a
+        StoreCorruptError naming the file, never a partial store.
 
         Args:
             path: the store directory (``StoreConfig.path``).
             expect: refuse the store unless it holds exactly this spec (None: accept any).
             dtype: refuse the store unless its rows are stored in this dtype (None: any).
+            origin: refuse the store unless these provenance fields (``fingerprint``,
+                ``run_id``, ``checkpoint``, ``weights_hash``; None values are not checked)
+                equal the recorded ones.
+            require_complete: refuse a store that was not sealed (``seal_store``): its
+                collection was interrupted or is still running.
+            allow_missing_shards: only to resume an interrupted or damaged collection (never
+                to score): open the shards that are present (still verified) even when
+                others, or all, are missing, so the resumed run recomputes their examples.
             verify: data checksums: ``lazy`` checks each commit the first time it is read,
                 ``eager`` checks everything now, ``off`` never (ids/meta are always checked).
             duplicates: ``raise`` on an id stored in two shards, or keep the ``first`` copy.
 
         Raises:
             ConfigError: no store at ``path``, or an unknown option value.
-            StoreMismatchError: ``expect``/``dtype`` differ from the store (both sides shown),
-                or a shard was written under another spec.
-            StoreCorruptError: a shard file is truncated or fails a checksum (path named).
+            StoreMismatchError: ``expect``/``dtype``/``origin`` differ from the store (both
+                sides shown), or a shard was written under another spec.
+            StoreCorruptError: the manifest, a shard index or a shard file is missing,
+                truncated or fails a checksum (path named), or the store holds no shard.
             DuplicateSampleError: an id is stored twice and ``duplicates="raise"``.
         """
         if verify not in ("lazy", "eager", "off") or duplicates not in ("raise", "first"):
             raise ConfigError(f"GradientStore.open: verify must be lazy/eager/off and duplicates "
                               f"raise/first, got verify={verify!r}, duplicates={duplicates!r}")
         root = Path(path)
-        manifest = load_manifest(root)
+        manifest = load_manifest(root, with_complete=True)
         if manifest is None:
             raise ConfigError(f"No gradient store at '{root}' (no info.json): write one with "
                               f"GradientStoreWriter or StoreCallback, or fix store.path")
-        spec, stored_dtype = manifest
+        spec, stored_dtype, complete = manifest
         check_stored(spec, stored_dtype, path=str(root), expect=expect, dtype=dtype)
-        shards = [_open_shard(p, spec, stored_dtype) for p in list_shards(root)]
+        lines = spec.origin_diff(origin or {})
+        if lines:
+            raise mismatch_error(str(root), lines, what="The requested run/checkpoint")
+        if require_complete and complete is None:
+            raise StoreCorruptError(
+                f"Gradient store '{root}' is incomplete: its manifest '{root / INFO_NAME}' has "
+                f"no completion record (the collection was interrupted or is still running). "
+                f"Rerun the collection to finish it (it resumes where it stopped)")
+        indexes = {p.rank: ShardIndex.load(p.index, p.rank) for p in list_shards(root)}
+        if not allow_missing_shards:
+            check_shard_set(root, {r: i.world for r, i in indexes.items()}, complete)
+            for r, idx in indexes.items():
+                _check_rows(shard_paths(root, r), idx, complete)
+        shards = [_open_shard(shard_paths(root, r), idx, spec, stored_dtype)
+                  for r, idx in indexes.items()]
         store = cls(root, spec, stored_dtype, shards, duplicates, verify)
         if verify == "eager":
             store.verify()
@@ -323,14 +353,55 @@ class GradientStore:
         self.close()
 
 
-def _open_shard(paths: ShardPaths, spec: StoreSpec, dtype: str) -> _Shard:
-    index = ShardIndex.load(paths.index)
+def check_shard_set(root: Path, worlds: dict[int, int],
+                    complete: dict[str, dict[int, int]] | None) -> None:
+    """Raise StoreCorruptError naming a missing shard index: the shards present must equal
+    the completion record when there is one (a rank that stored nothing has no shard), else
+    cover ranks ``0..world-1`` of every index.
+    """
+    if not worlds:
+        raise StoreCorruptError(
+            f"Gradient store '{root}' holds no committed shard (no shard-*.index.json; "
+            f"'{shard_paths(root, 0).index.name}' is missing): nothing was stored, or the "
+            f"shard files were deleted. Collect the store again")
+    want = set(range(max(worlds.values()))) if complete is None else set(complete["rows"])
+    if complete is not None:
+        extra = sorted(set(worlds) - set(complete["rows"]))
+        if extra:
+            raise StoreCorruptError(
+                f"Shard index '{shard_paths(root, extra[0]).index}' is not among the shards "
+                f"{sorted(complete['rows'])} the manifest '{root / INFO_NAME}' recorded when "
+                f"the store was completed: it was copied in from elsewhere; delete it")
+    missing = sorted(want - set(worlds))
+    if missing:
+        raise StoreCorruptError(
+            f"Shard index '{shard_paths(root, missing[0]).index}' is missing (shards "
+            f"{missing} of the store '{root}' are absent; "
+            f"{'the manifest lists them' if complete else 'the shard indexes name ranks up to'}"
+            f" {sorted(want)[-1]}): it was deleted. Restore it, or rerun the collection to recompute "
+            f"that shard")
+
+
+def _check_rows(paths: ShardPaths, index: ShardIndex,
+                complete: dict[str, dict[int, int]] | None) -> None:
+    if complete is None:
+        return
+    want = complete["rows"].get(paths.rank)
+    if want is not None and want != index.rows:
+        raise StoreCorruptError(
+            f"Shard index '{paths.index}' commits {index.rows} rows but the manifest recorded "
+            f"{want} when the store was completed: the index was replaced or damaged; restore "
+            f"it, or delete the shard-{paths.rank:05d}.* files and rerun the collection")
+
+
+def _open_shard(paths: ShardPaths, index: ShardIndex, spec: StoreSpec, dtype: str) -> _Shard:
     digest = spec.digest(dtype)
     if index.spec_digest != digest:
         raise mismatch_error(str(paths.index.parent), [
-            f"shard '{paths.index.name}' was written with spec digest {index.spec_digest}, "
-            f"info.json describes {digest}: the ranks ran with different configurations; fix: "
-            f"delete the shard-{paths.rank:05d}.* files and rerun that rank"], what="A shard")
+            f"shard index '{paths.index}' was written with spec digest {index.spec_digest}, "
+            f"the manifest (info.json, intact) describes {digest}: the shard belongs to "
+            f"another store or configuration; fix: delete the shard-{paths.rank:05d}.* files "
+            f"and rerun the collection for that shard"], what="A shard")
     check_sizes(paths, index, row_bytes(spec.width, dtype))
     ids, meta = read_committed_ids(paths, index)
     rows = (np.memmap(paths.data, dtype=numpy_dtype(dtype), mode="r",

@@ -29,7 +29,7 @@ import numpy as np
 from dattri_ds.errors import ConfigError
 from dattri_ds.store.format import (
     META_COLUMNS, Chunk, ShardIndex, ShardPaths, StoreCorruptError, check_sizes, digest,
-    list_shards, read_committed_ids, write_json_atomic,
+    list_shards, read_committed_ids, verify_data, write_json_atomic,
 )
 from dattri_ds.store.spec import mismatch_error
 
@@ -48,7 +48,8 @@ class ShardAppender:
         Raises:
             ConfigError: another live writer holds this shard (two processes with one rank).
             StoreCorruptError: a committed file is shorter than its index, or a checksum of
-                the committed ids/meta fails (the file is named).
+                the committed data/ids/meta fails (the file is named): resuming never keeps
+                damaged rows.
             StoreMismatchError: the shard was written under another spec/dtype.
         """
         self.paths = paths
@@ -68,7 +69,7 @@ class ShardAppender:
         """Load the committed index (or start one) and truncate the uncommitted tail."""
         paths = self.paths
         if paths.index.exists():
-            self.index = ShardIndex.load(paths.index)
+            self.index = ShardIndex.load(paths.index, paths.rank)
             if self.index.spec_digest != spec_digest:
                 raise mismatch_error(str(paths.index.parent), [
                     f"shard '{paths.index.name}' was written with spec digest "
@@ -77,6 +78,7 @@ class ShardAppender:
                     f"{paths.rank:05d}.* files or point store.path at a new directory"])
             check_sizes(paths, self.index, self.row_nbytes)
             self.ids, _ = read_committed_ids(paths, self.index)
+            verify_data(paths, self.index, self.row_nbytes)
         else:
             self.index = ShardIndex(rank=paths.rank, world=world, spec_digest=spec_digest)
             self.ids = []
@@ -164,13 +166,17 @@ def _acquire(paths: ShardPaths) -> IO[bytes]:
     return f
 
 
-def other_shard_ids(root: Path, rank: int) -> list[str]:
-    """Committed ids of every other shard in ``root`` (a snapshot; used to skip on resume)."""
+def other_shard_ids(root: Path, rank: int, row_nbytes: int) -> list[str]:
+    """Committed ids of every other shard in ``root`` (a snapshot; used to skip on resume),
+    after checking their data, ids and meta checksums: an example is skipped only when its
+    stored row is intact."""
     out: list[str] = []
     for paths in list_shards(root):
         if paths.rank == rank:
             continue
-        index = ShardIndex.load(paths.index)
+        index = ShardIndex.load(paths.index, paths.rank)
+        check_sizes(paths, index, row_nbytes)
         ids, _ = read_committed_ids(paths, index)
+        verify_data(paths, index, row_nbytes)
         out.extend(ids)
     return out

@@ -2,8 +2,10 @@
 
 A stored row is the concatenation, in ``StoreSpec.layers`` order, of the projected Dense
 vectors of one example: ``row = [v_layer0 (P_0) | v_layer1 (P_1) | ...]`` of width
-``P = sum_l P_l``. Rows are comparable only when the projection tag, the layer set with its
-widths and the model fingerprint are equal; ``diff`` lists what differs, and
+``P = sum_l P_l``. Rows are comparable only when the projection, the layer set with its
+widths, the capture semantics (per-example loss, reduction, label shift, ignore index) and
+the model fingerprint are equal; the provenance (run id, checkpoint tag, hash of the
+checkpoint weights) says which weights produced them. ``diff`` lists what differs, and
 ``mismatch_error`` turns that into a StoreMismatchError showing both sides and the fix.
 """
 
@@ -21,7 +23,24 @@ from dattri_ds.ops.projection import ProjectionConfig
 from dattri_ds.store.config import STORE_DTYPES
 from dattri_ds.store.format import INFO_NAME, StoreCorruptError, load_info
 
-__all__ = ["LayerSpec", "StoreSpec", "mismatch_error", "check_stored", "load_manifest"]
+__all__ = ["LayerSpec", "StoreSpec", "mismatch_error", "check_stored", "load_manifest",
+           "capture_semantics", "ORIGIN_FIELDS", "weights_hash"]
+
+#: Provenance fields of a StoreSpec a reader can require (``GradientStore.open(origin=...)``).
+ORIGIN_FIELDS = ("fingerprint", "run_id", "checkpoint", "weights_hash")
+_FIX_ORIGIN = ("the store was collected from another model or checkpoint (or another run): "
+               "collect it again for this one (tools/collect.py --run <this run>), or point "
+               "at the store of this run and checkpoint")
+_FIX_SEMANTICS = ("capture with the same capture.loss_reduction / per_example_loss / "
+                  "label_shift / ignore_index as the store, or point store.path at a new "
+                  "directory")
+
+
+def capture_semantics(capture: Any) -> dict[str, Any]:
+    """The loss semantics of a CaptureConfig that change the stored rows (recorded)."""
+    return {"loss_reduction": capture.loss_reduction,
+            "per_example_loss": capture.per_example_loss,
+            "label_shift": int(capture.label_shift), "ignore_index": int(capture.ignore_index)}
 
 _FIX_PROJECTION = ("use the ProjectionConfig the store was written with (capture.projection "
                    "kind/distribution/dim/seed), or point store.path at a new directory")
@@ -105,6 +124,22 @@ class StoreSpec:
     """Model/checkpoint fingerprint chosen by the caller (e.g. a checkpoint path plus step, or
     a hash of the weights): rows of different models are never mixed."""
 
+    projection_config: dict[str, Any] | None = None
+    """The ProjectionConfig as a dict (kind, dim, distribution, seed): readers rebuild the
+    projector from it. None in specs built by hand without one."""
+
+    semantics: dict[str, Any] | None = None
+    """Capture semantics of the rows (``capture_semantics``); None = not recorded."""
+
+    run_id: str | None = None
+    """Id of the training run whose weights produced the rows (None = not recorded)."""
+
+    checkpoint: str | None = None
+    """Checkpoint tag of those weights (None: several, e.g. captured during training)."""
+
+    weights_hash: str | None = None
+    """``weights_hash`` of the model the rows were computed with (None: not one checkpoint)."""
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
         if not self.layers:
@@ -114,9 +149,13 @@ class StoreSpec:
             raise ConfigError(f"Layer names in a StoreSpec must be unique, got {names}")
 
     @classmethod
-    def from_batch(cls, batch: GradBatch, *, projection: ProjectionConfig,
-                   fingerprint: str) -> StoreSpec:
+    def from_batch(cls, batch: GradBatch, *, projection: ProjectionConfig, fingerprint: str,
+                   capture: Any = None, run_id: str | None = None,
+                   checkpoint: str | None = None, weights_hash: str | None = None) -> StoreSpec:
         """The spec of a projected batch (layer order = the batch's layer order).
+
+        ``capture`` (the CaptureConfig that produced the batch), ``run_id``, ``checkpoint``
+        and ``weights_hash`` are recorded in the manifest and checked by readers that ask.
 
         Raises:
             ConfigError: a layer is factorized, unprojected, TP-sharded or projected with
@@ -131,7 +170,20 @@ class StoreSpec:
                     f"configured for projection {tag!r}: pass the ProjectionConfig that "
                     f"capture.projection uses")
         return cls(layers=layers, projection=projection.tag, seed=projection.seed,
-                   fingerprint=fingerprint)
+                   fingerprint=fingerprint, projection_config=_projection_dict(projection),
+                   semantics=None if capture is None else capture_semantics(capture),
+                   run_id=run_id, checkpoint=checkpoint, weights_hash=weights_hash)
+
+    def origin(self) -> dict[str, str | None]:
+        """The provenance fields (``ORIGIN_FIELDS``) of this spec."""
+        return {k: getattr(self, k) for k in ORIGIN_FIELDS}
+
+    def projection_cfg(self) -> ProjectionConfig:
+        """The ProjectionConfig of the rows (from the structured record)."""
+        if self.projection_config is None:
+            raise ConfigError(f"This store records only the projection tag "
+                              f"{self.projection!r}, not its configuration")
+        return ProjectionConfig(**self.projection_config)
 
     @property
     def width(self) -> int:
@@ -173,17 +225,42 @@ class StoreSpec:
         if self.fingerprint != requested.fingerprint:
             lines.append(f"fingerprint: stored {self.fingerprint!r}, requested "
                          f"{requested.fingerprint!r}; fix: {_FIX_FINGERPRINT}")
+        if same_projection and requested.projection_config is not None and \
+                self.projection_config != requested.projection_config:
+            lines.append(f"projection_config: stored {self.projection_config}, requested "
+                         f"{requested.projection_config}; fix: {_FIX_PROJECTION}")
+        if requested.semantics is not None and self.semantics != requested.semantics:
+            lines.append(f"capture semantics: stored {self.semantics}, requested "
+                         f"{requested.semantics}; fix: {_FIX_SEMANTICS}")
+        lines += self.origin_diff({k: v for k, v in requested.origin().items()
+                                   if k != "fingerprint"})
         lines += _layer_diff(self.layers, requested.layers, compare_projection=same_projection)
         return lines
 
+    def origin_diff(self, want: dict[str, str | None]) -> list[str]:
+        """Lines for every provenance field of ``want`` (None values are not checked) that
+        differs from this spec's."""
+        unknown = sorted(set(want) - set(ORIGIN_FIELDS))
+        if unknown:
+            raise ConfigError(f"Unknown store origin field(s) {unknown}; allowed: "
+                              f"{list(ORIGIN_FIELDS)}")
+        return [f"{k}: stored {getattr(self, k)!r}, requested {v!r}; fix: {_FIX_ORIGIN}"
+                for k, v in want.items() if v is not None and getattr(self, k) != v]
+
     def to_json(self) -> dict[str, Any]:
         return {"projection": self.projection, "seed": self.seed, "fingerprint": self.fingerprint,
+                "projection_config": self.projection_config, "semantics": self.semantics,
+                "run_id": self.run_id, "checkpoint": self.checkpoint,
+                "weights_hash": self.weights_hash,
                 "layers": [ls.to_json() for ls in self.layers]}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> StoreSpec:
         return cls(layers=tuple(LayerSpec.from_json(x) for x in d["layers"]),
-                   projection=d["projection"], seed=int(d["seed"]), fingerprint=d["fingerprint"])
+                   projection=d["projection"], seed=int(d["seed"]), fingerprint=d["fingerprint"],
+                   projection_config=d.get("projection_config"), semantics=d.get("semantics"),
+                   run_id=d.get("run_id"), checkpoint=d.get("checkpoint"),
+                   weights_hash=d.get("weights_hash"))
 
     def digest(self, dtype: str) -> str:
         """blake2b of the canonical JSON of (spec, dtype): equal digests = same row layout."""
@@ -244,20 +321,49 @@ def check_stored(stored: StoreSpec, stored_dtype: str, *, path: str, expect: Sto
         raise mismatch_error(path, lines)
 
 
-def load_manifest(root: Path) -> tuple[StoreSpec, str] | None:
-    """``(spec, dtype)`` from ``root/info.json``, or None when no store exists there yet.
+def _projection_dict(projection: ProjectionConfig) -> dict[str, Any]:
+    import dataclasses
+
+    return json.loads(json.dumps(dataclasses.asdict(projection)))
+
+
+def load_manifest(root: Path, with_complete: bool = False):
+    """``(spec, dtype)`` from ``root/info.json`` (plus its ``complete`` record when
+    ``with_complete``), or None when no store exists there yet.
 
     Raises:
-        StoreCorruptError: the manifest is unreadable or incomplete.
-        StoreMismatchError: it was written by a newer format version.
+        StoreCorruptError: the manifest is missing (shard files present), unreadable, fails
+            its checksum or is incomplete.
+        StoreMismatchError: it was written by another format version.
     """
     info = load_info(root)
     if info is None:
         return None
     try:
         spec, dtype = StoreSpec.from_json(info["spec"]), info["dtype"]
-    except (KeyError, TypeError, ValueError, ConfigError) as e:
+        complete = info.get("complete")
+        if complete is not None:
+            complete = {"rows": {int(r): int(n) for r, n in complete["rows"].items()}}
+    except (KeyError, TypeError, ValueError, AttributeError, ConfigError) as e:
         raise StoreCorruptError(f"Manifest '{root / INFO_NAME}' is malformed ({e!r})") from e
     if dtype not in STORE_DTYPES:
         raise StoreCorruptError(f"Manifest '{root / INFO_NAME}' has unknown dtype {dtype!r}")
-    return spec, dtype
+    return (spec, dtype, complete) if with_complete else (spec, dtype)
+
+
+def weights_hash(model: Any) -> str:
+    """``blake2b:<hex>`` of a module's (or state dict's) tensors: names, dtypes, shapes and
+    bytes, in name order. Equal for the same weights loaded twice; stores record it so rows
+    are never scored against another checkpoint. Cost: one read of the weights."""
+    import torch
+
+    state = model.state_dict() if hasattr(model, "state_dict") else model
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(state):
+        t = state[name]
+        if not torch.is_tensor(t):
+            continue
+        t = t.detach().to("cpu").contiguous().reshape(-1)
+        h.update(f"{name}|{t.dtype}|{tuple(state[name].shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return "blake2b:" + h.hexdigest()

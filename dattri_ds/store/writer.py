@@ -26,12 +26,13 @@ from dattri_ds.errors import CaptureError, ConfigError
 from dattri_ds.gradient import GradBatch
 from dattri_ds.store.config import StoreConfig
 from dattri_ds.store.format import (
-    META_COLUMNS, row_bytes, save_info, shard_paths, to_storage, torch_dtype,
+    META_COLUMNS, ShardIndex, StoreCorruptError, list_shards, row_bytes, save_info, shard_paths,
+    to_storage, torch_dtype,
 )
 from dattri_ds.store.shard import ShardAppender, other_shard_ids
 from dattri_ds.store.spec import StoreSpec, check_stored, load_manifest
 
-__all__ = ["GradientStoreWriter"]
+__all__ = ["GradientStoreWriter", "seal_store"]
 
 logger = logging.getLogger(__name__)
 
@@ -104,12 +105,14 @@ class GradientStoreWriter:
         self.config, self.spec, self.rank, self.world = config, spec, rank, world
         self.path = Path(config.path)
         self.path.mkdir(parents=True, exist_ok=True)
-        stored = load_manifest(self.path)
+        stored = load_manifest(self.path, with_complete=True)
         if stored is None:  # first writer; re-read in case another rank raced us
             save_info(self.path, spec.to_json(), config.dtype, config.fsync)
-            stored = load_manifest(self.path) or (spec, config.dtype)
-        check_stored(*stored, path=str(self.path), expect=spec, dtype=config.dtype)
-        self._seen = set(other_shard_ids(self.path, rank))
+            stored = load_manifest(self.path, with_complete=True) or (spec, config.dtype, None)
+        check_stored(*stored[:2], path=str(self.path), expect=spec, dtype=config.dtype)
+        self._stored_spec = stored[0]
+        self._sealed = stored[2] is not None  # the first commit unseals (see seal_store)
+        self._seen = set(other_shard_ids(self.path, rank, row_bytes(spec.width, config.dtype)))
         self._shard = ShardAppender(
             shard_paths(self.path, rank), world=world, spec_digest=spec.digest(config.dtype),
             row_nbytes=row_bytes(spec.width, config.dtype), fsync=config.fsync)
@@ -201,7 +204,7 @@ class GradientStoreWriter:
             if not bool(torch.isfinite(v).all()):
                 raise CaptureError(
                     f"Layer '{ls.name}' has NaN/inf gradients at step {batch.step}; refusing to "
-                    f"store them: set capture.on_nonfinite='skip' to drop such micro-batches")
+                    f"store them: set capture.on_nonfinite='skip' to drop such examples")
         raise CaptureError(
             f"Gradients at step {batch.step} overflow store.dtype='{self.config.dtype}' "
             f"(largest float16 is 65504): set store.dtype='bfloat16' or 'float32'")
@@ -220,6 +223,10 @@ class GradientStoreWriter:
         data = np.concatenate([to_storage(r, self.config.dtype) for r, _, _ in pending])
         ids = [i for _, piece, _ in pending for i in piece]
         meta = np.concatenate([m for _, _, m in pending])
+        if self._sealed:  # appending to a complete store: incomplete until sealed again
+            save_info(self.path, self._stored_spec.to_json(), self.config.dtype,
+                      self.config.fsync)
+            self._sealed = False
         self._shard.commit(data, ids, meta)
 
     def flush(self) -> None:
@@ -257,3 +264,27 @@ class GradientStoreWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def seal_store(path: str | Path, fsync: bool = True) -> dict[int, int]:
+    """Record in the manifest that the store is complete: its shards and their row counts.
+
+    Call it once every writer of the store has closed (after a barrier, from one rank):
+    the shards present then are the store (a rank that stored nothing has none). Readers
+    then refuse the store when a shard, its index or any committed row is missing; a writer
+    appending later clears the record until the store is sealed again.
+
+    Returns:
+        Shard number -> committed rows.
+
+    Raises:
+        StoreCorruptError: no store at ``path``, or its manifest or an index is damaged.
+    """
+    root = Path(path)
+    stored = load_manifest(root)
+    if stored is None:
+        raise StoreCorruptError(f"Cannot seal '{root}': it holds no gradient store (no info.json)")
+    spec, dtype = stored
+    counts = {p.rank: ShardIndex.load(p.index, p.rank).rows for p in list_shards(root)}
+    save_info(root, spec.to_json(), dtype, fsync, complete={"rows": counts})
+    return counts

@@ -414,15 +414,17 @@ def test_bad_input_fails_at_attach_with_names():
 
 
 # ---- NaN in one tensor-parallel rank's shard ---------------------------------------------
-def _nonfinite_one_rank(rank, world):
-    """fc1's output-grad is made inf on rank 1 only (rank 0's shard of fc1 stays finite)."""
+def _nonfinite_one_rank(rank, world, rows=None):
+    """fc1's output-grad is made inf on rank 1 only (rank 0's shard of fc1 stays finite), in
+    every example or only in examples ``rows`` (Megatron outputs are [S, B, H]: B is dim 1)."""
     init_parallel(2)
     torch.manual_seed(0)
     m = MLPBlock(tconfig(2))
     ids, labels = examples()
     if rank == 1:
         def poison(mod, args, out):
-            out[0].register_hook(lambda g: g * float("inf"))
+            out[0].register_hook(lambda g: g * float("inf") if rows is None else
+                                 g.index_fill(1, torch.tensor(rows), float("inf")))
         m.fc1.register_forward_hook(poison)
     out = {}
     for key, proj in (("factors", None), ("projected", PROJ["kron"])):
@@ -431,8 +433,10 @@ def _nonfinite_one_rank(rank, world):
             warnings.simplefilter("always")
             with megatron_capture(m, cfg) as cap:
                 m(ids, labels).mean().backward()
-                out[key] = (cap.pop() is None, cap.skipped,
-                            [str(w.message) for w in caught if "NaN" in str(w.message)])
+                got = cap.pop()
+                out[key] = (got is None, cap.skipped,
+                            [str(w.message) for w in caught if "NaN" in str(w.message)],
+                            None if got is None else got.sample_ids, cap.skipped_examples)
         m.zero_grad(set_to_none=True)
     return out
 
@@ -444,7 +448,7 @@ def test_nonfinite_shard_on_one_rank_drops_the_batch_on_every_rank():
     res = run(_nonfinite_one_rank, 2)
     for key in ("factors", "projected"):
         for rank, out in enumerate(res):
-            dropped, skipped, msgs = out[key]
+            dropped, skipped, msgs, _, _ = out[key]
             assert dropped and skipped == 1 and len(msgs) == 1, (key, rank, out)
         assert "Layer 'fc1'" in res[1]["factors"][2][0]
         assert "another tensor-parallel rank" in res[0]["factors"][2][0]
@@ -520,3 +524,15 @@ def test_online_selection_tp2():
         assert out["param_err"] <= TOL and out["moved"] > 0, out
     assert (res[0]["scores2"] == res[1]["scores2"]).all()
     assert (res[0]["chosen2"] == res[1]["chosen2"]).all()
+
+
+def test_nonfinite_example_on_one_rank_drops_that_example_on_every_rank():
+    """A NaN/inf in one example of rank 1's shard: both tensor-parallel ranks drop exactly that
+    example and keep the others (factors: the [B] mask is max-reduced; projected: the reduced
+    rows carry it), so their batches -- and later collectives -- stay identical."""
+    res = run(_nonfinite_one_rank, 2, rows=[1])
+    for key in ("factors", "projected"):
+        for rank in range(2):
+            dropped, skipped, _, ids, skipped_examples = res[rank][key]
+            assert not dropped and len(ids) == B - 1 and skipped == 0 and skipped_examples == 1
+        assert res[0][key][3] == res[1][key][3], key

@@ -55,6 +55,7 @@ def test_deepspeed_launcher_zero3_two_ranks(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world"] == 2 and summary["checkpoints"] == ["step3"]
+    assert summary["status"] == "ok" and summary["capture_dropped_examples"] == 0
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -111,3 +112,29 @@ def test_killed_capture_run_resumes_to_identical_store(tmp_path):
         va = a.read(slice(None))
         vb = b.read([b.index_of(i) for i in a.ids])
         assert torch.allclose(va, vb, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("limit", [3, 0])
+def test_diverging_run_fails_after_nonfinite_steps(tmp_path, limit):
+    """A run whose loss turns NaN/inf (learning rate 1e30) exits non-zero after
+    train.max_nonfinite_steps consecutive non-finite steps, and summary.json says why;
+    with 0 it runs to the end and counts them. Breaks if divergence exits 0 unnoticed."""
+    pytest.importorskip("deepspeed")
+    cfg = json.loads(_config(tmp_path, 2, train={"max_nonfinite_steps": limit}).read_text())
+    cfg["optimizer"]["params"]["lr"] = 1e30
+    cfg.pop("scheduler", None)
+    path = tmp_path / "diverge.json"
+    path.write_text(json.dumps(cfg))
+    out = tmp_path / "run"
+    cmd = [PY, str(ROOT / "launch/train.py"), "--deepspeed_config", str(path), "--out", str(out),
+           "--steps", "8", *SMALL]
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    summary = json.loads((out / "summary.json").read_text())
+    if limit:
+        assert proc.returncode != 0, proc.stderr[-2000:]
+        assert "NonFiniteTrainingError" in proc.stderr and summary["status"] == "failed"
+        assert f"{limit} consecutive optimizer steps" in summary["error"]
+        assert summary["nonfinite_steps"] == limit
+    else:
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert summary["status"] == "ok" and summary["nonfinite_steps"] >= 3

@@ -184,3 +184,62 @@ def test_bad_input_is_named(run_dir, tmp_path):
         attribute.main(["--run", str(other), "--store", str(grads), "--out",
                         str(tmp_path / "b"), "--queries", QUERIES, "--query-max-docs", "1",
                         "--truncate"])
+
+
+def test_damaged_or_foreign_stores_are_refused(run_dir, tmp_path):
+    """attribute never falls back or scores part of a store: a deleted info.json of the
+    newest checkpoint, a deleted checkpoint store under TracIn, a store without shards, a
+    store of another run are errors naming them; collect resuming over a bit-flipped data
+    file refuses it instead of reporting 'all stored'."""
+    from dattri_ds.errors import StoreCorruptError
+    from dattri_ds.tools import attribute
+
+    grads = tmp_path / "g"
+    _collect(run_dir, grads, 4)
+    q = ["--queries", QUERIES, "--query-max-docs", "1", "--truncate"]
+
+    def attr(store, *extra, run=run_dir):
+        attribute.main(["--run", str(run), "--store", str(store), "--out",
+                        str(tmp_path / "a"), *q, *extra])
+
+    def damaged(name, damage):
+        dst = tmp_path / name
+        shutil.copytree(grads, dst)
+        damage(dst)
+        return dst
+
+    g = damaged("noinfo", lambda d: (d / "step4/info.json").unlink())
+    with pytest.raises(StoreCorruptError, match=r"step4/info\.json' is missing"):
+        attr(g)
+    g = damaged("nockpt", lambda d: shutil.rmtree(d / "step2"))
+    with pytest.raises(StoreCorruptError, match=r"No store for checkpoint 'step2'"):
+        attr(g, "--method", "tracin")
+    with pytest.raises(StoreCorruptError, match=r"No store for checkpoint 'step4'"):
+        attr(damaged("nonewest", lambda d: shutil.rmtree(d / "step4")))
+    g = damaged("noshards", lambda d: [p.unlink() for p in (d / "step4").glob("shard-*")])
+    with pytest.raises(StoreCorruptError, match=r"step4.*no committed shard"):
+        attr(g)
+    g = damaged("noindex", lambda d: (d / "step4/shard-00000.index.json").unlink())
+    with pytest.raises(StoreCorruptError, match=r"step4.*shard-00000\.index\.json"):
+        attr(g)
+    assert _collect(run_dir, g, 4) == {"step2": 0, "step4": 4}  # the advice: rerun collect
+    attr(g)
+    other = tmp_path / "other"  # the same model family, another run (its own run id)
+    shutil.copytree(run_dir, other, ignore=shutil.ignore_patterns("checkpoints"))
+    (other / "checkpoints").symlink_to(run_dir / "checkpoints")
+    traj = json.loads((other / "trajectory.json").read_text())
+    traj["run_id"] = "run:another"
+    (other / "trajectory.json").write_text(json.dumps(traj))
+    with pytest.raises(StoreMismatchError, match=r"run_id: stored .*requested 'run:another'"):
+        attr(grads, run=other)
+    swapped = tmp_path / "swapped"  # same run id and tags, but step4 holds step2's weights
+    shutil.copytree(run_dir, swapped, ignore=shutil.ignore_patterns("step4"))
+    shutil.copytree(run_dir / "checkpoints/step2", swapped / "checkpoints/step4")
+    with pytest.raises(StoreMismatchError, match=r"(?s)Checkpoint 'step4'.*weights_hash"):
+        attr(grads, run=swapped)
+    data = grads / "step2/shard-00000.data"
+    buf = bytearray(data.read_bytes())
+    buf[len(buf) // 2] ^= 0x10
+    data.write_bytes(bytes(buf))
+    with pytest.raises(StoreCorruptError, match=r"step2/shard-00000\.data"):
+        _collect(run_dir, grads, 4)

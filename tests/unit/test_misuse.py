@@ -109,19 +109,52 @@ def test_nonfinite_gradients_skip_or_raise_naming_layer():
             (net(x).sum() * float("inf")).backward()
 
 
-def test_nonfinite_detected_after_projection():
-    """With a projection the check runs on the projected rows (NaN/inf propagate through
-    it): an inf in one example's output-grads still drops the batch naming the layer."""
+@pytest.mark.parametrize("proj", [None, ProjectionConfig(dim=4)])
+def test_nonfinite_example_drops_only_that_example(proj):
+    """An inf in one example's output-grads drops only that example, named by its sample id
+    (with a projection the check runs on the projected rows, through which NaN/inf
+    propagate): the kept rows equal those of the same examples captured cleanly. Breaks if
+    the whole micro-batch is dropped or a poisoned row is kept."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Embedding(11, 8), nn.Linear(8, 8), nn.Linear(8, 11))
+    x = torch.randint(0, 11, (3, 5))
+    cfg = CaptureConfig(loss_reduction="sum", label_shift=0, projection=proj)
+
+    def run(poison: bool):
+        with GradientCapture(net, cfg) as cap:
+            cap.tag(["a", "b", "c"])
+            out = net(x)
+            if poison:
+                out.register_hook(lambda g: g.index_fill(0, torch.tensor([1]), float("inf")))
+            out.sum().backward()
+            net.zero_grad(set_to_none=True)
+            return cap.pop(), cap
+
+    clean, _ = run(False)
+    with pytest.warns(UserWarning, match=r"Layer '\d' has a NaN.*1 example\(s\) \['b#"
+                                         r"[0-9a-f]+'\].*only those are dropped, the other 2"):
+        got, cap = run(True)
+    assert cap.skipped == 0 and cap.skipped_examples == 1
+    assert got.sample_ids == (clean.sample_ids[0], clean.sample_ids[2])
+    for name, lg in got.layers.items():
+        want = clean.layers[name].index(torch.tensor([0, 2]))
+        if proj is None:
+            torch.testing.assert_close(materialize(lg), materialize(want))
+        else:
+            torch.testing.assert_close(lg.data.values, want.data.values)
+
+
+def test_nonfinite_every_example_drops_the_batch():
+    """NaN in every example drops the micro-batch (counted in ``skipped``); a finite batch
+    afterwards is captured."""
     net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
     x = torch.randn(3, 8)
     cfg = CaptureConfig(loss_reduction="sum", label_shift=0, projection=ProjectionConfig(dim=4))
     with GradientCapture(net, cfg) as cap:
-        out = net(x)
-        out.register_hook(lambda g: g.index_fill(0, torch.tensor([1]), float("inf")))
-        with pytest.warns(UserWarning, match=r"Layer '0' has a NaN"):  # inf reaches it too
-            out.sum().backward()
-        assert cap.pop() is None and cap.skipped == 1
-        net(x).sum().backward()  # a finite batch afterwards is captured
+        with pytest.warns(UserWarning, match=r"3 example\(s\).*the micro-batch is dropped"):
+            (net(x).sum() * float("nan")).backward()
+        assert cap.pop() is None and cap.skipped == 1 and cap.skipped_examples == 3
+        net(x).sum().backward()
         assert cap.pop() is not None
 
 

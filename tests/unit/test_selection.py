@@ -172,3 +172,50 @@ def test_selection_log_is_rewritten_per_run_and_merged(tmp_path):
     log_file(log, 1).write_text('{"step": 1, "dp_rank": 1, "chosen": ["y"]}\n')
     assert [(r["step"], r["dp_rank"]) for r in read_selection_log(log)] == \
         [(0, 0), (1, 0), (1, 1), (2, 0)]
+
+
+def _poison_rows(model, rows, when_batch: int):
+    """Make the embedding output of candidate ``rows`` NaN in forwards of ``when_batch``
+    examples (the candidate batch, not the target batches)."""
+    def hook(module, args, out):
+        if out.shape[0] == when_batch:
+            return out.index_fill(0, torch.tensor(rows), float("nan"))
+    return model.transformer.wte.register_forward_hook(hook)
+
+
+def test_nonfinite_candidate_is_dropped_not_its_batch():
+    """A candidate whose gradient is NaN is dropped (named in a warning); the others keep
+    their exact scores and the choice is made among them. Breaks if the whole candidate
+    batch is dropped, or if positions shift (a kept index pointing at the wrong example)."""
+    model, cfg, probe, target, tgt_ids = _setup()
+    sel = OnlineSelector(model, cfg, target, probe=probe)
+    cand = torch.randint(0, 97, (6, 10), generator=torch.Generator().manual_seed(2))
+    target.get(0)  # the target is computed before the poison
+    handle = _poison_rows(model, [2], 6)
+    with pytest.warns(UserWarning, match=r"NaN/inf per-example gradient for 1 example"):
+        chosen = sel.select({"input_ids": cand, "labels": cand}, k=3, step=0)
+    handle.remove()
+    keep = [0, 1, 3, 4, 5]
+    ref_c = reference_grads(model, cand[keep])
+    ref_t = reference_grads(model, tgt_ids)
+    want = sum(ref_c[n] @ ref_t[n].mean(0) for n in ref_c)
+    assert rel_err(chosen.scores, want) <= 1e-5
+    top = sorted(keep[i] for i in torch.topk(want, 3).indices.tolist())
+    assert chosen.indices.tolist() == top
+    assert torch.equal(chosen.batch["input_ids"], cand[top])
+    sel.close()
+
+
+def test_all_nonfinite_candidates_say_so():
+    """Every candidate non-finite: a CaptureError that says so, not 'the loss does not
+    depend on any captured layer'."""
+    from dattri_ds.errors import CaptureError
+    model, cfg, probe, target, _ = _setup()
+    sel = OnlineSelector(model, cfg, target, probe=probe)
+    cand = torch.randint(0, 97, (4, 10), generator=torch.Generator().manual_seed(2))
+    target.get(0)
+    handle = _poison_rows(model, [0, 1, 2, 3], 4)
+    with pytest.warns(UserWarning), pytest.raises(CaptureError, match="Every candidate of step 0"):
+        sel.select({"input_ids": cand, "labels": cand}, k=2, step=0)
+    handle.remove()
+    sel.close()

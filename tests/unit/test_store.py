@@ -95,7 +95,7 @@ def test_round_trip(tmp_path):
     write(tmp_path, batches, flush_every=2)
     store = GradientStore.open(tmp_path, expect=make_spec(), dtype="float32")
     info = json.loads((tmp_path / "info.json").read_text())
-    assert info["format_version"] == 1 and info["dtype"] == "float32"
+    assert info["format_version"] == 2 and info["dtype"] == "float32"
     assert info["spec"]["projection"] == PROJ.tag and info["spec"]["fingerprint"] == FINGERPRINT
     assert [(d["name"], d["width"]) for d in info["spec"]["layers"]] == [(n, w) for n, _, _, w, _
                                                                           in LAYERS]
