@@ -390,7 +390,7 @@ def test_sigkill_midway_then_resume(tmp_path):
     script.write_text(_KILL_SCRIPT.format(here=str(Path(__file__).parent)))
     store_dir, n, bs = tmp_path / "store", 400, 4
     cmd = [sys.executable, str(script), str(store_dir), str(n), str(bs)]
-    proc = subprocess.Popen(cmd + ["0.01"])
+    proc = subprocess.Popen(cmd + ["0.05"])  # slow enough to be killed midway on a loaded machine
     index = shard_file(store_dir, ".index.json")
     deadline = time.monotonic() + 120
     while not (index.exists() and len(GradientStore.open(store_dir, verify="off")) >= 40):
