@@ -183,13 +183,16 @@ def load_info(root: Path) -> dict[str, Any] | None:
     """
     path = root / INFO_NAME
     if not path.exists():
-        others = store_files(root)
-        if others:
+        others = [f for f in store_files(root) if f.name != INFO_NAME]
+        # re-check: another rank's first writer may have created the manifest (and then its
+        # shard) between the two looks; only shard files without a manifest are damage
+        if others and not path.exists():
             raise StoreCorruptError(
                 f"Gradient store '{root}' has shard files ({others[0].name}, ...) but its "
                 f"manifest '{path}' is missing: it was deleted. Restore it, or delete the "
                 f"directory and collect the store again")
-        return None
+        if not path.exists():
+            return None
     info = read_json(path)
     version = info.get("format_version") if isinstance(info, dict) else None
     if isinstance(version, int) and version != FORMAT_VERSION and "checksum" not in info:
