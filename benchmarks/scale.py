@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import socket
@@ -211,19 +212,20 @@ def _collect(rank: int, world: int, opts: dict, progress: str | None, counter) -
     run = Run.open(run_dir)
     ds_cfg = json.loads((run_dir / "resolved_deepspeed_config.json").read_text())
     tok = run.tokenizer()
-    data = load_texts(opts["data"], tok, run.seq_len, opts["n"])
+    data = load_texts(opts["data"], tok, opts["seq_len"], opts["n"])
     t0, w0 = time.process_time(), time.perf_counter()
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
+    ds_cfg = {k: v for k, v in ds_cfg.items()  # no optimizer: no gradient partitions
+              if k not in ("optimizer", "scheduler", "zero_allow_untested_optimizer",
+                           "gradient_clipping")}
     keep = HfDeepSpeedConfig(ds_cfg)  # from_config builds under zero.Init: half per rank
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(run_dir / "model"))
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=ds_cfg)
+    engine, *_ = deepspeed.initialize(model=model, config=ds_cfg)
     del keep
     tag = run.tags("last")[-1]
-    engine.load_checkpoint(str(run_dir / "checkpoints"), tag=tag,
-                           load_lr_scheduler_states=False)
+    load_zero3_partition(engine.module, run_dir / "checkpoints" / tag, rank, world)
     load_cpu, load_wall, rss_loaded = time.process_time() - t0, time.perf_counter() - w0, \
         _peak_rss()
     if rank == 0:
@@ -244,6 +246,39 @@ def _collect(rank: int, world: int, opts: dict, progress: str | None, counter) -
     return {"added": added, "cpu": cpu, "wall": wall, "load_cpu": load_cpu,
             "load_wall": load_wall, "peak_rss_loaded": rss_loaded, "peak_rss": _peak_rss(),
             "comm": counter.report(), "tag": tag}
+
+
+def load_zero3_partition(module, folder: Path, rank: int, world: int) -> None:
+    """Fill this rank's ZeRO-3 parameter partitions from its own checkpoint file.
+
+    ``zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` holds rank r's fp32 partitions, one
+    flat vector per parameter group: each parameter (in the order of ``param_shapes`` in the
+    model-states file) contributes its ``ceil(numel / world)``-element partition
+    (DeepSpeed's ``zero_to_fp32`` reads the same layout). Same model, same world size only.
+    """
+    from deepspeed.checkpoint.constants import (
+        FP32_FLAT_GROUPS, OPTIMIZER_STATE_DICT, PARAM_SHAPES,
+    )
+    shapes = torch.load(folder / "zero_pp_rank_0_mp_rank_00_model_states.pt",
+                        map_location="cpu", weights_only=False)[PARAM_SHAPES]
+    state = torch.load(folder / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt",
+                       map_location="cpu", weights_only=False, mmap=True)
+    groups = state[OPTIMIZER_STATE_DICT][FP32_FLAT_GROUPS]
+    flat = torch.cat([g.flatten() for g in groups]) if len(groups) > 1 else groups[0]
+    params = dict(module.named_parameters())
+    offset = 0
+    for group in shapes:
+        for name, shape in group.items():
+            p = params[name]
+            n = math.ceil(math.prod(shape) / world)
+            if p.ds_tensor.numel() != n or tuple(p.ds_shape) != tuple(shape):
+                raise RuntimeError(f"{name}: checkpoint partition {n} of {tuple(shape)} does not "
+                                   f"match the engine's {p.ds_tensor.numel()} of "
+                                   f"{tuple(p.ds_shape)}")
+            p.ds_tensor.data.copy_(flat.narrow(0, offset, n).to(p.ds_tensor.dtype))
+            offset += n
+    if offset != flat.numel():
+        raise RuntimeError(f"read {offset} of {flat.numel()} partition elements")
 
 
 def spawn(target, world: int, *args, timeout: float = 4 * 3600) -> list[dict]:
@@ -314,7 +349,7 @@ def large(args) -> dict:
     if "train" in phases:
         argv = ["--deepspeed_config", args.ds_config, "--model-config", args.model_config,
                 "--train-data", args.train_data, "--max-docs", str(args.max_docs),
-                "--seq-len", str(args.seq_len), "--vocab-size", str(args.vocab_size),
+                "--seq-len", str(args.train_seq_len), "--vocab-size", str(args.vocab_size),
                 "--steps", str(args.steps), "--out", str(out / "run"), "--log-every", "1",
                 "--capture", "--online-selection", "--target-data", args.target_data,
                 "--target-max-docs", str(args.target_docs)]
@@ -338,7 +373,8 @@ def large(args) -> dict:
         if kept < args.collect_n:
             raise SystemExit(f"only {kept} documents of >= {args.seq_len - 1} tokens")
         opts = {"run": str(out / "run"), "data": str(docs), "n": args.collect_n,
-                "out": str(out / "grads"), "k": args.k, "batch": args.collect_batch}
+                "out": str(out / "grads"), "k": args.k, "batch": args.collect_batch,
+                "seq_len": args.seq_len}
         ranks = spawn(collect_worker, 2, opts, args.progress)
         result["collect"] = ranks
         r0 = ranks[0]
@@ -353,6 +389,216 @@ def large(args) -> dict:
     return result
 
 
+# ---- the planner against measured runs ---------------------------------------------------------
+LADDER = {  # Llama-style, vocab 4096 (the tokenizer's): about 12M, 48M, 190M parameters
+    "12m": {"num_hidden_layers": 6, "hidden_size": 384, "intermediate_size": 1024,
+            "num_attention_heads": 6, "num_key_value_heads": 2},
+    "48m": {"num_hidden_layers": 10, "hidden_size": 640, "intermediate_size": 1728,
+            "num_attention_heads": 10, "num_key_value_heads": 2},
+    "190m": {"num_hidden_layers": 16, "hidden_size": 1024, "intermediate_size": 2816,
+             "num_attention_heads": 16, "num_key_value_heads": 4},
+}
+_LLAMA_BASE = {"model_type": "llama", "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
+               "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+               "hidden_act": "silu", "attention_dropout": 0.0, "tie_word_embeddings": False}
+
+
+def _ladder_ds_config(micro: int, k: int) -> dict:
+    cfg = json.loads((ROOT / "configs/zero3_cpu_large.json").read_text())
+    cfg["train_micro_batch_size_per_gpu"] = micro
+    cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}
+    cfg.pop("zero_allow_untested_optimizer")
+    cfg["dattri_ds"]["capture"]["projection"]["dim"] = k
+    cfg["dattri_ds"]["selection"]["projection"]["dim"] = k
+    return cfg
+
+
+def _spec_of(ds_cfg: dict, seq_len: int, examples: int):
+    from dattri_ds.plan import RunSpec
+    opt = ds_cfg["optimizer"]["type"].lower()
+    return RunSpec(world=2, seq_len=seq_len, micro_batch=ds_cfg["train_micro_batch_size_per_gpu"],
+                   zero_stage=ds_cfg["zero_optimization"]["stage"],
+                   dtype="bfloat16" if ds_cfg.get("bf16", {}).get("enabled") else "float32",
+                   optimizer="adamw" if opt.startswith("adam") else "sgd", capture=True,
+                   k=ds_cfg["dattri_ds"]["capture"]["projection"]["dim"], method="selection",
+                   candidate_multiple=2.0, examples=examples)
+
+
+def _measured_row(name: str, model_cfg, ds_cfg: dict, seq_len: int, ranks: list[dict],
+                  vocab: int) -> dict:
+    from dattri_ds.plan import ModelShape, plan
+    shape = ModelShape.from_config(model_cfg, vocab_size=vocab)
+    p = plan(shape, "cpu", _spec_of(ds_cfg, seq_len, 0))
+    steps = [sorted(r["cpu_per_step"][1:])[len(r["cpu_per_step"][1:]) // 2] for r in ranks]
+    return {"name": name, "params": shape.num_params,
+            "pred_rss": p.peak, "meas_rss": max(r["peak_rss"] for r in ranks),
+            "pred_step": p.times["step"], "meas_step": max(steps),
+            "pred_terms": p.memory, "plan_init": p.init}
+
+
+def ladder(args) -> list[dict]:
+    """Train each ladder size for a few steps (capture + selection) and compare with plan."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name in args.sizes.split(","):
+        model_cfg = {**_LLAMA_BASE, **LADDER[name]}
+        mpath, dpath = out / f"model_{name}.json", out / f"ds_{name}.json"
+        mpath.write_text(json.dumps(model_cfg))
+        ds_cfg = _ladder_ds_config(args.micro, args.k)
+        dpath.write_text(json.dumps(ds_cfg))
+        argv = ["--deepspeed_config", str(dpath), "--model-config", str(mpath),
+                "--train-data", args.train_data, "--max-docs", "200", "--seq-len",
+                str(args.seq_len), "--vocab-size", str(args.vocab_size), "--steps",
+                str(args.steps), "--out", str(out / name), "--log-every", "1", "--capture",
+                "--online-selection", "--target-data", args.target_data,
+                "--target-max-docs", "4"]
+        ranks = spawn(train_worker, 2, argv, None)
+        row = _measured_row(name, model_cfg, ds_cfg, args.seq_len, ranks, args.vocab_size)
+        rows.append(row)
+        _log(args.progress, _row_text(row))
+    print(_ladder_table(rows))
+    (out / "ladder.json").write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+def _row_text(r: dict) -> str:
+    return (f"{r['name']}: {r['params'] / 1e6:.0f}M params; peak RSS/rank predicted "
+            f"{r['pred_rss'] / 2**30:.2f} GiB, measured {r['meas_rss'] / 2**30:.2f} GiB "
+            f"(ratio {r['pred_rss'] / r['meas_rss']:.2f}); CPU s/step predicted "
+            f"{r['pred_step']:.2f}, measured {r['meas_step']:.2f} "
+            f"(ratio {r['pred_step'] / r['meas_step']:.2f})")
+
+
+def _ladder_table(rows: list[dict]) -> str:
+    head = (f"{'size':>6} {'params':>8} {'RSS pred GiB':>13} {'RSS meas GiB':>13} {'ratio':>6} "
+            f"{'step pred s':>12} {'step meas CPU s':>16} {'ratio':>6}")
+    lines = [head]
+    for r in rows:
+        lines.append(f"{r['name']:>6} {r['params'] / 1e6:>7.0f}M {r['pred_rss'] / 2**30:>13.2f} "
+                     f"{r['meas_rss'] / 2**30:>13.2f} {r['pred_rss'] / r['meas_rss']:>6.2f} "
+                     f"{r['pred_step']:>12.2f} {r['meas_step']:>16.2f} "
+                     f"{r['pred_step'] / r['meas_step']:>6.2f}")
+    return "\n".join(lines)
+
+
+def paper(args) -> None:
+    """The planner on the paper's setting: a 110B Qwen-1.5-like model, 4 x H200, T = 512."""
+    from dattri_ds.plan import ModelShape, RunSpec, plan
+    shape = ModelShape.from_config(ROOT / "configs/model_qwen_110b.json")
+    runs = {"collect (frozen bf16 weights, ZeRO-3, per-example gradients of 100k examples)":
+            RunSpec(world=4, seq_len=512, micro_batch=4, zero_stage=3, k=0, train=False,
+                    zero_init=True, method="graddot", examples=100_000),
+            "training with capture (AdamW, bf16, ZeRO-3)":
+            RunSpec(world=4, seq_len=512, micro_batch=1, zero_stage=3, k=0, zero_init=True,
+                    method="graddot", examples=100_000)}
+    for title, spec in runs.items():
+        print(f"=== {title}")
+        print(plan(shape, "h200", spec).table(), "\n")
+
+
+# ---- accelerator throughput at a Qwen-like size ladder (tools/gpu_check.sh) ---------------------
+QWEN = {"0.5b": "configs/model_qwen_0.5b.json", "1.5b": "configs/model_qwen_1.5b.json",
+        "7b": "configs/model_qwen_7b.json", "tiny": "configs/model_llama_tiny.json"}
+
+
+def _build_hf(path: Path, dev: torch.device, dtype: torch.dtype):
+    import transformers
+    d = json.loads(path.read_text())
+    if d["model_type"] == "llama" and "vocab_size" not in d:
+        d["vocab_size"] = 512
+    cfg = transformers.AutoConfig.for_model(**d)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    return model, d
+
+
+def _timed(fn, dev: torch.device, reps: int) -> list[float]:
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+    fn()
+    out = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def throughput(args) -> list[dict]:
+    """Per size: plain forward+backward (a training step's compute) and projected per-example
+    gradients by probe passes (what ``collect`` runs), examples/s, peak memory, planner."""
+    from dattri_ds import CaptureConfig, GradientCapture, ProjectionConfig
+    from dattri_ds.plan import DEVICES, ModelShape, RunSpec, plan
+
+    dev = torch.device(args.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name in args.sizes.split(","):
+        model, d = _build_hf(ROOT / QWEN[name], dev, dtype)
+        model.train()
+        B, T = args.batch, args.seq_len
+        ids = torch.randint(0, d["vocab_size"], (B, T), device=dev)
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+
+        def train_pass():
+            model(input_ids=ids, labels=ids).loss.backward()
+            model.zero_grad(set_to_none=True)
+
+        cap = GradientCapture(model, CaptureConfig(
+            projection=ProjectionConfig(kind="kronecker", dim=args.k)), probe_only=True)
+        cap.attach()
+
+        def collect_pass():
+            got = cap.probe(lambda: model(input_ids=ids, labels=ids).loss)
+            assert got is not None and all(torch.isfinite(lg.data.values).all()
+                                           for lg in got.layers.values())
+
+        t_train = sorted(_timed(train_pass, dev, args.reps))[args.reps // 2]
+        t_collect = sorted(_timed(collect_pass, dev, args.reps))[args.reps // 2]
+        cap.detach()
+        peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else _peak_rss()
+        shape = ModelShape.from_config(d)
+        key = args.gpu_name if dev.type == "cuda" else "cpu"
+        p = plan(shape, DEVICES[key], RunSpec(world=1, seq_len=T, micro_batch=B, zero_stage=0,
+                                              dtype="bfloat16" if dev.type == "cuda" else
+                                              "float32", k=args.k, train=False))
+        flops = 3 * shape.forward_flops(B, T)
+        rows.append({"size": name, "params": shape.num_params, "B": B, "T": T,
+                     "train_s": t_train, "train_ex_s": B / t_train,
+                     "mfu": flops / t_train / DEVICES[key].flops_per_s,
+                     "collect_s": t_collect, "collect_ex_s": B / t_collect,
+                     "pred_collect_s": p.times["collect_per_example"] * B,
+                     "peak_gb": peak / 1e9})
+        print(json.dumps(rows[-1]), flush=True)
+        del model, cap
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    head = ["size", "params (B)", "B x T", "fwd+bwd s", "train ex/s", "MFU",
+            "collect s", "collect ex/s", "planner collect s", "peak GB"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        lines.append(f"| {r['size']} | {r['params'] / 1e9:.2f} | {r['B']} x {r['T']} | "
+                     f"{r['train_s']:.3f} | {r['train_ex_s']:.1f} | {r['mfu']:.2f} | "
+                     f"{r['collect_s']:.3f} | {r['collect_ex_s']:.1f} | "
+                     f"{r['pred_collect_s']:.3f} | {r['peak_gb']:.1f} |")
+    text = (f"device {dev} ({torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}),"
+            f" {dtype}, Kronecker k={args.k} per layer, {args.reps} timed reps (median)\n"
+            + "\n".join(lines))
+    print(text)
+    (out / "throughput.md").write_text(text + "\n")
+    (out / "throughput.json").write_text(json.dumps(rows, indent=1))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -365,7 +611,8 @@ def main(argv: list[str] | None = None) -> None:
     lg.add_argument("--target-docs", type=int, default=2)
     lg.add_argument("--max-docs", type=int, default=400)
     lg.add_argument("--vocab-size", type=int, default=4096)
-    lg.add_argument("--seq-len", type=int, default=256)
+    lg.add_argument("--seq-len", type=int, default=256, help="tokens per collected sequence")
+    lg.add_argument("--train-seq-len", type=int, default=128, help="tokens per trained sequence")
     lg.add_argument("--steps", type=int, default=5)
     lg.add_argument("--collect-n", type=int, default=128)
     lg.add_argument("--collect-batch", type=int, default=1)
@@ -374,9 +621,29 @@ def main(argv: list[str] | None = None) -> None:
     lg.add_argument("--progress", default=None, help="append progress lines to this file")
     lg.add_argument("--min-free-gib", type=float, default=16.0)
     lg.add_argument("--force", action="store_true")
+    ld = sub.add_parser("ladder", help="planner vs measured at 3 sizes (2 ranks, ZeRO-3)")
+    ld.add_argument("--out", default="runs/scale_ladder")
+    ld.add_argument("--sizes", default=",".join(LADDER))
+    ld.add_argument("--train-data", default=str(ROOT / "data/corpus/train.jsonl"))
+    ld.add_argument("--target-data", default=str(ROOT / "data/target/hamlet.jsonl"))
+    ld.add_argument("--vocab-size", type=int, default=4096)
+    ld.add_argument("--seq-len", type=int, default=128)
+    ld.add_argument("--micro", type=int, default=2)
+    ld.add_argument("--k", type=int, default=256)
+    ld.add_argument("--steps", type=int, default=4)
+    ld.add_argument("--progress", default=None)
+    sub.add_parser("paper", help="the planner's prediction for 110B on 4 x H200, T=512")
+    tp = sub.add_parser("throughput", help="examples/s at a Qwen-like size ladder (GPU)")
+    tp.add_argument("--sizes", default="0.5b,1.5b,7b", help=f"comma list of {sorted(QWEN)}")
+    tp.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    tp.add_argument("--gpu-name", default="h200", help="planner device for the prediction")
+    tp.add_argument("--batch", type=int, default=4)
+    tp.add_argument("--seq-len", type=int, default=512)
+    tp.add_argument("--k", type=int, default=256)
+    tp.add_argument("--reps", type=int, default=3)
+    tp.add_argument("--out", default="runs/gpu_check")
     args = p.parse_args(argv)
-    if args.cmd == "large":
-        large(args)
+    {"large": large, "ladder": ladder, "paper": paper, "throughput": throughput}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -276,6 +276,11 @@ class RunSpec:
         ``selection``: online selection with ``candidate_multiple`` candidates per trained
         example). examples: rows written to the store (for its size).
         store_dtype: the store's element type.
+        train: the run trains (optimizer, gradients); False plans a ``collect`` /
+            attribution pass over frozen weights (parameters only).
+        zero_init: the model is built partitioned (``deepspeed.zero.Init``); False builds
+            it whole in fp32 on every rank first (what ``launch/train.py`` does).
+        store_budget_gb: the store size ``k = 0`` may recommend up to.
     """
 
     world: int = 1
@@ -292,6 +297,9 @@ class RunSpec:
     candidate_multiple: float = 2.0
     examples: int = 10_000
     store_dtype: Literal["float32", "float16", "bfloat16"] = "float16"
+    train: bool = True
+    zero_init: bool = False
+    store_budget_gb: float = 100.0
 
     def __post_init__(self) -> None:
         if self.world < 1 or self.seq_len < 1 or self.micro_batch < 1:
@@ -353,7 +361,9 @@ class Plan:
     @property
     def init(self) -> float:
         """Bytes while the model is built whole on each rank in fp32 (``launch/train.py``
-        builds it, then ``deepspeed.initialize`` partitions it; zero.Init avoids this)."""
+        builds it, then ``deepspeed.initialize`` partitions it); 0 with ``zero_init``."""
+        if self.spec.zero_init:
+            return 0.0
         return self.model.num_params * 4 + self.device.runtime_bytes
 
     @property
@@ -380,7 +390,7 @@ class Plan:
         lines = [f"model: {m.family} {m.layers}x{m.hidden} (i {m.intermediate}, heads "
                  f"{m.heads}/{m.kv_heads}, vocab {m.vocab}), {m.num_params / 1e9:.3f} B params",
                  f"run: {s.world} x {self.device.name}, ZeRO-{s.zero_stage}, offload "
-                 f"{s.offload}, {s.dtype}, {s.optimizer}, T={s.seq_len}, micro-batch "
+                 f"{s.offload}, {s.dtype}, {s.optimizer if s.train else 'no optimizer (collect)'}, T={s.seq_len}, micro-batch "
                  f"{s.micro_batch}, {s.method}, {s.projection} k={s.k} per layer",
                  "", f"{'memory per rank':<22}{'GB':>10}"]
         lines += [f"  {k:<20}{v / GB:>10.3f}" for k, v in self.memory.items()]
@@ -410,13 +420,13 @@ def _states(m: ModelShape, s: RunSpec) -> tuple[dict[str, float], dict[str, floa
     shard = lambda stage: R if s.zero_stage >= stage else 1  # noqa: E731
     mixed = s.dtype != "float32"
     terms = {"params": P * e / shard(3),
-             "master": 4 * P / shard(1) if mixed else 0.0,
-             "grads": P * e / shard(2),
-             "optimizer": _OPT_BYTES[s.optimizer] * P / shard(1)}
+             "master": 4 * P / shard(1) if mixed and s.train else 0.0,
+             "grads": P * e / shard(2) if s.train else 0.0,
+             "optimizer": _OPT_BYTES[s.optimizer] * P / shard(1) if s.train else 0.0}
     moved = {"optimizer": ("master", "optimizer"),
              "all": ("master", "optimizer", "params")}.get(s.offload, ())
     host = {k: terms.pop(k) for k in moved}
-    if s.offload != "none" and mixed:  # the fp32 gradient copy the CPU optimizer reads
+    if s.offload != "none" and mixed and s.train:  # the fp32 gradient copy the CPU optimizer reads
         host["grads_fp32"] = 4 * P / shard(2)
     return terms, host
 
@@ -511,14 +521,16 @@ def _times(m: ModelShape, s: RunSpec, dev: DeviceSpec, proj_s: float,
         comm = 3 * m.num_params * e * (s.world - 1) / s.world / dev.link_bytes_per_s
     elif s.world > 1:
         comm = 2 * m.num_params * e * (s.world - 1) / s.world / dev.link_bytes_per_s
-    t = {"forward": fwd, "train_step": 3 * fwd + comm, "zero_comm": comm,
-         "capture": proj_s if s.capture else 0.0}
+    t = {"forward": fwd, "zero_comm": comm, "capture": proj_s if s.capture else 0.0}
+    t["collect_per_example"] = (2 * fwd + comm * 2 / 3 + proj_s) / B
+    if not s.train:  # probe passes only: forward + input-grad backward, no reduce-scatter
+        return t
+    t["train_step"] = 3 * fwd + comm
     if s.method == "selection":  # probe: forward + input-grad backward on the candidates
         c = s.candidate_multiple
         t["selection"] = c * 2 * fwd + cand_proj_s
     t["step"] = t["train_step"] + t["capture"] + t.get("selection", 0.0)
     t["per_trained_example"] = t["step"] / B
-    t["collect_per_example"] = (2 * fwd + comm * 2 / 3 + proj_s) / B
     return t
 
 
@@ -526,7 +538,8 @@ def plan(model: ModelShape, dev: DeviceSpec | str, spec: RunSpec) -> Plan:
     """Predict memory and time of ``spec`` on ``model`` and ``dev``; recommend settings.
 
     ``spec.k = 0`` picks the largest k in (64, 256, 1024, 4096) whose projection costs at
-    most 10% of a training step; when the total does not fit, offload is tried in order
+    most 10% of a training step (of a collect pass when not training) and whose store of
+    ``spec.examples`` rows fits ``spec.store_budget_gb``; when the total does not fit, offload is tried in order
     (optimizer, then all) and the first that fits is recommended.
     """
     dev = device(dev) if isinstance(dev, str) else dev
@@ -536,26 +549,19 @@ def plan(model: ModelShape, dev: DeviceSpec | str, spec: RunSpec) -> Plan:
         for cand in _K_LADDER:
             trial = replace(spec, k=cand)
             _, ps = _routing(model, trial, dev, spec.micro_batch)
-            if ps <= 0.1 * _times(model, trial, dev, 0.0, 0.0)["train_step"]:
+            base = _times(model, trial, dev, 0.0, 0.0)
+            work = base["train_step"] if spec.train else base["collect_per_example"] * \
+                spec.micro_batch
+            store = spec.examples * _width(model, cand) * _STORE_BYTES[spec.store_dtype]
+            if ps <= 0.1 * work and store <= spec.store_budget_gb * GB:
                 k = cand
         spec = replace(spec, k=k)
         advice.append(f"projection k={k} per layer: the largest of {_K_LADDER} whose "
-                      f"projection costs <= 10% of a training step")
+                      f"projection costs <= 10% of the pass and whose store of "
+                      f"{spec.examples} examples fits {spec.store_budget_gb:g} GB")
     result = _plan_fixed(model, dev, spec)
-    if not result.fits and spec.offload == "none":
-        for off in ("optimizer", "all"):
-            if off == "all" and spec.zero_stage != 3:
-                continue
-            trial = _plan_fixed(model, dev, replace(spec, offload=off))
-            if trial.fits:
-                advice.append(f"does not fit without offload ({result.total / GB:.1f} GB per "
-                              f"rank): offload '{off}' brings it to {trial.total / GB:.1f} GB")
-                break
-        else:
-            advice.append("does not fit even with full offload: add ranks, shorten "
-                          "sequences, lower the micro-batch or checkpoint activations")
-    elif not result.fits:
-        advice.append("does not fit: add ranks, shorten sequences or lower the micro-batch")
+    if not result.fits:
+        advice.append(_fit_advice(model, dev, spec, result))
     ghost = [n for n, p in result.routing.items() if p == "ghost"]
     dense = [n for n, p in result.routing.items() if p == "dense"]
     advice.append(f"projection path: ghost (factorized) for {ghost or 'no layer'}; dense "
@@ -564,6 +570,24 @@ def plan(model: ModelShape, dev: DeviceSpec | str, spec: RunSpec) -> Plan:
         advice.append("bf16 matmuls run ~100x slower than fp32 on CPUs without AVX-512 BF16:"
                       " prefer float32 weights on CPU")
     return replace(result, advice=advice + result.advice)
+
+
+def _fit_advice(model: ModelShape, dev: DeviceSpec, spec: RunSpec, result: Plan) -> str:
+    """The first change that fits: more offload, then a smaller micro-batch (with offload)."""
+    order = ("none", "optimizer", "all")
+    offloads = [o for o in order[order.index(spec.offload):]
+                if spec.train and (o != "all" or spec.zero_stage == 3)] or [spec.offload]
+    batches = [spec.micro_batch]
+    while batches[-1] > 1:
+        batches.append(batches[-1] // 2)
+    for mb in batches:
+        for off in offloads:
+            trial = _plan_fixed(model, dev, replace(spec, offload=off, micro_batch=mb))
+            if trial.fits and (off, mb) != (spec.offload, spec.micro_batch):
+                return (f"does not fit ({result.peak / GB:.1f} GB per rank): offload '{off}' "
+                        f"with micro-batch {mb} needs {trial.peak / GB:.1f} GB")
+    return (f"does not fit ({result.peak / GB:.1f} GB per rank) even with full offload and "
+            f"micro-batch 1: add ranks, shorten sequences or checkpoint activations")
 
 
 def _plan_fixed(model: ModelShape, dev: DeviceSpec, spec: RunSpec) -> Plan:
