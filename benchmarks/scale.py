@@ -138,11 +138,37 @@ def _setup_rank(rank: int, world: int, port: int) -> CommCounter:
 
 
 # ---- training: launch/train.py's main, timed per step ----------------------------------------
-def train_worker(rank: int, world: int, port: int, argv: list[str], progress: str | None, q):
+def _zero_init_build(ds_path: str):
+    """``launch.train.build`` that builds the model partitioned (``zero.Init`` through
+    ``HfDeepSpeedConfig``): no rank ever holds the whole model (launch/train.py builds it
+    whole on every rank first, 4 bytes per parameter, before DeepSpeed partitions it)."""
+    def build(cfg, tok):
+        from transformers import AutoModelForCausalLM
+        from transformers.integrations import HfDeepSpeedConfig
+
+        from dattri_ds.data import build_model
+        from dattri_ds.launch.config import load_run_config
+        with torch.device("meta"):  # the exact HF config build_model makes, no weights
+            shell = build_model(cfg.train.model_config, tokenizer=tok, seed=None)
+        keep = HfDeepSpeedConfig(load_run_config(ds_path)[0])
+        torch.manual_seed(cfg.train.seed)
+        model = AutoModelForCausalLM.from_config(shell.config)
+        del keep
+        if getattr(model, "loss_type", "") is None:
+            model.loss_type = "ForCausalLM"
+        return model
+    return build
+
+
+def train_worker(rank: int, world: int, port: int, argv: list[str], progress: str | None, q,
+                 zero_init: bool = False):
     try:
         counter = _setup_rank(rank, world, port)
         import dattri_ds.launch.train as launch
         from dattri_ds.launch.runlog import RunLog
+
+        if zero_init:
+            launch.build = _zero_init_build(argv[argv.index("--deepspeed_config") + 1])
 
         marks: list[tuple[float, float, int]] = []
         end_step = RunLog.end_step
@@ -281,14 +307,15 @@ def load_zero3_partition(module, folder: Path, rank: int, world: int) -> None:
         raise RuntimeError(f"read {offset} of {flat.numel()} partition elements")
 
 
-def spawn(target, world: int, *args, timeout: float = 4 * 3600) -> list[dict]:
-    """Run ``target(rank, world, port, *args, q)`` on ``world`` spawned ranks; their results."""
+def spawn(target, world: int, *args, timeout: float = 4 * 3600, **kwargs) -> list[dict]:
+    """Run ``target(rank, world, port, *args, q, **kwargs)`` on ``world`` spawned ranks."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(r, world, port, *args, q)) for r in range(world)]
+    procs = [ctx.Process(target=target, args=(r, world, port, *args, q), kwargs=kwargs)
+             for r in range(world)]
     for p in procs:
         p.start()
     got = dict(q.get(timeout=timeout) for _ in procs)
@@ -344,6 +371,8 @@ def large(args) -> dict:
         raise SystemExit(f"only {avail / 2**30:.1f} GiB available, the run needs "
                          f"{args.min_free_gib} GiB: wait, shrink the model, or pass --force")
     phases = set(args.phases.split(","))
+    if args.mmap_threshold:  # freed blocks >= this go back to the OS (glibc keeps them else)
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
     result: dict = {"model_config": args.model_config, "ds_config": args.ds_config,
                     "seq_len": args.seq_len}
     if "train" in phases:
@@ -354,7 +383,7 @@ def large(args) -> dict:
                 "--capture", "--online-selection", "--target-data", args.target_data,
                 "--target-max-docs", str(args.target_docs)]
         _log(args.progress, "train: " + " ".join(argv))
-        ranks = spawn(train_worker, 2, argv, args.progress)
+        ranks = spawn(train_worker, 2, argv, args.progress, zero_init=True)
         result["train"] = ranks
         r0 = ranks[0]
         steady = sorted(r0["cpu_per_step"][1:] or r0["cpu_per_step"])
@@ -621,6 +650,8 @@ def main(argv: list[str] | None = None) -> None:
     lg.add_argument("--progress", default=None, help="append progress lines to this file")
     lg.add_argument("--min-free-gib", type=float, default=16.0)
     lg.add_argument("--force", action="store_true")
+    lg.add_argument("--mmap-threshold", type=int, default=1 << 20,
+                    help="MALLOC_MMAP_THRESHOLD_ of the ranks (0: glibc's dynamic default)")
     ld = sub.add_parser("ladder", help="planner vs measured at 3 sizes (2 ranks, ZeRO-3)")
     ld.add_argument("--out", default="runs/scale_ladder")
     ld.add_argument("--sizes", default=",".join(LADDER))
