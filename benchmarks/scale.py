@@ -442,15 +442,22 @@ def _ladder_ds_config(micro: int, k: int) -> dict:
     return cfg
 
 
-def _spec_of(ds_cfg: dict, seq_len: int, examples: int):
+def _spec_of(ds_cfg: dict, seq_len: int, examples: int, **kw):
+    """The planner's RunSpec of a launch/train.py run with this DeepSpeed config."""
     from dattri_ds.plan import RunSpec
-    opt = ds_cfg["optimizer"]["type"].lower()
-    return RunSpec(world=2, seq_len=seq_len, micro_batch=ds_cfg["train_micro_batch_size_per_gpu"],
-                   zero_stage=ds_cfg["zero_optimization"]["stage"],
-                   dtype="bfloat16" if ds_cfg.get("bf16", {}).get("enabled") else "float32",
-                   optimizer="adamw" if opt.startswith("adam") else "sgd", capture=True,
-                   k=ds_cfg["dattri_ds"]["capture"]["projection"]["dim"], method="selection",
-                   candidate_multiple=2.0, examples=examples)
+    opt = ds_cfg.get("optimizer", {}).get("type", "sgd").lower()
+    z = ds_cfg["zero_optimization"]
+    knobs = {"reduce_bucket": z.get("reduce_bucket_size", 5e8),
+             "max_live_params": z.get("stage3_max_live_parameters", 1e9),
+             "prefetch_bucket": z.get("stage3_prefetch_bucket_size", 5e7)}
+    spec = dict(world=2, seq_len=seq_len, micro_batch=ds_cfg["train_micro_batch_size_per_gpu"],
+                zero_stage=z["stage"],
+                dtype="bfloat16" if ds_cfg.get("bf16", {}).get("enabled") else "float32",
+                optimizer="adamw" if opt.startswith("adam") else "sgd", capture=True,
+                k=ds_cfg["dattri_ds"]["capture"]["projection"]["dim"], method="selection",
+                candidate_multiple=2.0, examples=examples, **knobs)
+    spec.update(kw)
+    return RunSpec(**spec)
 
 
 def _measured_row(name: str, model_cfg, ds_cfg: dict, seq_len: int, ranks: list[dict],
@@ -459,17 +466,36 @@ def _measured_row(name: str, model_cfg, ds_cfg: dict, seq_len: int, ranks: list[
     shape = ModelShape.from_config(model_cfg, vocab_size=vocab)
     p = plan(shape, "cpu", _spec_of(ds_cfg, seq_len, 0))
     steps = [sorted(r["cpu_per_step"][1:])[len(r["cpu_per_step"][1:]) // 2] for r in ranks]
-    return {"name": name, "params": shape.num_params,
+    return {"name": name, "params": shape.num_params, "model": model_cfg, "ds": ds_cfg,
+            "seq_len": seq_len, "vocab": vocab,
             "pred_rss": p.peak, "meas_rss": max(r["peak_rss"] for r in ranks),
             "pred_step": p.times["step"], "meas_step": max(steps),
-            "pred_terms": p.memory, "plan_init": p.init}
+            "pred_terms": p.memory, "ranks": [{k: v for k, v in r.items() if k != "comm"}
+                                             for r in ranks]}
+
+
+def replan(rows: list[dict]) -> list[dict]:
+    """The same measured rows with the current planner's predictions."""
+    from dattri_ds.plan import ModelShape, plan
+    out = []
+    for r in rows:
+        shape = ModelShape.from_config(r["model"], vocab_size=r["vocab"])
+        p = plan(shape, "cpu", _spec_of(r["ds"], r["seq_len"], 0))
+        out.append({**r, "pred_rss": p.peak, "pred_step": p.times["step"],
+                    "pred_terms": p.memory})
+    return out
 
 
 def ladder(args) -> list[dict]:
     """Train each ladder size for a few steps (capture + selection) and compare with plan."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = []
+    old = json.loads((out / "ladder.json").read_text()) if (out / "ladder.json").exists() else []
+    if args.replan:  # no runs: the stored measurements against the current planner
+        rows = replan(old)
+        print(_ladder_table(rows))
+        return rows
+    rows = [r for r in old if r["name"] not in args.sizes.split(",")]
     for name in args.sizes.split(","):
         model_cfg = {**_LLAMA_BASE, **LADDER[name]}
         mpath, dpath = out / f"model_{name}.json", out / f"ds_{name}.json"
@@ -486,6 +512,8 @@ def ladder(args) -> list[dict]:
         row = _measured_row(name, model_cfg, ds_cfg, args.seq_len, ranks, args.vocab_size)
         rows.append(row)
         _log(args.progress, _row_text(row))
+        (out / "ladder.json").write_text(json.dumps(rows, indent=1))
+    rows.sort(key=lambda r: r["params"])
     print(_ladder_table(rows))
     (out / "ladder.json").write_text(json.dumps(rows, indent=1))
     return rows
@@ -569,7 +597,12 @@ def throughput(args) -> list[dict]:
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = []
+    old = json.loads((out / "ladder.json").read_text()) if (out / "ladder.json").exists() else []
+    if args.replan:  # no runs: the stored measurements against the current planner
+        rows = replan(old)
+        print(_ladder_table(rows))
+        return rows
+    rows = [r for r in old if r["name"] not in args.sizes.split(",")]
     for name in args.sizes.split(","):
         model, d = _build_hf(ROOT / QWEN[name], dev, dtype)
         model.train()
@@ -663,6 +696,8 @@ def main(argv: list[str] | None = None) -> None:
     ld.add_argument("--k", type=int, default=256)
     ld.add_argument("--steps", type=int, default=4)
     ld.add_argument("--progress", default=None)
+    ld.add_argument("--replan", action="store_true",
+                    help="no runs: compare the stored measurements with the current planner")
     sub.add_parser("paper", help="the planner's prediction for 110B on 4 x H200, T=512")
     tp = sub.add_parser("throughput", help="examples/s at a Qwen-like size ladder (GPU)")
     tp.add_argument("--sizes", default="0.5b,1.5b,7b", help=f"comma list of {sorted(QWEN)}")

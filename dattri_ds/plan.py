@@ -15,7 +15,11 @@ weight, ``s = R`` when the state is sharded by the ZeRO stage, else 1):
 | master      | ``4 P / s`` with bf16 weights (fp32 master copy; ZeRO >= 1), else 0  |
 | grads       | ``P e / s`` (sharded from ZeRO-2)                                    |
 | optimizer   | ``{adamw: 8, sgd: 0, sgd_momentum: 4} P / s`` (sharded from ZeRO-1)  |
-| gathered    | ZeRO-3: ``min(P, 2 * largest block + prefetch bucket) e``            |
+| gathered    | ZeRO-3: ``min(P, max_live + prefetch) e`` (DeepSpeed keeps gathered weights) |
+| grad_bucket | ZeRO >= 2: ``min(P, reduce_bucket) e`` (the reduce bucket's touched pages)   |
+| init_model  | ``4 P`` unless built under zero.Init (the whole fp32 model each rank builds  |
+|             | first; glibc keeps its freed sub-32 MB blocks resident)              |
+| optim. tmp  | torch Adam(W) on CPU: two partition-sized temporaries, ``8 P / s``    |
 | activations | ``B T L (9 h + 3 h_kv + 4 i) e`` (Llama; GPT-2: ``16 h``) + logits ``3 B T V 4`` |
 | factors     | captured output-grads ``B T O e`` per layer, norms ``B D 4`` (the inputs ``a``    |
 |             | are tensors autograd saves anyway: see ``captured_factor_bytes``)    |
@@ -30,7 +34,8 @@ Time: a training step is ``3 x`` the forward flops (``2 P_linear B T`` + attenti
 ``4 B T^2 h L``) at the device's matmul rate, plus reading the weights three times at its
 memory bandwidth, plus ZeRO-3's parameter all-gathers (forward, backward) and gradient
 reduce-scatter at the link bandwidth; capture adds each layer's projection (the cheaper of
-the ghost and dense path, chosen by ``CostModel``).
+the ghost and dense path, chosen by ``CostModel``). Compute terms are divided by the
+device's ``efficiency`` (the fraction of the roofline whole steps reach).
 """
 
 from __future__ import annotations
@@ -69,6 +74,11 @@ class DeviceSpec:
         runtime_bytes: resident size of the framework itself (CUDA context / interpreter,
             torch, DeepSpeed, transformers) per rank.
         ranks_share_memory: every rank lives in the same memory (CPU ranks on one host).
+        efficiency: the fraction of the roofline a whole step reaches (kernels below peak,
+            elementwise work, framework and hook overhead). CPU: 0.4, measured on the
+            12M-parameter ladder run of ``benchmarks/scale.py`` (checked on the other
+            sizes there); GPUs: 0.5, a typical LLM-training MFU, not measured here
+            (``tools/gpu_check.sh`` prints the measured MFU).
     """
 
     name: str
@@ -78,6 +88,7 @@ class DeviceSpec:
     link_bytes_per_s: float
     runtime_bytes: float
     ranks_share_memory: bool = False
+    efficiency: float = 0.5
 
     @property
     def roofline(self) -> Roofline:
@@ -97,7 +108,7 @@ def _host_memory() -> float:
 DEVICES: dict[str, DeviceSpec] = {
     "cpu": DeviceSpec(name="cpu", memory_bytes=_host_memory(), flops_per_s=8e10,
                       bytes_per_s=1e10, link_bytes_per_s=1e9, runtime_bytes=0.45 * GB,
-                      ranks_share_memory=True),
+                      ranks_share_memory=True, efficiency=0.4),
     "h200": DeviceSpec(name="h200", memory_bytes=141 * GB, flops_per_s=989e12,
                        bytes_per_s=4.8e12, link_bytes_per_s=450 * GB, runtime_bytes=1.5 * GB),
     "h100": DeviceSpec(name="h100", memory_bytes=80 * GB, flops_per_s=989e12,
@@ -281,6 +292,9 @@ class RunSpec:
         zero_init: the model is built partitioned (``deepspeed.zero.Init``); False builds
             it whole in fp32 on every rank first (what ``launch/train.py`` does).
         store_budget_gb: the store size ``k = 0`` may recommend up to.
+        reduce_bucket / max_live_params / prefetch_bucket: DeepSpeed's
+            ``reduce_bucket_size``, ``stage3_max_live_parameters`` and
+            ``stage3_prefetch_bucket_size`` (elements; DeepSpeed's defaults).
     """
 
     world: int = 1
@@ -300,6 +314,9 @@ class RunSpec:
     train: bool = True
     zero_init: bool = False
     store_budget_gb: float = 100.0
+    reduce_bucket: float = 5e8
+    max_live_params: float = 1e9
+    prefetch_bucket: float = 5e7
 
     def __post_init__(self) -> None:
         if self.world < 1 or self.seq_len < 1 or self.micro_batch < 1:
@@ -359,16 +376,9 @@ class Plan:
         return sum(self.memory.values())
 
     @property
-    def init(self) -> float:
-        """Bytes while the model is built whole on each rank in fp32 (``launch/train.py``
-        builds it, then ``deepspeed.initialize`` partitions it); 0 with ``zero_init``."""
-        if self.spec.zero_init:
-            return 0.0
-        return self.model.num_params * 4 + self.device.runtime_bytes
-
-    @property
     def peak(self) -> float:
-        return max(self.total, self.init)
+        """Peak bytes per rank: the sum of the terms (each is live at the step's peak)."""
+        return self.total
 
     @property
     def fits(self) -> bool:
@@ -379,8 +389,7 @@ class Plan:
         return {"model": asdict(self.model), "params": self.model.num_params,
                 "device": asdict(self.device), "spec": asdict(self.spec),
                 "memory_bytes": self.memory, "host_bytes": self.host,
-                "total_bytes": self.total, "init_bytes": self.init,
-                "peak_bytes": self.peak, "fits": self.fits, "seconds": self.times,
+                "total_bytes": self.total, "fits": self.fits, "seconds": self.times,
                 "routing": self.routing, "store_bytes": self.store_bytes,
                 "advice": self.advice}
 
@@ -390,16 +399,15 @@ class Plan:
         lines = [f"model: {m.family} {m.layers}x{m.hidden} (i {m.intermediate}, heads "
                  f"{m.heads}/{m.kv_heads}, vocab {m.vocab}), {m.num_params / 1e9:.3f} B params",
                  f"run: {s.world} x {self.device.name}, ZeRO-{s.zero_stage}, offload "
-                 f"{s.offload}, {s.dtype}, {s.optimizer if s.train else 'no optimizer (collect)'}, T={s.seq_len}, micro-batch "
-                 f"{s.micro_batch}, {s.method}, {s.projection} k={s.k} per layer",
+                 f"{s.offload}, {s.dtype}, "
+                 f"{s.optimizer if s.train else 'no optimizer (collect)'}, T={s.seq_len}, "
+                 f"micro-batch {s.micro_batch}, {s.method}, {s.projection} k={s.k} per layer",
                  "", f"{'memory per rank':<22}{'GB':>10}"]
         lines += [f"  {k:<20}{v / GB:>10.3f}" for k, v in self.memory.items()]
         lines.append(f"  {'total':<20}{self.total / GB:>10.3f}   (device "
                      f"{self.device.memory_bytes / GB:.0f} GB"
                      f"{', shared by all ranks' if self.device.ranks_share_memory else ''}"
                      f": {'fits' if self.fits else 'DOES NOT FIT'})")
-        lines.append(f"  {'init (whole model)':<20}{self.init / GB:>10.3f}   peak "
-                     f"{self.peak / GB:.3f} GB per rank")
         if self.host:
             lines += [f"  host: {k:<14}{v / GB:>10.3f}" for k, v in self.host.items()]
         lines.append(f"  store on disk: {self.store_bytes / GB:.3f} GB for {s.examples} "
@@ -431,12 +439,21 @@ def _states(m: ModelShape, s: RunSpec) -> tuple[dict[str, float], dict[str, floa
     return terms, host
 
 
-def _gathered(m: ModelShape, s: RunSpec, prefetch_elems: float = 5e7) -> float:
-    """ZeRO-3's gathered full parameters alive at once: the running block + the prefetch."""
-    if s.zero_stage < 3 or s.world == 1:
-        return 0.0
-    live = min(m.num_params, 2 * m.block_params + prefetch_elems)
-    return live * s.weight_bytes
+def _zero_buffers(m: ModelShape, s: RunSpec) -> dict[str, float]:
+    """DeepSpeed's working memory: gathered parameters, the gradient bucket, the whole
+    model each rank builds before partitioning (without ``zero_init``: glibc keeps the
+    freed sub-32 MB blocks resident) and the optimizer step's temporaries."""
+    P, e = m.num_params, s.weight_bytes
+    sharded = s.zero_stage >= 3 and s.world > 1
+    out = {"gathered": min(P, s.max_live_params + s.prefetch_bucket) * e if sharded else 0.0,
+           "grad_bucket": min(P, s.reduce_bucket) * e if s.train and s.zero_stage >= 2
+           else 0.0,
+           "init_model": 0.0 if s.zero_init else P * 4.0}
+    # torch's CPU Adam(W) makes ~2 partition-sized temporaries (denominator, update)
+    opt_tmp = 2 * 4 * P / (s.world if s.zero_stage >= 1 else 1)
+    out["optimizer_tmp"] = opt_tmp if s.train and s.optimizer.startswith("adam") and \
+        s.offload == "none" else 0.0
+    return out
 
 
 def _proj_dims(layer: LayerShape, k: int) -> tuple[int, int]:
@@ -499,8 +516,8 @@ def _routing(m: ModelShape, s: RunSpec, dev: DeviceSpec, rows: int) -> tuple[dic
     for L in m.captured_layers():
         if L.kind == "norm" or not s.k:
             continue
-        dims = LayerDims(rows, s.seq_len * L.token_factor, L.I, L.O, index_input=L.kind == "embedding",
-                         itemsize=e)
+        dims = LayerDims(rows, s.seq_len * L.token_factor, L.I, L.O,
+                         index_input=L.kind == "embedding", itemsize=e)
         if s.projection == "kronecker":
             ko, ki = _proj_dims(L, s.k)
             d = cm.choose("project_kron", L.name, dims, ko=ko, ki=ki)
@@ -515,7 +532,8 @@ def _times(m: ModelShape, s: RunSpec, dev: DeviceSpec, proj_s: float,
            cand_proj_s: float) -> dict[str, float]:
     B, T = s.micro_batch, s.seq_len
     e = s.weight_bytes
-    fwd = m.forward_flops(B, T) / dev.flops_per_s + m.num_params * e / dev.bytes_per_s
+    fwd = (m.forward_flops(B, T) / dev.flops_per_s + m.num_params * e / dev.bytes_per_s) \
+        / dev.efficiency
     comm = 0.0
     if s.zero_stage >= 3 and s.world > 1:  # all-gather (fwd, bwd) + reduce-scatter
         comm = 3 * m.num_params * e * (s.world - 1) / s.world / dev.link_bytes_per_s
@@ -539,8 +557,9 @@ def plan(model: ModelShape, dev: DeviceSpec | str, spec: RunSpec) -> Plan:
 
     ``spec.k = 0`` picks the largest k in (64, 256, 1024, 4096) whose projection costs at
     most 10% of a training step (of a collect pass when not training) and whose store of
-    ``spec.examples`` rows fits ``spec.store_budget_gb``; when the total does not fit, offload is tried in order
-    (optimizer, then all) and the first that fits is recommended.
+    ``spec.examples`` rows fits ``spec.store_budget_gb``. When the total does not fit,
+    more offload (optimizer, then all) and then halved micro-batches are tried, and the
+    first that fits is recommended.
     """
     dev = device(dev) if isinstance(dev, str) else dev
     advice: list[str] = []
@@ -597,7 +616,7 @@ def _plan_fixed(model: ModelShape, dev: DeviceSpec, spec: RunSpec) -> Plan:
     rows = B * (spec.candidate_multiple if spec.method == "selection" else 1)
     rows = int(math.ceil(rows))
     memory = dict(states)
-    memory["gathered"] = _gathered(model, spec)
+    memory.update(_zero_buffers(model, spec))
     memory["activations"] = model.activation_elems(rows, spec.seq_len) * act_e
     cap = _capture_terms(model, spec, rows) if (spec.capture or spec.method == "selection") \
         else {"factors": 0.0, "projections": 0.0, "kfac": 0.0}
