@@ -138,6 +138,55 @@ def _setup_rank(rank: int, world: int, port: int) -> CommCounter:
 
 
 # ---- training: launch/train.py's main, timed per step ----------------------------------------
+def release_after_probes() -> None:
+    """Free ZeRO-3's gathered weights after every probe pass of this process.
+
+    DeepSpeed releases a module's gathered parameters in that module's backward hooks; a
+    probe pass (``torch.autograd.grad`` to layer outputs, no weight gradients) or a no-grad
+    forward leaves some or all of them gathered until the next training step: at 1B
+    parameters that is up to 4 GB more per rank. ``engine.empty_partition_cache()``
+    (DeepSpeed's API for this, used after evaluation passes) releases them.
+    """
+    import deepspeed
+
+    from dattri_ds.capture import GradientCapture
+
+    engines = []
+    initialize = deepspeed.initialize
+
+    def tracked(*a, **kw):
+        out = initialize(*a, **kw)
+        engines.append(out[0])
+        return out
+
+    deepspeed.initialize = tracked
+    probe = GradientCapture.probe
+
+    def probe_and_release(self, forward):
+        try:
+            return probe(self, forward)
+        finally:
+            for eng in engines:
+                if eng.zero_optimization_partition_weights():
+                    eng.empty_partition_cache()
+
+    GradientCapture.probe = probe_and_release
+    counted = GradientCapture.probe
+    seen = {"n": 0, "t0": time.process_time()}
+
+    def probe_logged(self, forward):  # progress of long runs, rank 0, every 8 probes
+        out = counted(self, forward)
+        seen["n"] += 1
+        path = os.environ.get("SCALE_PROGRESS")
+        if path and os.environ.get("RANK") == "0" and seen["n"] % 8 == 0:
+            cpu = time.process_time() - seen["t0"]
+            _log(path, f"  probe passes so far on rank 0: {seen['n']}, {cpu:.0f} CPU s "
+                       f"({cpu / seen['n']:.1f} per pass), peak RSS {_peak_rss() / 2**30:.2f} GiB")
+        return out
+
+    GradientCapture.probe = probe_logged
+
+
 def _zero_init_build(ds_path: str):
     """``launch.train.build`` that builds the model partitioned (``zero.Init`` through
     ``HfDeepSpeedConfig``): no rank ever holds the whole model (launch/train.py builds it
@@ -169,6 +218,7 @@ def train_worker(rank: int, world: int, port: int, argv: list[str], progress: st
 
         if zero_init:
             launch.build = _zero_init_build(argv[argv.index("--deepspeed_config") + 1])
+            release_after_probes()
 
         marks: list[tuple[float, float, int]] = []
         end_step = RunLog.end_step
@@ -207,6 +257,7 @@ def train_worker(rank: int, world: int, port: int, argv: list[str], progress: st
 def collect_worker(rank: int, world: int, port: int, opts: dict, progress: str | None, q):
     try:
         counter = _setup_rank(rank, world, port)
+        release_after_probes()
         q.put((rank, _collect(rank, world, opts, progress, counter)))
     except BaseException as e:  # noqa: BLE001
         import traceback
@@ -371,6 +422,8 @@ def large(args) -> dict:
         raise SystemExit(f"only {avail / 2**30:.1f} GiB available, the run needs "
                          f"{args.min_free_gib} GiB: wait, shrink the model, or pass --force")
     phases = set(args.phases.split(","))
+    if args.progress:
+        os.environ["SCALE_PROGRESS"] = str(Path(args.progress).resolve())
     if args.mmap_threshold:  # freed blocks >= this go back to the OS (glibc keeps them else)
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
     result: dict = {"model_config": args.model_config, "ds_config": args.ds_config,
