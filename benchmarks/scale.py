@@ -594,14 +594,20 @@ def _ladder_table(rows: list[dict]) -> str:
 
 def paper(args) -> None:
     """The planner on the paper's setting: a 110B Qwen-1.5-like model, 4 x H200, T = 512."""
+    from dataclasses import replace
+
     from dattri_ds.plan import ModelShape, RunSpec, plan
     shape = ModelShape.from_config(ROOT / "configs/model_qwen_110b.json")
-    runs = {"collect (frozen bf16 weights, ZeRO-3, per-example gradients of 100k examples)":
-            RunSpec(world=4, seq_len=512, micro_batch=4, zero_stage=3, k=0, train=False,
-                    zero_init=True, method="graddot", examples=100_000),
-            "training with capture (AdamW, bf16, ZeRO-3)":
-            RunSpec(world=4, seq_len=512, micro_batch=1, zero_stage=3, k=0, zero_init=True,
-                    method="graddot", examples=100_000)}
+    collect = RunSpec(world=4, seq_len=512, micro_batch=4, zero_stage=3, k=0, train=False,
+                      zero_init=True, method="graddot", examples=100_000)
+    train = RunSpec(world=4, seq_len=512, micro_batch=1, zero_stage=3, k=0, zero_init=True,
+                    method="graddot", examples=100_000)
+    runs = {"collect: frozen bf16 weights, ZeRO-3, micro-batch 4 (the planner's advice "
+            "follows)": collect,
+            "collect as advised: micro-batch 2": replace(collect, micro_batch=2),
+            "training with capture: AdamW, bf16, ZeRO-3 (advice follows)": train,
+            "training as advised: parameters and optimizer offloaded": replace(train,
+                                                                                offload="all")}
     for title, spec in runs.items():
         print(f"=== {title}")
         print(plan(shape, "h200", spec).table(), "\n")
@@ -650,12 +656,7 @@ def throughput(args) -> list[dict]:
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    old = json.loads((out / "ladder.json").read_text()) if (out / "ladder.json").exists() else []
-    if args.replan:  # no runs: the stored measurements against the current planner
-        rows = replan(old)
-        print(_ladder_table(rows))
-        return rows
-    rows = [r for r in old if r["name"] not in args.sizes.split(",")]
+    rows = []
     for name in args.sizes.split(","):
         model, d = _build_hf(ROOT / QWEN[name], dev, dtype)
         model.train()

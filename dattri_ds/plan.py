@@ -33,7 +33,7 @@ offloading parameters moves the parameter shard too. Store bytes are on disk, no
 Time: a training step is ``3 x`` the forward flops (``2 P_linear B T`` + attention
 ``4 B T^2 h L``) at the device's matmul rate, plus reading the weights three times at its
 memory bandwidth, plus ZeRO-3's parameter all-gathers (forward, backward) and gradient
-reduce-scatter at the link bandwidth; capture adds each layer's projection (the cheaper of
+reduce-scatter at the link bandwidth, plus offloaded state crossing the host link; capture adds each layer's projection (the cheaper of
 the ghost and dense path, chosen by ``CostModel``). Compute terms are divided by the
 device's ``efficiency`` (the fraction of the roofline whole steps reach).
 """
@@ -79,6 +79,8 @@ class DeviceSpec:
             12M-parameter ladder run of ``benchmarks/scale.py`` (checked on the other
             sizes there); GPUs: 0.5, a typical LLM-training MFU, not measured here
             (``tools/gpu_check.sh`` prints the measured MFU).
+        host_link_bytes_per_s: device <-> host bandwidth that offloaded state crosses
+            every step (PCIe 5 x16: ~50 GB/s sustained; PCIe 4: ~25 GB/s; CPU: none).
     """
 
     name: str
@@ -89,6 +91,7 @@ class DeviceSpec:
     runtime_bytes: float
     ranks_share_memory: bool = False
     efficiency: float = 0.5
+    host_link_bytes_per_s: float = float("inf")
 
     @property
     def roofline(self) -> Roofline:
@@ -110,11 +113,14 @@ DEVICES: dict[str, DeviceSpec] = {
                       bytes_per_s=1e10, link_bytes_per_s=1e9, runtime_bytes=0.45 * GB,
                       ranks_share_memory=True, efficiency=0.4),
     "h200": DeviceSpec(name="h200", memory_bytes=141 * GB, flops_per_s=989e12,
-                       bytes_per_s=4.8e12, link_bytes_per_s=450 * GB, runtime_bytes=1.5 * GB),
+                       bytes_per_s=4.8e12, link_bytes_per_s=450 * GB, runtime_bytes=1.5 * GB,
+                       host_link_bytes_per_s=50 * GB),
     "h100": DeviceSpec(name="h100", memory_bytes=80 * GB, flops_per_s=989e12,
-                       bytes_per_s=3.35e12, link_bytes_per_s=450 * GB, runtime_bytes=1.5 * GB),
+                       bytes_per_s=3.35e12, link_bytes_per_s=450 * GB, runtime_bytes=1.5 * GB,
+                       host_link_bytes_per_s=50 * GB),
     "a100": DeviceSpec(name="a100", memory_bytes=80 * GB, flops_per_s=312e12,
-                       bytes_per_s=2.04e12, link_bytes_per_s=300 * GB, runtime_bytes=1.5 * GB),
+                       bytes_per_s=2.04e12, link_bytes_per_s=300 * GB, runtime_bytes=1.5 * GB,
+                       host_link_bytes_per_s=25 * GB),
 }
 
 
@@ -439,7 +445,7 @@ def _states(m: ModelShape, s: RunSpec) -> tuple[dict[str, float], dict[str, floa
     return terms, host
 
 
-def _zero_buffers(m: ModelShape, s: RunSpec) -> dict[str, float]:
+def _zero_buffers(m: ModelShape, s: RunSpec, dev: DeviceSpec) -> dict[str, float]:
     """DeepSpeed's working memory: gathered parameters, the gradient bucket, the whole
     model each rank builds before partitioning (without ``zero_init``: glibc keeps the
     freed sub-32 MB blocks resident) and the optimizer step's temporaries."""
@@ -449,10 +455,10 @@ def _zero_buffers(m: ModelShape, s: RunSpec) -> dict[str, float]:
            "grad_bucket": min(P, s.reduce_bucket) * e if s.train and s.zero_stage >= 2
            else 0.0,
            "init_model": 0.0 if s.zero_init else P * 4.0}
-    # torch's CPU Adam(W) makes ~2 partition-sized temporaries (denominator, update)
+    # torch's Adam(W) on CPU tensors (no fused kernel) makes ~2 partition-sized temporaries
     opt_tmp = 2 * 4 * P / (s.world if s.zero_stage >= 1 else 1)
     out["optimizer_tmp"] = opt_tmp if s.train and s.optimizer.startswith("adam") and \
-        s.offload == "none" else 0.0
+        s.offload == "none" and dev.name == "cpu" else 0.0
     return out
 
 
@@ -543,7 +549,11 @@ def _times(m: ModelShape, s: RunSpec, dev: DeviceSpec, proj_s: float,
     t["collect_per_example"] = (2 * fwd + comm * 2 / 3 + proj_s) / B
     if not s.train:  # probe passes only: forward + input-grad backward, no reduce-scatter
         return t
-    t["train_step"] = 3 * fwd + comm
+    shard = m.num_params / (s.world if s.zero_stage >= 3 else 1)
+    moved = {"none": 0.0, "optimizer": 2 * shard * e,  # gradients out, new weights back
+             "all": 4 * shard * e}  # + the parameter shard fetched for forward and backward
+    t["offload"] = moved[s.offload] / dev.host_link_bytes_per_s
+    t["train_step"] = 3 * fwd + comm + t["offload"]
     if s.method == "selection":  # probe: forward + input-grad backward on the candidates
         c = s.candidate_multiple
         t["selection"] = c * 2 * fwd + cand_proj_s
@@ -616,7 +626,7 @@ def _plan_fixed(model: ModelShape, dev: DeviceSpec, spec: RunSpec) -> Plan:
     rows = B * (spec.candidate_multiple if spec.method == "selection" else 1)
     rows = int(math.ceil(rows))
     memory = dict(states)
-    memory.update(_zero_buffers(model, spec))
+    memory.update(_zero_buffers(model, spec, dev))
     memory["activations"] = model.activation_elems(rows, spec.seq_len) * act_e
     cap = _capture_terms(model, spec, rows) if (spec.capture or spec.method == "selection") \
         else {"factors": 0.0, "projections": 0.0, "kfac": 0.0}
