@@ -134,7 +134,11 @@ def _setup_rank(rank: int, world: int, port: int) -> CommCounter:
     import warnings
     warnings.filterwarnings("ignore")
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
-    return CommCounter().install()
+    _COUNTER[:] = [CommCounter().install()]
+    return _COUNTER[0]
+
+
+_COUNTER: list[CommCounter] = []  # this process's counter (progress lines read it)
 
 
 # ---- training: launch/train.py's main, timed per step ----------------------------------------
@@ -172,16 +176,22 @@ def release_after_probes() -> None:
 
     GradientCapture.probe = probe_and_release
     counted = GradientCapture.probe
-    seen = {"n": 0, "t0": time.process_time()}
+    seen = {"n": 0, "t0": 0.0}
 
-    def probe_logged(self, forward):  # progress of long runs, rank 0, every 8 probes
+    def probe_logged(self, forward):  # progress of long runs, rank 0
+        if seen["n"] == 0:
+            seen["t0"] = time.process_time()
         out = counted(self, forward)
         seen["n"] += 1
         path = os.environ.get("SCALE_PROGRESS")
-        if path and os.environ.get("RANK") == "0" and seen["n"] % 8 == 0:
+        if path and os.environ.get("RANK") == "0" and (seen["n"] <= 8 or seen["n"] % 8 == 0):
             cpu = time.process_time() - seen["t0"]
+            comm = "; ".join(f"{k} {v['bytes'] / 1e6:.1f} MB (largest {v['largest']})"
+                             for k, v in _COUNTER[0].report().items() if _COUNTER
+                             and not k.endswith(":zero")) if _COUNTER else ""
             _log(path, f"  probe passes so far on rank 0: {seen['n']}, {cpu:.0f} CPU s "
-                       f"({cpu / seen['n']:.1f} per pass), peak RSS {_peak_rss() / 2**30:.2f} GiB")
+                       f"({cpu / seen['n']:.1f} per pass), peak RSS "
+                       f"{_peak_rss() / 2**30:.2f} GiB; non-ZeRO collectives: {comm or 'none'}")
         return out
 
     GradientCapture.probe = probe_logged
@@ -472,11 +482,13 @@ def large(args) -> dict:
 
 
 # ---- the planner against measured runs ---------------------------------------------------------
-LADDER = {  # Llama-style, vocab 4096 (the tokenizer's): about 12M, 48M, 190M parameters
+LADDER = {  # Llama-style, vocab 4096 (the tokenizer's): about 12M, 48M, 82M, 190M parameters
     "12m": {"num_hidden_layers": 6, "hidden_size": 384, "intermediate_size": 1024,
             "num_attention_heads": 6, "num_key_value_heads": 2},
     "48m": {"num_hidden_layers": 10, "hidden_size": 640, "intermediate_size": 1728,
             "num_attention_heads": 10, "num_key_value_heads": 2},
+    "82m": {"num_hidden_layers": 12, "hidden_size": 768, "intermediate_size": 2048,
+            "num_attention_heads": 12, "num_key_value_heads": 4},
     "190m": {"num_hidden_layers": 16, "hidden_size": 1024, "intermediate_size": 2816,
              "num_attention_heads": 16, "num_key_value_heads": 4},
 }
@@ -502,7 +514,8 @@ def _spec_of(ds_cfg: dict, seq_len: int, examples: int, **kw):
     z = ds_cfg["zero_optimization"]
     knobs = {"reduce_bucket": z.get("reduce_bucket_size", 5e8),
              "max_live_params": z.get("stage3_max_live_parameters", 1e9),
-             "prefetch_bucket": z.get("stage3_prefetch_bucket_size", 5e7)}
+             "prefetch_bucket": z.get("stage3_prefetch_bucket_size", 5e7),
+             "sub_group_size": z.get("sub_group_size", 1e9)}
     spec = dict(world=2, seq_len=seq_len, micro_batch=ds_cfg["train_micro_batch_size_per_gpu"],
                 zero_stage=z["stage"],
                 dtype="bfloat16" if ds_cfg.get("bf16", {}).get("enabled") else "float32",
@@ -741,7 +754,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="MALLOC_MMAP_THRESHOLD_ of the ranks (0: glibc's dynamic default)")
     ld = sub.add_parser("ladder", help="planner vs measured at 3 sizes (2 ranks, ZeRO-3)")
     ld.add_argument("--out", default="runs/scale_ladder")
-    ld.add_argument("--sizes", default=",".join(LADDER))
+    ld.add_argument("--sizes", default="12m,48m,190m")
     ld.add_argument("--train-data", default=str(ROOT / "data/corpus/train.jsonl"))
     ld.add_argument("--target-data", default=str(ROOT / "data/target/hamlet.jsonl"))
     ld.add_argument("--vocab-size", type=int, default=4096)

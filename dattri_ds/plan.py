@@ -19,7 +19,8 @@ weight, ``s = R`` when the state is sharded by the ZeRO stage, else 1):
 | grad_bucket | ZeRO >= 2: ``min(P, reduce_bucket) e`` (the reduce bucket's touched pages)   |
 | init_model  | ``4 P`` unless built under zero.Init (the whole fp32 model each rank builds  |
 |             | first; glibc keeps its freed sub-32 MB blocks resident)              |
-| optim. tmp  | torch Adam(W) on CPU: two partition-sized temporaries, ``8 P / s``    |
+| optim. tmp  | per sub-group ``G = min(sub_group_size, P / s)``: ZeRO-3's flattened      |
+|             | gradient copy ``4 G``, torch Adam(W) on CPU two more ``8 G``           |
 | activations | ``B T L (9 h + 3 h_kv + 4 i) e`` (Llama; GPT-2: ``16 h``) + logits ``3 B T V 4`` |
 | factors     | captured output-grads ``B T O e`` per layer, norms ``B D 4`` (the inputs ``a``    |
 |             | are tensors autograd saves anyway: see ``captured_factor_bytes``)    |
@@ -298,9 +299,10 @@ class RunSpec:
         zero_init: the model is built partitioned (``deepspeed.zero.Init``); False builds
             it whole in fp32 on every rank first (what ``launch/train.py`` does).
         store_budget_gb: the store size ``k = 0`` may recommend up to.
-        reduce_bucket / max_live_params / prefetch_bucket: DeepSpeed's
-            ``reduce_bucket_size``, ``stage3_max_live_parameters`` and
-            ``stage3_prefetch_bucket_size`` (elements; DeepSpeed's defaults).
+        reduce_bucket / max_live_params / prefetch_bucket / sub_group_size: DeepSpeed's
+            ``reduce_bucket_size``, ``stage3_max_live_parameters``,
+            ``stage3_prefetch_bucket_size`` and ``sub_group_size`` (elements; DeepSpeed's
+            defaults).
     """
 
     world: int = 1
@@ -323,6 +325,7 @@ class RunSpec:
     reduce_bucket: float = 5e8
     max_live_params: float = 1e9
     prefetch_bucket: float = 5e7
+    sub_group_size: float = 1e9
 
     def __post_init__(self) -> None:
         if self.world < 1 or self.seq_len < 1 or self.micro_batch < 1:
@@ -448,17 +451,20 @@ def _states(m: ModelShape, s: RunSpec) -> tuple[dict[str, float], dict[str, floa
 def _zero_buffers(m: ModelShape, s: RunSpec, dev: DeviceSpec) -> dict[str, float]:
     """DeepSpeed's working memory: gathered parameters, the gradient bucket, the whole
     model each rank builds before partitioning (without ``zero_init``: glibc keeps the
-    freed sub-32 MB blocks resident) and the optimizer step's temporaries."""
+    freed sub-32 MB blocks resident) and the optimizer step's per-sub-group temporaries."""
     P, e = m.num_params, s.weight_bytes
     sharded = s.zero_stage >= 3 and s.world > 1
     out = {"gathered": min(P, s.max_live_params + s.prefetch_bucket) * e if sharded else 0.0,
            "grad_bucket": min(P, s.reduce_bucket) * e if s.train and s.zero_stage >= 2
            else 0.0,
            "init_model": 0.0 if s.zero_init else P * 4.0}
-    # torch's Adam(W) on CPU tensors (no fused kernel) makes ~2 partition-sized temporaries
-    opt_tmp = 2 * 4 * P / (s.world if s.zero_stage >= 1 else 1)
-    out["optimizer_tmp"] = opt_tmp if s.train and s.optimizer.startswith("adam") and \
-        s.offload == "none" and dev.name == "cpu" else 0.0
+    # The step runs per sub-group of the partition: ZeRO-3 flattens its gradients into a
+    # new fp32 tensor, and torch's Adam(W) on CPU tensors (no fused kernel) makes two more.
+    group = 4 * min(s.sub_group_size, P / (s.world if s.zero_stage >= 1 else 1))
+    copies = (1 if s.zero_stage >= 3 else 0) + (2 if s.optimizer.startswith("adam") and
+                                                s.offload == "none" and dev.name == "cpu"
+                                                else 0)
+    out["optimizer_tmp"] = copies * group if s.train else 0.0
     return out
 
 
