@@ -464,7 +464,7 @@ def _zero_buffers(m: ModelShape, s: RunSpec, dev: DeviceSpec) -> dict[str, float
     copies = (1 if s.zero_stage >= 3 else 0) + (2 if s.optimizer.startswith("adam") and
                                                 s.offload == "none" and dev.name == "cpu"
                                                 else 0)
-    out["optimizer_tmp"] = copies * group if s.train else 0.0
+    out["optimizer_tmp"] = copies * group if s.train and s.offload == "none" else 0.0
     return out
 
 
