@@ -33,13 +33,15 @@ step() {  # step NAME TIMEOUT_S CMD...: run, log to $OUT/NAME.log, record status
   [[ $status == ok ]] || echo "!! $name FAILED (full log: $OUT/$name.log)" >&2
 }
 
-no_skips() {  # a GPU test that skips on a GPU machine is a failure, not a pass
-  "$@" -rs | tee /dev/stderr | { ! grep -E '^SKIPPED|[0-9]+ skipped'; }
-}
+# The CUDA tests; a test that skips on a GPU machine is a failure, not a pass.
+GPU_TESTS='set -o pipefail; "$0" -m pytest tests/gpu -q -x -p no:cacheprovider -rs 2>&1 |
+  tee /dev/stderr | { ! grep -E "^SKIPPED|[0-9]+ skipped"; }'
 
 if [[ $DRY == 1 ]]; then
   export DS_ACCELERATOR=cpu
   step collect-gpu-tests 300 "$PY" -m pytest tests/gpu --collect-only -q -p no:cacheprovider
+  # without CUDA the GPU tests skip, so the guard must report a failure here
+  step skip-guard-fails-on-cpu 300 bash -c "! bash -c '$GPU_TESTS' '$PY'"
   step planner 120 "$PY" benchmarks/scale.py paper
   step throughput-dry 600 "$PY" benchmarks/scale.py throughput --sizes tiny --device cpu \
       --batch 2 --seq-len 64 --reps 1 --out "$OUT"
@@ -51,7 +53,7 @@ else
   fi
   unset DS_ACCELERATOR
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpus.csv"
-  step cuda-tests 300 no_skips "$PY" -m pytest tests/gpu -q -x -p no:cacheprovider
+  step cuda-tests 300 bash -c "$GPU_TESTS" "$PY"
   if [[ "$NGPU" -ge 2 ]]; then
     TRAIN=(launch/train.py --model-config configs/model_llama_tiny.json
            --train-data data/tiny/train.jsonl --max-docs 64 --seq-len 64 --vocab-size 512
