@@ -1,6 +1,6 @@
 """``dattri-ds <subcommand>``: one console command for the tool scripts.
 
-    dattri-ds collect | fit | attribute | report | lds  [options]   (see --help of each)
+    dattri-ds collect | fit | attribute | report | lds | plan  [options]   (see --help of each)
 
 Errors print one line ``dattri-ds: error: <message>`` (exit 2: usage or config, 1: runtime);
 ``--debug`` or ``DATTRI_DS_DEBUG=1`` shows the traceback.
@@ -20,6 +20,7 @@ COMMANDS = {
     "attribute": "dattri_ds.tools.attribute",
     "report": "dattri_ds.tools.report",
     "lds": "dattri_ds.tools.lds",
+    "plan": "dattri_ds.tools.plan",
 }
 
 

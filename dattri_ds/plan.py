@@ -1,0 +1,646 @@
+"""Planner: per-rank memory and time of a capture / attribution run, before running it.
+
+From a model's shape (``ModelShape.from_config``: our JSON or a Hugging Face ``config.json``
+of the Llama, Qwen2/3, Mistral or GPT-2 families), a device (``DEVICES``) and a run
+(``RunSpec``), ``plan`` predicts each rank's memory, term by term, and the time of a
+training step and of one collected example from the cost model's roofline
+(``dattri_ds.ops.cost``), then recommends settings.
+
+Memory terms (bytes per rank; ``P`` parameters, ``R`` data-parallel ranks, ``e`` bytes per
+weight, ``s = R`` when the state is sharded by the ZeRO stage, else 1):
+
+| term        | formula                                                              |
+|-------------|----------------------------------------------------------------------|
+| params      | ``P e / s`` (sharded from ZeRO-3)                                    |
+| master      | ``4 P / s`` with bf16 weights (fp32 master copy; ZeRO >= 1), else 0  |
+| grads       | ``P e / s`` (sharded from ZeRO-2)                                    |
+| optimizer   | ``{adamw: 8, sgd: 0, sgd_momentum: 4} P / s`` (sharded from ZeRO-1)  |
+| gathered    | ZeRO-3: ``min(P, max_live + prefetch) e`` (DeepSpeed keeps gathered weights) |
+| grad_bucket | ZeRO >= 2: ``min(P, reduce_bucket) e`` (the reduce bucket's touched pages)   |
+| init_model  | ``4 P`` unless built under zero.Init (the whole fp32 model each rank builds  |
+|             | first; glibc keeps its freed sub-32 MB blocks resident)              |
+| optim. tmp  | per sub-group ``G = min(sub_group_size, P / s)``: ZeRO-3's flattened      |
+|             | gradient copy ``4 G``, torch Adam(W) on CPU two more ``8 G``           |
+| activations | ``B T L (9 h + 3 h_kv + 4 i) e`` (Llama; GPT-2: ``16 h``) + logits ``3 B T V 4`` |
+| factors     | captured output-grads ``B T O e`` per layer, norms ``B D 4`` (the inputs ``a``    |
+|             | are tensors autograd saves anyway: see ``captured_factor_bytes``)    |
+| projections | Kronecker ``(ko O + ki I) 4`` per layer; dense ``k I O 4``            |
+| kfac        | ``(I^2 + O^2) 4`` per layer, twice with eigenvectors (EK-FAC adds ``I O 4``) |
+| runtime     | the framework's resident size (the device's ``runtime_bytes``)       |
+
+Offloading the optimizer moves master, grads' fp32 copy and optimizer states to the host;
+offloading parameters moves the parameter shard too. Store bytes are on disk, not in memory.
+
+Time: a training step is ``3 x`` the forward flops (``2 P_linear B T`` + attention
+``4 B T^2 h L``) at the device's matmul rate, plus reading the weights three times at its
+memory bandwidth, plus ZeRO-3's parameter all-gathers (forward, backward) and gradient
+reduce-scatter at the link bandwidth, plus offloaded state crossing the host link; capture adds each layer's projection (the cheaper of
+the ghost and dense path, chosen by ``CostModel``). Compute terms are divided by the
+device's ``efficiency`` (the fraction of the roofline whole steps reach).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from dattri_ds.errors import ConfigError
+from dattri_ds.layers.base import LayerDims
+from dattri_ds.ops.cost import CostModel, Roofline
+from dattri_ds.ops.projection import kron_dims
+
+__all__ = ["DeviceSpec", "DEVICES", "ModelShape", "LayerShape", "RunSpec", "Plan", "plan",
+           "device", "captured_factor_bytes"]
+
+GB = 1e9
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceSpec:
+    """One accelerator (or a CPU host) as the planner sees it.
+
+    Attributes:
+        name: registry key.
+        memory_bytes: memory of one device (a CPU host's RAM, shared by its ranks).
+        flops_per_s: dense matmul rate in the run's compute dtype (bf16 on GPUs; the CPU
+            figure is fp32, one core, as measured here: bf16 matmuls are ~100x slower on
+            CPUs without AVX-512 BF16).
+        bytes_per_s: memory bandwidth.
+        link_bytes_per_s: per-rank bandwidth of the collectives (NVLink; loopback gloo).
+        runtime_bytes: resident size of the framework itself (CUDA context / interpreter,
+            torch, DeepSpeed, transformers) per rank.
+        ranks_share_memory: every rank lives in the same memory (CPU ranks on one host).
+        efficiency: the fraction of the roofline a whole step reaches (kernels below peak,
+            elementwise work, framework and hook overhead). CPU: 0.4, measured on the
+            12M-parameter ladder run of ``benchmarks/scale.py`` (checked on the other
+            sizes there); GPUs: 0.5, a typical LLM-training MFU, not measured here
+            (``tools/gpu_check.sh`` prints the measured MFU).
+        host_link_bytes_per_s: device <-> host bandwidth that offloaded state crosses
+            every step (PCIe 5 x16: ~50 GB/s sustained; PCIe 4: ~25 GB/s; CPU: none).
+    """
+
+    name: str
+    memory_bytes: float
+    flops_per_s: float
+    bytes_per_s: float
+    link_bytes_per_s: float
+    runtime_bytes: float
+    ranks_share_memory: bool = False
+    efficiency: float = 0.5
+    host_link_bytes_per_s: float = float("inf")
+
+    @property
+    def roofline(self) -> Roofline:
+        return Roofline(flops_per_s=self.flops_per_s, bytes_per_s=self.bytes_per_s)
+
+
+def _host_memory() -> float:
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 16 * GB
+
+
+#: name -> DeviceSpec. GPU figures are the vendors' dense bf16 peaks and HBM bandwidths
+#: (H200 SXM: 141 GB, 989 TFLOPS, 4.8 TB/s; H100 SXM: 80 GB, 989 TFLOPS, 3.35 TB/s; A100 SXM
+#: 80 GB: 312 TFLOPS, 2.04 TB/s); NVLink per direction 450 / 450 / 300 GB/s.
+DEVICES: dict[str, DeviceSpec] = {
+    "cpu": DeviceSpec(name="cpu", memory_bytes=_host_memory(), flops_per_s=8e10,
+                      bytes_per_s=1e10, link_bytes_per_s=1e9, runtime_bytes=0.45 * GB,
+                      ranks_share_memory=True, efficiency=0.4),
+    "h200": DeviceSpec(name="h200", memory_bytes=141 * GB, flops_per_s=989e12,
+                       bytes_per_s=4.8e12, link_bytes_per_s=450 * GB, runtime_bytes=1.5 * GB,
+                       host_link_bytes_per_s=50 * GB),
+    "h100": DeviceSpec(name="h100", memory_bytes=80 * GB, flops_per_s=989e12,
+                       bytes_per_s=3.35e12, link_bytes_per_s=450 * GB, runtime_bytes=1.5 * GB,
+                       host_link_bytes_per_s=50 * GB),
+    "a100": DeviceSpec(name="a100", memory_bytes=80 * GB, flops_per_s=312e12,
+                       bytes_per_s=2.04e12, link_bytes_per_s=300 * GB, runtime_bytes=1.5 * GB,
+                       host_link_bytes_per_s=25 * GB),
+}
+
+
+def device(name: str) -> DeviceSpec:
+    """The registered device ``name`` (case-insensitive)."""
+    try:
+        return DEVICES[name.lower()]
+    except KeyError:
+        raise ConfigError(f"Unknown device '{name}'; known: {sorted(DEVICES)} (add a "
+                          f"DeviceSpec to dattri_ds.plan.DEVICES)") from None
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """One captured layer kind in a block: ``count`` layers of ``[O, I]`` (``I`` incl. bias).
+
+    ``kind`` is ``linear``, ``embedding`` (``I`` = vocabulary, index input) or ``norm``
+    (dense ``[B, rows * O]`` per-example gradients). ``token_factor`` 2 marks a tied head:
+    capture merges the embedding's use into the output projection's factors as ``2 T``
+    tokens (``dattri_ds.tied``), and no separate embedding layer is captured.
+    """
+
+    name: str
+    kind: Literal["linear", "embedding", "norm"]
+    I: int  # noqa: E741 - the documented shape letter
+    O: int  # noqa: E741
+    count: int = 1
+    token_factor: int = 1
+
+    @property
+    def params(self) -> int:
+        return self.count * self.I * self.O
+
+
+_FAMILIES = {"llama": "llama", "qwen2": "llama", "qwen3": "llama", "mistral": "llama",
+             "gpt2": "gpt2"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """The sizes of a decoder-only transformer the planner needs.
+
+    Attributes:
+        family: ``llama`` (also Qwen2/3, Mistral) or ``gpt2``. layers: blocks. hidden: h.
+        heads / kv_heads / head_dim: attention shapes. intermediate: MLP width i.
+        vocab: V. tied: input and output embeddings share one matrix.
+        qkv_bias: q/k/v projections carry a bias (Qwen2). positions: learned position
+        embeddings (GPT-2).
+    """
+
+    family: Literal["llama", "gpt2"]
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool = False
+    qkv_bias: bool = False
+    positions: int = 0
+
+    @staticmethod
+    def from_config(config: str | os.PathLike | Mapping[str, Any],
+                    vocab_size: int | None = None) -> ModelShape:
+        """From our JSON model config or a Hugging Face ``config.json`` (file or mapping).
+
+        Our configs leave the vocabulary to the tokenizer: pass ``vocab_size`` then.
+        """
+        d = dict(config) if isinstance(config, Mapping) else \
+            json.loads(Path(config).read_text(encoding="utf-8"))
+        mt = d.get("model_type")
+        if mt not in _FAMILIES:
+            raise ConfigError(f"model_type {mt!r} is not planned; supported: "
+                              f"{sorted(_FAMILIES)}")
+        fam = _FAMILIES[mt]
+        vocab = vocab_size or d.get("vocab_size")
+        if not vocab:
+            raise ConfigError("The model config has no vocab_size (ours take it from the "
+                              "tokenizer): pass vocab_size= / --vocab-size")
+        if fam == "gpt2":
+            h, n = d.get("n_embd", 768), d.get("n_head", 12)
+            return ModelShape(family="gpt2", layers=d.get("n_layer", 12), hidden=h, heads=n,
+                              kv_heads=n, head_dim=h // n, intermediate=d.get("n_inner") or 4 * h,
+                              vocab=int(vocab), tied=d.get("tie_word_embeddings", True),
+                              qkv_bias=True, positions=d.get("n_positions", 1024))
+        h, n = d["hidden_size"], d["num_attention_heads"]
+        return ModelShape(family="llama", layers=d["num_hidden_layers"], hidden=h, heads=n,
+                          kv_heads=d.get("num_key_value_heads") or n,
+                          head_dim=d.get("head_dim") or h // n,
+                          intermediate=d["intermediate_size"], vocab=int(vocab),
+                          tied=bool(d.get("tie_word_embeddings", False)),
+                          qkv_bias=mt == "qwen2" or bool(d.get("attention_bias", False)))
+
+    def block(self) -> list[LayerShape]:
+        """The layers of one transformer block (``count`` 1 each)."""
+        h, i = self.hidden, self.intermediate
+        if self.family == "gpt2":  # Conv1D layers with bias, LayerNorms with bias
+            return [LayerShape("attn.c_attn", "linear", h + 1, 3 * h),
+                    LayerShape("attn.c_proj", "linear", h + 1, h),
+                    LayerShape("mlp.c_fc", "linear", h + 1, i),
+                    LayerShape("mlp.c_proj", "linear", i + 1, h),
+                    LayerShape("ln_1", "norm", 2, h), LayerShape("ln_2", "norm", 2, h)]
+        q, kv, b = self.heads * self.head_dim, self.kv_heads * self.head_dim, int(self.qkv_bias)
+        return [LayerShape("self_attn.q_proj", "linear", h + b, q),
+                LayerShape("self_attn.k_proj", "linear", h + b, kv),
+                LayerShape("self_attn.v_proj", "linear", h + b, kv),
+                LayerShape("self_attn.o_proj", "linear", q, h),
+                LayerShape("mlp.gate_proj", "linear", h, i),
+                LayerShape("mlp.up_proj", "linear", h, i),
+                LayerShape("mlp.down_proj", "linear", i, h),
+                LayerShape("input_layernorm", "norm", 1, h),
+                LayerShape("post_attention_layernorm", "norm", 1, h)]
+
+    def captured_layers(self) -> list[LayerShape]:
+        """Every layer capture sees, blocks folded into ``count`` (a tied input embedding and
+        head are one layer of ``2 T`` tokens)."""
+        out = [replace(s, count=self.layers) for s in self.block()]
+        if not self.tied:
+            out.append(LayerShape("embed_tokens", "embedding", self.vocab, self.hidden))
+        if self.positions:
+            out.append(LayerShape("wpe", "embedding", self.positions, self.hidden))
+        out.append(LayerShape("norm", "norm", 2 if self.family == "gpt2" else 1, self.hidden))
+        out.append(LayerShape("lm_head", "linear", self.hidden, self.vocab,
+                              token_factor=2 if self.tied else 1))
+        return out
+
+    @property
+    def block_params(self) -> int:
+        return sum(s.params for s in self.block())
+
+    @property
+    def num_params(self) -> int:
+        """Trainable parameters (a tied head is one matrix)."""
+        embed = (self.vocab + self.positions) * self.hidden
+        head = 0 if self.tied else self.vocab * self.hidden
+        final = self.hidden * (2 if self.family == "gpt2" else 1)
+        return self.layers * self.block_params + embed + head + final
+
+    def forward_flops(self, batch: int, seq: int) -> float:
+        """``2 x`` multiply-adds of every linear layer plus attention's ``4 B T^2 h`` per block."""
+        lin = sum(s.params for s in self.block() if s.kind == "linear") * self.layers
+        lin += self.vocab * self.hidden
+        attn = 4 * batch * seq * seq * self.heads * self.head_dim * self.layers
+        return 2.0 * lin * batch * seq + attn
+
+    def activation_elems(self, batch: int, seq: int) -> float:
+        """Elements saved for backward per micro-batch (all blocks, plus the logits)."""
+        h, i, kv = self.hidden, self.intermediate, self.kv_heads * self.head_dim
+        per_tok = 16 * h if self.family == "gpt2" else 9 * h + 3 * kv + 4 * i
+        return batch * seq * (self.layers * per_tok + 3 * self.vocab)
+
+
+_OPT_BYTES = {"adamw": 8, "adam": 8, "sgd": 0, "sgd_momentum": 4}
+_METHODS = ("graddot", "tracin", "kfac", "ekfac", "selection")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSpec:
+    """What the run does (one field per ``dattri-ds plan`` flag).
+
+    Attributes:
+        world: data-parallel ranks. seq_len: T. micro_batch: B per rank.
+        zero_stage: DeepSpeed ZeRO stage 0-3. offload: ``none``, ``optimizer`` or ``all``
+        (optimizer and parameters). dtype: weight dtype (``float32`` or ``bfloat16``).
+        optimizer: ``adamw``, ``sgd`` or ``sgd_momentum``. capture: per-example gradients
+        are captured during training. projection: ``kronecker`` or ``dense``.
+        k: projected size per layer (0 = recommend one). method: what the gradients feed
+        (``graddot``/``tracin``: inner products; ``kfac``/``ekfac``: curvature factors;
+        ``selection``: online selection with ``candidate_multiple`` candidates per trained
+        example). examples: rows written to the store (for its size).
+        store_dtype: the store's element type.
+        train: the run trains (optimizer, gradients); False plans a ``collect`` /
+            attribution pass over frozen weights (parameters only).
+        zero_init: the model is built partitioned (``deepspeed.zero.Init``); False builds
+            it whole in fp32 on every rank first (what ``launch/train.py`` does).
+        store_budget_gb: the store size ``k = 0`` may recommend up to.
+        reduce_bucket / max_live_params / prefetch_bucket / sub_group_size: DeepSpeed's
+            ``reduce_bucket_size``, ``stage3_max_live_parameters``,
+            ``stage3_prefetch_bucket_size`` and ``sub_group_size`` (elements; DeepSpeed's
+            defaults).
+    """
+
+    world: int = 1
+    seq_len: int = 512
+    micro_batch: int = 1
+    zero_stage: int = 3
+    offload: Literal["none", "optimizer", "all"] = "none"
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    optimizer: str = "adamw"
+    capture: bool = True
+    projection: Literal["kronecker", "dense"] = "kronecker"
+    k: int = 0
+    method: str = "graddot"
+    candidate_multiple: float = 2.0
+    examples: int = 10_000
+    store_dtype: Literal["float32", "float16", "bfloat16"] = "float16"
+    train: bool = True
+    zero_init: bool = False
+    store_budget_gb: float = 100.0
+    reduce_bucket: float = 5e8
+    max_live_params: float = 1e9
+    prefetch_bucket: float = 5e7
+    sub_group_size: float = 1e9
+
+    def __post_init__(self) -> None:
+        if self.world < 1 or self.seq_len < 1 or self.micro_batch < 1:
+            raise ConfigError(f"world, seq_len and micro_batch must be >= 1, got "
+                              f"{self.world}, {self.seq_len}, {self.micro_batch}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"zero_stage must be 0-3, got {self.zero_stage}")
+        if self.offload not in ("none", "optimizer", "all"):
+            raise ConfigError(f"offload must be none, optimizer or all, got '{self.offload}'")
+        if self.offload == "all" and self.zero_stage != 3:
+            raise ConfigError("offloading parameters needs zero_stage 3")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"dtype must be float32 or bfloat16, got '{self.dtype}'")
+        if self.optimizer not in _OPT_BYTES:
+            raise ConfigError(f"optimizer must be one of {sorted(_OPT_BYTES)}, got "
+                              f"'{self.optimizer}'")
+        if self.method not in _METHODS:
+            raise ConfigError(f"method must be one of {_METHODS}, got '{self.method}'")
+        if self.projection not in ("kronecker", "dense"):
+            raise ConfigError(f"projection must be kronecker or dense, got '{self.projection}'")
+        if self.k < 0:
+            raise ConfigError(f"k must be >= 0 (0 = recommend one), got {self.k}")
+
+    @property
+    def weight_bytes(self) -> int:
+        return 4 if self.dtype == "float32" else 2
+
+
+_STORE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+_K_LADDER = (64, 256, 1024, 4096)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The prediction: memory terms (bytes per rank), times, routing and advice.
+
+    Attributes:
+        memory: term -> bytes on each rank's device. host: term -> bytes offloaded to the
+            host per rank. total: sum of ``memory``. fits: ``total`` (times the ranks
+            sharing it) fits the device memory. times: term -> seconds per training step
+            (``step``) or per collected example. routing: layer -> ``ghost``/``dense`` for
+            the projection. advice: recommendations, one sentence each.
+    """
+
+    model: ModelShape
+    device: DeviceSpec
+    spec: RunSpec
+    memory: dict[str, float]
+    host: dict[str, float]
+    times: dict[str, float]
+    routing: dict[str, str]
+    store_bytes: float
+    advice: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> float:
+        return sum(self.memory.values())
+
+    @property
+    def peak(self) -> float:
+        """Peak bytes per rank: the sum of the terms (each is live at the step's peak)."""
+        return self.total
+
+    @property
+    def fits(self) -> bool:
+        ranks = self.spec.world if self.device.ranks_share_memory else 1
+        return self.peak * ranks <= 0.95 * self.device.memory_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": asdict(self.model), "params": self.model.num_params,
+                "device": asdict(self.device), "spec": asdict(self.spec),
+                "memory_bytes": self.memory, "host_bytes": self.host,
+                "total_bytes": self.total, "fits": self.fits, "seconds": self.times,
+                "routing": self.routing, "store_bytes": self.store_bytes,
+                "advice": self.advice}
+
+    def table(self) -> str:
+        """A readable report: the memory terms, the times and the advice."""
+        m, s = self.model, self.spec
+        lines = [f"model: {m.family} {m.layers}x{m.hidden} (i {m.intermediate}, heads "
+                 f"{m.heads}/{m.kv_heads}, vocab {m.vocab}), {m.num_params / 1e9:.3f} B params",
+                 f"run: {s.world} x {self.device.name}, ZeRO-{s.zero_stage}, offload "
+                 f"{s.offload}, {s.dtype}, "
+                 f"{s.optimizer if s.train else 'no optimizer (collect)'}, T={s.seq_len}, "
+                 f"micro-batch {s.micro_batch}, {s.method}, {s.projection} k={s.k} per layer",
+                 "", f"{'memory per rank':<22}{'GB':>10}"]
+        lines += [f"  {k:<20}{v / GB:>10.3f}" for k, v in self.memory.items()]
+        lines.append(f"  {'total':<20}{self.total / GB:>10.3f}   (device "
+                     f"{self.device.memory_bytes / GB:.0f} GB"
+                     f"{', shared by all ranks' if self.device.ranks_share_memory else ''}"
+                     f": {'fits' if self.fits else 'DOES NOT FIT'})")
+        if self.host:
+            lines += [f"  host: {k:<14}{v / GB:>10.3f}" for k, v in self.host.items()]
+        lines.append(f"  store on disk: {self.store_bytes / GB:.3f} GB for {s.examples} "
+                     f"examples ({s.store_dtype})")
+        lines += ["", f"{'time':<22}{'seconds':>12}"]
+        lines += [f"  {k:<20}{v:>12.4g}" for k, v in self.times.items()]
+        paths = sorted(set(self.routing.values()))
+        lines += ["", "projection path per layer: " + ", ".join(
+            f"{p}: {sum(v == p for v in self.routing.values())} kinds" for p in paths)]
+        lines += [f"  {k}: {v}" for k, v in self.routing.items()]
+        lines += ["", "advice:"] + [f"  - {a}" for a in self.advice]
+        return "\n".join(lines)
+
+
+def _states(m: ModelShape, s: RunSpec) -> tuple[dict[str, float], dict[str, float]]:
+    """Parameter, master, gradient and optimizer bytes per rank: (on device, offloaded)."""
+    P, e, R = m.num_params, s.weight_bytes, s.world
+    shard = lambda stage: R if s.zero_stage >= stage else 1  # noqa: E731
+    mixed = s.dtype != "float32"
+    terms = {"params": P * e / shard(3),
+             "master": 4 * P / shard(1) if mixed and s.train else 0.0,
+             "grads": P * e / shard(2) if s.train else 0.0,
+             "optimizer": _OPT_BYTES[s.optimizer] * P / shard(1) if s.train else 0.0}
+    moved = {"optimizer": ("master", "optimizer"),
+             "all": ("master", "optimizer", "params")}.get(s.offload, ())
+    host = {k: terms.pop(k) for k in moved}
+    if s.offload != "none" and mixed and s.train:  # the fp32 gradient copy the CPU optimizer reads
+        host["grads_fp32"] = 4 * P / shard(2)
+    return terms, host
+
+
+def _zero_buffers(m: ModelShape, s: RunSpec, dev: DeviceSpec) -> dict[str, float]:
+    """DeepSpeed's working memory: gathered parameters, the gradient bucket, the whole
+    model each rank builds before partitioning (without ``zero_init``: glibc keeps the
+    freed sub-32 MB blocks resident) and the optimizer step's per-sub-group temporaries."""
+    P, e = m.num_params, s.weight_bytes
+    sharded = s.zero_stage >= 3 and s.world > 1
+    out = {"gathered": min(P, s.max_live_params + s.prefetch_bucket) * e if sharded else 0.0,
+           "grad_bucket": min(P, s.reduce_bucket) * e if s.train and s.zero_stage >= 2
+           else 0.0,
+           "init_model": 0.0 if s.zero_init else P * 4.0}
+    # The step runs per sub-group of the partition: ZeRO-3 flattens its gradients into a
+    # new fp32 tensor, and torch's Adam(W) on CPU tensors (no fused kernel) makes two more.
+    group = 4 * min(s.sub_group_size, P / (s.world if s.zero_stage >= 1 else 1))
+    copies = (1 if s.zero_stage >= 3 else 0) + (2 if s.optimizer.startswith("adam") and
+                                                s.offload == "none" and dev.name == "cpu"
+                                                else 0)
+    out["optimizer_tmp"] = copies * group if s.train and s.offload == "none" else 0.0
+    return out
+
+
+def _proj_dims(layer: LayerShape, k: int) -> tuple[int, int]:
+    return kron_dims(k, layer.O, layer.I)
+
+
+def captured_factor_bytes(m: ModelShape, s: RunSpec, rows: int) -> dict[str, float]:
+    """Bytes of one captured batch of ``rows`` examples, as ``GradBatch`` holds them:
+    ``inputs`` (linear ``a [B, T, I]``, embedding indices ``[B, T]`` int64), ``grads``
+    (``g [B, T, O]``) and ``dense`` (norm ``[B, rows * D]``, fp32)."""
+    e = 4 if s.dtype == "float32" else 2
+    out = {"inputs": 0.0, "grads": 0.0, "dense": 0.0}
+    for L in m.captured_layers():
+        bt = rows * s.seq_len * L.token_factor * L.count
+        if L.kind == "norm":
+            out["dense"] += rows * L.count * L.I * L.O * 4
+            continue
+        out["inputs"] += bt * (L.I * e if L.kind == "linear" else 8)
+        out["grads"] += bt * L.O * e
+    return out
+
+
+def _capture_terms(m: ModelShape, s: RunSpec, rows: int) -> dict[str, float]:
+    """Memory capture adds: output-grads and dense rows of ``rows`` examples (the inputs
+    ``a`` are the tensors autograd saves anyway, counted in ``activations``), projection
+    matrices and K-FAC factors."""
+    f = captured_factor_bytes(m, s, rows)
+    proj, kfac = 0.0, 0.0
+    for L in m.captured_layers():
+        if L.kind != "norm" and s.k:
+            if s.projection == "kronecker":
+                ko, ki = _proj_dims(L, s.k)
+                proj += (ko * L.O + ki * L.I) * 4 * L.count
+            else:
+                proj += s.k * L.I * L.O * 4 * L.count
+        if s.method in ("kfac", "ekfac") and L.kind == "linear":
+            kfac += 2 * (L.I ** 2 + L.O ** 2) * 4 * L.count
+            if s.method == "ekfac":
+                kfac += L.I * L.O * 4 * L.count
+    return {"factors": f["grads"] + f["dense"], "projections": proj, "kfac": kfac}
+
+
+def _width(m: ModelShape, k: int) -> int:
+    """Stored elements per example: ``ko * ki`` per factorized layer, ``min(k, numel)`` per
+    norm (dense, projected only when larger than k)."""
+    total = 0
+    for L in m.captured_layers():
+        if L.kind == "norm":
+            total += L.count * min(k, L.I * L.O)
+        else:
+            ko, ki = _proj_dims(L, k)
+            total += L.count * ko * ki
+    return total
+
+
+def _routing(m: ModelShape, s: RunSpec, dev: DeviceSpec, rows: int) -> tuple[dict, float]:
+    """Ghost or dense per factorized layer for the projection, and its seconds per batch."""
+    cm, routes, secs = CostModel(dev.roofline), {}, 0.0
+    e = 4 if s.dtype == "float32" else 2
+    for L in m.captured_layers():
+        if L.kind == "norm" or not s.k:
+            continue
+        dims = LayerDims(rows, s.seq_len * L.token_factor, L.I, L.O,
+                         index_input=L.kind == "embedding", itemsize=e)
+        if s.projection == "kronecker":
+            ko, ki = _proj_dims(L, s.k)
+            d = cm.choose("project_kron", L.name, dims, ko=ko, ki=ki)
+        else:
+            d = cm.choose("project_dense", L.name, dims, P=s.k)
+        routes[L.name] = d.path
+        secs += d.seconds[d.path] * L.count
+    return routes, secs
+
+
+def _times(m: ModelShape, s: RunSpec, dev: DeviceSpec, proj_s: float,
+           cand_proj_s: float) -> dict[str, float]:
+    B, T = s.micro_batch, s.seq_len
+    e = s.weight_bytes
+    fwd = (m.forward_flops(B, T) / dev.flops_per_s + m.num_params * e / dev.bytes_per_s) \
+        / dev.efficiency
+    comm = 0.0
+    if s.zero_stage >= 3 and s.world > 1:  # all-gather (fwd, bwd) + reduce-scatter
+        comm = 3 * m.num_params * e * (s.world - 1) / s.world / dev.link_bytes_per_s
+    elif s.world > 1:
+        comm = 2 * m.num_params * e * (s.world - 1) / s.world / dev.link_bytes_per_s
+    t = {"forward": fwd, "zero_comm": comm, "capture": proj_s if s.capture else 0.0}
+    t["collect_per_example"] = (2 * fwd + comm * 2 / 3 + proj_s) / B
+    if not s.train:  # probe passes only: forward + input-grad backward, no reduce-scatter
+        return t
+    shard = m.num_params / (s.world if s.zero_stage >= 3 else 1)
+    moved = {"none": 0.0, "optimizer": 2 * shard * e,  # gradients out, new weights back
+             "all": 4 * shard * e}  # + the parameter shard fetched for forward and backward
+    t["offload"] = moved[s.offload] / dev.host_link_bytes_per_s
+    t["train_step"] = 3 * fwd + comm + t["offload"]
+    if s.method == "selection":  # probe: forward + input-grad backward on the candidates
+        c = s.candidate_multiple
+        t["selection"] = c * 2 * fwd + cand_proj_s
+    t["step"] = t["train_step"] + t["capture"] + t.get("selection", 0.0)
+    t["per_trained_example"] = t["step"] / B
+    return t
+
+
+def plan(model: ModelShape, dev: DeviceSpec | str, spec: RunSpec) -> Plan:
+    """Predict memory and time of ``spec`` on ``model`` and ``dev``; recommend settings.
+
+    ``spec.k = 0`` picks the largest k in (64, 256, 1024, 4096) whose projection costs at
+    most 10% of a training step (of a collect pass when not training) and whose store of
+    ``spec.examples`` rows fits ``spec.store_budget_gb``. When the total does not fit,
+    more offload (optimizer, then all) and then halved micro-batches are tried, and the
+    first that fits is recommended.
+    """
+    dev = device(dev) if isinstance(dev, str) else dev
+    advice: list[str] = []
+    if spec.k == 0:
+        k = _K_LADDER[0]
+        for cand in _K_LADDER:
+            trial = replace(spec, k=cand)
+            _, ps = _routing(model, trial, dev, spec.micro_batch)
+            base = _times(model, trial, dev, 0.0, 0.0)
+            work = base["train_step"] if spec.train else base["collect_per_example"] * \
+                spec.micro_batch
+            store = spec.examples * _width(model, cand) * _STORE_BYTES[spec.store_dtype]
+            if ps <= 0.1 * work and store <= spec.store_budget_gb * GB:
+                k = cand
+        spec = replace(spec, k=k)
+        advice.append(f"projection k={k} per layer: the largest of {_K_LADDER} whose "
+                      f"projection costs <= 10% of the pass and whose store of "
+                      f"{spec.examples} examples fits {spec.store_budget_gb:g} GB")
+    result = _plan_fixed(model, dev, spec)
+    if not result.fits:
+        advice.append(_fit_advice(model, dev, spec, result))
+    ghost = [n for n, p in result.routing.items() if p == "ghost"]
+    dense = [n for n, p in result.routing.items() if p == "dense"]
+    advice.append(f"projection path: ghost (factorized) for {ghost or 'no layer'}; dense "
+                  f"(materialized) for {dense or 'no layer'}")
+    if spec.dtype == "bfloat16" and dev.name == "cpu":
+        advice.append("bf16 matmuls run ~100x slower than fp32 on CPUs without AVX-512 BF16:"
+                      " prefer float32 weights on CPU")
+    return replace(result, advice=advice + result.advice)
+
+
+def _fit_advice(model: ModelShape, dev: DeviceSpec, spec: RunSpec, result: Plan) -> str:
+    """The first change that fits: more offload, then a smaller micro-batch (with offload)."""
+    order = ("none", "optimizer", "all")
+    offloads = [o for o in order[order.index(spec.offload):]
+                if spec.train and (o != "all" or spec.zero_stage == 3)] or [spec.offload]
+    batches = [spec.micro_batch]
+    while batches[-1] > 1:
+        batches.append(batches[-1] // 2)
+    for mb in batches:
+        for off in offloads:
+            trial = _plan_fixed(model, dev, replace(spec, offload=off, micro_batch=mb))
+            if trial.fits and (off, mb) != (spec.offload, spec.micro_batch):
+                return (f"does not fit ({result.peak / GB:.1f} GB per rank): offload '{off}' "
+                        f"with micro-batch {mb} needs {trial.peak / GB:.1f} GB")
+    return (f"does not fit ({result.peak / GB:.1f} GB per rank) even with full offload and "
+            f"micro-batch 1: add ranks, shorten sequences or checkpoint activations")
+
+
+def _plan_fixed(model: ModelShape, dev: DeviceSpec, spec: RunSpec) -> Plan:
+    B = spec.micro_batch
+    states, host = _states(model, spec)
+    act_e = 4 if spec.dtype == "float32" else 2
+    rows = B * (spec.candidate_multiple if spec.method == "selection" else 1)
+    rows = int(math.ceil(rows))
+    memory = dict(states)
+    memory.update(_zero_buffers(model, spec, dev))
+    memory["activations"] = model.activation_elems(rows, spec.seq_len) * act_e
+    cap = _capture_terms(model, spec, rows) if (spec.capture or spec.method == "selection") \
+        else {"factors": 0.0, "projections": 0.0, "kfac": 0.0}
+    memory.update(cap)
+    memory["runtime"] = dev.runtime_bytes
+    routes, proj_s = _routing(model, spec, dev, B)
+    _, cand_s = _routing(model, spec, dev, rows) if spec.method == "selection" else ({}, 0.0)
+    times = _times(model, spec, dev, proj_s, cand_s)
+    store = spec.examples * _width(model, spec.k) * _STORE_BYTES[spec.store_dtype] \
+        if spec.k else 0.0
+    return Plan(model, dev, spec, memory, host, times, routes, store)

@@ -1,0 +1,178 @@
+"""The planner's memory terms against exact byte counts of small real models.
+
+Invariants: ``ModelShape`` counts exactly the parameters ``transformers`` builds (Llama,
+Qwen2 with q/k/v biases, GPT-2 tied and untied); the state terms equal the bytes of a real
+torch ``AdamW`` (parameters, gradients, ``exp_avg`` + ``exp_avg_sq``) exactly; the captured
+factor terms equal the bytes of a real ``GradientCapture`` batch exactly; the store size
+equals the projected width of a real projected batch exactly. Tolerance: 0 (exact) for all.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dattri_ds import CaptureConfig, GradientCapture, ProjectionConfig
+from dattri_ds.data import build_model
+from dattri_ds.errors import ConfigError
+from dattri_ds.gradient import Dense, Factorized
+from dattri_ds.plan import (
+    DEVICES, ModelShape, RunSpec, captured_factor_bytes, device, plan,
+)
+
+LLAMA = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "hidden_size": 32, "intermediate_size": 48,
+         "max_position_embeddings": 64, "tie_word_embeddings": False}
+GPT2 = {"model_type": "gpt2", "n_layer": 2, "n_head": 4, "n_embd": 32, "n_positions": 64,
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+VOCAB, B, T = 97, 3, 12
+
+
+def _model(cfg: dict) -> torch.nn.Module:
+    return build_model(cfg, vocab_size=VOCAB, seed=0)
+
+
+def _qwen2() -> tuple[dict, torch.nn.Module]:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      tie_word_embeddings=True)
+    return cfg.to_dict(), Qwen2ForCausalLM(cfg)
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@pytest.mark.parametrize("cfg", [LLAMA, GPT2, {**GPT2, "tie_word_embeddings": False}],
+                         ids=["llama", "gpt2-tied", "gpt2-untied"])
+def test_parameter_count_equals_transformers(cfg):
+    """ModelShape.num_params is the exact count of the built model (a wrong block layout,
+    bias or tied head would show here)."""
+    shape = ModelShape.from_config(cfg, vocab_size=VOCAB)
+    assert shape.num_params == sum(p.numel() for p in _model(cfg).parameters())
+
+
+def test_parameter_count_of_hf_qwen2_config(tmp_path):
+    """An HF config.json (Qwen2: q/k/v biases, tied head, vocab in the file) is read as is."""
+    d, model = _qwen2()
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(d))
+    assert ModelShape.from_config(path).num_params == sum(p.numel() for p in model.parameters())
+
+
+def test_state_terms_equal_a_real_torch_adamw():
+    """params / grads / optimizer terms (ZeRO-0, 1 rank, fp32 AdamW) equal the bytes of the
+    model's parameters, their .grad and AdamW's exp_avg + exp_avg_sq after one step."""
+    model = _model(LLAMA)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, VOCAB, (B, T))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    p = plan(ModelShape.from_config(LLAMA, vocab_size=VOCAB), "cpu",
+             RunSpec(world=1, zero_stage=0, dtype="float32", optimizer="adamw", seq_len=T,
+                     micro_batch=B, capture=False, k=64))
+    params = list(model.parameters())
+    assert p.memory["params"] == _nbytes(params)
+    assert p.memory["grads"] == _nbytes(x.grad for x in params)
+    state = [v for s in opt.state.values() for k, v in s.items() if k != "step"]
+    assert p.memory["optimizer"] == _nbytes(state)
+    assert p.memory["master"] == 0
+
+
+@pytest.mark.parametrize("cfg", [LLAMA, GPT2], ids=["llama", "gpt2"])
+def test_captured_factor_bytes_equal_a_real_gradbatch(cfg):
+    """captured_factor_bytes = the bytes of one GradientCapture batch: layer inputs (and
+    embedding indices), output-grads and the norms' dense rows; a layer the planner forgets
+    (or counts twice, e.g. a tied head) breaks the equality."""
+    model = _model(cfg)
+    ids = torch.randint(0, VOCAB, (B, T))
+    with GradientCapture(model, CaptureConfig(), probe_only=True) as cap:
+        batch = cap.probe(lambda: model(input_ids=ids, labels=ids).loss)
+    got = {"inputs": 0, "grads": 0, "dense": 0}
+    for lg in batch.layers.values():
+        if isinstance(lg.data, Factorized):
+            got["inputs"] += _nbytes([lg.data.a])
+            got["grads"] += _nbytes([lg.data.g])
+        else:
+            assert isinstance(lg.data, Dense)
+            got["dense"] += _nbytes([lg.data.values])
+    want = captured_factor_bytes(ModelShape.from_config(cfg, vocab_size=VOCAB),
+                                 RunSpec(seq_len=T, micro_batch=B, dtype="float32"), B)
+    assert want == got
+
+
+@pytest.mark.parametrize("k", [16, 64])
+def test_store_bytes_equal_the_projected_width(k):
+    """store_bytes = examples x (projected columns of a real Kronecker-projected batch) x 2."""
+    model = _model(LLAMA)
+    ids = torch.randint(0, VOCAB, (B, T))
+    proj = ProjectionConfig(kind="kronecker", dim=k)
+    with GradientCapture(model, CaptureConfig(projection=proj), probe_only=True) as cap:
+        batch = cap.probe(lambda: model(input_ids=ids, labels=ids).loss)
+    width = sum(lg.data.values.shape[1] for lg in batch.layers.values())
+    p = plan(ModelShape.from_config(LLAMA, vocab_size=VOCAB), "cpu",
+             RunSpec(seq_len=T, micro_batch=B, k=k, examples=10, store_dtype="float16"))
+    assert p.store_bytes == 10 * width * 2
+
+
+def test_zero_sharding_and_offload_move_the_right_terms():
+    """ZeRO-1 shards optimizer states, ZeRO-2 also grads, ZeRO-3 also parameters; offload
+    moves master and optimizer (and with 'all' the parameters) to the host."""
+    shape = ModelShape.from_config(LLAMA, vocab_size=VOCAB)
+    P = shape.num_params
+
+    def mem(**kw):
+        return plan(shape, "h200", RunSpec(world=4, k=64, **kw))
+
+    z1, z2, z3 = mem(zero_stage=1), mem(zero_stage=2), mem(zero_stage=3)
+    assert (z1.memory["optimizer"], z1.memory["grads"], z1.memory["params"]) == \
+        (8 * P / 4, 2 * P, 2 * P)
+    assert (z2.memory["grads"], z2.memory["params"]) == (2 * P / 4, 2 * P)
+    assert z3.memory["params"] == 2 * P / 4 and z3.memory["master"] == 4 * P / 4
+    off = mem(zero_stage=3, offload="all")
+    assert {"params", "master", "optimizer"} <= set(off.host) and \
+        not {"params", "master", "optimizer"} & set(off.memory)
+
+
+def test_recommends_offload_and_k_and_explains_routing():
+    """A 110B model on 4 x H200 without offload does not fit and offload is advised; k=0
+    picks a k from the ladder; every factorized layer gets a ghost/dense decision."""
+    shape = ModelShape.from_config({"model_type": "qwen2", "vocab_size": 152064,
+                                    "hidden_size": 8192, "intermediate_size": 49152,
+                                    "num_hidden_layers": 80, "num_attention_heads": 64,
+                                    "num_key_value_heads": 8})
+    assert 100e9 < shape.num_params < 120e9
+    p = plan(shape, "h200", RunSpec(world=4, seq_len=512, micro_batch=1, k=0))
+    assert p.spec.k in (64, 256, 1024, 4096)
+    assert any("offload" in a for a in p.advice)
+    assert set(p.routing.values()) <= {"ghost", "dense"} and len(p.routing) == 9
+
+
+def test_unknown_names_are_errors_that_list_the_choices():
+    """A typo in device, family or method fails with the allowed values."""
+    with pytest.raises(ConfigError, match="h200"):
+        device("h2000")
+    with pytest.raises(ConfigError, match="supported"):
+        ModelShape.from_config({"model_type": "bert"})
+    with pytest.raises(ConfigError, match="vocab_size"):
+        ModelShape.from_config(LLAMA)
+    with pytest.raises(ConfigError, match="method"):
+        RunSpec(method="influence")
+    assert {"cpu", "h200", "h100", "a100"} <= set(DEVICES)
+
+
+def test_cli_json_equals_the_library(capsys):
+    """``dattri-ds plan --json`` prints what plan() computes for the same flags."""
+    from dattri_ds.tools.cli import main
+
+    assert main(["plan", "--model", "configs/model_llama_tiny.json", "--vocab-size", "512",
+                 "--world", "2", "--device", "h100", "--seq-len", "128", "--k", "256",
+                 "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    want = plan(ModelShape.from_config("configs/model_llama_tiny.json", vocab_size=512), "h100",
+                RunSpec(world=2, seq_len=128, k=256)).to_dict()
+    assert got["memory_bytes"] == want["memory_bytes"] and got["seconds"] == want["seconds"]

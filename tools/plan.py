@@ -1,0 +1,64 @@
+"""Predict per-rank memory and time of a run, and recommend settings (dattri_ds.plan).
+
+    dattri-ds plan --model configs/model_llama_1b.json --vocab-size 4096 --world 2 \
+        --device cpu --seq-len 256 --micro-batch 1 --dtype float32 --optimizer sgd
+    dattri-ds plan --model path/to/hf/config.json --world 4 --device h200 --seq-len 512 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dattri_ds.plan import DEVICES, ModelShape, RunSpec, plan  # noqa: E402
+
+_CHOICES = {"zero_stage": [0, 1, 2, 3], "offload": ["none", "optimizer", "all"],
+            "dtype": ["float32", "bfloat16"], "optimizer": ["adamw", "sgd", "sgd_momentum"],
+            "projection": ["kronecker", "dense"],
+            "method": ["graddot", "tracin", "kfac", "ekfac", "selection"],
+            "store_dtype": ["float32", "float16", "bfloat16"]}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dattri-ds plan", description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True,
+                   help="our JSON model config or a Hugging Face config.json")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="vocabulary size when the config has none (ours: the tokenizer's)")
+    p.add_argument("--device", default="cpu", choices=sorted(DEVICES))
+    p.add_argument("--memory-gb", type=float, default=None,
+                   help="override the device's memory (e.g. what is free on a shared host)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    defaults = RunSpec()
+    for f in fields(RunSpec):  # one flag per RunSpec field, defaults from the dataclass
+        flag = "--" + f.name.replace("_", "-")
+        value = getattr(defaults, f.name)
+        if isinstance(value, bool):
+            p.add_argument(flag, default=value, action=argparse.BooleanOptionalAction)
+        else:
+            p.add_argument(flag, type=type(value), default=value,
+                           choices=_CHOICES.get(f.name))
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    from dataclasses import replace
+    model = ModelShape.from_config(args.model, vocab_size=args.vocab_size)
+    dev = DEVICES[args.device]
+    if args.memory_gb is not None:
+        dev = replace(dev, memory_bytes=args.memory_gb * 1e9)
+    spec = RunSpec(**{f.name: getattr(args, f.name) for f in fields(RunSpec)})
+    result = plan(model, dev, spec)
+    print(json.dumps(result.to_dict(), indent=1) if args.json else result.table())
+    return result.to_dict()
+
+
+if __name__ == "__main__":
+    main()
