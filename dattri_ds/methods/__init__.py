@@ -1,6 +1,7 @@
 """Attribution methods sharing one train x query scoring loop; importing registers them.
 
-``graddot``, ``gradcos``, ``tracin``, ``kfac``, ``ekfac``: ``make_attributor(name, ...)``.
+``graddot``, ``gradcos``, ``tracin``, ``kfac``, ``ekfac``, ``kfac-trajectory``,
+``ekfac-trajectory``: ``make_attributor(name, ...)``.
 """
 
 from dattri_ds.methods.base import (
@@ -8,9 +9,12 @@ from dattri_ds.methods.base import (
 )
 from dattri_ds.methods.curvature import EKFAC, KFAC, fit_factors
 from dattri_ds.methods.graddot import GradCos, GradDot
-from dattri_ds.methods.tracin import Checkpoint, TracIn
+from dattri_ds.methods.tracin import (
+    Checkpoint, EKFACTrajectory, KFACTrajectory, TracIn, Trajectory,
+)
 
 __all__ = [
     "Attributor", "Scores", "get_attributor", "make_attributor", "registered_attributors",
-    "GradDot", "GradCos", "TracIn", "Checkpoint", "KFAC", "EKFAC", "fit_factors",
+    "GradDot", "GradCos", "TracIn", "Trajectory", "EKFACTrajectory", "KFACTrajectory",
+    "Checkpoint", "KFAC", "EKFAC", "fit_factors",
 ]

@@ -1,15 +1,25 @@
-"""TracIn: attribution summed along the training trajectory (Pruthi et al., 2020).
+"""Trajectory attribution: per-checkpoint scores of an inner method, summed over checkpoints.
 
-``score[n, q] = sum_c lr_c <g_n^(c), M_c g_q^(c)>``: the gradients of train example n and
-query q at checkpoint c, learning rate ``lr_c`` in effect after c, and the inner method's
-query preconditioning ``M_c`` (identity for ``graddot``; ``gradcos`` normalizes per
-checkpoint). Sign convention of ``methods.base``: positive = n lowered q's loss.
+``score[n, q] = sum_c w_c <g_n^(c), M_c g_q^(c)>``: the gradients of train example n and
+query q at checkpoint c, the inner method's query preconditioning ``M_c`` at c, and a
+weight ``w_c``: the learning rate ``lr_c`` in effect after c (``weighting="lr"``, TracIn,
+Pruthi et al., 2020) or 1 (``weighting="uniform"``). Sign convention of ``methods.base``:
+positive = n lowered q's loss.
+
+Registered trajectories (one implementation, ``Trajectory``, differing in defaults):
+
+* ``tracin``: inner ``graddot`` (``M_c = I``), lr-weighted.
+* ``ekfac-trajectory`` / ``kfac-trajectory``: inner ``ekfac`` / ``kfac`` with curvature
+  factors fitted at every checkpoint (``Checkpoint.factors``, ``M_c = (F_c + lambda_c)^-1``),
+  uniform weights by default. Curvature fitted along the trajectory sees the directions the
+  model moved in early, which the final checkpoint's (nearly converged) Fisher underweights;
+  on the LDS benchmarks it is the most faithful method of the library (``tools/lds.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import torch
 
@@ -18,66 +28,128 @@ from dattri_ds.gradient import GradBatch
 from dattri_ds.methods.base import Attributor, Scores, get_attributor
 from dattri_ds.ops.cost import CostModel
 
-__all__ = ["Checkpoint", "TracIn"]
+__all__ = ["Checkpoint", "Trajectory", "TracIn", "EKFACTrajectory", "KFACTrajectory",
+           "WEIGHTINGS"]
+
+#: How checkpoints are weighted: by their learning rate, or all equally.
+WEIGHTINGS = ("lr", "uniform")
 
 
 class Checkpoint(NamedTuple):
-    """Gradients of one checkpoint of the trajectory.
+    """Gradients (and, for curvature methods, factors) of one checkpoint of the trajectory.
 
     Attributes:
         train: training gradients at this checkpoint (streamed once, same ids and order at
             every checkpoint).
         query: query gradients ``[Q]`` at this checkpoint.
-        lr: learning rate weighting this checkpoint.
+        lr: learning rate in effect after this checkpoint (the weight when
+            ``weighting="lr"``).
+        factors: eigendecomposed ``KFACFactors`` fitted at this checkpoint (curvature inner
+            methods only).
     """
 
     train: Iterable[GradBatch]
     query: GradBatch
-    lr: float
+    lr: float = 1.0
+    factors: Any = None
 
 
-class TracIn(Attributor, name="tracin"):
-    """Learning-rate-weighted sum of per-checkpoint scores of an inner method.
+class Trajectory(Attributor):
+    """Weighted sum over checkpoints of an inner method's scores (module docstring).
 
     Args:
-        inner: per-checkpoint method name or instance (default ``graddot``).
-        layers, cost: as for Attributor (used when ``inner`` is a name).
+        inner: per-checkpoint method name or instance (default: the class's
+            ``default_inner``). A curvature name (``kfac``/``ekfac``) is instantiated per
+            checkpoint with that checkpoint's ``factors``.
+        weighting: ``lr`` (``w_c = lr_c``) or ``uniform`` (``w_c = 1``); default: the
+            class's ``default_weighting``.
+        layers, cost: as for Attributor.
 
-    ``scores(train, query)`` is one checkpoint with ``lr = 1``; ``trajectory_scores`` sums.
+    ``scores(train, query)`` scores one checkpoint with weight 1 (non-curvature inner
+    only); ``trajectory_scores`` sums over checkpoints.
     """
 
-    def __init__(self, *, inner: str | Attributor = "graddot", layers: Iterable[str] | None = None,
-                 cost: CostModel | None = None) -> None:
+    default_inner: ClassVar[str] = "graddot"
+    default_weighting: ClassVar[str] = "lr"
+
+    def __init__(self, *, inner: str | Attributor | None = None,
+                 weighting: Literal["lr", "uniform"] | None = None,
+                 layers: Iterable[str] | None = None, cost: CostModel | None = None) -> None:
         super().__init__(layers=layers, cost=cost)
+        inner = self.default_inner if inner is None else inner
+        self.weighting = self.default_weighting if weighting is None else weighting
+        if self.weighting not in WEIGHTINGS:
+            raise ConfigError(f"weighting must be one of {WEIGHTINGS}, got '{self.weighting}'")
         if isinstance(inner, str):
-            if inner == self.name:
-                raise ConfigError("TracIn(inner='tracin') would recurse; use e.g. 'graddot'")
-            inner = get_attributor(inner)(layers=layers, cost=cost)
-        self.inner = inner
+            cls = get_attributor(inner)
+            if issubclass(cls, Trajectory):
+                raise ConfigError(f"A trajectory's inner method cannot be the trajectory "
+                                  f"'{inner}' (it would recurse); use e.g. 'graddot' or 'ekfac'")
+            self._inner_cls = cls
+            self.inner = None if _needs_factors(cls) else cls(layers=layers, cost=cost)
+        else:
+            self._inner_cls, self.inner = type(inner), inner
+
+    # ---- one checkpoint -------------------------------------------------------------------
+    def _single(self) -> Attributor:
+        if self.inner is None:
+            raise ConfigError(f"{type(self).__name__} with a curvature inner method has no "
+                              f"factors outside a checkpoint: call trajectory_scores() with "
+                              f"Checkpoint(..., factors=...)")
+        return self.inner
 
     def precondition(self, query: GradBatch) -> GradBatch:
-        return self.inner.precondition(query)
+        return self._single().precondition(query)
 
     def query_scale(self, query, layers):
-        return self.inner.query_scale(query, layers)
+        return self._single().query_scale(query, layers)
 
     def train_scale(self, train, layers):
-        return self.inner.train_scale(train, layers)
+        return self._single().train_scale(train, layers)
 
-    def trajectory_scores(self, checkpoints: Iterable[Checkpoint]) -> Scores:
-        """``sum_c lr_c * scores_c`` over the checkpoints.
+    def at(self, c: int, ck: Checkpoint) -> Attributor:
+        """The inner attributor of checkpoint ``c`` (built with its factors when needed)."""
+        if ck.factors is not None:
+            if not _needs_factors(self._inner_cls):
+                raise ConfigError(f"Checkpoint {c} has factors but the inner method "
+                                  f"'{self._inner_cls.name}' takes none; drop factors= or use "
+                                  f"a curvature method")
+            return self._inner_cls(factors=ck.factors, layers=self.layers, cost=self.cost)
+        if self.inner is None:
+            raise ConfigError(f"Checkpoint {c} has no factors but the inner method "
+                              f"'{self._inner_cls.name}' needs them: fit_factors() on that "
+                              f"checkpoint's training gradients and pass "
+                              f"Checkpoint(..., factors=...)")
+        return self.inner
+
+    def weight(self, ck: Checkpoint) -> float:
+        """``w_c``: the checkpoint's learning rate, or 1 (``weighting``)."""
+        return float(ck.lr) if self.weighting == "lr" else 1.0
+
+    # ---- the trajectory -------------------------------------------------------------------
+    def trajectory_scores(self, checkpoints: Iterable[Checkpoint],
+                          per_checkpoint: list[torch.Tensor] | None = None) -> Scores:
+        """``sum_c w_c * scores_c`` over the checkpoints (streamed: one at a time).
+
+        Args:
+            checkpoints: the checkpoints, possibly a generator that opens each lazily.
+            per_checkpoint: if given, each checkpoint's weighted ``[N, Q]`` contribution is
+                appended to it.
 
         Raises:
             ShapeError: train ids (or their order) or the query count differ between
                 checkpoints, naming the checkpoint.
-            ConfigError: no checkpoint was given.
+            ConfigError: no checkpoint was given, or factors are missing/unexpected.
         """
         ids: tuple[str, ...] | None = None
         total: torch.Tensor | None = None
         for c, ck in enumerate(checkpoints):
-            s = self.scores(ck.train, ck.query)
+            s = self.at(c, ck).scores(ck.train, ck.query)
+            part = s.values * self.weight(ck)
+            if per_checkpoint is not None:
+                per_checkpoint.append(part)
             if ids is None:
-                ids, total = s.train_ids, s.values * float(ck.lr)
+                ids, total = s.train_ids, part
                 continue
             if s.train_ids != ids or s.values.shape != total.shape:
                 first = next((i for i, (x, y) in enumerate(zip(ids, s.train_ids)) if x != y),
@@ -87,7 +159,31 @@ class TracIn(Attributor, name="tracin"):
                     f"difference at row {first}; {len(s.train_ids)} vs {len(ids)} rows, "
                     f"scores {tuple(s.values.shape)} vs {tuple(total.shape)}); stream the "
                     f"same examples in the same order at every checkpoint")
-            total = total + s.values * float(ck.lr)
+            total = total + part
         if ids is None:
-            raise ConfigError("TracIn.trajectory_scores() needs at least one Checkpoint")
+            raise ConfigError(f"{type(self).__name__}.trajectory_scores() needs at least one "
+                              f"Checkpoint")
         return Scores(ids, total)
+
+
+def _needs_factors(cls: type[Attributor]) -> bool:
+    from dattri_ds.methods.curvature import KFAC
+    return issubclass(cls, KFAC)
+
+
+class TracIn(Trajectory, name="tracin"):
+    """TracIn: learning-rate-weighted sum of per-checkpoint ``graddot`` scores."""
+
+
+class EKFACTrajectory(Trajectory, name="ekfac-trajectory"):
+    """EK-FAC fitted at every checkpoint, scores summed uniformly (``weighting="lr"`` opt-in)."""
+
+    default_inner = "ekfac"
+    default_weighting = "uniform"
+
+
+class KFACTrajectory(Trajectory, name="kfac-trajectory"):
+    """K-FAC fitted at every checkpoint, scores summed uniformly (``weighting="lr"`` opt-in)."""
+
+    default_inner = "kfac"
+    default_weighting = "uniform"

@@ -9,6 +9,8 @@ change nothing; bad inputs raise errors naming the layer.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -248,3 +250,43 @@ def test_bad_inputs_name_the_layer(setup):
     fp.reduce()  # the EK-FAC phase's reduce
     with pytest.raises(DattriDSError, match="twice"):
         fp.reduce()
+
+
+@pytest.mark.parametrize("method,weighting", [("ekfac", "uniform"), ("kfac", "lr")])
+def test_trajectory_equals_sum_of_per_checkpoint_dense_references(setup, method, weighting):
+    """``<method>-trajectory`` == sum_c w_c G_train^(c) (F_c + lambda_c I)^-1 G_query^(c)T.
+
+    Three weight snapshots, each with its own factors fitted by ``fit_factors``; the
+    reference builds every checkpoint's ``[D, D]`` curvature independently (``torch.kron``
+    of plain-torch factors) and sums. Breaks if a checkpoint's factors are reused for
+    another checkpoint, if weights are applied wrongly, or if checkpoints are dropped.
+    """
+    from dattri_ds.methods import Checkpoint, fit_factors, make_attributor
+
+    model = setup[0]
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(1, VOCAB, (5, 7), generator=gen)
+    qids = torch.randint(1, VOCAB, (2, 7), generator=gen)
+    lrs = [0.3, 0.2, 0.1]
+    cks, want = [], 0.0
+    for c, lr in enumerate(lrs):
+        snap = copy.deepcopy(model)
+        with torch.no_grad():
+            for p in snap.parameters():
+                p.add_(0.1 * c * torch.randn(p.shape, generator=gen))
+        train, rtrain = _capture(snap, ids)
+        query, rquery = _capture(snap, qids)
+        cks.append(Checkpoint([train], query, lr, fit_factors([train])))
+        ref = _per_layer_reference(train, rtrain, rquery, method, 0.1)
+        w = lr if weighting == "lr" else 1.0
+        want = want + w * sum(ref.values())
+    att = make_attributor(f"{method}-trajectory", weighting=weighting)
+    per: list[torch.Tensor] = []
+    got = att.trajectory_scores(iter(cks), per_checkpoint=per)
+    assert rel_err(got.values, want.float()) <= TOL
+    assert len(per) == 3 and rel_err(sum(per), got.values) <= 1e-6
+    single = make_attributor(method, factors=cks[1].factors).scores(cks[1].train, cks[1].query)
+    w1 = lrs[1] if weighting == "lr" else 1.0
+    assert rel_err(per[1], w1 * single.values) <= 1e-6
+    with pytest.raises(DattriDSError, match="Checkpoint 0 has no factors"):
+        att.trajectory_scores([cks[0]._replace(factors=None)])
