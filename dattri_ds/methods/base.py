@@ -26,9 +26,11 @@ from typing import ClassVar, NamedTuple
 import torch
 
 from dattri_ds.errors import ConfigError, ShapeError
-from dattri_ds.gradient import GradBatch
+from dattri_ds.gradient import Dense, GradBatch
+from dattri_ds.layers.base import get_kind
 from dattri_ds.ops.cost import CostModel
-from dattri_ds.ops.inner import cross_gram
+from dattri_ds.ops.inner import cross_gram, default_cost_model, materialize, project
+from dattri_ds.ops.projection import Projector
 
 __all__ = ["Scores", "Attributor", "get_attributor", "registered_attributors",
            "make_attributor"]
@@ -54,6 +56,10 @@ class Attributor(ABC):
     Args:
         layers: layer names to score on (default: every layer of the query).
         cost: cost model for the ghost/dense routing of the inner products.
+        projector: the projection of the training rows (a store's ``ProjectionConfig``):
+            query layers still unprojected after ``precondition`` are projected with it,
+            so ``<P g_n, P (M g_q)>`` estimates ``<g_n, M g_q>`` (exact preconditioning,
+            then one random projection: the error is that of the projection alone).
     """
 
     name: ClassVar[str]
@@ -65,9 +71,10 @@ class Attributor(ABC):
             _REGISTRY[name] = cls  # later registrations win, as for LayerKind
 
     def __init__(self, *, layers: Iterable[str] | None = None,
-                 cost: CostModel | None = None) -> None:
+                 cost: CostModel | None = None, projector: Projector | None = None) -> None:
         self.layers = tuple(layers) if layers is not None else None
         self.cost = cost
+        self.projector = projector
 
     # ---- what methods override ----------------------------------------------------------
     @abstractmethod
@@ -112,6 +119,8 @@ class Attributor(ABC):
         query = self.select(query)
         names = tuple(query.layers)
         pq = self.precondition(query)
+        if self.projector is not None:
+            pq = _into_space(pq, self.projector, self.cost)
         qs = self.query_scale(query, names)
         ids: list[str] = []
         blocks: list[torch.Tensor] = []
@@ -122,6 +131,8 @@ class Attributor(ABC):
                     f"Layer '{missing[0]}' of the query is missing from the training batch "
                     f"(step {batch.step}, first id {batch.sample_ids[:1]}); score with "
                     f"layers= restricted to layers both sides hold")
+            if not blocks:
+                pq = _materialize_once(batch, pq, names, self.cost)
             s = cross_gram(batch, pq, names, self.cost)
             ts = self.train_scale(batch, names)
             if ts is not None:
@@ -132,6 +143,37 @@ class Attributor(ABC):
             ids.extend(batch.sample_ids)
         values = torch.cat(blocks) if blocks else torch.zeros(0, query.batch_size)
         return Scores(tuple(ids), values)
+
+
+def _into_space(pq: GradBatch, projector: Projector, cost: CostModel | None) -> GradBatch:
+    """Project the (preconditioned) query's still unprojected layers with ``projector``."""
+    layers = {n: lg if lg.projection is not None else project(lg, projector, cost)
+              for n, lg in pq.layers.items()}
+    return GradBatch(pq.step, pq.sample_ids, layers, pq.micro_batch, pq.token_counts)
+
+
+def _materialize_once(train: GradBatch, pq: GradBatch, names: tuple[str, ...],
+                      cost: CostModel | None) -> GradBatch:
+    """Materialize factorized query layers once when the train x query product goes dense.
+
+    ``cross_gram``'s dense route materializes *both* sides for every train batch; the
+    query does not change between batches, so when the cost model picks that route for
+    the first train batch, the query rows ``[Q, D]`` are built here once and every batch
+    takes the cheaper ``cross_dense`` route (same values up to float rounding).
+    """
+    layers = dict(pq.layers)
+    for n in names:
+        x, y = train.layers[n], layers[n]
+        if not (x.is_factorized and y.is_factorized) or x.shard is not None or \
+                y.shard is not None:
+            continue
+        kind = get_kind(x.kind)
+        fy = y.data
+        dec = (cost or default_cost_model(x.device)).choose(
+            "cross_gram", n, kind.dims(x.data, x.shape), B2=fy.g.shape[0], S=fy.g.shape[1])
+        if dec.path == "dense":
+            layers[n] = y.replace(data=Dense(materialize(y)))
+    return GradBatch(pq.step, pq.sample_ids, layers, pq.micro_batch, pq.token_counts)
 
 
 def get_attributor(name: str) -> type[Attributor]:

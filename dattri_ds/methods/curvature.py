@@ -40,14 +40,15 @@ class KFAC(Attributor, name="kfac"):
 
     Args:
         factors: eigendecomposed KFACFactors (``fit_factors`` or ``KFACFactors.load``).
-        layers, cost: as for Attributor.
+        layers, cost, projector: as for Attributor (``projector``: exact factors, training
+            rows of a projected store; the preconditioned query is projected).
     """
 
     method = "kfac"
 
     def __init__(self, *, factors: KFACFactors, layers: Iterable[str] | None = None,
-                 cost: CostModel | None = None) -> None:
-        super().__init__(layers=layers, cost=cost)
+                 cost: CostModel | None = None, projector: Projector | None = None) -> None:
+        super().__init__(layers=layers, cost=cost, projector=projector)
         if not factors.eigendecomposed:
             raise DattriDSError(f"{type(self).__name__} needs eigendecomposed factors; call "
                                 f"factors.eigendecompose() (fit_factors does)")
@@ -63,8 +64,8 @@ class EKFAC(KFAC, name="ekfac"):
     method = "ekfac"
 
     def __init__(self, *, factors: KFACFactors, layers: Iterable[str] | None = None,
-                 cost: CostModel | None = None) -> None:
-        super().__init__(factors=factors, layers=layers, cost=cost)
+                 cost: CostModel | None = None, projector: Projector | None = None) -> None:
+        super().__init__(factors=factors, layers=layers, cost=cost, projector=projector)
         if not factors.has_correction:
             raise DattriDSError("EKFAC needs corrected eigenvalues: run "
                                 "factors.update_correction() over the training data and "

@@ -27,6 +27,7 @@ from dattri_ds.errors import ConfigError, ShapeError
 from dattri_ds.gradient import GradBatch
 from dattri_ds.methods.base import Attributor, Scores, get_attributor
 from dattri_ds.ops.cost import CostModel
+from dattri_ds.ops.projection import Projector
 
 __all__ = ["Checkpoint", "Trajectory", "TracIn", "EKFACTrajectory", "KFACTrajectory",
            "WEIGHTINGS"]
@@ -63,7 +64,7 @@ class Trajectory(Attributor):
             checkpoint with that checkpoint's ``factors``.
         weighting: ``lr`` (``w_c = lr_c``) or ``uniform`` (``w_c = 1``); default: the
             class's ``default_weighting``.
-        layers, cost: as for Attributor.
+        layers, cost, projector: as for Attributor (passed to the inner methods).
 
     ``scores(train, query)`` scores one checkpoint with weight 1 (non-curvature inner
     only); ``trajectory_scores`` sums over checkpoints.
@@ -74,8 +75,9 @@ class Trajectory(Attributor):
 
     def __init__(self, *, inner: str | Attributor | None = None,
                  weighting: Literal["lr", "uniform"] | None = None,
-                 layers: Iterable[str] | None = None, cost: CostModel | None = None) -> None:
-        super().__init__(layers=layers, cost=cost)
+                 layers: Iterable[str] | None = None, cost: CostModel | None = None,
+                 projector: Projector | None = None) -> None:
+        super().__init__(layers=layers, cost=cost, projector=projector)
         inner = self.default_inner if inner is None else inner
         self.weighting = self.default_weighting if weighting is None else weighting
         if self.weighting not in WEIGHTINGS:
@@ -86,7 +88,8 @@ class Trajectory(Attributor):
                 raise ConfigError(f"A trajectory's inner method cannot be the trajectory "
                                   f"'{inner}' (it would recurse); use e.g. 'graddot' or 'ekfac'")
             self._inner_cls = cls
-            self.inner = None if _needs_factors(cls) else cls(layers=layers, cost=cost)
+            self.inner = (None if _needs_factors(cls)
+                          else cls(layers=layers, cost=cost, projector=projector))
         else:
             self._inner_cls, self.inner = type(inner), inner
 
@@ -114,7 +117,8 @@ class Trajectory(Attributor):
                 raise ConfigError(f"Checkpoint {c} has factors but the inner method "
                                   f"'{self._inner_cls.name}' takes none; drop factors= or use "
                                   f"a curvature method")
-            return self._inner_cls(factors=ck.factors, layers=self.layers, cost=self.cost)
+            return self._inner_cls(factors=ck.factors, layers=self.layers, cost=self.cost,
+                                   projector=self.projector)
         if self.inner is None:
             raise ConfigError(f"Checkpoint {c} has no factors but the inner method "
                               f"'{self._inner_cls.name}' needs them: fit_factors() on that "

@@ -237,7 +237,9 @@ def project(lg: LayerGrad, projector: Projector, cost: CostModel | None = None,
     """Project one layer's per-example gradients to ``Dense [B, P]``.
 
     Layers with ``O*I' <= dim`` are kept exactly (projection tag ``identity:<tag>``).
-    Factorized layers use ``project_kron`` or ``project_dense`` routing; dense ones a matmul.
+    Factorized layers use ``project_kron`` or ``project_dense`` routing; dense ones a matmul
+    (``P_out G P_in^T`` for a Kronecker projection of a Kronecker-structured kind, so dense
+    rows and factors of one layer land in the same space).
     """
     cfg = projector.config
     if lg.projection is not None:
@@ -248,11 +250,14 @@ def project(lg: LayerGrad, projector: Projector, cost: CostModel | None = None,
     if o * i <= cfg.dim:
         return lg.replace(data=Dense(materialize(lg)), projection=f"identity:{cfg.tag}")
     dev = lg.device
-    if cfg.kind == "kronecker" and isinstance(lg.data, Factorized):
+    if cfg.kind == "kronecker" and not get_kind(lg.kind).dense_only:
         ko, ki = kron_dims(cfg.dim, o, i)
         p_out = projector.side(lg.name, "out", ko, o, dev)
         p_in = projector.side(lg.name, "in", ki, i, dev)
-        vals = _kron_apply(lg, p_out, p_in, cost, path)
+        if isinstance(lg.data, Factorized):
+            vals = _kron_apply(lg, p_out, p_in, cost, path)
+        else:  # dense rows of a Kronecker-structured layer (e.g. a preconditioned query)
+            vals = (p_out @ materialize(lg).view(-1, o, i) @ p_in.T).reshape(lg.batch_size, -1)
         return lg.replace(data=Dense(vals), projection=cfg.tag)
     return lg.replace(data=Dense(_project_dense(lg, projector, cost, path)), projection=cfg.tag)
 

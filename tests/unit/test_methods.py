@@ -174,3 +174,66 @@ def test_bad_inputs_are_named(data):
         KFAC(factors=f).scores([train], query)
     with pytest.raises(ConfigError, match="twice"):
         fit_factors(iter([train]))
+
+
+@pytest.mark.parametrize("kind", ["dense", "kronecker"])
+def test_projector_projects_the_exactly_preconditioned_query(data, kind):
+    """EKFAC(projector=P) on P-projected train rows == <P g_n, P (F + lambda)^-1 g_q>.
+
+    The factors are exact; only the preconditioned query is projected (with the explicit
+    matrix of the store's projection here). Breaks if the query is projected before the
+    preconditioning or with another matrix than the training rows.
+    """
+    _, train, rt, query, rq, *_ = data
+    proj = Projector(ProjectionConfig(kind=kind, dim=16, seed=3))
+    f = fit_factors([train])
+    hq = f.precondition(query, "ekfac")
+    want = 0
+    for name, lg in train.layers.items():
+        o, i = lg.shape
+        if o * i <= 16:
+            k = torch.eye(o * i)
+        elif kind == "kronecker" and lg.is_factorized:
+            ko, ki = kron_dims(16, o, i)
+            k = torch.kron(proj.side(name, "out", ko, o, torch.device("cpu")),
+                           proj.side(name, "in", ki, i, torch.device("cpu")))
+        else:
+            k = proj.dense_matrix(name, o * i, 16)
+        want = want + (_ref_rows(train, rt, name) @ k.T) @ (hq.layers[name].data.values @ k.T).T
+    got = EKFAC(factors=f, projector=proj).scores([project_batch(train, proj)], query).values
+    assert rel_err(got, want) <= TOL
+
+
+def _ref_rows(batch, rows, name):
+    start = 0
+    for n, lg in batch.layers.items():
+        d = lg.shape[0] * lg.shape[1]
+        if n == name:
+            return rows[:, start:start + d]
+        start += d
+    raise KeyError(name)
+
+
+def test_dense_route_materializes_the_query_once(data, monkeypatch):
+    """With the dense route forced, the unchanged query is materialized once, not per batch.
+
+    Counts ``LayerKind.materialize`` calls on query-sized factors while five one-example
+    train batches are scored; the scores stay equal to the reference dot products.
+    """
+    from dattri_ds.layers.base import registered_kinds
+    from dattri_ds.ops.cost import CostModel
+
+    _, train, rt, query, rq, *_ = data
+    calls = []
+    for inst in registered_kinds().values():
+        orig = inst.materialize
+
+        def counted(f, shape, _orig=orig):
+            calls.append(f.g.shape[0])
+            return _orig(f, shape)
+        monkeypatch.setattr(inst, "materialize", counted)
+    cost = CostModel(force={"cross_gram": "dense", "cross_dense": "dense"})
+    s = GradDot(cost=cost).scores(_singles(train), query).values
+    assert rel_err(s, rt @ rq.T) <= TOL
+    factorized = sum(lg.is_factorized for lg in query.layers.values())
+    assert calls.count(query.batch_size) == factorized  # once per layer, not 5 times
