@@ -59,13 +59,18 @@ from dattri_ds.ops.projection import Projector
 logger = logging.getLogger("dattri_ds.tools.lds")
 
 ROOT = Path(__file__).resolve().parents[1]
-METHODS = ("graddot", "gradcos", "tracin", "kfac", "ekfac")
+METHODS = ("graddot", "gradcos", "tracin", "kfac", "ekfac", "kfac-trajectory", "ekfac-trajectory")
+#: What ``tools/attribute.py`` runs by default (chosen by this table, see the README).
+DEFAULT_METHOD = "ekfac-trajectory"
+CURVATURE = ("kfac", "ekfac", "kfac-trajectory", "ekfac-trajectory")
+SETTING_KINDS = ("dense", "kronecker", "logra")
 MODEL = {"model_type": "gpt2", "n_layer": 2, "n_head": 4, "n_embd": 64, "n_positions": 64,
          "activation_function": "gelu_new", "resid_pdrop": 0.0, "embd_pdrop": 0.0,
          "attn_pdrop": 0.0, "tie_word_embeddings": False}
 PRESETS = {
-    "default": dict(n_train=128, subsets=32, seeds=2, epochs=6, proj_dims="0,64,256,1024"),
-    "quick": dict(n_train=64, subsets=8, seeds=1, epochs=4, proj_dims="0,64"),
+    "default": dict(n_train=128, subsets=32, seeds=2, epochs=6,
+                    projections="exact,dense:256,dense:1024,kronecker:1024,logra:1024"),
+    "quick": dict(n_train=64, subsets=8, seeds=1, epochs=4, projections="exact,dense:64"),
 }
 
 
@@ -78,7 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--subsets", type=int, help="random subsets retrained (S)")
     p.add_argument("--seeds", type=int, help="training seeds averaged per subset")
     p.add_argument("--epochs", type=int, help="epochs of every training run")
-    p.add_argument("--proj-dims", help="comma-separated projection sizes, 0 = exact")
+    p.add_argument("--projections", help="comma-separated settings: exact, dense:<k>, "
+                   "kronecker:<k>, logra:<k> (k per layer)")
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated methods")
     p.add_argument("--fraction", type=float, default=0.5, help="subset size / N")
     p.add_argument("--n-hamlet", type=int, default=8, help="Hamlet queries")
@@ -90,7 +96,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="Adam or SGD with momentum 0.9, constant learning rate")
     p.add_argument("--lr", type=float, help="learning rate (default: adam 3e-3, sgd 0.1)")
     p.add_argument("--checkpoints", type=int, default=3, help="TracIn checkpoints")
-    p.add_argument("--damping", type=float, default=0.1, help="K-FAC relative damping")
+    p.add_argument("--dampings", default=None,
+                   help="comma-separated relative dampings of the curvature methods "
+                        "(default: the library default KFACConfig().damping)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--cache-dir", default=None, help="tokenizer cache directory")
     p.add_argument("--seed", type=int, default=0, help="init, data and subset seed")
@@ -100,7 +108,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, k, v)
     if args.lr is None:
         args.lr = 0.1 if args.optimizer == "sgd" else 3e-3
-    args.proj_dims = [int(k) for k in str(args.proj_dims).split(",") if k.strip()]
+    try:
+        args.projections = [parse_setting(t) for t in str(args.projections).split(",")
+                            if t.strip()]
+    except ValueError as e:
+        p.error(str(e))
+    args.dampings = ([float(d) for d in args.dampings.split(",") if d.strip()]
+                     if args.dampings else [None])
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for name in ("seeds", "epochs", "checkpoints", "n_train"):
         if getattr(args, name) < 1:
@@ -190,55 +204,96 @@ def capture(model: torch.nn.Module, ds: TokenizedDocuments, batch_size: int = 32
     return out
 
 
-def attribute(method: str, k: int, grads: list[dict], args: argparse.Namespace) -> torch.Tensor:
-    """``[N, Q]`` scores of one method at projection size k (0 = exact), from captures.
+def parse_setting(text: str) -> tuple[str | None, int]:
+    """``exact`` -> (None, 0); ``dense:1024`` / ``kronecker:256`` / ``logra:1024`` -> (kind, k)."""
+    text = text.strip()
+    if text in ("exact", "0"):
+        return None, 0
+    kind, _, k = text.partition(":")
+    if kind not in SETTING_KINDS or not k.isdigit() or int(k) < 1:
+        raise ValueError(f"projection setting '{text}': use exact or <kind>:<k> with kind in "
+                         f"{SETTING_KINDS} and k >= 1")
+    return kind, int(k)
+
+
+def setting_name(setting: tuple[str | None, int]) -> str:
+    return "exact" if setting[0] is None else f"{setting[0]}:{setting[1]}"
+
+
+def attribute(method: str, setting: tuple[str | None, int], grads: list[dict],
+              args: argparse.Namespace, damping: float | None = None) -> torch.Tensor:
+    """``[N, Q]`` scores of one method and projection setting, from captures.
 
     ``grads`` holds one ``{"train", "query", "lr"}`` capture per checkpoint; the last is
-    the final model, the only one that methods other than ``tracin`` read.
+    the final model, the only one that single-checkpoint methods read. Settings: ``exact``
+    (factorized, unprojected); ``dense:k`` / ``kronecker:k``: training rows projected per
+    layer to k (as a store holds them); curvature factors stay exact and the exactly
+    preconditioned query is projected (``Attributor(projector=...)``); ``logra:k``:
+    Kronecker projection with the factors fitted in the projected space (LoGra).
     """
-    proj = (Projector(ProjectionConfig(kind="kronecker", dim=k, seed=args.seed)) if k
-            else None)
+    kind, k = setting
+    proj = None
+    if kind is not None:
+        proj = Projector(ProjectionConfig(kind="kronecker" if kind == "logra" else kind, dim=k,
+                                          seed=args.seed))
+    inner = method.removesuffix("-trajectory")
+    curvature = inner in ("kfac", "ekfac")
+    used = grads if method == "tracin" or method.endswith("-trajectory") else grads[-1:]
+    config = KFACConfig() if damping is None else KFACConfig(damping=damping)
 
     def space(batches: list[GradBatch]) -> list[GradBatch]:
         return [project_batch(b, proj) for b in batches] if proj is not None else batches
 
-    final = grads[-1]
-    if method == "tracin":
-        ckpts = [Checkpoint(space(g["train"]), space(g["query"])[0], g["lr"]) for g in grads]
-        return make_attributor("tracin").trajectory_scores(ckpts).values
-    if method in ("kfac", "ekfac"):
-        factors = fit_factors(final["train"], config=KFACConfig(damping=args.damping),
-                              projector=proj, ekfac=method == "ekfac")
-        attributor = make_attributor(method, factors=factors)
-    else:
-        attributor = make_attributor(method)
-    return attributor.scores(space(final["train"]), space(final["query"])[0]).values
+    cks = []
+    for g in used:
+        factors = None
+        if curvature:
+            factors = fit_factors(g["train"], config=config, ekfac=inner == "ekfac",
+                                  projector=proj if kind == "logra" else None)
+        query = g["query"][0] if curvature else space(g["query"])[0]
+        cks.append(Checkpoint(space(g["train"]), query, g["lr"], factors))
+    att_proj = proj if kind in ("dense", "kronecker") else None
+    if method == "tracin" or method.endswith("-trajectory"):
+        return make_attributor(method, projector=att_proj).trajectory_scores(cks).values
+    kwargs = {"factors": cks[0].factors} if curvature else {}
+    attributor = make_attributor(method, projector=att_proj, **kwargs)
+    return attributor.scores(cks[0].train, cks[0].query).values
 
 
 def capture_checkpoints(states: list[tuple[int, dict, float]], model: torch.nn.Module,
                         ds: TokenizedDocuments, qds: TokenizedDocuments) -> list[dict]:
-    """Train and query captures at every saved checkpoint, with their capture time."""
+    """Train and query captures at every saved checkpoint, with their capture CPU time."""
     out = []
     for epoch, state, lr in states:
-        t0 = time.time()
+        t0 = time.process_time()
         model.load_state_dict(state)
         train = capture(model, ds)
         query = capture(model, qds, batch_size=len(qds))
         out.append({"epoch": epoch, "lr": lr, "train": train, "query": query,
-                    "seconds": time.time() - t0})
-        logger.info("captured %d train + %d query gradients at epoch %d (%.1f s)", len(ds),
+                    "seconds": time.process_time() - t0})
+        logger.info("captured %d train + %d query gradients at epoch %d (%.1f CPU s)", len(ds),
                     len(qds), epoch, out[-1]["seconds"])
     return out
 
 
 # ---- report ------------------------------------------------------------------------------
-def table(rows: list[dict]) -> str:
-    """Markdown table of the results."""
-    lines = ["| method | k | LDS (mean ± std over queries) | attribution time (s) |",
-             "|---|---|---|---|"]
+def frontier(rows: list[dict]) -> None:
+    """Mark ``best_at_cost``: no other row has a higher LDS at no more CPU seconds."""
     for r in rows:
-        lines.append(f"| {r['method']} | {r['k'] or 'exact'} | {r['lds_mean']:+.3f} ± "
-                     f"{r['lds_std']:.3f} | {r['time_s']:.2f} |")
+        r["best_at_cost"] = not any(
+            o is not r and o["lds_mean"] > r["lds_mean"] and o["time_s"] <= r["time_s"]
+            for o in rows)
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown fidelity-cost table; ``*`` = best at its cost, ``(default)`` = the library default."""
+    lines = ["| method | projection | damping | LDS (mean ± std over queries) | CPU s | |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        mark = ("*" if r["best_at_cost"] else "") + (" (default)" if r["default"] else "")
+        damping = "-" if r["damping"] is None else f"{r['damping']:g}"
+        lines.append(f"| {r['method']} | {r['projection']} | {damping} | {r['lds_mean']:+.3f} ± "
+                     f"{r['lds_std']:.3f} | {r['time_s']:.2f} | {mark} |")
     return "\n".join(lines)
 
 
@@ -267,17 +322,28 @@ def full_run(train: Callable, init: torch.nn.Module, ds: TokenizedDocuments,
 
 
 def score_all(grads: list[dict], args: argparse.Namespace) -> dict:
-    """``{(method, k): (scores [N, Q], seconds)}``; seconds include the captures read."""
-    scores: dict[tuple[str, int], tuple[torch.Tensor, float]] = {}
-    for k in args.proj_dims:
+    """``{(method, setting, damping): (scores [N, Q], CPU seconds)}``.
+
+    CPU seconds (``time.process_time``, single-threaded with ``--threads 1``) include the
+    captures the method reads. ``logra`` settings apply to curvature methods only.
+    """
+    scores: dict[tuple[str, str, float | None], tuple[torch.Tensor, float]] = {}
+    for setting in args.projections:
         for method in args.methods:
-            t0 = time.time()
-            values = attribute(method, k, grads, args)
-            used = grads if method == "tracin" else grads[-1:]
-            seconds = time.time() - t0 + sum(g["seconds"] for g in used)
-            scores[(method, k)] = (values, seconds)
-            logger.info("%-8s k=%-5s scores %s in %.2f s", method, k or "exact",
-                        list(values.shape), seconds)
+            curvature = method in CURVATURE
+            if setting[0] == "logra" and not curvature:
+                continue
+            for damping in (args.dampings if curvature else [None]):
+                t0 = time.process_time()
+                values = attribute(method, setting, grads, args, damping)
+                used = grads if method == "tracin" or method.endswith("-trajectory") \
+                    else grads[-1:]
+                seconds = time.process_time() - t0 + sum(g["seconds"] for g in used)
+                if curvature and damping is None:
+                    damping = KFACConfig().damping
+                scores[(method, setting_name(setting), damping)] = (values, seconds)
+                logger.info("%-16s %-14s damping %-6s scores %s in %.2f CPU s", method,
+                            setting_name(setting), damping, list(values.shape), seconds)
     return scores
 
 
@@ -313,11 +379,14 @@ def main(argv: list[str] | None = None) -> dict:
     agree = lds(per_seed[0], per_seed[1]) if args.seeds > 1 else None
 
     rows = []
-    for (method, k), (values, seconds) in scores.items():
+    for (method, setting, damping), (values, seconds) in scores.items():
         res = lds(predicted(values, masks), actual)
-        rows.append({"method": method, "k": k, "lds_mean": res.mean, "lds_std": res.std,
-                     "time_s": round(seconds, 3),
+        rows.append({"method": method, "projection": setting, "damping": damping,
+                     "lds_mean": res.mean, "lds_std": res.std, "time_s": round(seconds, 3),
+                     "default": (method == DEFAULT_METHOD and setting == "exact"
+                                 and damping == KFACConfig().damping),
                      "per_query": [round(float(r), 4) for r in res.per_query]})
+    frontier(rows)
     md = table(rows)
     head = (f"LDS over {args.subsets} subsets of {round(args.fraction * len(ds))}/{len(ds)} "
             f"documents ({args.seeds} training seed(s) each), {len(qds)} queries")

@@ -125,11 +125,14 @@ def test_tool_quick_runs(tmp_path):
     spec.loader.exec_module(mod)
     report = mod.main(["--quick", "--out", str(tmp_path), "--n-train", "32", "--subsets", "4",
                        "--epochs", "2", "--n-hamlet", "3", "--n-code", "1",
-                       "--proj-dims", "0,64"])
+                       "--projections", "exact,dense:64,logra:64"])
     saved = json.loads((tmp_path / "lds.json").read_text())
     assert (tmp_path / "lds.md").is_file()
-    rows = {(r["method"], r["k"]): r for r in saved["results"]}
-    assert set(rows) == {(m, k) for m in mod.METHODS for k in (0, 64)}
+    rows = {(r["method"], r["projection"]): r for r in saved["results"]}
+    assert set(rows) == ({(m, k) for m in mod.METHODS for k in ("exact", "dense:64")}
+                         | {(m, "logra:64") for m in mod.CURVATURE})
+    assert sum(r["default"] for r in rows.values()) == 1
+    assert any(r["best_at_cost"] for r in rows.values())
     for r in rows.values():
         assert math.isfinite(r["lds_mean"]) and -1 <= r["lds_mean"] <= 1
         assert r["time_s"] >= 0 and len(r["per_query"]) == 4
