@@ -3,12 +3,19 @@
     python tools/attribute.py --run runs/main/selection --store runs/main/grads \
         --queries data/target/hamlet.jsonl --query-max-docs 4 --method ekfac \
         --factors runs/main/factors.pt --out runs/main/attr-ekfac
-    --method graddot | gradcos | tracin | kfac | ekfac
+    --method ekfac-trajectory (default) | kfac-trajectory | tracin | ekfac | kfac | graddot
+             | gradcos
+
+Every method is the library's (``make_attributor``); trajectories sum per-checkpoint scores
+with ``Trajectory.trajectory_scores`` (curvature factors per checkpoint: ``tools/fit.py
+--checkpoint all --out <dir>``). Curvature methods precondition the unprojected query
+exactly and then project it into the store's space (``Attributor(projector=...)``), unless
+the factors were fitted in that space (``fit --store``, LoGra).
 
 Streams the store in blocks of ``--block-rows`` (memory: one block plus the preconditioned
 queries plus the ``[N, Q]`` result). Writes ``scores.npy`` (``[N, Q]``, positive = the
 training example lowers the query's loss), ``train_ids.json``, ``queries.json``,
-``topk.json`` (proponents and opponents per query), for TracIn ``per_checkpoint.npy``
+``topk.json`` (proponents and opponents per query), for trajectories ``per_checkpoint.npy``
 (``[C, N, Q]`` lr-weighted contributions), and the resolved config.
 """
 
@@ -31,7 +38,10 @@ from dattri_ds.tools.common import (  # noqa: E402
     write_config,
 )
 
-METHODS = ("graddot", "gradcos", "tracin", "kfac", "ekfac")
+METHODS = ("graddot", "gradcos", "tracin", "kfac", "ekfac", "kfac-trajectory",
+           "ekfac-trajectory")
+#: The default method: the most faithful at its cost in ``tools/lds.py`` (README).
+DEFAULT_METHOD = "ekfac-trajectory"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,11 +51,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a gradient store, or a folder of per-checkpoint stores (collect --out)")
     p.add_argument("--queries", required=True, help="jsonl of query texts")
     p.add_argument("--query-max-docs", type=int, default=None)
-    p.add_argument("--method", choices=METHODS, default="graddot")
+    p.add_argument("--method", choices=METHODS, default=DEFAULT_METHOD,
+                   help="attribution method (trajectories need a store and, for curvature, "
+                        "factors per checkpoint)")
+    p.add_argument("--weighting", choices=["lr", "uniform"], default=None,
+                   help="trajectory methods: checkpoint weights (default: the method's, lr "
+                        "for tracin, uniform for the curvature trajectories)")
     p.add_argument("--checkpoints", default=None,
                    help="tracin: all | tag,tag (default all stored); others: one tag "
                         "(default: the newest stored)")
-    p.add_argument("--factors", help="kfac/ekfac: factors file from tools/fit.py")
+    p.add_argument("--factors", help="curvature methods: factors file from tools/fit.py, or "
+                   "a folder of <tag>.pt (tools/fit.py --checkpoint all) for trajectories")
     p.add_argument("--top-k", type=int, default=10)
     p.add_argument("--block-rows", type=int, default=1024)
     p.add_argument("--truncate", action="store_true",
@@ -127,66 +143,114 @@ def _choose_tags(args, run: Run, available: dict[str, Path]) -> list[str]:
     if not order:
         raise ConfigError(f"None of the stores under {args.store} ({sorted(available)}) is a "
                           f"checkpoint of {run.root}")
-    return order if args.method == "tracin" else order[-1:]
+    return order if _is_trajectory(args.method) else order[-1:]
 
 
-def _attributor(args, proj):
-    from dattri_ds import KFACFactors, Projector, make_attributor
+def _is_trajectory(method: str) -> bool:
+    from dattri_ds.methods import Trajectory, get_attributor
+    return issubclass(get_attributor(method), Trajectory)
+
+
+def _is_curvature(method: str) -> bool:
+    from dattri_ds.methods import KFAC, Trajectory, get_attributor
+    cls = get_attributor(method)
+    if issubclass(cls, Trajectory):
+        cls = get_attributor(cls.default_inner)
+    return issubclass(cls, KFAC)
+
+
+def _factors(args, tag: str, proj):
+    """The curvature factors of checkpoint ``tag`` (a file, or ``<dir>/<tag>.pt``)."""
+    from dattri_ds import KFACFactors, Projector
     from dattri_ds.errors import ConfigError
 
-    if args.method in ("kfac", "ekfac"):
-        if not args.factors or not Path(args.factors).exists():
-            raise ConfigError(f"--method {args.method} needs --factors from tools/fit.py "
-                              f"(got {args.factors!r}); fit them with --store {args.store}")
-        factors = KFACFactors.load(args.factors, projector=Projector(proj))
-        return make_attributor(args.method, factors=factors)
-    return make_attributor("graddot" if args.method == "tracin" else args.method)
+    path = Path(args.factors) if args.factors else None
+    if path is not None and path.is_dir():
+        path = path / f"{tag}.pt"
+    if path is None or not path.exists():
+        every = " --checkpoint all" if _is_trajectory(args.method) else ""
+        raise ConfigError(f"--method {args.method} needs curvature factors of checkpoint "
+                          f"'{tag}' (got --factors {args.factors!r}, looked for {path}); fit "
+                          f"them with tools/fit.py --run {args.run}{every} --out <dir>")
+    return KFACFactors.load(path, projector=Projector(proj) if proj else None)
+
+
+def _store_projection(store):
+    """The ProjectionConfig a store was collected with (None: unprojected)."""
+    if store.spec.projection_config is not None:
+        return store.spec.projection_cfg()
+    return projection_from_tag(store.spec.projection)
+
+
+def _checkpoints(args, run: Run, available: dict[str, Path], tags: list[str], queries,
+                 proj):
+    """One ``Checkpoint`` per tag, opened lazily (store, query gradients, factors)."""
+    from dattri_ds import CaptureConfig, Checkpoint
+    from dattri_ds.errors import StoreMismatchError
+
+    curvature = _is_curvature(args.method)
+    for tag in tags:
+        store = _open_checked(available[tag], run, tag)
+        if _store_projection(store) != proj:
+            store.close()
+            raise StoreMismatchError(
+                f"Store '{available[tag]}' is projected with {store.spec.projection!r}, the "
+                f"store of '{tags[0]}' otherwise; collect every checkpoint with the same "
+                f"--projection settings")
+        model = run.model(tag)
+        _check_weights(store, model, tag)
+        # curvature: the query is preconditioned exactly, then projected (Attributor projector)
+        capture = CaptureConfig(projection=None if curvature else proj,
+                                **(store.spec.semantics or {}))
+        q = concat(list(gradients(model, queries, torch.arange(len(queries)),
+                                  capture=capture,
+                                  batch_size=len(queries) if curvature else 8)))
+        factors = _factors(args, tag, proj) if curvature else None
+        try:
+            yield Checkpoint(store.iter_batches(args.block_rows), q,
+                             float(run.checkpoint(tag)["lr"]), factors)
+        finally:
+            store.close()
+        logger.info("%s: scored %d queries (%s)", tag, len(q.sample_ids), args.method)
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from dattri_ds import CaptureConfig
+    """Score the queries with the library's method (``make_attributor(--method)``)."""
+    from dattri_ds import Projector, make_attributor
+    from dattri_ds.store import GradientStore
 
     args = build_parser().parse_args(argv)
     setup_logging()
     run = Run.open(args.run)
     available = stores(Path(args.store))
     tags = _choose_tags(args, run, available)
-    tok = run.tokenizer()
-    queries = load_texts(args.queries, tok, run.context, args.query_max_docs,
+    queries = load_texts(args.queries, run.tokenizer(), run.context, args.query_max_docs,
                          context=run.context, truncate=args.truncate)
     t0 = time.perf_counter()
-    total, per_ckpt, train_ids, attributor = None, [], None, None
-    for tag in tags:
-        store = _open_checked(available[tag], run, tag)
-        proj = (store.spec.projection_cfg() if store.spec.projection_config is not None
-                else projection_from_tag(store.spec.projection))
-        attributor = attributor or _attributor(args, proj)
-        model = run.model(tag)
-        _check_weights(store, model, tag)
-        qcap = CaptureConfig(projection=proj, **(store.spec.semantics or {}))
-        q = concat(list(gradients(model, queries, torch.arange(len(queries)),
-                                  capture=qcap, batch_size=8)))
-        ids, vals = attributor.scores(store.iter_batches(args.block_rows), q)
-        store.close()
-        lr = float(run.checkpoint(tag)["lr"]) if args.method == "tracin" else 1.0
-        if train_ids is not None and ids != train_ids:
-            from dattri_ds.errors import ShapeError
-            raise ShapeError(f"The store of checkpoint '{tag}' holds other examples than that "
-                             f"of '{tags[0]}'; collect the same data at every checkpoint")
-        train_ids = ids
-        per_ckpt.append(vals * lr)
-        total = per_ckpt[-1] if total is None else total + per_ckpt[-1]
-        logger.info("%s: scored %d train x %d queries (%s)", tag, len(ids), len(q.sample_ids),
-                    args.method)
+    with GradientStore.open(available[tags[0]]) as first:
+        proj = _store_projection(first)
+    projector = Projector(proj) if proj else None
+    cks = _checkpoints(args, run, available, tags, queries, proj)
+    per_ckpt: list[torch.Tensor] = []
+    if _is_trajectory(args.method):
+        kwargs = {} if args.weighting is None else {"weighting": args.weighting}
+        attributor = make_attributor(args.method, projector=projector, **kwargs)
+        ids, total = attributor.trajectory_scores(cks, per_checkpoint=per_ckpt)
+    else:
+        ck = next(cks)
+        kwargs = {"factors": ck.factors} if ck.factors is not None else {}
+        attributor = make_attributor(args.method, projector=projector, **kwargs)
+        ids, total = attributor.scores(ck.train, ck.query)
+        cks.close()
     seconds = time.perf_counter() - t0
-    return write_outputs(Path(args.out), args, run, tags, queries, train_ids, total, per_ckpt,
+    return write_outputs(Path(args.out), args, run, tags, queries, ids, total, per_ckpt,
                          seconds)
 
 
 def write_outputs(out: Path, args, run, tags, queries, train_ids, total, per_ckpt, seconds):
     out.mkdir(parents=True, exist_ok=True)
     np.save(out / "scores.npy", total.numpy())
-    if args.method == "tracin":
+    if per_ckpt:
         np.save(out / "per_checkpoint.npy", torch.stack(per_ckpt).numpy())
     (out / "train_ids.json").write_text(json.dumps(list(train_ids)))
     qinfo = [{"id": d.id, "source": d.source, "text": d.text} for d in queries.docs]

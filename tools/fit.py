@@ -1,12 +1,15 @@
-"""Fit K-FAC / EK-FAC curvature factors of a checkpoint on a dataset.
+"""Fit K-FAC / EK-FAC curvature factors of checkpoints on a dataset.
 
-    python tools/fit.py --run runs/main/selection --checkpoint last \
-        --data data/corpus/train.jsonl --max-docs 500 --out runs/main/factors.pt
+    python tools/fit.py --run runs/main/selection --checkpoint all \
+        --data data/corpus/train.jsonl --max-docs 500 --out runs/main/factors
     torchrun --standalone --nproc_per_node 2 tools/fit.py ...    # factors summed over ranks
 
-With ``--projection-dim`` (default: that of ``--store``) the factors live in the store's
-Kronecker-projected space (LoGra), so ``attribute --method ekfac`` can score a projected
-store; ``--projection-dim 0`` fits exact factors.
+``--checkpoint all`` (or a comma list) fits every checkpoint, one ``<out>/<tag>.pt`` each,
+for ``attribute --method ekfac-trajectory --factors <out>``; one tag with an ``--out``
+ending in ``.pt`` writes that file. By default the factors are exact (unprojected):
+``attribute`` preconditions the query exactly and projects it into the store's space.
+With ``--store`` (or ``--projection-dim k``) they live in the store's Kronecker-projected
+space instead (LoGra; less faithful, see the README's fidelity table).
 """
 
 from __future__ import annotations
@@ -31,18 +34,20 @@ from dattri_ds.tools.common import (  # noqa: E402
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dattri-ds fit", description=__doc__.splitlines()[0])
     p.add_argument("--run", required=True)
-    p.add_argument("--checkpoint", default="last", help="tag, or 'last'")
+    p.add_argument("--checkpoint", default="last",
+                   help="'last', 'all' or comma-separated tags (several: --out is a folder)")
     p.add_argument("--data", default="data/corpus/train.jsonl")
     p.add_argument("--max-docs", type=int, default=None)
-    p.add_argument("--store", help="fit in this store's projected space (reads its spec)")
+    p.add_argument("--store", help="fit in this store's Kronecker-projected space (LoGra)")
     p.add_argument("--projection-dim", type=int, default=None,
-                   help="Kronecker projection size (0 = exact; default: from --store)")
+                   help="Kronecker projection size (default: exact, or from --store)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--damping", type=float, default=0.1)
-    p.add_argument("--damping-mode", choices=["relative", "absolute"], default="relative")
+    p.add_argument("--damping", type=float, default=None,
+                   help="relative or absolute damping (default: KFACConfig's)")
+    p.add_argument("--damping-mode", choices=["relative", "absolute"], default=None)
     p.add_argument("--kfac-only", action="store_true", help="skip the EK-FAC pass")
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--out", required=True, help="factors file (.pt)")
+    p.add_argument("--out", required=True, help="factors file (.pt, one checkpoint) or folder")
     return p
 
 
@@ -53,41 +58,54 @@ def _projection(args):
         return projection_from_tag(info["spec"]["projection"])
     if args.projection_dim:
         return ProjectionConfig(dim=args.projection_dim, seed=args.seed)
-    return None
+    return None  # exact factors
 
 
-def main(argv: list[str] | None = None) -> Path:
-    from dattri_ds import CaptureConfig, KFACConfig, Projector, fit_factors
+def _config(args):
+    from dattri_ds import KFACConfig
+    given = {k: v for k, v in (("damping", args.damping), ("damping_mode", args.damping_mode))
+             if v is not None}
+    return KFACConfig(**given)
+
+
+def main(argv: list[str] | None = None) -> list[Path]:
+    from dattri_ds import CaptureConfig, Projector, fit_factors
     from dattri_ds.distributed import ParallelContext
 
     args = build_parser().parse_args(argv)
     rank, world = init_distributed()
     setup_logging(rank)
     run = Run.open(args.run)
-    tag = run.tags(args.checkpoint)[0]
+    tags = run.tags(args.checkpoint)
     data = load_texts(args.data, run.tokenizer(), run.seq_len, args.max_docs)
-    model = run.model(tag)
     proj = _projection(args)
     rows = torch.arange(rank, len(data), world)
-    t0 = time.perf_counter()
+    one_file = len(tags) == 1 and Path(args.out).suffix == ".pt"
+    written = []
+    for tag in tags:
+        t0 = time.perf_counter()
+        model = run.model(tag)
 
-    def batches():  # exact factorized gradients; the factors project per side themselves
-        return gradients(model, data, rows, capture=CaptureConfig(), batch_size=args.batch_size,
-                         progress=f"fit {tag}")
+        def batches(model=model, tag=tag):  # exact factorized gradients (factors project)
+            return gradients(model, data, rows, capture=CaptureConfig(),
+                             batch_size=args.batch_size, progress=f"fit {tag}")
 
-    factors = fit_factors(batches, config=KFACConfig(damping=args.damping,
-                                                     damping_mode=args.damping_mode),
-                          projector=Projector(proj) if proj else None, ekfac=not args.kfac_only,
-                          ctx=ParallelContext.from_default_group())
-    out = Path(args.out)
+        factors = fit_factors(batches, config=_config(args),
+                              projector=Projector(proj) if proj else None,
+                              ekfac=not args.kfac_only, ctx=ParallelContext.from_default_group())
+        out = Path(args.out) if one_file else Path(args.out) / f"{tag}.pt"
+        written.append(out)
+        if rank == 0:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            factors.save(out)
+            logger.info("factors of %s (%s, %d examples x %d ranks) -> %s in %.1f s", tag,
+                        "ekfac" if not args.kfac_only else "kfac", rows.numel(), world, out,
+                        time.perf_counter() - t0)
     if rank == 0:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        factors.save(out)
-        write_config(out.parent, out.stem + "_fit", args)
-        logger.info("factors of %s (%s, %d examples x %d ranks) -> %s in %.1f s", tag,
-                    "ekfac" if not args.kfac_only else "kfac", rows.numel(), world, out,
-                    time.perf_counter() - t0)
-    return out
+        base = Path(args.out)
+        write_config(base.parent if one_file else base, (base.stem + "_" if one_file else "")
+                     + "fit", args)
+    return written
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 Invariants: TracIn equals ``sum_c lr_c <g_n^c, g_q^c>`` computed independently here (plain
 autograd per example, learning rates from the run's trajectory); EK-FAC tends to grad-dot /
-lambda as its damping lambda grows, with grad-dot also from plain autograd; collect
+lambda as its damping lambda grows, with grad-dot also from plain autograd; the default
+``ekfac-trajectory`` equals the sum of per-checkpoint EK-FAC scores (normalized per query); collect
 resumes without recomputing or duplicating; bad input (missing checkpoint, store of another
 model, query longer than the context, empty query file) fails with an error naming the file
 and the fix.
@@ -78,6 +79,22 @@ def test_collect_fit_attribute_report(run_dir, tmp_path):
                     str(tmp_path / "ekfac")])
     ek = np.load(tmp_path / "ekfac/scores.npy")
     assert np.isfinite(ek).all() and not np.allclose(ek, 0)
+    # trajectory: exact factors at every checkpoint; == sum of per-checkpoint ekfac runs
+    written = fit.main(["--run", str(run_dir), "--data", TINY, "--max-docs", "16",
+                        "--checkpoint", "all", "--out", str(tmp_path / "factors")])
+    assert [p.name for p in written] == ["step2.pt", "step4.pt"]
+    attribute.main([*base, "--factors", str(tmp_path / "factors"), "--out",
+                    str(tmp_path / "traj")])  # the default method: ekfac-trajectory
+    traj = np.load(tmp_path / "traj/scores.npy")
+    assert json.loads((tmp_path / "traj/summary.json").read_text())["method"] == \
+        "ekfac-trajectory"
+    parts = []
+    for tag in ("step2", "step4"):
+        attribute.main([*base, "--method", "ekfac", "--checkpoints", tag, "--factors",
+                        str(tmp_path / "factors" / f"{tag}.pt"), "--out",
+                        str(tmp_path / f"ek-{tag}")])
+        parts.append(np.load(tmp_path / f"ek-{tag}/scores.npy"))
+    np.testing.assert_allclose(traj, parts[0] + parts[1], rtol=1e-5, atol=1e-7)
     md = report.main(["--attribution", str(tmp_path / "tracin"), "--train-data", TINY])
     text = md.read_text()
     assert "Top proponents" in text and "Top opponents" in text

@@ -47,7 +47,10 @@ def setup():
     return model, train, rtrain, query, rquery
 
 
-def _fit(batches, config=None, projector=None, ekfac=True):
+F64 = KFACConfig(dtype="float64")  # exactness tests: float64 sums and rotations
+
+
+def _fit(batches, config=F64, projector=None, ekfac=True):
     f = KFACFactors(config, projector)
     for b in batches:
         f.update(b)
@@ -116,7 +119,7 @@ def _per_layer_reference(train, rtrain, rquery, method, damping, mode="relative"
 def test_influence_equals_dense_kron_reference(setup, method, damping, mode):
     """Every kind (embedding/conv1d/linear/layernorm): factors -> scores == [D, D] inverse."""
     _, train, rtrain, query, rquery = setup
-    f = _fit([train], KFACConfig(damping=damping, damping_mode=mode))
+    f = _fit([train], KFACConfig(damping=damping, damping_mode=mode, dtype="float64"))
     pq = f.precondition(query, method)
     got = cross_gram(train, pq, per_layer=True)
     want = _per_layer_reference(train, rtrain, rquery, method, damping, mode)
@@ -140,7 +143,7 @@ def test_parts_merged_equal_one_pass_and_save_load(setup, tmp_path):
     _, train, _, query, _ = setup
     halves = [train.index([0, 1, 2]), train.index([3, 4, 5])]
     one = _fit([train])
-    parts = [KFACFactors() for _ in halves]
+    parts = [KFACFactors(F64) for _ in halves]
     for p, h in zip(parts, halves):
         p.update(h)
     merged = parts[0].merge(parts[1]).reduce().eigendecompose()
@@ -290,3 +293,19 @@ def test_trajectory_equals_sum_of_per_checkpoint_dense_references(setup, method,
     assert rel_err(per[1], w1 * single.values) <= 1e-6
     with pytest.raises(DattriDSError, match="Checkpoint 0 has no factors"):
         att.trajectory_scores([cks[0]._replace(factors=None)])
+
+
+def test_float32_default_equals_float64_scores(setup):
+    """KFACConfig's float32 default (sums and eigenbasis rotations) gives the float64 scores.
+
+    Guards the issue-11 change: rotations honour ``KFACConfig.dtype``; the scores must not
+    move beyond float32 rounding (relative error <= 1e-4, correlation 1 - 1e-8).
+    """
+    _, train, _, query, _ = setup
+    assert KFACConfig().dtype == "float32"
+    for method in ("kfac", "ekfac"):
+        s32 = cross_gram(train, _fit([train], KFACConfig()).precondition(query, method))
+        s64 = cross_gram(train, _fit([train], F64).precondition(query, method))
+        assert rel_err(s32, s64) <= 1e-4, method
+        r = torch.corrcoef(torch.stack([s32.flatten(), s64.flatten()]))[0, 1]
+        assert r >= 1 - 1e-8, method
