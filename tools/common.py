@@ -304,6 +304,8 @@ def concat(batches: list) -> object:
     if not batches:
         raise ShapeError("no gradient batches to concatenate")
     first = batches[0]
+    if len(batches) == 1:
+        return first
     layers = {}
     for name, lg in first.layers.items():
         vals = [b.layers[name].data for b in batches]

@@ -27,7 +27,7 @@ a second pass from factors without building ``G_b``:
 relative: ``damping * mean(eigenvalues)`` of the layer (``mean(l_S) mean(l_A)`` or
 ``mean(L)``). Larger damping makes ``H^-1 -> I / lambda``, i.e. plain gradient dot products.
 
-Forms, by layer kind:
+Forms, by layer kind (one strategy class each in ``ops/factor_forms.py``):
 
 * ``kron``: linear/conv1d (A dense ``[I', I']``).
 * ``kron_index``: embedding with index inputs: ``A = diag(token counts) / M`` kept as a
@@ -64,6 +64,7 @@ from dattri_ds.errors import ConfigError, DattriDSError, ShapeError, StoreMismat
 from dattri_ds.gradient import Dense, Factorized, GradBatch, LayerGrad
 from dattri_ds.layers.base import get_kind
 from dattri_ds.layers.outer import row_chunks
+from dattri_ds.ops.factor_forms import FactorForm, get_form
 from dattri_ds.ops.inner import COMPUTE_DTYPE, materialize, project
 from dattri_ds.ops.projection import Projector, kron_dims
 from dattri_ds.schema import bounds, check
@@ -72,9 +73,6 @@ __all__ = ["KFACConfig", "LayerFactors", "KFACFactors", "METHODS"]
 
 METHODS = ("kfac", "ekfac")
 _FORMAT = "dattri_ds.kfac/1"
-_COV_KEYS = {"kron": ("a", "s", "tokens", "examples"),
-             "kron_index": ("a", "s", "tokens", "examples"), "diagonal": ("d", "examples")}
-_LAM_KEYS = ("lam", "lam_examples")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,10 +131,13 @@ class LayerFactors:
         return cls(m["name"], m["kind"], tuple(m["shape"]), m["projection"], m["form"],
                    tuple(m["dims"]))
 
+    @property
+    def strategy(self) -> FactorForm:
+        """The form's strategy (``ops.factor_forms``): sums, eigenbasis, rotations."""
+        return get_form(self.form)
+
     def zero_sums(self, keys: Iterable[str], dtype: torch.dtype, device) -> None:
-        o, i = self.dims
-        shapes = {"a": (i,) if self.form == "kron_index" else (i, i), "s": (o, o), "d": (i,),
-                  "lam": (o, i)}
+        shapes = self.strategy.shapes(*self.dims)
         for k in keys:
             if k not in self.sums:
                 dt = dtype if k in shapes else torch.float64
@@ -174,7 +175,7 @@ class KFACFactors:
         """Whether EK-FAC eigenvalues were accumulated for every Kronecker layer."""
         return self.eigendecomposed and all(
             float(lf.sums["lam_examples"]) > 0 for lf in self.layers.values()
-            if lf.form != "diagonal")
+            if lf.strategy.lam_keys)
 
     # ---- pass 1: factor sums --------------------------------------------------------
     def _layout(self, lg: LayerGrad) -> LayerFactors:
@@ -237,41 +238,28 @@ class KFACFactors:
             if lf is None:
                 lf = self.layers[name] = self._layout(lg)
             self._check(lf, lg, allow_projection_change=True)
-            if lf.form == "diagonal":
+            st = lf.strategy
+            if st.factorized:
+                if not lg.is_factorized:
+                    self._layout(lg)  # raises the explanatory error
+                mask = (lg.data.g != 0).any(-1)  # [B, T] tokens that contribute to some G_b
+                x = self._factors(lf, lg)
+                dev = x.g.device
+            else:
                 rows = self._dense_rows(lg)
                 self._check(lf, rows)
-                v = rows.data.values.to(self._dtype)
-                self._width(lf, v)
-                lf.zero_sums(_COV_KEYS["diagonal"], self._dtype, v.device)
-                lf.sums["d"] += v.pow(2).sum(0)
-                lf.sums["examples"] += v.shape[0]
-                continue
-            self._accumulate_kron(lf, lg)
-
-    def _accumulate_kron(self, lf: LayerFactors, lg: LayerGrad) -> None:
-        if not lg.is_factorized:
-            self._layout(lg)  # raises the explanatory error
-        mask = (lg.data.g != 0).any(-1)  # [B, T] tokens that contribute to some G_b
-        f = self._factors(lf, lg)
-        g = f.g.to(self._dtype).reshape(-1, f.g.shape[-1])
-        lf.zero_sums(_COV_KEYS[lf.form], self._dtype, g.device)
-        if lf.form == "kron_index":
-            lf.sums["a"] += torch.bincount(f.a[mask], minlength=lf.dims[1]).to(self._dtype)
-        else:
-            a = f.a[mask].to(self._dtype)
-            lf.sums["a"] += a.T @ a
-        lf.sums["s"] += g.T @ g
-        lf.sums["tokens"] += mask.sum()
-        lf.sums["examples"] += f.g.shape[0]
+                x, mask = rows.data.values, None
+                self._width(lf, x)
+                dev = x.device
+            lf.zero_sums(st.cov_keys, self._dtype, dev)
+            st.accumulate(lf.sums, x, mask, self._dtype)
 
     # ---- distributed / merging --------------------------------------------------------
     def _phase(self) -> str:
         return "lam" if self.eigendecomposed else "cov"
 
     def _phase_keys(self, lf: LayerFactors, phase: str) -> tuple[str, ...]:
-        if phase == "cov":
-            return _COV_KEYS[lf.form]
-        return () if lf.form == "diagonal" else _LAM_KEYS
+        return lf.strategy.cov_keys if phase == "cov" else lf.strategy.lam_keys
 
     def _device(self):
         for lf in self.layers.values():
@@ -348,16 +336,9 @@ class KFACFactors:
         if not self.layers:
             raise DattriDSError("KFACFactors.eigendecompose(): no batch was added (update())")
         for lf in self.layers.values():
-            if lf.form == "diagonal":
-                lf.eig["l"] = lf.sums["d"].double() / lf.sums["examples"].clamp_min(1)
-                continue
-            a, s = lf.covariances()
-            lf.eig["l_s"], lf.eig["q_s"] = _eigh(s)
-            if lf.form == "kron_index":
-                lf.eig["l_a"] = a
-            else:
-                lf.eig["l_a"], lf.eig["q_a"] = _eigh(a)
-            lf.zero_sums(_LAM_KEYS, self._dtype, lf.sums["s"].device)
+            lf.eig.update(lf.strategy.eigendecompose(lf.sums))
+            lf.zero_sums(lf.strategy.lam_keys, self._dtype,
+                         next(iter(lf.sums.values())).device)
         return self
 
     def update_correction(self, batch: GradBatch) -> None:
@@ -368,7 +349,7 @@ class KFACFactors:
             raise DattriDSError("KFACFactors.update_correction() after the EK-FAC reduce()")
         for name, lg in batch.layers.items():
             lf = self._get(name)
-            if lf.form == "diagonal":
+            if not lf.strategy.lam_keys:
                 continue
             x = self._prepare(lf, lg)
             for sl in row_chunks(lg.batch_size, lf.dims[0] * lf.dims[1]):
@@ -411,10 +392,8 @@ class KFACFactors:
         return lg.replace(data=Dense(out), projection=lf.projection)
 
     def _eigenvalues(self, lf: LayerFactors, method: str) -> torch.Tensor:
-        if lf.form == "diagonal":
-            return lf.eig["l"].view(1, -1)
-        if method == "kfac":
-            return torch.outer(lf.eig["l_s"], lf.eig["l_a"])
+        if method == "kfac" or not lf.strategy.lam_keys:
+            return lf.strategy.kfac_eigenvalues(lf.eig)
         n = float(lf.sums["lam_examples"])
         if n == 0:
             raise DattriDSError(
@@ -449,40 +428,21 @@ class KFACFactors:
     def _prepare(self, lf: LayerFactors, lg: LayerGrad) -> Factorized | torch.Tensor:
         """Query/train data in the factors' working space: factors (unprojected) or rows."""
         if lg.projection is None and lf.projection is not None and self.projector is not None:
-            lg = project(lg, self.projector) if lf.form != "diagonal" else self._dense_rows(lg)
+            lg = project(lg, self.projector) if lf.strategy.factorized else self._dense_rows(lg)
         self._check(lf, lg)
         dev = next(iter(lf.sums.values())).device  # compute where the factors live
-        if isinstance(lg.data, Factorized) and lf.form != "diagonal":
+        if isinstance(lg.data, Factorized) and lf.strategy.factorized:
             return lg.data.to(dev)
         v = materialize(lg)
         self._width(lf, v)
         return v.to(dev)
 
-    def _basis(self, lf: LayerFactors, key: str) -> torch.Tensor:
-        """Eigenbasis ``key`` in the rotation dtype (``KFACConfig.dtype``)."""
-        q = lf.eig[key]
-        return q if q.dtype == self._dtype else q.to(self._dtype)
-
     def _rotate(self, lf: LayerFactors, x: Factorized | torch.Tensor) -> torch.Tensor:
-        """``Q_S^T G_b Q_A`` ``[B, o, i]`` in ``KFACConfig.dtype`` (``G_b`` for ``diagonal``)."""
-        o, i = lf.dims
-        dt = self._dtype
-        if isinstance(x, torch.Tensor):
-            g = x.to(dt).view(-1, o, i)
-            if lf.form == "diagonal":
-                return g
-            g = self._basis(lf, "q_s").T @ g
-            return g @ self._basis(lf, "q_a") if lf.form == "kron" else g
-        gs = x.g.to(dt) @ self._basis(lf, "q_s")  # rows Q_S^T g_bt
-        if lf.form == "kron_index":
-            return get_kind(lf.kind).materialize(Factorized(x.a, gs), (o, i)).view(-1, o, i)
-        return torch.bmm(gs.transpose(1, 2), x.a.to(dt) @ self._basis(lf, "q_a"))
+        """``Q_S^T G_b Q_A`` ``[B, o, i]`` in ``KFACConfig.dtype`` (the form's rotation)."""
+        return lf.strategy.rotate(lf.kind, lf.eig, x, lf.dims, self._dtype)
 
     def _unrotate(self, lf: LayerFactors, r: torch.Tensor) -> torch.Tensor:
-        if lf.form == "diagonal":
-            return r
-        r = self._basis(lf, "q_s") @ r
-        return r @ self._basis(lf, "q_a").T if lf.form == "kron" else r
+        return lf.strategy.unrotate(lf.eig, r, self._dtype)
 
     # ---- persistence --------------------------------------------------------------------
     def save(self, path: str | Path) -> None:
@@ -518,9 +478,3 @@ class KFACFactors:
                                          f"{projector.config.tag!r}")
         return out
 
-
-def _eigh(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eigenvalues (clamped at 0) and eigenvectors of a symmetrized float64 matrix."""
-    m = m.double()
-    lam, q = torch.linalg.eigh((m + m.T) / 2)
-    return lam.clamp_min(0), q
