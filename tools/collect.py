@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-docs", type=int, default=None)
     p.add_argument("--checkpoints", default="all", help="all | last | tag,tag,...")
     p.add_argument("--out", required=True, help="store root (one store per checkpoint)")
-    p.add_argument("--projection", choices=["kronecker", "dense"], default="kronecker")
+    p.add_argument("--projection", choices=["kronecker", "dense", "sparse"], default="kronecker")
     p.add_argument("--projection-dim", type=int, default=256)
     p.add_argument("--seed", type=int, default=0, help="projection seed")
     p.add_argument("--batch-size", type=int, default=8)

@@ -204,7 +204,7 @@ def _megatron_model(root: Path, tag: str) -> torch.nn.Module:
     return prepare_model(MegatronLM(gpt))
 
 
-_TAG = re.compile(r"^(kronecker|dense):(gaussian|rademacher):k(\d+):s(-?\d+)$")
+_TAG = re.compile(r"^(kronecker|dense|sparse):(gaussian|rademacher):k(\d+):s(-?\d+)$")
 
 
 def projection_from_tag(tag: str) -> ProjectionConfig:

@@ -279,14 +279,18 @@ def _kron_apply(lg: LayerGrad, p_out: torch.Tensor, p_in: torch.Tensor,
 
 def _project_dense(lg: LayerGrad, projector: Projector, cost: CostModel | None,
                    path: str | None) -> torch.Tensor:
-    """Dense projection; the ghost path ``sum_t g_t^T P_p a_t`` only wins when T == 1."""
+    """Dense or sparse projection; the dense ghost path ``sum_t g_t^T P_p a_t`` only wins
+    when T == 1; sparse always materializes (its matmul is ``B*D*s``)."""
     k = projector.config.dim
     if isinstance(lg.data, Dense):
-        return projector.dense_apply(lg.name, lg.data.values.to(COMPUTE_DTYPE), k)
+        return projector.apply(lg.name, lg.data.values.to(COMPUTE_DTYPE), k)
     kind = get_kind(lg.kind)
     f = _f32(lg.data)
     def dense() -> torch.Tensor:
-        return projector.dense_apply(lg.name, kind.materialize(f, lg.shape), k)
+        return projector.apply(lg.name, kind.materialize(f, lg.shape), k)
+
+    if projector.config.kind == "sparse":  # B*D*s work: materializing dominates
+        return dense()
 
     def ghost() -> torch.Tensor:
         if not f.a.is_floating_point():
@@ -415,8 +419,8 @@ def _project_shard(lg: LayerGrad, projector: Projector, cost: CostModel | None,
         vals = _kron_apply(local, p_out, p_in, cost, path)
     else:
         x = materialize(local)
-        vals = projector.dense_apply_at(lg.name, x, cfg.dim, shard.flat_index(lg.shape, x.device),
-                                        o * i)
+        vals = projector.apply_at(lg.name, x, cfg.dim, shard.flat_index(lg.shape, x.device),
+                                  o * i)
     if reduce:
         vals = _reduce_shard(vals, shard)
     return lg.replace(data=Dense(vals), shape=tuple(shard.full_shape), shard=None,

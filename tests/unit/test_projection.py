@@ -25,14 +25,16 @@ def _pairwise_errors(x: torch.Tensor, px: torch.Tensor) -> torch.Tensor:
     return err[torch.triu_indices(len(x), len(x))[0], torch.triu_indices(len(x), len(x))[1]]
 
 
+@pytest.mark.parametrize("kind", ["dense", "sparse"])
 @pytest.mark.parametrize("distribution", ["gaussian", "rademacher"])
-def test_dense_projection_preserves_inner_products(distribution):
-    """Dense projection to k: every pairwise error is within 5 * sqrt(2/k) (fixed seed)."""
+def test_dense_projection_preserves_inner_products(kind, distribution):
+    """Dense and sparse JL projection to k: every pairwise error (all pairs of 24 vectors)
+    is within 5 * sqrt(2/k) and the mean within 1.5 * sqrt(2/k) (the dense JL bound)."""
     k, d = 1024, 4096
     x = torch.randn(24, d, generator=torch.Generator().manual_seed(0))
     x[1] = x[0] + 0.3 * x[1]  # a correlated pair
     lg = LayerGrad("w", "linear", Dense(x), (64, 64))
-    px = project(lg, Projector(ProjectionConfig(kind="dense", dim=k, distribution=distribution,
+    px = project(lg, Projector(ProjectionConfig(kind=kind, dim=k, distribution=distribution,
                                                 seed=11))).data.values
     err = _pairwise_errors(x, px)
     assert err.max() <= 5 * math.sqrt(2 / k)
@@ -92,8 +94,32 @@ def test_invalid_projection_config():
     """Unknown kinds, distributions and sizes are rejected with the allowed values."""
     from dattri_ds import ConfigError
     with pytest.raises(ConfigError, match="kronecker"):
-        ProjectionConfig(kind="sparse")
+        ProjectionConfig(kind="countsketch")
     with pytest.raises(ConfigError, match="rademacher"):
         ProjectionConfig(distribution="uniform")
     with pytest.raises(ConfigError, match="dim"):
         ProjectionConfig(dim=0)
+
+
+def test_sparse_projection_is_its_matrix_and_shards_sum():
+    """Sparse JL: ``apply`` == ``x @ P^T`` with P of exactly s non-zeros of norm-1 columns,
+    factorized layers project like their materialized rows, and column shards'
+    partial projections (``apply_at``) sum to the whole (tensor-parallel invariant)."""
+    from dattri_ds.ops.projection import BLOCK, SPARSE_NNZ
+
+    proj = Projector(ProjectionConfig(kind="sparse", dim=64, seed=4, distribution="rademacher"))
+    d = BLOCK + 300  # two seeded blocks
+    p = proj.dense_matrix("w", d, 64)
+    assert ((p != 0).sum(0) == SPARSE_NNZ).all()
+    assert torch.allclose(p.pow(2).sum(0), torch.ones(d))
+    x = torch.randn(3, d, generator=torch.Generator().manual_seed(5))
+    assert torch.allclose(proj.apply("w", x, 64), x @ p.T, atol=1e-5)
+    halves = torch.arange(d).chunk(2)
+    parts = sum(proj.apply_at("w", x[:, h], 64, h, d) for h in halves)
+    assert torch.allclose(parts, x @ p.T, atol=1e-5)
+    gen = torch.Generator().manual_seed(6)
+    f = Factorized(torch.randn(3, 5, 20, generator=gen), torch.randn(3, 5, 30, generator=gen))
+    lg = LayerGrad("v", "linear", f, (30, 20))
+    rows = torch.bmm(f.g.transpose(1, 2), f.a).reshape(3, -1)
+    want = rows @ proj.dense_matrix("v", 600, 64).T
+    assert torch.allclose(project(lg, proj).data.values, want, atol=1e-4)
