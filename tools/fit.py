@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="'last', 'all' or comma-separated tags (several: --out is a folder)")
     p.add_argument("--data", default="data/corpus/train.jsonl")
     p.add_argument("--max-docs", type=int, default=None)
-    p.add_argument("--store", help="fit in this store's Kronecker-projected space (LoGra)")
+    p.add_argument("--store", help="fit in this store's space if it is Kronecker-projected "
+                   "(LoGra); exact factors for other projections")
     p.add_argument("--projection-dim", type=int, default=None,
                    help="Kronecker projection size (default: exact, or from --store)")
     p.add_argument("--seed", type=int, default=0)
@@ -55,7 +56,13 @@ def _projection(args):
     from dattri_ds import ProjectionConfig
     if args.store:
         info = json.loads((Path(args.store) / "info.json").read_text())
-        return projection_from_tag(info["spec"]["projection"])
+        proj = projection_from_tag(info["spec"]["projection"])
+        if proj.kind == "kronecker":
+            return proj
+        logger.info("store %s is %s-projected (no Kronecker structure): fitting exact factors; "
+                    "attribute preconditions the query exactly and projects it", args.store,
+                    proj.kind)
+        return None
     if args.projection_dim:
         return ProjectionConfig(dim=args.projection_dim, seed=args.seed)
     return None  # exact factors

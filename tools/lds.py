@@ -3,10 +3,14 @@
 A tiny GPT-2 (2 layers, n_embd 64, T = 64, SentencePiece vocabulary 512) is trained on N
 documents of ``data/tiny/train.jsonl``; the queries are Hamlet chunks of
 ``data/tiny/target.jsonl`` and a few ``data/target/code.jsonl`` functions. Every method
-(``graddot``, ``gradcos``, ``tracin`` over checkpoints of the full run, ``kfac``, ``ekfac``)
-scores the N documents against the queries with ``GradientCapture`` per-example gradients,
-exactly (factorized, unprojected) and Kronecker-projected to each ``--proj-dims`` size
-(per layer; K-FAC/EK-FAC factors are then fitted in the projected space, LoGra style).
+(``graddot``, ``gradcos``, ``tracin`` and ``kfac-trajectory`` / ``ekfac-trajectory`` over
+checkpoints of the full run, ``kfac``, ``ekfac`` on the final model; all through
+``make_attributor``) scores the N documents against the queries with ``GradientCapture``
+per-example gradients, under every ``--projections`` setting: ``exact`` (factorized,
+unprojected), ``dense:k`` / ``sparse:k`` / ``kronecker:k`` (training rows projected per
+layer to k, as a store holds them; curvature factors stay exact and the query is
+preconditioned exactly, then projected), ``logra:k`` (Kronecker projection with the factors
+fitted in the projected space). Curvature methods run at each ``--dampings`` value.
 The same model is then retrained from the same initialization on S random half subsets,
 and each method's Linear Datamodeling Score is the mean over queries of the Spearman
 correlation between ``-(mask @ scores)`` and the retrained query losses
@@ -14,15 +18,18 @@ correlation between ``-(mask @ scores)`` and the retrained query losses
 
 Usage::
 
-    python tools/lds.py [--quick] [--out runs/lds] [--subsets S] [--seeds R] ...
+    python tools/lds.py [--quick] [--out runs/lds] [--seed 1] [--dampings 0.1,0.01] ...
 
-The table (method, k, LDS mean +- std over queries, attribution wall time) is printed and
-written to ``<out>/lds.md``; everything else (config, per-query correlations, retrained
-losses, timings) to ``<out>/lds.json``. The time of a row is its own work (projection,
-factor fitting, scoring) plus the gradient captures it reads (the checkpoint captures for
-``tracin``, the final-model capture otherwise); retraining is excluded. ``--quick`` uses
-fewer documents, subsets and projection sizes (about 20 s on 2 busy CPU cores); the
-default (N = 128, S = 32 subsets x 2 seeds, k in {exact, 64, 256, 1024}) about 1.5 minutes.
+The fidelity-cost table (method, projection, damping, LDS mean +- std over queries,
+single-thread CPU seconds, Pearson r of the scores with the same method's exact scores,
+``*`` = best at its cost: no row has a higher LDS for fewer CPU
+seconds, ``(default)`` = what ``tools/attribute.py`` runs by default) is printed and written
+to ``<out>/lds.md``; everything else (config, per-query correlations, retrained losses) to
+``<out>/lds.json``. The CPU seconds of a row (``time.process_time`` at ``--threads 1``)
+are its own work (projection, factor fitting, scoring) plus the gradient captures it reads
+(every checkpoint's for trajectories, the final model's otherwise); retraining is
+excluded. ``--quick`` is a smaller preset (about 30 s); the default (N = 128, S = 32
+subsets x 2 seeds) about 3 minutes on an idle core.
 
 Training is plain Adam (or ``--optimizer sgd``) at a constant learning rate; every run,
 full or subset, starts from the same initialization and visits its documents in the
@@ -287,13 +294,14 @@ def frontier(rows: list[dict]) -> None:
 
 def table(rows: list[dict]) -> str:
     """Markdown fidelity-cost table; ``*`` = best at its cost, ``(default)`` = the library default."""
-    lines = ["| method | projection | damping | LDS (mean ± std over queries) | CPU s | |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| method | projection | damping | LDS (mean ± std over queries) | CPU s "
+             "| r vs exact | |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         mark = ("*" if r["best_at_cost"] else "") + (" (default)" if r["default"] else "")
         damping = "-" if r["damping"] is None else f"{r['damping']:g}"
+        r_ex = "-" if r["r_vs_exact"] is None else f"{r['r_vs_exact']:.3f}"
         lines.append(f"| {r['method']} | {r['projection']} | {damping} | {r['lds_mean']:+.3f} ± "
-                     f"{r['lds_std']:.3f} | {r['time_s']:.2f} | {mark} |")
+                     f"{r['lds_std']:.3f} | {r['time_s']:.2f} | {r_ex} | {mark} |")
     return "\n".join(lines)
 
 
@@ -381,8 +389,12 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for (method, setting, damping), (values, seconds) in scores.items():
         res = lds(predicted(values, masks), actual)
+        exact = scores.get((method, "exact", damping))
+        r_exact = None if exact is None else float(
+            torch.corrcoef(torch.stack([values.flatten(), exact[0].flatten()]).double())[0, 1])
         rows.append({"method": method, "projection": setting, "damping": damping,
                      "lds_mean": res.mean, "lds_std": res.std, "time_s": round(seconds, 3),
+                     "r_vs_exact": r_exact,
                      "default": (method == DEFAULT_METHOD and setting == "exact"
                                  and damping == KFACConfig().damping),
                      "per_query": [round(float(r), 4) for r in res.per_query]})
