@@ -93,10 +93,9 @@ def main(argv: list[str] | None = None) -> list[Path]:
         t0 = time.perf_counter()
         model = run.model(tag)
 
-        def batches(model=model, tag=tag):  # exact factorized gradients (factors project)
-            return gradients(model, data, rows, capture=CaptureConfig(),
-                             batch_size=args.batch_size, progress=f"fit {tag}")
-
+        # exact factorized gradients, captured once (fit_factors spills them for EK-FAC)
+        batches = gradients(model, data, rows, capture=CaptureConfig(),
+                            batch_size=args.batch_size, progress=f"fit {tag}")
         factors = fit_factors(batches, config=_config(args),
                               projector=Projector(proj) if proj else None,
                               ekfac=not args.kfac_only, ctx=ParallelContext.from_default_group())

@@ -20,10 +20,14 @@ What is supported:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+import torch
 
 from dattri_ds.distributed import ParallelContext
-from dattri_ds.errors import ConfigError, DattriDSError
+from dattri_ds.errors import DattriDSError
 from dattri_ds.gradient import GradBatch
 from dattri_ds.methods.base import Attributor
 from dattri_ds.ops.cost import CostModel
@@ -72,36 +76,60 @@ class EKFAC(KFAC, name="ekfac"):
                                 "reduce() (fit_factors(..., ekfac=True) does), or use 'kfac'")
 
 
-def _passes(batches: Batches) -> Callable[[], Iterable[GradBatch]]:
+def _passes(batches: Batches) -> Callable[[], Iterable[GradBatch]] | None:
+    """A callable per pass for re-iterables; None for a one-shot iterator (spilled)."""
     if callable(batches):
         return batches
     if iter(batches) is batches:
-        raise ConfigError("fit_factors() reads the data twice (factors, then EK-FAC "
-                          "eigenvalues): pass a list or a zero-argument callable returning "
-                          "a fresh iterator, not a one-shot iterator")
+        return None
     return lambda: batches
+
+
+def _spilled(batches: Iterable[GradBatch], folder: str, add: Callable[[GradBatch], None]):
+    """Fold every batch into ``add`` while writing it to ``folder``; returns the re-reader."""
+    paths = []
+    for n, b in enumerate(batches):
+        add(b)
+        paths.append(Path(folder) / f"{n:08d}.pt")
+        torch.save(b, paths[-1])
+
+    def read() -> Iterator[GradBatch]:
+        for path in paths:  # our own files, written just above
+            yield torch.load(path, weights_only=False)
+    return read
 
 
 def fit_factors(batches: Batches, *, config: KFACConfig | None = None,
                 projector: Projector | None = None, ekfac: bool = True,
-                ctx: ParallelContext | None = None) -> KFACFactors:
+                ctx: ParallelContext | None = None, spill_dir: str | None = None) -> KFACFactors:
     """Fit curvature factors: sums, reduce, eigendecompose, then (EK-FAC) a second pass.
 
+    EK-FAC needs the eigenbasis of the whole data before its eigenvalue pass. A list or a
+    callable is read twice; a one-shot iterator (e.g. a generator capturing gradients) is
+    read once: each batch is folded into the factor sums and spilled to a temporary folder
+    (under ``spill_dir``, default the system's), which the second pass reads back and
+    deletes, so the data is neither held in memory nor captured twice.
+
     Args:
-        batches: factorized training GradBatches of this rank; a re-iterable or a callable
-            returning a fresh iterable per pass.
+        batches: factorized training GradBatches of this rank: a re-iterable, a callable
+            returning a fresh iterable per pass, or a one-shot iterator (spilled to disk).
         config: damping and accumulation dtype.
         projector: Kronecker projector of the store the factors will precondition.
         ekfac: also accumulate the EK-FAC eigenvalues (second pass).
         ctx: data-parallel context (default: the default process group, or one process).
+        spill_dir: where a one-shot iterator's batches are spilled for the second pass.
     """
     make = _passes(batches)
     factors = KFACFactors(config, projector)
-    for b in make():
-        factors.update(b)
-    factors.reduce(ctx).eigendecompose()
-    if ekfac:
-        for b in make():
-            factors.update_correction(b)
-        factors.reduce(ctx)
+    with tempfile.TemporaryDirectory(prefix="dattri_ds_ekfac_", dir=spill_dir) as tmp:
+        if make is None and ekfac:
+            make = _spilled(batches, tmp, factors.update)
+        else:
+            for b in (make() if make is not None else batches):
+                factors.update(b)
+        factors.reduce(ctx).eigendecompose()
+        if ekfac:
+            for b in make():
+                factors.update_correction(b)
+            factors.reduce(ctx)
     return factors
