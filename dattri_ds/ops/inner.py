@@ -242,10 +242,13 @@ def project(lg: LayerGrad, projector: Projector, cost: CostModel | None = None,
     rows and factors of one layer land in the same space).
     """
     cfg = projector.config
-    if lg.projection is not None:
+    if lg.projection is not None and not is_whitened(lg.projection):
         raise ShapeError(f"Layer '{lg.name}' is already projected ({lg.projection})")
     if lg.shard is not None:
         return _project_shard(lg, projector, cost, path)
+    if lg.projection is not None:  # whitened rows (KFACFactors.whiten): project them too
+        done = project(lg.replace(projection=None), projector, cost, path)
+        return done.replace(projection=f"{done.projection}+{lg.projection}")
     o, i = lg.shape
     if o * i <= cfg.dim:
         return lg.replace(data=Dense(materialize(lg)), projection=f"identity:{cfg.tag}")
@@ -260,6 +263,11 @@ def project(lg: LayerGrad, projector: Projector, cost: CostModel | None = None,
             vals = (p_out @ materialize(lg).view(-1, o, i) @ p_in.T).reshape(lg.batch_size, -1)
         return lg.replace(data=Dense(vals), projection=cfg.tag)
     return lg.replace(data=Dense(_project_dense(lg, projector, cost, path)), projection=cfg.tag)
+
+
+def is_whitened(tag: str | None) -> bool:
+    """Whether a projection tag marks curvature-whitened rows not yet randomly projected."""
+    return tag is not None and tag.startswith("whitened:")
 
 
 def _kron_apply(lg: LayerGrad, p_out: torch.Tensor, p_in: torch.Tensor,

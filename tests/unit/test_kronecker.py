@@ -205,7 +205,7 @@ def test_kronecker_projected_factors(setup):
     store_train = project_batch(train, proj)
     store_query = project_batch(query, proj)
     for method in ("kfac", "ekfac"):
-        want = _per_layer_reference(train, rtrain, rquery, method, 0.1, proj=sides)
+        want = _per_layer_reference(train, rtrain, rquery, method, F64.damping, proj=sides)
         got = cross_gram(store_train, f.precondition(store_query, method), per_layer=True)
         got_f = cross_gram(store_train, f.precondition(query, method), per_layer=True)
         for name in want:
@@ -255,7 +255,8 @@ def test_bad_inputs_name_the_layer(setup):
         fp.reduce()
 
 
-@pytest.mark.parametrize("method,weighting", [("ekfac", "uniform"), ("kfac", "lr")])
+@pytest.mark.parametrize("method,weighting", [("ekfac", "uniform"), ("kfac", "lr"),
+                                              ("ekfac", "normalized")])
 def test_trajectory_equals_sum_of_per_checkpoint_dense_references(setup, method, weighting):
     """``<method>-trajectory`` == sum_c w_c G_train^(c) (F_c + lambda_c I)^-1 G_query^(c)T.
 
@@ -279,17 +280,19 @@ def test_trajectory_equals_sum_of_per_checkpoint_dense_references(setup, method,
                 p.add_(0.1 * c * torch.randn(p.shape, generator=gen))
         train, rtrain = _capture(snap, ids)
         query, rquery = _capture(snap, qids)
-        cks.append(Checkpoint([train], query, lr, fit_factors([train])))
-        ref = _per_layer_reference(train, rtrain, rquery, method, 0.1)
-        w = lr if weighting == "lr" else 1.0
-        want = want + w * sum(ref.values())
+        cks.append(Checkpoint([train], query, lr, fit_factors([train], config=F64)))
+        ref = _per_layer_reference(train, rtrain, rquery, method, F64.damping)
+        ref = sum(ref.values())
+        w = {"lr": lr, "uniform": 1.0, "normalized": 1 / ref.std(0, keepdim=True)}[weighting]
+        want = want + w * ref
     att = make_attributor(f"{method}-trajectory", weighting=weighting)
     per: list[torch.Tensor] = []
     got = att.trajectory_scores(iter(cks), per_checkpoint=per)
     assert rel_err(got.values, want.float()) <= TOL
     assert len(per) == 3 and rel_err(sum(per), got.values) <= 1e-6
     single = make_attributor(method, factors=cks[1].factors).scores(cks[1].train, cks[1].query)
-    w1 = lrs[1] if weighting == "lr" else 1.0
+    w1 = {"lr": lrs[1], "uniform": 1.0,
+          "normalized": 1 / single.values.std(0, keepdim=True)}[weighting]
     assert rel_err(per[1], w1 * single.values) <= 1e-6
     with pytest.raises(DattriDSError, match="Checkpoint 0 has no factors"):
         att.trajectory_scores([cks[0]._replace(factors=None)])
@@ -307,5 +310,5 @@ def test_float32_default_equals_float64_scores(setup):
         s32 = cross_gram(train, _fit([train], KFACConfig()).precondition(query, method))
         s64 = cross_gram(train, _fit([train], F64).precondition(query, method))
         assert rel_err(s32, s64) <= 1e-4, method
-        r = torch.corrcoef(torch.stack([s32.flatten(), s64.flatten()]))[0, 1]
+        r = torch.corrcoef(torch.stack([s32.flatten(), s64.flatten()]).double())[0, 1]
         assert r >= 1 - 1e-8, method
