@@ -172,7 +172,13 @@ def _factors(args, tag: str, proj):
         raise ConfigError(f"--method {args.method} needs curvature factors of checkpoint "
                           f"'{tag}' (got --factors {args.factors!r}, looked for {path}); fit "
                           f"them with tools/fit.py --run {args.run}{every} --out <dir>")
-    return KFACFactors.load(path, projector=Projector(proj) if proj else None)
+    factors = KFACFactors.load(path, projector=Projector(proj) if proj else None)
+    if proj is not None and all(lf.projection is None for lf in factors.layers.values()):
+        logger.warning("%s: exact factors on a %s-projected store: the query is preconditioned "
+                       "exactly, then projected, which loses most of the curvature's fidelity "
+                       "(README, 'Attribution fidelity'); for Kronecker stores fit with "
+                       "tools/fit.py --store %s", path, proj.kind, args.store)
+    return factors
 
 
 def _store_projection(store):

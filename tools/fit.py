@@ -6,10 +6,10 @@
 
 ``--checkpoint all`` (or a comma list) fits every checkpoint, one ``<out>/<tag>.pt`` each,
 for ``attribute --method ekfac-trajectory --factors <out>``; one tag with an ``--out``
-ending in ``.pt`` writes that file. By default the factors are exact (unprojected):
-``attribute`` preconditions the query exactly and projects it into the store's space.
-With ``--store`` (or ``--projection-dim k``) they live in the store's Kronecker-projected
-space instead (LoGra; less faithful, see the README's fidelity table).
+ending in ``.pt`` writes that file. With ``--store`` (a store, or the folder of
+per-checkpoint stores of ``collect``) the factors live in the store's Kronecker-projected
+space (LoGra): the most faithful way to score a projected store (README, "Attribution
+fidelity"). Without it they are exact, for attributing exact (unprojected) gradients.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", default="data/corpus/train.jsonl")
     p.add_argument("--max-docs", type=int, default=None)
     p.add_argument("--store", help="fit in this store's space if it is Kronecker-projected "
-                   "(LoGra); exact factors for other projections")
+                   "(LoGra; a folder of per-checkpoint stores for several checkpoints); "
+                   "exact factors for other projections")
     p.add_argument("--projection-dim", type=int, default=None,
                    help="Kronecker projection size (default: exact, or from --store)")
     p.add_argument("--seed", type=int, default=0)
@@ -52,10 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _projection(args):
+def _projection(args, tag: str):
     from dattri_ds import ProjectionConfig
     if args.store:
-        info = json.loads((Path(args.store) / "info.json").read_text())
+        root = Path(args.store)
+        info_path = root / "info.json" if (root / "info.json").exists() \
+            else root / tag / "info.json"
+        info = json.loads(info_path.read_text())
         proj = projection_from_tag(info["spec"]["projection"])
         if proj.kind == "kronecker":
             return proj
@@ -85,13 +89,13 @@ def main(argv: list[str] | None = None) -> list[Path]:
     run = Run.open(args.run)
     tags = run.tags(args.checkpoint)
     data = load_texts(args.data, run.tokenizer(), run.seq_len, args.max_docs)
-    proj = _projection(args)
     rows = torch.arange(rank, len(data), world)
     one_file = len(tags) == 1 and Path(args.out).suffix == ".pt"
     written = []
     for tag in tags:
         t0 = time.perf_counter()
         model = run.model(tag)
+        proj = _projection(args, tag)
 
         # exact factorized gradients, captured once (fit_factors spills them for EK-FAC)
         batches = gradients(model, data, rows, capture=CaptureConfig(),

@@ -79,7 +79,7 @@ MODEL = {"model_type": "gpt2", "n_layer": 2, "n_head": 4, "n_embd": 64, "n_posit
          "attn_pdrop": 0.0, "tie_word_embeddings": False}
 PRESETS = {
     "default": dict(n_train=128, subsets=32, seeds=2, epochs=6,
-                    projections="exact,dense:256,dense:1024,kronecker:1024,logra:1024"),
+                    projections="exact,sparse:1024,whitened-sparse:4096,logra:1024"),
     "quick": dict(n_train=64, subsets=8, seeds=1, epochs=4, projections="exact,dense:64"),
 }
 
@@ -105,7 +105,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--optimizer", choices=("adam", "sgd"), default="adam",
                    help="Adam or SGD with momentum 0.9, constant learning rate")
     p.add_argument("--lr", type=float, help="learning rate (default: adam 3e-3, sgd 0.1)")
-    p.add_argument("--checkpoints", type=int, default=3, help="TracIn checkpoints")
+    p.add_argument("--checkpoints", type=int, default=5,
+                   help="checkpoints of the trajectory methods")
     p.add_argument("--dampings", default=None,
                    help="comma-separated relative dampings of the curvature methods "
                         "(default: the library default KFACConfig().damping)")
