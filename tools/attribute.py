@@ -54,9 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", choices=METHODS, default=DEFAULT_METHOD,
                    help="attribution method (trajectories need a store and, for curvature, "
                         "factors per checkpoint)")
-    p.add_argument("--weighting", choices=["lr", "uniform"], default=None,
+    p.add_argument("--weighting", choices=["lr", "uniform", "normalized"], default=None,
                    help="trajectory methods: checkpoint weights (default: the method's, lr "
-                        "for tracin, uniform for the curvature trajectories)")
+                        "for tracin, normalized for the curvature trajectories)")
     p.add_argument("--checkpoints", default=None,
                    help="tracin: all | tag,tag (default all stored); others: one tag "
                         "(default: the newest stored)")
