@@ -14,6 +14,7 @@ import torch
 from dattri_ds import GradBatch, GradientCapture
 from dattri_ds.distributed import ParallelContext
 from dattri_ds.methods import fit_factors
+from dattri_ds.ops.kronecker import KFACConfig
 from reference import rel_err, tiny_gpt2
 
 from _dist import run
@@ -42,11 +43,12 @@ def _fit_on_half(rank, world):
         mine = GradBatch(0, mine.sample_ids,
                          {n: lg for n, lg in mine.layers.items() if n != "lm_head"})
     ctx = ParallelContext.from_default_group()
-    dist_f = fit_factors([mine], ctx=ctx)
-    one = fit_factors([train], ctx=ParallelContext())
+    f64 = KFACConfig(dtype="float64")  # exact sums: float32 rounding would differ by order
+    dist_f = fit_factors([mine], ctx=ctx, config=f64)
+    one = fit_factors([train], ctx=ParallelContext(), config=f64)
     head_only = fit_factors([GradBatch(0, train.sample_ids[:3],
                                        {"lm_head": train.index([0, 1, 2]).layers["lm_head"]})],
-                            ctx=ParallelContext())
+                            ctx=ParallelContext(), config=f64)
     sum_errs, prec_errs = {}, {}
     for name, lf in one.layers.items():
         ref = head_only.layers[name] if name == "lm_head" else lf
