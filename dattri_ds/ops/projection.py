@@ -227,14 +227,19 @@ class Projector:
             width = min(BLOCK, d - blk * BLOCK)
             idx, val = self.sparse_block(layer, blk, rows, width, x.device, x.dtype)
             cols = index[sel] - blk * BLOCK
-            contrib = x[:, sel].unsqueeze(-1) * val[cols]  # [B, n, s]
+            contrib = x[:, sel].unsqueeze(-1) * val[cols]  # [B, n, s], n <= BLOCK
             out.index_add_(1, idx[cols].reshape(-1), contrib.reshape(x.shape[0], -1))
         return out
 
     def dense_matrix(self, layer: str, d: int, rows: int) -> torch.Tensor:
         """The whole ``[rows, D]`` matrix, dense or sparse kind (references, small layers)."""
         if self.config.kind == "sparse":
-            return self.apply(layer, torch.eye(d), rows).T
+            out = torch.zeros(rows, d)
+            for b, start in enumerate(range(0, d, BLOCK)):
+                cols = min(BLOCK, d - start)
+                idx, val = self.sparse_block(layer, b, rows, cols, torch.device("cpu"))
+                out[idx, (torch.arange(cols) + start).unsqueeze(1).expand_as(idx)] = val
+            return out
         blocks = [self.dense_block(layer, b, rows, min(BLOCK, d - s), torch.device("cpu"))
                   for b, s in enumerate(range(0, d, BLOCK))]
         return torch.cat(blocks, dim=1)
