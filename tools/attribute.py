@@ -127,12 +127,12 @@ def _choose_tags(args, run: Run, available: dict[str, Path]) -> list[str]:
         if missing:
             raise ConfigError(f"No store for checkpoint(s) {missing} under {args.store}; "
                               f"stored: {sorted(available)}")
-        return order if args.method == "tracin" else order[-1:]
+        return order if _is_trajectory(args.method) else order[-1:]
     trajectory = [c["tag"] for c in run.trajectory()]
     if len(available) == 1 and next(iter(available.values())) == root:
         order = [t for t in trajectory if t in available]  # --store names one store
     else:
-        order = trajectory if args.method == "tracin" else trajectory[-1:]
+        order = trajectory if _is_trajectory(args.method) else trajectory[-1:]
         missing = [t for t in order if t not in available]
         if missing:
             raise StoreCorruptError(
@@ -233,6 +233,8 @@ def main(argv: list[str] | None = None) -> dict:
     queries = load_texts(args.queries, run.tokenizer(), run.context, args.query_max_docs,
                          context=run.context, truncate=args.truncate)
     t0 = time.perf_counter()
+    for tag in tags:  # every store is checked before any factors or gradients are read
+        _open_checked(available[tag], run, tag).close()
     with GradientStore.open(available[tags[0]]) as first:
         proj = _store_projection(first)
     projector = Projector(proj) if proj else None
