@@ -310,7 +310,8 @@ class GradientCapture:
                 # broadcast over the batch after this layer: the same as a [1, T, D] output.
                 out = new_output = out.unsqueeze(0)
                 a = a.unsqueeze(0)
-            if (out is output and out.dim() >= 2 and out.shape[0] == 1 and b > 1
+            if ((out is output or new_output is not None) and out.dim() >= 2
+                    and out.shape[0] == 1 and b > 1
                     and _batch_dim(kind, module) == 0):
                 # Broadcast over the batch after this layer (e.g. position embeddings [1, T, D]):
                 # hand the model a batch-sized view so every example gets its own output-grad.
