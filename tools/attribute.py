@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from dattri_ds.tools.common import (  # noqa: E402
-    Run, concat, gradients, load_texts, logger, projection_from_tag, setup_logging,
+    Run, gradients, load_texts, logger, projection_from_tag, setup_logging,
     write_config,
 )
 
@@ -144,7 +144,7 @@ def _attributor(args, proj):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from dattri_ds import CaptureConfig
+    from dattri_ds import CaptureConfig, GradBatch
 
     args = build_parser().parse_args(argv)
     setup_logging()
@@ -164,8 +164,8 @@ def main(argv: list[str] | None = None) -> dict:
         model = run.model(tag)
         _check_weights(store, model, tag)
         qcap = CaptureConfig(projection=proj, **(store.spec.semantics or {}))
-        q = concat(list(gradients(model, queries, torch.arange(len(queries)),
-                                  capture=qcap, batch_size=8)))
+        q = GradBatch.cat(list(gradients(model, queries, torch.arange(len(queries)),
+                                         capture=qcap, batch_size=8)))
         ids, vals = attributor.scores(store.iter_batches(args.block_rows), q)
         store.close()
         lr = float(run.checkpoint(tag)["lr"]) if args.method == "tracin" else 1.0

@@ -245,21 +245,19 @@ def example_ids(data, rows: torch.Tensor, label_shift: int = 1) -> list[str]:
 
 def gradients(model, data, rows: torch.Tensor, *, capture, batch_size: int,
               device: torch.device | str = "cpu", progress: str | None = None):
-    """Per-example gradients (GradBatch per ``batch_size`` rows) by probe passes: no
-    parameter ``.grad`` is touched. ``capture`` is a CaptureConfig (projection applies)."""
-    from dattri_ds import GradientCapture
+    """Per-example gradients (GradBatch per ``batch_size`` rows) by probe passes
+    (``dattri_ds.collect``): no parameter ``.grad`` is touched. ``capture`` is a
+    CaptureConfig (projection applies); sample ids are ``<doc id>#<content hash>``."""
+    from dattri_ds import collect
 
+    chunks = [rows[s:s + batch_size] for s in range(0, rows.numel(), batch_size)]
     bar = _bar(rows.numel(), progress)
-    with GradientCapture(model, capture, probe_only=True) as cap:
-        for start in range(0, rows.numel(), batch_size):
-            idx = rows[start:start + batch_size]
-            batch = {k: v.to(device) for k, v in data.batch(idx).items()}
-            cap.tag([data.docs[i].id for i in idx.tolist()])
-            got = cap.probe(lambda b=batch: model(**b).loss)
-            if bar is not None:
-                bar.update(idx.numel())
-            if got is not None:
-                yield got
+    batches = (data.batch(idx) for idx in chunks)
+    ids = ([data.docs[i].id for i in idx.tolist()] for idx in chunks)
+    for idx, got in zip(chunks, collect(model, batches, capture, user_ids=ids, device=device)):
+        if bar is not None:
+            bar.update(idx.numel())
+        yield got
     if bar is not None:
         bar.close()
 
@@ -294,21 +292,3 @@ def load_texts(path: str, tokenizer, seq_len: int, max_docs: int | None = None,
             f"context{'' if context is None else f' is {context}'}): shorten it, or pass "
             f"--truncate to score its first {seq_len} tokens")
     return data
-
-
-def concat(batches: list) -> object:
-    """One GradBatch from several with the same dense layers (e.g. all queries)."""
-    from dattri_ds.errors import ShapeError
-    from dattri_ds.gradient import Dense, GradBatch
-
-    if not batches:
-        raise ShapeError("no gradient batches to concatenate")
-    first = batches[0]
-    layers = {}
-    for name, lg in first.layers.items():
-        vals = [b.layers[name].data for b in batches]
-        if not all(isinstance(v, Dense) for v in vals):
-            raise ShapeError(f"Layer '{name}': only dense (projected) batches concatenate")
-        layers[name] = lg.replace(data=Dense(torch.cat([v.values for v in vals])))
-    ids = tuple(i for b in batches for i in b.sample_ids)
-    return GradBatch(first.step, ids, layers)
