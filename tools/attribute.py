@@ -1,6 +1,6 @@
 """Attribute query texts to the training examples of a gradient store.
 
-    python tools/attribute.py --run runs/main/selection --store runs/main/grads \
+    python tools/attribute.py --run-dir runs/main/selection --store runs/main/grads \
         --queries data/target/hamlet.jsonl --query-max-docs 4 --method ekfac \
         --factors runs/main/factors.pt --out runs/main/attr-ekfac
     --method graddot | gradcos | tracin | kfac | ekfac
@@ -27,8 +27,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from dattri_ds.tools.common import (  # noqa: E402
-    Run, gradients, load_texts, logger, projection_from_tag, setup_logging,
-    write_config,
+    Run, add_source_args, gradients, load_texts, logger, open_source, projection_from_tag,
+    setup_logging, write_config,
 )
 
 METHODS = ("graddot", "gradcos", "tracin", "kfac", "ekfac")
@@ -36,7 +36,7 @@ METHODS = ("graddot", "gradcos", "tracin", "kfac", "ekfac")
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dattri-ds attribute", description=__doc__.splitlines()[0])
-    p.add_argument("--run", required=True, help="launch/train.py output directory")
+    add_source_args(p)
     p.add_argument("--store", required=True,
                    help="a gradient store, or a folder of per-checkpoint stores (collect --out)")
     p.add_argument("--queries", required=True, help="jsonl of query texts")
@@ -148,11 +148,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     args = build_parser().parse_args(argv)
     setup_logging()
-    run = Run.open(args.run)
+    run = open_source(args)
     available = stores(Path(args.store))
     tags = _choose_tags(args, run, available)
-    tok = run.tokenizer()
-    queries = load_texts(args.queries, tok, run.context, args.query_max_docs,
+    queries = load_texts(args.queries, run.tokenizer, run.context, args.query_max_docs,
                          context=run.context, truncate=args.truncate)
     t0 = time.perf_counter()
     total, per_ckpt, train_ids, attributor = None, [], None, None

@@ -1,8 +1,9 @@
 """Fit K-FAC / EK-FAC curvature factors of a checkpoint on a dataset.
 
-    python tools/fit.py --run runs/main/selection --checkpoint last \
+    python tools/fit.py --run-dir runs/main/selection --checkpoint last \
         --data data/corpus/train.jsonl --max-docs 500 --out runs/main/factors.pt
-    torchrun --standalone --nproc_per_node 2 tools/fit.py ...    # factors summed over ranks
+    torchrun --standalone --nproc_per_node 2 tools/fit.py --run-dir ...  # summed over ranks
+    deepspeed --num_gpus 2 tools/fit.py --run-dir ...
 
 With ``--projection-dim`` (default: that of ``--store``) the factors live in the store's
 Kronecker-projected space (LoGra), so ``attribute --method ekfac`` can score a projected
@@ -23,14 +24,14 @@ if __package__ in (None, ""):
 import torch  # noqa: E402
 
 from dattri_ds.tools.common import (  # noqa: E402
-    Run, gradients, init_distributed, load_texts, logger, projection_from_tag, setup_logging,
-    write_config,
+    add_source_args, gradients, init_distributed, load_texts, logger, open_source,
+    projection_from_tag, seq_len_of, setup_logging, write_config,
 )
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dattri-ds fit", description=__doc__.splitlines()[0])
-    p.add_argument("--run", required=True)
+    add_source_args(p)
     p.add_argument("--checkpoint", default="last", help="tag, or 'last'")
     p.add_argument("--data", default="data/corpus/train.jsonl")
     p.add_argument("--max-docs", type=int, default=None)
@@ -63,9 +64,9 @@ def main(argv: list[str] | None = None) -> Path:
     args = build_parser().parse_args(argv)
     rank, world = init_distributed()
     setup_logging(rank)
-    run = Run.open(args.run)
+    run = open_source(args)
     tag = run.tags(args.checkpoint)[0]
-    data = load_texts(args.data, run.tokenizer(), run.seq_len, args.max_docs)
+    data = load_texts(args.data, run.tokenizer, seq_len_of(run, args), args.max_docs)
     model = run.model(tag)
     proj = _projection(args)
     rows = torch.arange(rank, len(data), world)
