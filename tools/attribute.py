@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--truncate", action="store_true",
                    help="score the first context-many tokens of queries longer than the "
                         "model's context (default: error)")
+    p.add_argument("--per-token", action="store_true",
+                   help="also score every query token: per_token.npy [N, Q, T] and "
+                        "query_tokens.json (the report colours query tokens by influence)")
     p.add_argument("--out", required=True)
     return p
 
@@ -154,7 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
     queries = load_texts(args.queries, run.tokenizer, run.context, args.query_max_docs,
                          context=run.context, truncate=args.truncate)
     t0 = time.perf_counter()
-    total, per_ckpt, train_ids, attributor = None, [], None, None
+    total, per_ckpt, train_ids, attributor, per_token = None, [], None, None, None
     for tag in tags:
         store = _open_checked(available[tag], run, tag)
         proj = (store.spec.projection_cfg() if store.spec.projection_config is not None
@@ -165,8 +168,19 @@ def main(argv: list[str] | None = None) -> dict:
         qcap = CaptureConfig(projection=proj, **(store.spec.semantics or {}))
         q = GradBatch.cat(list(gradients(model, queries, torch.arange(len(queries)),
                                          capture=qcap, batch_size=8)))
-        ids, vals = attributor.scores(store.iter_batches(args.block_rows), q)
+        tok = where = None
+        if args.per_token:  # token rows scored in the same pass over the store
+            from dattri_ds.per_token import collect_per_token
+            tok, where = collect_per_token(model, queries.batch(torch.arange(len(queries))), qcap)
+        ids, vals = attributor.scores(store.iter_batches(args.block_rows),
+                                      q if tok is None else GradBatch.cat([q, tok]))
         store.close()
+        if tok is not None:
+            from dattri_ds.per_token import scatter_tokens
+            vals, rows = vals[:, :q.batch_size], vals[:, q.batch_size:]
+            lr_tok = float(run.checkpoint(tag)["lr"]) if args.method == "tracin" else 1.0
+            tokens = scatter_tokens(rows, where, len(queries), queries.seq_len) * lr_tok
+            per_token = tokens if per_token is None else per_token + tokens
         lr = float(run.checkpoint(tag)["lr"]) if args.method == "tracin" else 1.0
         if train_ids is not None and ids != train_ids:
             from dattri_ds.errors import ShapeError
@@ -178,8 +192,35 @@ def main(argv: list[str] | None = None) -> dict:
         logger.info("%s: scored %d train x %d queries (%s)", tag, len(ids), len(q.sample_ids),
                     args.method)
     seconds = time.perf_counter() - t0
+    if per_token is not None:
+        write_per_token(Path(args.out), run, queries, per_token)
     return write_outputs(Path(args.out), args, run, tags, queries, train_ids, total, per_ckpt,
                          seconds)
+
+
+def write_per_token(out: Path, run, queries, per_token: torch.Tensor) -> None:
+    """``per_token.npy`` ``[N, Q, T]`` and ``query_tokens.json``: per query, its tokens
+    ``{"t", "id", "text"}`` up to its last real one (``text`` decoded when a tokenizer is
+    known, else the id)."""
+    out.mkdir(parents=True, exist_ok=True)
+    np.save(out / "per_token.npy", per_token.numpy())
+    tokenizer = None
+    if queries.tokenizer_fingerprint != "token-ids":
+        tokenizer = run.tokenizer()
+    rows = []
+    for i in range(len(queries)):
+        n = int(queries.attention_mask[i].sum())
+        ids = queries.input_ids[i, :n].tolist()
+        rows.append([{"t": t, "id": v, "text": _piece(tokenizer, v)} for t, v in enumerate(ids)])
+    (out / "query_tokens.json").write_text(json.dumps(rows))
+
+
+def _piece(tokenizer, token_id: int) -> str:
+    if tokenizer is None:
+        return f"<{token_id}>"
+    if hasattr(tokenizer, "id_to_piece"):
+        return tokenizer.id_to_piece(token_id).replace("\u2581", " ")
+    return tokenizer.decode([token_id])
 
 
 def write_outputs(out: Path, args, run, tags, queries, train_ids, total, per_ckpt, seconds):

@@ -90,6 +90,9 @@ class HFTokenizer:
     def encode_batch(self, texts) -> list[list[int]]:
         return [self._tok(t, add_special_tokens=False)["input_ids"] for t in texts]
 
+    def decode(self, ids) -> str:
+        return self._tok.decode(list(ids))
+
 
 @dataclass(frozen=True)
 class HFModelDir:

@@ -173,3 +173,25 @@ def _assert_nested_close(x, y, path="factors"):
             _assert_nested_close(a, b, f"{path}[{i}]")
     else:
         assert x == y, path
+
+
+def test_attribute_per_token_and_report_colours(tmp_path):
+    """attribute --per-token writes [N, Q, T] scores that sum over T to scores.npy, and the
+    HTML report colours every query token."""
+    from dattri_ds.tools import attribute, collect, report
+
+    folder = _tiny_folder(tmp_path / "gpt2-tiny")
+    data = _texts(tmp_path / "train.jsonl", 5)
+    collect.main(["--model", str(folder), "--projection-dim", "8", "--data", data, "--out",
+                  str(tmp_path / "g")])
+    attribute.main(["--model", str(folder), "--store", str(tmp_path / "g"), "--queries",
+                    _texts(tmp_path / "q.jsonl", 2, seed=7), "--per-token", "--method",
+                    "gradcos", "--out", str(tmp_path / "attr")])
+    scores = np.load(tmp_path / "attr/scores.npy")
+    per_token = np.load(tmp_path / "attr/per_token.npy")
+    assert per_token.shape == (5, 2, 24)
+    tokens = json.loads((tmp_path / "attr/query_tokens.json").read_text())
+    html_text = (report.main(["--attribution", str(tmp_path / "attr")]).parent
+                 / "report.html").read_text()
+    assert html_text.count("<span title=") == sum(len(t) for t in tokens)
+    assert per_token.any() and np.isfinite(per_token).all() and scores.shape == (5, 2)
