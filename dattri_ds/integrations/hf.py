@@ -38,6 +38,7 @@ Example:
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
@@ -110,12 +111,17 @@ class TrainerCapture(TrainerCallback):
                  callbacks: Iterable[TrainingCallback] = (), selector: Any = None,
                  k: int | None = None, cost: CostModel | None = None) -> None:
         _check_trainer(trainer)
+        config = config or CaptureConfig()
+        if config.loss_reduction != "token_mean":
+            warnings.warn(f"capture.loss_reduction='{config.loss_reduction}' has no effect under "
+                          f"Trainer: its loss is a token mean ('token_mean' is used)",
+                          stacklevel=2)
         self.trainer = trainer
-        self.config = replace(config or CaptureConfig(), loss_reduction="token_mean")
+        self.config = replace(config, loss_reduction="token_mean")
         self.consumers = list(callbacks)
         self.selector, self.k, self.cost = selector, k, cost
         self.capture: GradientCapture | None = None
-        self.selections: list = []
+        self.last_selection = None
         self._restore: list[str] = []
         self._head = None
         from dattri_ds.integrations.trl import unfuse_lm_head
@@ -161,7 +167,7 @@ class TrainerCapture(TrainerCallback):
                         if n in rows}
         k = self.k or max(1, math.floor(c / self.selector.config.candidate_multiple + 1e-9))
         sel = self.selector.select(probe_inputs, k, self.trainer.state.global_step)
-        self.selections.append(sel)
+        self.last_selection = sel
         idx = sel.indices.to(device)
         return {**batch, **{n: v.index_select(0, idx) for n, v in rows.items()}}
 

@@ -170,7 +170,7 @@ def test_trainer_selection_equals_subset_update(tmp_path):
         return model, cb
 
     selected, cb = train(rows, 4, True)
-    (sel,) = cb.selections
+    sel = cb.last_selection
     assert sel.indices.numel() == 2
     chosen = [{k: v[i] for k, v in sel.batch.items()} for i in range(2)]
     subset, _ = train(chosen, 2, False)
