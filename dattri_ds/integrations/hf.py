@@ -25,8 +25,8 @@ per-example gradient ``dS_b/dtheta``, ``S_b`` the summed loss of example b's val
   (``integrations/trl.py``).
 
 Refused with ConfigError: label smoothing and ``compute_loss_func`` (the loss is not a sum
-of token losses), ``n_gpu > 1`` (DataParallel) and DeepSpeed engines (their loss scaling is
-not verified under Trainer yet).
+of token losses), TRL ``padding_free``/packing (a row holds several documents), ``n_gpu > 1``
+(DataParallel) and DeepSpeed engines (their loss scaling is not verified under Trainer yet).
 
 Example:
     >>> trainer = Trainer(model=model, args=args, train_dataset=ds)
@@ -84,6 +84,10 @@ def _check_trainer(trainer: Any) -> None:
     if trainer.compute_loss_func is not None:
         raise ConfigError("Trainer(compute_loss_func=...) reduces the loss in a way dattri-ds "
                           "cannot read; drop it to capture (the model's loss is used)")
+    if getattr(trainer, "padding_free", False):
+        raise ConfigError("SFTTrainer with padding_free/packing packs several documents into "
+                          "one row, so a captured row would not be one example's gradient; "
+                          "set padding_free=False and packing=False to capture")
     if trainer.args.n_gpu > 1:
         raise ConfigError(f"n_gpu={trainer.args.n_gpu} (torch DataParallel) splits micro-batches "
                           f"inside one process; launch one process per device (torchrun)")

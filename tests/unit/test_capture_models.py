@@ -150,3 +150,21 @@ def test_for_engine_plain_module_counts_optimizer_steps():
             model(input_ids=ids, labels=ids).loss.backward()
             cap.next_step()
     assert [b.step for b in rec2.batches] == [0, 1] and rec2.steps == [0, 1]
+
+
+def test_shift_labels_and_num_items_in_batch_are_read_from_the_call():
+    """A call with pre-shifted ``shift_labels`` (extra masked positions) and an explicit
+    ``num_items_in_batch`` denominator (from other micro-batches too) is undone exactly."""
+    model = tiny_gpt2()
+    ids = torch.randint(1, 97, (3, 8), generator=torch.Generator().manual_seed(9))
+    shifted = torch.cat([ids[:, 1:], torch.full((3, 1), -100)], 1)
+    shifted[1, :3] = -100
+    labels = torch.cat([torch.full((3, 1), -100), shifted[:, :-1]], 1)  # same targets
+    with GradientCapture(model) as cap:
+        model(input_ids=ids, labels=ids, shift_labels=shifted, num_items_in_batch=40).loss.backward()
+        batch = cap.pop()
+    model.zero_grad(set_to_none=True)
+    assert batch.token_counts.tolist() == [7, 4, 7]
+    ref = reference_grads(model, ids, labels=labels)
+    for name, lg in batch.layers.items():
+        assert rel_err(materialize(lg), ref[name]) <= TOL, name

@@ -100,16 +100,13 @@ def test_trainer_capture_matches_reference(tmp_path, accumulation):
     assert "compute_loss" not in trainer.__dict__  # the instance is restored after training
 
 
-def test_sft_trainer_completion_only_matches_reference(tmp_path):
-    """SFTTrainer: completion-only labels, its own loss reduction and its fused LM head
-    (replaced while capturing so lm_head is captured) give exact per-example gradients."""
+def _sft(tmp_path, **cfg):
+    """A tiny SFTTrainer on pre-tokenized rows with completion masks; and the rows."""
     pytest.importorskip("trl")
     import datasets
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
     from trl import SFTConfig, SFTTrainer
-
-    from dattri_ds.integrations.hf import TrainerCapture
 
     tok = PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer(models.WordLevel({f"t{i}": i for i in range(97)}, "t1")),
@@ -120,7 +117,24 @@ def test_sft_trainer_completion_only_matches_reference(tmp_path):
         n, p = 6 + i % 4, 2 + i % 3
         data.append({"input_ids": torch.randint(3, 97, (n,), generator=g).tolist(),
                      "completion_mask": [0] * p + [1] * (n - p)})
+    base = _args(tmp_path, gradient_accumulation_steps=2).to_dict()
+    base = {k: base[k] for k in ("output_dir", "use_cpu", "report_to", "save_strategy",
+                                 "disable_tqdm", "logging_steps", "optim", "learning_rate",
+                                 "per_device_train_batch_size", "max_steps", "seed",
+                                 "gradient_accumulation_steps")}
+    args = SFTConfig(**base, max_length=16, completion_only_loss=True, bf16=False, **cfg)
     model = tiny_gpt2()
+    trainer = SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(data),
+                         processing_class=tok)
+    return trainer, model, data
+
+
+def test_sft_trainer_completion_only_matches_reference(tmp_path):
+    """SFTTrainer: completion-only labels, its own loss reduction and its fused LM head
+    (replaced while capturing so lm_head is captured) give exact per-example gradients."""
+    from dattri_ds.integrations.hf import TrainerCapture
+
+    trainer, model, data = _sft(tmp_path)
     ref_rows = []
     for r in data:
         ids = torch.tensor(r["input_ids"])
@@ -128,20 +142,22 @@ def test_sft_trainer_completion_only_matches_reference(tmp_path):
         ref_rows.append({"input_ids": ids, "attention_mask": torch.ones_like(ids),
                          "labels": labels})
     ref = _reference(model, ref_rows)
-    base = _args(tmp_path, gradient_accumulation_steps=2).to_dict()
-    base = {k: base[k] for k in ("output_dir", "use_cpu", "report_to", "save_strategy",
-                                 "disable_tqdm", "logging_steps", "optim", "learning_rate",
-                                 "per_device_train_batch_size", "max_steps", "seed",
-                                 "gradient_accumulation_steps")}
-    cfg = SFTConfig(**base, max_length=16, completion_only_loss=True, bf16=False)
-    trainer = SFTTrainer(model=model, args=cfg, train_dataset=datasets.Dataset.from_list(data),
-                         processing_class=tok)
     rec = Recorder()
     TrainerCapture(trainer, callbacks=[rec])
     trainer.train()
     assert _assert_rows_match(rec.batches, ref) == 8
     assert "lm_head" in rec.batches[0].layers
     assert rec.steps == [0, 1]
+
+
+def test_sft_padding_free_is_refused(tmp_path):
+    """Packed rows hold several documents: TrainerCapture refuses them by name."""
+    from dattri_ds.errors import ConfigError
+    from dattri_ds.integrations.hf import TrainerCapture
+
+    trainer, _, _ = _sft(tmp_path, padding_free=True, packing=True)
+    with pytest.raises(ConfigError, match="padding_free"):
+        TrainerCapture(trainer)
 
 
 def test_trainer_selection_equals_subset_update(tmp_path):
