@@ -25,7 +25,7 @@ import warnings
 import weakref
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -62,6 +62,7 @@ class _Record:
     empty: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     pairs: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = field(
         default_factory=lambda: defaultdict(list))
+    scale: float = 1.0
     queued: bool = False
     done: bool = False
     probe: list[tuple[str, torch.Tensor, torch.Tensor]] = field(default_factory=list)
@@ -130,20 +131,26 @@ class GradientCapture:
         self._pending: deque[GradBatch] = deque()
         self._count = 0
         self._user_ids: list[str] | None = None
+        self._next_norm: tuple[float | None, float] | None = None
         self._warned_no_info = False
         self._probing = False
         self._tied: list[TiedGroup] = []
 
     @classmethod
     def for_engine(cls, engine: object, config: CaptureConfig | None = None, *,
-                   callbacks: Iterable[TrainingCallback] = (),
-                   cost: CostModel | None = None) -> GradientCapture:
-        """Capture on a training engine (DeepSpeed engine or plain module) via its adapter."""
+                   callbacks: Iterable[TrainingCallback] = (), cost: CostModel | None = None,
+                   optimizer: torch.optim.Optimizer | None = None) -> GradientCapture:
+        """Capture on a training engine (DeepSpeed engine or plain module) via its adapter.
+
+        For a plain module, steps advance after every ``optimizer.step()`` when ``optimizer``
+        is given, else when the loop calls ``next_step()``.
+        """
         from dattri_ds.integrations import adapter_for
 
-        adapter = adapter_for(engine)
+        adapter = adapter_for(engine, optimizer=optimizer)
         cap = cls(adapter.unwrap(), config, callbacks=callbacks, cost=cost,
-                  scale_fn=adapter.backward_scale, step_fn=adapter.global_step)
+                  scale_fn=adapter.backward_scale,
+                  step_fn=adapter.global_step if adapter.counts_steps else None)
         cap.adapter = adapter
         return cap
 
@@ -153,7 +160,7 @@ class GradientCapture:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.detach()
+        self.close()
 
     def attach(self) -> GradientCapture:
         """Find the layers to capture and register the hooks."""
@@ -176,7 +183,11 @@ class GradientCapture:
         return self
 
     def detach(self) -> None:
-        """Remove every hook; pending batches stay available to ``pop()``."""
+        """Remove every hook; pending batches stay available to ``pop()``.
+
+        The callbacks stay open: ``attach()`` resumes capturing into them. ``close()`` (or
+        leaving the ``with`` block) detaches and closes them.
+        """
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -186,11 +197,16 @@ class GradientCapture:
             self._remove_step_hook = None
         if getattr(self.model, _ATTR, None) is self:
             delattr(self.model, _ATTR)
+
+    def close(self) -> None:
+        """Detach and close every callback (stores flush and close): the end of a capture."""
+        self.detach()
         for cb in self.callbacks:
             cb.on_close()
 
     def _discover(self) -> None:
         cfg = self.config
+        self.layers, self.unsupported = {}, []
         for name, module in self.model.named_modules():
             if _matches(name, cfg.exclude):
                 continue
@@ -233,6 +249,18 @@ class GradientCapture:
         """Prefix the sample ids of the next forward call with these user ids."""
         self._user_ids = list(user_ids)
 
+    def normalize_next(self, num_items: float | None = None, scale: float = 1.0) -> None:
+        """Say how the loop reduces the loss of the next recorded forward call.
+
+        Args:
+            num_items: the token-mean denominator ``N`` when the loop divides the summed token
+                loss by it outside the model (Hugging Face Trainer's ``num_items_in_batch``);
+                None: the model's own reduction (``config.loss_reduction``).
+            scale: a further factor the loop multiplies that loss by before backward (it
+                multiplies ``config.backward_scale`` and the adapter's scale).
+        """
+        self._next_norm = (None if num_items is None else float(num_items), float(scale))
+
     def _active(self) -> bool:
         """Whether this forward is recorded: probes record only their own forward."""
         return self._probing if (self.probe_only or _PROBING.get()) else True
@@ -246,8 +274,14 @@ class GradientCapture:
         info = batch_info(args, kwargs, label_shift=cfg.label_shift,
                           ignore_index=cfg.ignore_index, user_ids=self._user_ids)
         self._user_ids = None
+        norm, self._next_norm = self._next_norm, None
+        scale = 1.0
+        if norm is not None:
+            scale = norm[1]
+            if norm[0] is not None and info is not None:
+                info = replace(info, num_items=norm[0])
         step = self.step_fn() if self.step_fn is not None else self.step
-        self._current = _Record(self._count, step, info)
+        self._current = _Record(self._count, step, info, scale=scale)
         self._count += 1
         self._open.append(self._current)
 
@@ -270,7 +304,14 @@ class GradientCapture:
             a = kind.activation(module, args).detach()
             new_output = None
             b = len(rec.info.sample_ids) if rec.info is not None else 0
-            if (out is output and out.dim() >= 2 and out.shape[0] == 1 and b > 1
+            if (out is output and b > 0 and a.dim() == 1 and not a.is_floating_point()
+                    and out.dim() == 2 and _batch_dim(kind, module) == 0):
+                # Indices without a batch dim (nanoGPT's ``wpe(torch.arange(T))`` -> [T, D]),
+                # broadcast over the batch after this layer: the same as a [1, T, D] output.
+                out = new_output = out.unsqueeze(0)
+                a = a.unsqueeze(0)
+            if ((out is output or new_output is not None) and out.dim() >= 2
+                    and out.shape[0] == 1 and b > 1
                     and _batch_dim(kind, module) == 0):
                 # Broadcast over the batch after this layer (e.g. position embeddings [1, T, D]):
                 # hand the model a batch-sized view so every example gets its own output-grad.
@@ -338,9 +379,11 @@ class GradientCapture:
         tokens = some_g.shape[1 - bdim] if some_g.dim() > 2 else 1
         info = self._info(rec, first_pairs[0][0].shape[bdim], tokens)
         if scale_c is None:
-            scale_c = cfg.backward_scale * (self.scale_fn() if self.scale_fn else 1.0)
+            scale_c = (cfg.backward_scale * rec.scale
+                       * (self.scale_fn() if self.scale_fn else 1.0))
         scale = example_scale(info.token_counts, loss_reduction=cfg.loss_reduction,
-                              per_example_loss=cfg.per_example_loss, backward_scale=scale_c)
+                              per_example_loss=cfg.per_example_loss, backward_scale=scale_c,
+                              num_items=info.num_items)
         layers: dict[str, LayerGrad] = {}
         for name, (module, kind) in self.layers.items():
             pairs = rec.pairs.get(name)

@@ -12,7 +12,7 @@ operations below agree no matter how the module stores its weight (``nn.Linear``
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -235,6 +235,43 @@ class GradBatch:
     def batch_size(self) -> int:
         return len(self.sample_ids)
 
+    @staticmethod
+    def cat(batches: Sequence[GradBatch]) -> GradBatch:
+        """One batch holding the examples of several, in order (e.g. all query batches).
+
+        Every batch must hold the same layers in the same form: dense rows concatenate;
+        factorized layers are zero-padded along T to the longest batch (a zero token adds
+        nothing to ``sum_t g_t^T a_t``, padded index factors point at row 0 with a zero
+        output-grad). ``step`` is that of the first batch.
+
+        Raises:
+            ShapeError: no batch, or the batches differ in layers or in form.
+        """
+        if not batches:
+            raise ShapeError("GradBatch.cat got no batches")
+        first = batches[0]
+        layers = {}
+        for name, lg in first.layers.items():
+            parts = []
+            for b in batches:
+                other = b.layers.get(name)
+                if other is None or type(other.data) is not type(lg.data) or (
+                        other.projection != lg.projection or other.shape != lg.shape):
+                    raise ShapeError(
+                        f"Layer '{name}' differs between the batches to concatenate (missing, "
+                        f"or another form, projection or shape): collect them with one "
+                        f"CaptureConfig")
+                parts.append(other.data)
+            layers[name] = lg.replace(data=_cat_data(parts))
+        extra = [n for b in batches for n in b.layers if n not in first.layers]
+        if extra:
+            raise ShapeError(f"Layer '{extra[0]}' is not in the first batch to concatenate")
+        ids = tuple(i for b in batches for i in b.sample_ids)
+        counts = None
+        if all(b.token_counts is not None for b in batches):
+            counts = torch.cat([b.token_counts.cpu() for b in batches])
+        return GradBatch(first.step, ids, layers, first.micro_batch, counts)
+
     def index(self, idx: torch.Tensor | list[int]) -> GradBatch:
         """Select a subset of examples (ids, layers and token counts alike)."""
         idx_t = torch.as_tensor(idx, dtype=torch.long)
@@ -242,3 +279,17 @@ class GradBatch:
         layers = {n: lg.index(idx_t.to(lg.device)) for n, lg in self.layers.items()}
         counts = None if self.token_counts is None else self.token_counts[idx_t]
         return GradBatch(self.step, ids, layers, self.micro_batch, counts)
+
+
+def _cat_data(parts: list[Factorized | Dense]) -> Factorized | Dense:
+    """Concatenate along B; factorized parts are zero-padded along T first."""
+    if isinstance(parts[0], Dense):
+        return Dense(torch.cat([p.values for p in parts]))
+    t = max(p.tokens for p in parts)
+
+    def pad(x: torch.Tensor) -> torch.Tensor:
+        extra = t - x.shape[1]
+        if extra == 0:
+            return x
+        return torch.cat([x, x.new_zeros(x.shape[0], extra, *x.shape[2:])], 1)
+    return Factorized(torch.cat([pad(p.a) for p in parts]), torch.cat([pad(p.g) for p in parts]))

@@ -12,7 +12,10 @@ scaling. The training loop's backward, however, is on ``c * R`` where ``c`` is t
 backward scale (``loss_scale / grad_accum`` under DeepSpeed, ``1/grad_accum`` in loops
 that divide manually) and ``R`` is the loop's reduction of the micro-batch:
 
-* ``loss_reduction="token_mean"`` (Hugging Face default): ``R = sum_b S_b / N``, ``N = sum_b n_b``
+* ``loss_reduction="token_mean"`` (Hugging Face default): ``R = sum_b S_b / N``, ``N = sum_b n_b``,
+  or ``N = num_items_in_batch`` when the call passes it (Hugging Face models then divide
+  the summed token loss by it: Trainer counts the loss tokens of every micro-batch of the
+  accumulated step, on every data-parallel rank)
 * ``loss_reduction="sum"``:                               ``R = sum_b S_b``
 * ``loss_reduction="example_mean"``:                      ``R = (1/B) sum_b S_b / n_b``
 
@@ -21,8 +24,10 @@ with ``S_b = sum_{t in V_b} l[b, t]``. So the captured output-grad of example b 
 ``example_scale`` returns ``1 / (c * w_b)`` (divided by ``n_b`` for the mean). Examples
 with ``n_b = 0`` get scale 0: padded or fully masked rows contribute exactly zero.
 
-Valid positions follow the causal-LM convention: with ``labels`` given, position t is
-valid when ``labels[b, t + shift] != ignore_index``; else when
+Valid positions follow the causal-LM convention: with ``shift_labels`` given (labels
+already shifted, as padding-free collators pass them) position t is valid when
+``shift_labels[b, t] != ignore_index``; with ``labels``, when
+``labels[b, t + shift] != ignore_index``; else when
 ``attention_mask[b, t + shift] == 1``; else all ``T - shift`` positions are valid.
 """
 
@@ -49,10 +54,13 @@ class BatchInfo:
     Attributes:
         sample_ids: stable id per example (content hash, optionally ``user#hash``).
         token_counts: ``[B]`` valid (loss-bearing) positions ``n_b``.
+        num_items: the call's ``num_items_in_batch`` (the token-mean denominator ``N``), or
+            None when the model divides by its own token count.
     """
 
     sample_ids: tuple[str, ...]
     token_counts: torch.Tensor
+    num_items: float | None = None
 
 
 def content_id(tokens: torch.Tensor, valid: torch.Tensor | None = None,
@@ -88,8 +96,11 @@ def batch_info(args: tuple, kwargs: dict, *, label_shift: int = 1, ignore_index:
     if ids is None or ids.dim() != 2:
         return None
     labels, mask = kwargs.get("labels"), kwargs.get("attention_mask")
+    shifted = kwargs.get("shift_labels")
     b, t = ids.shape
-    if labels is not None:
+    if shifted is not None:
+        valid = shifted != ignore_index
+    elif labels is not None:
         valid = labels[:, label_shift:] != ignore_index
     elif mask is not None:
         valid = mask[:, label_shift:] != 0
@@ -99,28 +110,43 @@ def batch_info(args: tuple, kwargs: dict, *, label_shift: int = 1, ignore_index:
     keep = mask != 0 if mask is not None else torch.ones_like(ids, dtype=torch.bool)
     if user_ids is not None and len(user_ids) != b:
         raise ConfigError(f"capture.tag() got {len(user_ids)} user ids for a batch of {b}")
-    valid_full = labels != ignore_index if labels is not None else keep
+    if labels is not None:
+        valid_full = labels != ignore_index
+    elif shifted is not None:  # label of position t + shift is shift_labels[t]
+        valid_full = torch.zeros_like(ids, dtype=torch.bool)
+        valid_full[:, label_shift:] = shifted[:, :t - label_shift] != ignore_index
+    else:
+        valid_full = keep
     sample_ids = tuple(
         content_id(ids[i][keep[i]], valid_full[i][keep[i]],
                    None if user_ids is None else str(user_ids[i]))
         for i in range(b)
     )
-    return BatchInfo(sample_ids, counts)
+    return BatchInfo(sample_ids, counts, _num_items(kwargs.get("num_items_in_batch")))
+
+
+def _num_items(value) -> float | None:
+    """``num_items_in_batch`` of a call as a float (Trainer passes a 0-d tensor or an int)."""
+    if value is None:
+        return None
+    return float(value.float().mean()) if torch.is_tensor(value) else float(value)
 
 
 def example_scale(token_counts: torch.Tensor, *, loss_reduction: str, per_example_loss: str,
-                  backward_scale: float) -> torch.Tensor:
+                  backward_scale: float, num_items: float | None = None) -> torch.Tensor:
     """``[B]`` factors turning captured output-grads into per-example-loss output-grads.
 
     ``scale_b = 1 / (c * w_b)``, divided by ``n_b`` for the mean loss; 0 where ``n_b = 0``
-    (see the module docstring for ``c`` and ``w_b``).
+    (see the module docstring for ``c`` and ``w_b``). ``num_items`` replaces ``N`` of the
+    token mean when the call passed ``num_items_in_batch``.
     """
     if backward_scale == 0:
         raise ConfigError("backward scale is 0: the loop's backward carries no gradient")
     n = token_counts.to(torch.float64)
     b = n.numel()
     if loss_reduction == "token_mean":
-        inv_w = n.sum().expand(b).clone()
+        total = n.sum() if num_items is None else torch.tensor(num_items, dtype=torch.float64)
+        inv_w = total.expand(b).clone()
     elif loss_reduction == "sum":
         inv_w = torch.ones_like(n)
     elif loss_reduction == "example_mean":

@@ -503,7 +503,7 @@ def train(loop, cfg: RunConfig, data, out: Path, tok, selector=None, evaluator=N
             dist.all_reduce(step_loss, group=ctx.dp_group)
         log.end_step(step, float(step_loss) / ctx.dp_world, lr, micro * gas * ctx.dp_world, save)
     if capture is not None:
-        capture.detach()
+        capture.close()
     summary = log.summary(world=dist.get_world_size(), captured=bool(capture))
     if capture is not None:  # examples dropped for a NaN/inf gradient, over the DP ranks
         from dattri_ds.distributed import all_reduce_sum

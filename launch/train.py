@@ -276,7 +276,7 @@ def train(engine, cfg: RunConfig, data, out: Path, rank: int, world: int, tok,
             float(engine.optimizer.param_groups[0]["lr"])
         log.end_step(step, float(step_loss) / world, lr, micro * gas * world, save)
     if capture is not None:
-        capture.detach()
+        capture.close()
     summary = log.summary(world=world, captured=bool(capture))
     if capture is not None:  # examples dropped for a NaN/inf gradient, over all ranks
         dropped = torch.tensor([float(capture.skipped_examples)], device=device)

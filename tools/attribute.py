@@ -1,6 +1,6 @@
 """Attribute query texts to the training examples of a gradient store.
 
-    python tools/attribute.py --run runs/main/selection --store runs/main/grads \
+    python tools/attribute.py --run-dir runs/main/selection --store runs/main/grads \
         --queries data/target/hamlet.jsonl --query-max-docs 4 --method ekfac \
         --factors runs/main/factors.pt --out runs/main/attr-ekfac
     --method ekfac-trajectory (default) | kfac-trajectory | tracin | ekfac | kfac | graddot
@@ -34,8 +34,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from dattri_ds.tools.common import (  # noqa: E402
-    Run, concat, gradients, load_texts, logger, projection_from_tag, setup_logging,
-    write_config,
+    Run, add_source_args, gradients, load_texts, logger, open_source, projection_from_tag,
+    setup_logging, write_config,
 )
 
 METHODS = ("graddot", "gradcos", "tracin", "kfac", "ekfac", "kfac-trajectory",
@@ -46,7 +46,7 @@ DEFAULT_METHOD = "ekfac-trajectory"
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dattri-ds attribute", description=__doc__.splitlines()[0])
-    p.add_argument("--run", required=True, help="launch/train.py output directory")
+    add_source_args(p)
     p.add_argument("--store", required=True,
                    help="a gradient store, or a folder of per-checkpoint stores (collect --out)")
     p.add_argument("--queries", required=True, help="jsonl of query texts")
@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--truncate", action="store_true",
                    help="score the first context-many tokens of queries longer than the "
                         "model's context (default: error)")
+    p.add_argument("--per-token", action="store_true",
+                   help="also score every query token: per_token.npy [N, Q, T] and "
+                        "query_tokens.json (the report colours query tokens by influence)")
     p.add_argument("--out", required=True)
     return p
 
@@ -189,9 +192,13 @@ def _store_projection(store):
 
 
 def _checkpoints(args, run: Run, available: dict[str, Path], tags: list[str], queries,
-                 proj):
-    """One ``Checkpoint`` per tag, opened lazily (store, query gradients, factors)."""
-    from dattri_ds import CaptureConfig, Checkpoint
+                 proj, token_where: list[torch.Tensor]):
+    """One ``Checkpoint`` per tag, opened lazily (store, query gradients, factors).
+
+    With ``--per-token`` every query token's loss gradient is appended to the query rows
+    (after the Q sequence rows) and its position is put in ``token_where``.
+    """
+    from dattri_ds import CaptureConfig, Checkpoint, GradBatch
     from dattri_ds.errors import StoreMismatchError
 
     curvature = _is_curvature(args.method)
@@ -208,9 +215,16 @@ def _checkpoints(args, run: Run, available: dict[str, Path], tags: list[str], qu
         # curvature: the query is preconditioned exactly, then projected (Attributor projector)
         capture = CaptureConfig(projection=None if curvature else proj,
                                 **(store.spec.semantics or {}))
-        q = concat(list(gradients(model, queries, torch.arange(len(queries)),
-                                  capture=capture,
-                                  batch_size=len(queries) if curvature else 8)))
+        q = GradBatch.cat(list(gradients(model, queries, torch.arange(len(queries)),
+                                         capture=capture,
+                                         batch_size=len(queries) if curvature else 8)))
+        if args.per_token:  # token rows scored in the same pass over the store
+            from dattri_ds.per_token import collect_per_token
+
+            tok, where = collect_per_token(model, queries.batch(torch.arange(len(queries))),
+                                           capture)
+            q = GradBatch.cat([q, tok])
+            token_where[:] = [where]
         factors = _factors(args, tag, proj) if curvature else None
         try:
             yield Checkpoint(store.iter_batches(args.block_rows), q,
@@ -227,10 +241,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     args = build_parser().parse_args(argv)
     setup_logging()
-    run = Run.open(args.run)
+    run = open_source(args)
     available = stores(Path(args.store))
     tags = _choose_tags(args, run, available)
-    queries = load_texts(args.queries, run.tokenizer(), run.context, args.query_max_docs,
+    queries = load_texts(args.queries, run.tokenizer, run.context, args.query_max_docs,
                          context=run.context, truncate=args.truncate)
     t0 = time.perf_counter()
     for tag in tags:  # every store is checked before any factors or gradients are read
@@ -238,7 +252,8 @@ def main(argv: list[str] | None = None) -> dict:
     with GradientStore.open(available[tags[0]]) as first:
         proj = _store_projection(first)
     projector = Projector(proj) if proj else None
-    cks = _checkpoints(args, run, available, tags, queries, proj)
+    token_where: list[torch.Tensor] = []  # --per-token: where each token row belongs
+    cks = _checkpoints(args, run, available, tags, queries, proj, token_where)
     per_ckpt: list[torch.Tensor] = []
     if _is_trajectory(args.method):
         kwargs = {} if args.weighting is None else {"weighting": args.weighting}
@@ -251,8 +266,40 @@ def main(argv: list[str] | None = None) -> dict:
         ids, total = attributor.scores(ck.train, ck.query)
         cks.close()
     seconds = time.perf_counter() - t0
+    if token_where:  # token columns follow the Q query columns (scored in the same pass)
+        from dattri_ds.per_token import scatter_tokens
+
+        q = len(queries)
+        tokens = scatter_tokens(total[:, q:], token_where[0], q, queries.seq_len)
+        write_per_token(Path(args.out), run, queries, tokens)
+        total, per_ckpt = total[:, :q], [c[:, :q] for c in per_ckpt]
     return write_outputs(Path(args.out), args, run, tags, queries, ids, total, per_ckpt,
                          seconds)
+
+
+def write_per_token(out: Path, run, queries, per_token: torch.Tensor) -> None:
+    """``per_token.npy`` ``[N, Q, T]`` and ``query_tokens.json``: per query, its tokens
+    ``{"t", "id", "text"}`` up to its last real one (``text`` decoded when a tokenizer is
+    known, else the id)."""
+    out.mkdir(parents=True, exist_ok=True)
+    np.save(out / "per_token.npy", per_token.numpy())
+    tokenizer = None
+    if queries.tokenizer_fingerprint != "token-ids":
+        tokenizer = run.tokenizer()
+    rows = []
+    for i in range(len(queries)):
+        n = int(queries.attention_mask[i].sum())
+        ids = queries.input_ids[i, :n].tolist()
+        rows.append([{"t": t, "id": v, "text": _piece(tokenizer, v)} for t, v in enumerate(ids)])
+    (out / "query_tokens.json").write_text(json.dumps(rows))
+
+
+def _piece(tokenizer, token_id: int) -> str:
+    if tokenizer is None:
+        return f"<{token_id}>"
+    if hasattr(tokenizer, "id_to_piece"):
+        return tokenizer.id_to_piece(token_id).replace("\u2581", " ")
+    return tokenizer.decode([token_id])
 
 
 def write_outputs(out: Path, args, run, tags, queries, train_ids, total, per_ckpt, seconds):

@@ -1,8 +1,10 @@
 """Collect projected per-example gradients of a dataset at checkpoints into gradient stores.
 
-    python tools/collect.py --run runs/main/selection --data data/corpus/train.jsonl \
+    python tools/collect.py --run-dir runs/main/selection --data data/corpus/train.jsonl \
         --max-docs 500 --checkpoints all --out runs/main/grads
-    torchrun --standalone --nproc_per_node 2 tools/collect.py ...    # one shard per rank
+    torchrun --standalone --nproc_per_node 2 tools/collect.py --run-dir ...  # shard per rank
+    deepspeed --num_gpus 2 tools/collect.py --run-dir ...
+    python tools/collect.py --model hf_folder --data tokens.jsonl --out grads  # any causal LM
 
 Each checkpoint gets its own store ``<out>/<tag>/`` (fingerprint ``<model>@<tag>``; the
 manifest also records the run id, the tag, a hash of the checkpoint's weights and the capture
@@ -25,14 +27,14 @@ if __package__ in (None, ""):
 import torch  # noqa: E402
 
 from dattri_ds.tools.common import (  # noqa: E402
-    Run, example_ids, gradients, init_distributed, load_texts, logger, setup_logging,
-    write_config,
+    Run, add_source_args, example_ids, gradients, init_distributed, load_texts, logger,
+    open_source, seq_len_of, setup_logging, write_config,
 )
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dattri-ds collect", description=__doc__.splitlines()[0])
-    p.add_argument("--run", required=True, help="launch/train.py output directory")
+    add_source_args(p)
     p.add_argument("--data", default="data/corpus/train.jsonl", help="jsonl to collect")
     p.add_argument("--max-docs", type=int, default=None)
     p.add_argument("--checkpoints", default="all", help="all | last | tag,tag,...")
@@ -92,8 +94,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     rank, world = init_distributed()
     setup_logging(rank)
-    run = Run.open(args.run)
-    data = load_texts(args.data, run.tokenizer(), run.seq_len, args.max_docs)
+    run = open_source(args)
+    data = load_texts(args.data, run.tokenizer, seq_len_of(run, args), args.max_docs)
     if rank == 0:
         write_config(Path(args.out), "collect", args)
     summary = {}

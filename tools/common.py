@@ -15,7 +15,8 @@ from dattri_ds.errors import ConfigError
 from dattri_ds.ops.projection import ProjectionConfig
 from dattri_ds.schema import read_json
 
-__all__ = ["Run", "setup_logging", "projection_from_tag", "init_distributed", "write_config"]
+__all__ = ["Run", "setup_logging", "projection_from_tag", "init_distributed", "write_config",
+           "add_source_args", "open_source"]
 
 logger = logging.getLogger("dattri_ds.tools")
 
@@ -35,15 +36,23 @@ class Run:
     """
 
     root: Path
+    tokenizer_path: Path | None = None
 
     @staticmethod
-    def open(path: str | os.PathLike) -> Run:
+    def open(path: str | os.PathLike, tokenizer: str | os.PathLike | None = None) -> Run:
+        """A run directory; its tokenizer is ``tokenizer.model`` (SentencePiece), Hugging Face
+        tokenizer files in the run or its ``model/`` folder, or ``tokenizer``."""
+        from dattri_ds.tools.sources import hf_tokenizer_dir
+
         root = Path(path)
-        missing = [f for f in ("model/config.json", "tokenizer.model") if not (root / f).exists()]
-        if missing:
-            raise ConfigError(f"'{root}' is not a training run directory: missing {missing}. "
-                              f"Pass the --out folder of launch/train.py")
-        return Run(root)
+        if not (root / "model/config.json").exists():
+            raise ConfigError(f"'{root}' is not a training run directory: missing "
+                              f"model/config.json. Pass the --out folder of launch/train.py, "
+                              f"or --model with a Hugging Face model folder")
+        tok = Path(tokenizer) if tokenizer else None
+        if tok is None and not (root / "tokenizer.model").exists():
+            tok = hf_tokenizer_dir(root, root / "model")
+        return Run(root, tok)
 
     @property
     def seq_len(self) -> int:
@@ -67,12 +76,25 @@ class Run:
     @property
     def context(self) -> int:
         """The model's context length (``n_positions`` / ``max_position_embeddings``)."""
-        cfg = json.loads((self.root / "model/config.json").read_text())
-        return int(cfg.get("n_positions") or cfg.get("max_position_embeddings") or self.seq_len)
+        from dattri_ds.tools.sources import model_context
+
+        ctx = model_context(self.root / "model/config.json")
+        if ctx is None:
+            raise ConfigError(f"{self.root / 'model/config.json'} names no context length "
+                              f"(n_positions / max_position_embeddings): pass --seq-len")
+        return ctx
 
     def tokenizer(self):
-        from dattri_ds.data import Tokenizer
-        return Tokenizer.load(self.root / "tokenizer.model")
+        """SentencePiece ``tokenizer.model``, else the Hugging Face tokenizer found at open."""
+        from dattri_ds.tools.sources import HFTokenizer
+
+        if self.tokenizer_path is not None:
+            return HFTokenizer(self.tokenizer_path)
+        if (self.root / "tokenizer.model").exists():
+            from dattri_ds.data import Tokenizer
+            return Tokenizer.load(self.root / "tokenizer.model")
+        raise ConfigError(f"Run '{self.root}' has no tokenizer (tokenizer.model or Hugging Face "
+                          f"tokenizer files): pass --tokenizer FOLDER, or give token-id jsonl")
 
     def trajectory(self) -> list[dict]:
         """Saved checkpoints ``[{"tag", "step", "lr"}]``, oldest first.
@@ -129,7 +151,12 @@ class Run:
         import hashlib
         h = hashlib.blake2b(digest_size=8)
         h.update((self.root / "model/config.json").read_bytes())
-        h.update((self.root / "tokenizer.model").read_bytes())
+        tok = self.tokenizer_path
+        files = [self.root / "tokenizer.model"] if tok is None else sorted(
+            p for p in tok.iterdir() if p.name.startswith(("tokenizer", "vocab", "merges")))
+        for f in files:
+            if f.exists():
+                h.update(f.read_bytes())
         return f"model:{h.hexdigest()}"
 
     def model(self, tag: str, device: torch.device | str = "cpu"):
@@ -143,15 +170,73 @@ class Run:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         from dattri_ds.integrations.checkpoints import load_state_dict
+        from dattri_ds.tools.sources import is_hf_model_dir
 
+        folder = self.root / "checkpoints" / tag
+        if is_hf_model_dir(folder):  # save_pretrained checkpoints (ties restored there)
+            model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+            return model.to(device).eval()
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.root / "model"))
         state = load_state_dict(self.root / "checkpoints", tag)
         missing, unexpected = model.load_state_dict(state, strict=False)
-        bad = [m for m in missing if not m.endswith((".attn.bias", ".masked_bias"))]
+        tied = _tied_to_loaded(model, set(state))
+        bad = [m for m in missing if not m.endswith((".attn.bias", ".masked_bias"))
+               and m not in tied]
         if bad or unexpected:
             raise ConfigError(f"Checkpoint '{tag}' of {self.root} does not match the run's "
                               f"model config: missing {bad[:5]}, unexpected {unexpected[:5]}")
         return model.to(device).eval()
+
+
+def _tied_to_loaded(model: torch.nn.Module, loaded: set[str]) -> set[str]:
+    """Parameter names that share their tensor with a loaded one (tied weights)."""
+    by_tensor: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_tensor.setdefault(id(p), []).append(name)
+    return {n for names in by_tensor.values() if any(m in loaded for m in names) for n in names}
+
+
+def add_source_args(p) -> None:
+    """The flags naming what a tool reads: a run or a model folder, tokenizer, seq_len.
+
+    ``--run-dir`` is also accepted as ``--run`` (plain ``python``); under torchrun use
+    ``--run-dir`` (torchrun reads ``--run`` as an ambiguous prefix of its ``--run-path``).
+    ``--local_rank`` (added by the ``deepspeed`` launcher) is accepted and ignored: ranks
+    come from the environment.
+    """
+    import argparse
+
+    p.add_argument("--run-dir", "--run", dest="run", help="launch/train.py output directory")
+    p.add_argument("--model", help="a Hugging Face causal LM folder (save_pretrained) instead "
+                                   "of --run-dir")
+    p.add_argument("--tokenizer", help="Hugging Face tokenizer folder (default: the model's)")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="tokens per example (default: the run's seq_len, else the model's "
+                        "context)")
+    p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
+
+
+def open_source(args):
+    """The Run or HFModelDir the parsed ``add_source_args`` flags name.
+
+    Raises:
+        ConfigError: neither or both of --run-dir and --model, or a folder that is neither.
+    """
+    from dattri_ds.tools.sources import HFModelDir, is_hf_model_dir
+
+    if bool(args.run) == bool(args.model):
+        raise ConfigError("Give exactly one of --run-dir (a launch/train.py run) and --model "
+                          f"(a Hugging Face model folder); got run={args.run!r}, "
+                          f"model={args.model!r}")
+    path = Path(args.model or args.run)
+    if args.model or (is_hf_model_dir(path) and not (path / "model/config.json").exists()):
+        return HFModelDir.open(path, args.tokenizer)
+    return Run.open(path, args.tokenizer)
+
+
+def seq_len_of(source, args) -> int:
+    """``--seq-len``, else the source's own."""
+    return args.seq_len or source.seq_len
 
 
 # ---- Megatron runs (launch/megatron_backend.py documents the checkpoint format) -----------
@@ -245,21 +330,19 @@ def example_ids(data, rows: torch.Tensor, label_shift: int = 1) -> list[str]:
 
 def gradients(model, data, rows: torch.Tensor, *, capture, batch_size: int,
               device: torch.device | str = "cpu", progress: str | None = None):
-    """Per-example gradients (GradBatch per ``batch_size`` rows) by probe passes: no
-    parameter ``.grad`` is touched. ``capture`` is a CaptureConfig (projection applies)."""
-    from dattri_ds import GradientCapture
+    """Per-example gradients (GradBatch per ``batch_size`` rows) by probe passes
+    (``dattri_ds.collect``): no parameter ``.grad`` is touched. ``capture`` is a
+    CaptureConfig (projection applies); sample ids are ``<doc id>#<content hash>``."""
+    from dattri_ds import collect
 
+    chunks = [rows[s:s + batch_size] for s in range(0, rows.numel(), batch_size)]
     bar = _bar(rows.numel(), progress)
-    with GradientCapture(model, capture, probe_only=True) as cap:
-        for start in range(0, rows.numel(), batch_size):
-            idx = rows[start:start + batch_size]
-            batch = {k: v.to(device) for k, v in data.batch(idx).items()}
-            cap.tag([data.docs[i].id for i in idx.tolist()])
-            got = cap.probe(lambda b=batch: model(**b).loss)
-            if bar is not None:
-                bar.update(idx.numel())
-            if got is not None:
-                yield got
+    batches = (data.batch(idx) for idx in chunks)
+    ids = ([data.docs[i].id for i in idx.tolist()] for idx in chunks)
+    for idx, got in zip(chunks, collect(model, batches, capture, user_ids=ids, device=device)):
+        if bar is not None:
+            bar.update(idx.numel())
+        yield got
     if bar is not None:
         bar.close()
 
@@ -274,43 +357,40 @@ def _bar(total: int, desc: str | None):
 
 def load_texts(path: str, tokenizer, seq_len: int, max_docs: int | None = None,
                context: int | None = None, truncate: bool = True):
-    """Tokenized documents of a jsonl file; errors name the file and the fix."""
+    """Tokenized documents of a jsonl file of texts or of token ids (``is_token_file``).
+
+    ``tokenizer`` is a Tokenizer, a callable returning one (called only for text files),
+    or None for token-id files. Errors name the file and the fix.
+    """
     from dattri_ds.data import load_documents, tokenize_documents
+    from dattri_ds.tools.sources import is_token_file, load_token_ids
 
     p = Path(path)
     if not p.exists():
         raise ConfigError(f"Data file '{p}' does not exist")
+    if is_token_file(p):
+        data = load_token_ids(p, seq_len, max_docs)
+        _check_truncation(data, p, seq_len, context, truncate)
+        return data
+    if callable(tokenizer) and not hasattr(tokenizer, "encode_batch"):
+        tokenizer = tokenizer()
     docs = load_documents(p)
     if max_docs:
         docs = docs[:max_docs]
     if not docs:
         raise ConfigError(f"'{p}' holds no documents: give at least one jsonl line with a "
                           f"'text' field")
-    data = tokenize_documents(docs, tokenizer, seq_len)
-    if not truncate and bool(data.truncated.any()):
-        i = int(torch.nonzero(data.truncated)[0])
-        raise ConfigError(
-            f"Document '{docs[i].id}' of '{p}' is longer than {seq_len} tokens (the model "
-            f"context{'' if context is None else f' is {context}'}): shorten it, or pass "
-            f"--truncate to score its first {seq_len} tokens")
+    data = tokenize_documents(docs, tokenizer, seq_len,
+                              add_bos=getattr(tokenizer, "bos_id", None) is not None,
+                              add_eos=getattr(tokenizer, "eos_id", None) is not None)
+    _check_truncation(data, p, seq_len, context, truncate)
     return data
 
 
-def concat(batches: list) -> object:
-    """One GradBatch from several with the same dense layers (e.g. all queries)."""
-    from dattri_ds.errors import ShapeError
-    from dattri_ds.gradient import Dense, GradBatch
-
-    if not batches:
-        raise ShapeError("no gradient batches to concatenate")
-    first = batches[0]
-    if len(batches) == 1:
-        return first
-    layers = {}
-    for name, lg in first.layers.items():
-        vals = [b.layers[name].data for b in batches]
-        if not all(isinstance(v, Dense) for v in vals):
-            raise ShapeError(f"Layer '{name}': only dense (projected) batches concatenate")
-        layers[name] = lg.replace(data=Dense(torch.cat([v.values for v in vals])))
-    ids = tuple(i for b in batches for i in b.sample_ids)
-    return GradBatch(first.step, ids, layers)
+def _check_truncation(data, p: Path, seq_len: int, context: int | None, truncate: bool) -> None:
+    if not truncate and bool(data.truncated.any()):
+        i = int(torch.nonzero(data.truncated)[0])
+        raise ConfigError(
+            f"Document '{data.docs[i].id}' of '{p}' is longer than {seq_len} tokens (the model "
+            f"context{'' if context is None else f' is {context}'}): shorten it, or pass "
+            f"--truncate to score its first {seq_len} tokens")

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 import dattri_ds
-from dattri_ds import CaptureConfig, GradientCapture, ProjectionConfig
+from dattri_ds import CaptureConfig, ProjectionConfig
 from dattri_ds.data import (
     Document, TokenizedDocuments, build_model, load_documents, source_counts, tokenize_documents,
     train_tokenizer,
@@ -162,20 +162,10 @@ def capture(model: torch.nn.Module, ds: TokenizedDocuments, proj: ProjectionConf
             batch_size: int = 50) -> list[dattri_ds.GradBatch]:
     """Projected per-example gradients of every row of ``ds``, in row order."""
     model.eval()  # no dropout: the gradient of each document is deterministic
-    out = []
-    with GradientCapture(model, CaptureConfig(projection=proj)) as cap:
-        for s in range(0, len(ds), batch_size):
-            ids = ds.ids[s:s + batch_size]
-            cap.tag(ids)
-            model.zero_grad(set_to_none=True)
-            model(**ds.batch(slice(s, s + batch_size))).loss.backward()
-            gb = cap.pop()
-            got = [sid.split("#", 1)[0] for sid in gb.sample_ids]
-            if got != ids:
-                raise RuntimeError(f"captured ids {got[:3]}... do not match rows {ids[:3]}...")
-            out.append(gb)
-    model.zero_grad(set_to_none=True)
-    return out
+    starts = range(0, len(ds), batch_size)
+    return list(dattri_ds.collect(model, (ds.batch(slice(s, s + batch_size)) for s in starts),
+                                  CaptureConfig(projection=proj),
+                                  user_ids=(ds.ids[s:s + batch_size] for s in starts)))
 
 
 def entry(doc: Document, score: float, rank: int) -> dict:

@@ -1,8 +1,9 @@
 """Fit K-FAC / EK-FAC curvature factors of checkpoints on a dataset.
 
-    python tools/fit.py --run runs/main/selection --checkpoint all \
+    python tools/fit.py --run-dir runs/main/selection --checkpoint all \
         --data data/corpus/train.jsonl --max-docs 500 --out runs/main/factors
-    torchrun --standalone --nproc_per_node 2 tools/fit.py ...    # factors summed over ranks
+    torchrun --standalone --nproc_per_node 2 tools/fit.py --run-dir ...  # summed over ranks
+    deepspeed --num_gpus 2 tools/fit.py --run-dir ...
 
 ``--checkpoint all`` (or a comma list) fits every checkpoint, one ``<out>/<tag>.pt`` each,
 for ``attribute --method ekfac-trajectory --factors <out>``; one tag with an ``--out``
@@ -26,14 +27,14 @@ if __package__ in (None, ""):
 import torch  # noqa: E402
 
 from dattri_ds.tools.common import (  # noqa: E402
-    Run, gradients, init_distributed, load_texts, logger, projection_from_tag, setup_logging,
-    write_config,
+    add_source_args, gradients, init_distributed, load_texts, logger, open_source,
+    projection_from_tag, seq_len_of, setup_logging, write_config,
 )
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dattri-ds fit", description=__doc__.splitlines()[0])
-    p.add_argument("--run", required=True)
+    add_source_args(p)
     p.add_argument("--checkpoint", default="last",
                    help="'last', 'all' or comma-separated tags (several: --out is a folder)")
     p.add_argument("--data", default="data/corpus/train.jsonl")
@@ -86,9 +87,9 @@ def main(argv: list[str] | None = None) -> list[Path]:
     args = build_parser().parse_args(argv)
     rank, world = init_distributed()
     setup_logging(rank)
-    run = Run.open(args.run)
+    run = open_source(args)
     tags = run.tags(args.checkpoint)
-    data = load_texts(args.data, run.tokenizer(), run.seq_len, args.max_docs)
+    data = load_texts(args.data, run.tokenizer, seq_len_of(run, args), args.max_docs)
     rows = torch.arange(rank, len(data), world)
     one_file = len(tags) == 1 and Path(args.out).suffix == ".pt"
     written = []

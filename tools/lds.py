@@ -52,8 +52,8 @@ import torch
 import torch.nn.functional as F
 
 from dattri_ds import (
-    Checkpoint, GradBatch, GradientCapture, KFACConfig, ProjectionConfig, fit_factors,
-    make_attributor,
+    Checkpoint, GradBatch, KFACConfig, ProjectionConfig, fit_factors,
+    collect, make_attributor,
 )
 from dattri_ds.data import (
     Document, TokenizedDocuments, build_model, load_documents, source_counts,
@@ -204,15 +204,8 @@ def make_trainer(init: torch.nn.Module, ds: TokenizedDocuments, args: argparse.N
 def capture(model: torch.nn.Module, ds: TokenizedDocuments, batch_size: int = 32):
     """Factorized per-example gradients of every row, in row order (``probe``: no .grad)."""
     model.eval()
-    out: list[GradBatch] = []
-    with GradientCapture(model, probe_only=True) as cap:
-        for s in range(0, len(ds), batch_size):
-            b = ds.batch(slice(s, s + batch_size))
-            gb = cap.probe(lambda: model(**b).loss)
-            if gb is None or gb.batch_size != len(b["input_ids"]):
-                raise RuntimeError(f"capture of rows {s}..{s + batch_size} returned no batch")
-            out.append(gb)
-    return out
+    batches = (ds.batch(slice(s, s + batch_size)) for s in range(0, len(ds), batch_size))
+    return list(collect(model, batches))
 
 
 def parse_setting(text: str) -> tuple[str | None, int]:

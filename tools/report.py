@@ -91,6 +91,30 @@ def _entry(e: dict, docs: dict[str, dict], chars: int) -> tuple[str, str, str, f
     return doc_id, d.get("source", "?"), text, e["score"]
 
 
+def _token_view(att: Path, train_ids: list[str]):
+    """(per-token scores [N, Q, T], query tokens, train id -> row), or None without them."""
+    if not (att / "per_token.npy").exists():
+        return None
+    return (np.load(att / "per_token.npy"), json.loads((att / "query_tokens.json").read_text()),
+            {i: n for n, i in enumerate(train_ids)})
+
+
+def _coloured_tokens(view, j: int, train_id: str) -> str:
+    """Query j's tokens coloured by their influence score under one training example
+    (green: training on it lowers that token's loss, red: raises it; opacity ~ |score|)."""
+    scores, tokens, row = view
+    s = scores[row[train_id], j]
+    scale = float(np.abs(s).max()) or 1.0
+    spans = []
+    for tok in tokens[j]:
+        v = float(s[tok["t"]])
+        rgb = "0,160,0" if v >= 0 else "200,0,0"
+        spans.append(f'<span title="{v:.4g}" style="background:rgba({rgb},'
+                     f'{abs(v) / scale:.3f})">{html.escape(tok["text"])}</span>')
+    return (f"<p>Tokens by influence of the top proponent <code>{html.escape(train_id)}</code>"
+            f" (hover for the score):</p><p class=tokens>{''.join(spans)}</p>")
+
+
 def main(argv: list[str] | None = None) -> Path:
     args = build_parser().parse_args(argv)
     setup_logging()
@@ -108,11 +132,14 @@ def main(argv: list[str] | None = None) -> Path:
           f"query's loss.", ""]
     body = [f"<h1>Attribution report ({html.escape(summary['method'])})</h1>",
             f"<p>{md[2]}</p>"]
-    for q, t in zip(queries, top):
+    tokens = _token_view(att, train_ids)
+    for j, (q, t) in enumerate(zip(queries, top)):
         qtext = " ".join(q["text"].split())[:args.chars]
         md += [f"## Query `{q['id']}` ({q['source']})", "", f"> {qtext}", ""]
         body += [f"<h2>Query {html.escape(q['id'])}</h2>", f"<blockquote>{html.escape(qtext)}"
                  f"</blockquote>"]
+        if tokens is not None:
+            body.append(_coloured_tokens(tokens, j, t["proponents"][0]["id"]))
         for label, key in (("Top proponents", "proponents"), ("Top opponents", "opponents")):
             md += [f"**{label}**", "", "| score | id | source | text |", "|---:|---|---|---|"]
             body += [f"<h3>{label}</h3><table><tr><th>score</th><th>id</th><th>source</th>"
@@ -130,7 +157,7 @@ def main(argv: list[str] | None = None) -> Path:
     (att / "report.html").write_text(
         "<!doctype html><meta charset='utf-8'><title>dattri-ds report</title><style>body{font:"
         "14px sans-serif;max-width:60em;margin:auto}td{vertical-align:top;border-top:1px solid"
-        " #ddd;padding:4px}</style>" + "\n".join(body))
+        " #ddd;padding:4px}.tokens{white-space:pre-wrap;font-family:monospace}</style>" + "\n".join(body))
     logger.info("report -> %s", att / "report.md")
     return att / "report.md"
 

@@ -9,13 +9,14 @@ from dattri_ds.integrations.base import EngineAdapter, PlainAdapter
 __all__ = ["EngineAdapter", "PlainAdapter", "adapter_for"]
 
 
-def adapter_for(engine: object) -> EngineAdapter:
-    """The adapter for a DeepSpeed engine, or a PlainAdapter for any nn.Module."""
+def adapter_for(engine: object, optimizer=None) -> EngineAdapter:
+    """The adapter for a DeepSpeed engine, or a PlainAdapter for any nn.Module (whose
+    ``optimizer``, if given, marks the optimizer steps)."""
     from dattri_ds.integrations.deepspeed import DeepSpeedAdapter, is_deepspeed_engine
 
     if is_deepspeed_engine(engine):
         return DeepSpeedAdapter(engine)
     if isinstance(engine, nn.Module):
-        return PlainAdapter(engine)
+        return PlainAdapter(engine, optimizer)
     raise TypeError(f"No dattri-ds adapter for {type(engine).__name__}: pass an nn.Module or a "
                     f"DeepSpeedEngine")

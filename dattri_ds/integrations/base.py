@@ -22,7 +22,11 @@ class EngineAdapter(ABC):
     * ``global_step()``: the optimizer step the current micro-batch belongs to.
     * ``on_step(fn)``: call ``fn()`` after every optimizer step (accumulation boundary);
       returns a function that removes the hook.
+    * ``counts_steps``: whether ``global_step()`` advances by itself (else the loop marks
+      steps with ``GradientCapture.next_step()``).
     """
+
+    counts_steps: bool = True
 
     @abstractmethod
     def unwrap(self) -> nn.Module: ...
@@ -41,10 +45,18 @@ class EngineAdapter(ABC):
 
 
 class PlainAdapter(EngineAdapter):
-    """A plain ``nn.Module`` (or DDP/FSDP2-wrapped module) driven by the user's own loop."""
+    """A plain ``nn.Module`` (or DDP/FSDP2-wrapped module) driven by the user's own loop.
 
-    def __init__(self, model: nn.Module) -> None:
+    Args:
+        model: the module (or its DDP/FSDP2 wrapper).
+        optimizer: when given, every ``optimizer.step()`` is an optimizer-step boundary
+            (a post-step hook); without it the loop calls ``GradientCapture.next_step()``.
+    """
+
+    def __init__(self, model: nn.Module, optimizer=None) -> None:
         self.model = model
+        self.optimizer = optimizer
+        self.counts_steps = optimizer is not None
         self._step = 0
 
     def unwrap(self) -> nn.Module:
@@ -60,4 +72,10 @@ class PlainAdapter(EngineAdapter):
         return self._step
 
     def on_step(self, fn: Callable[[], None]) -> Callable[[], None]:
-        return lambda: None
+        if self.optimizer is None:
+            return lambda: None
+
+        def hook(*_) -> None:
+            self._step += 1
+            fn()
+        return self.optimizer.register_step_post_hook(hook).remove

@@ -19,9 +19,12 @@ _HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 
 
 def checkpoint_tags(root: str | Path) -> list[str]:
-    """Tags (sub-folders) of a DeepSpeed checkpoint root, oldest step first."""
+    """Tags (sub-folders) of a checkpoint root, oldest step first: DeepSpeed tag folders
+    and Hugging Face ``save_pretrained`` folders."""
     root = Path(root)
-    tags = [p.name for p in root.iterdir() if p.is_dir() and any(p.glob("*model_states.pt"))]
+    tags = [p.name for p in root.iterdir() if p.is_dir() and (
+        any(p.glob("*model_states.pt"))
+        or ((p / "config.json").exists() and any((p / w).exists() for w in _HF_WEIGHTS)))]
     return sorted(tags, key=lambda t: (len(t), t))
 
 

@@ -104,12 +104,14 @@ class Attributor(ABC):
         return GradBatch(batch.step, batch.sample_ids, {n: batch.layers[n] for n in self.layers},
                          batch.micro_batch, batch.token_counts)
 
-    def scores(self, train: Iterable[GradBatch], query: GradBatch) -> Scores:
+    def scores(self, train: Iterable[GradBatch],
+               query: GradBatch | Iterable[GradBatch]) -> Scores:
         """``[N, Q]`` scores of every training example against every query, streaming.
 
         Args:
             train: training gradients, one GradBatch at a time (any batch sizes).
-            query: the query gradients ``[Q]`` (preconditioned once here).
+            query: the query gradients ``[Q]`` (preconditioned once here), or several
+                query batches (``GradBatch.cat`` joins them).
 
         Returns:
             Scores with the concatenated train ids and ``values [N, Q]``.
@@ -118,6 +120,8 @@ class Attributor(ABC):
             ShapeError: a scored layer is missing from a train batch, or the two sides are
                 in different spaces (projection or shape), naming the layer.
         """
+        if not isinstance(query, GradBatch):
+            query = GradBatch.cat(list(query))
         query = self.select(query)
         names = tuple(query.layers)
         pq = self.precondition(query)
