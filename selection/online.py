@@ -301,7 +301,7 @@ class OnlineSelector:
             sel = self._select_global(batch, grads, scores, k)
         else:
             idx = self._choose(grads, self._capped(grads.sample_ids, scores), k, grads,
-                               self._generator(step))
+                               self._generator(step, grads.sample_ids))
             sel = Selection({n: v[idx.to(v.device)] for n, v in batch.items()},
                             idx if kept is None else kept[idx], scores,
                             tuple(grads.sample_ids[i] for i in idx.tolist()), scores[idx])
@@ -328,12 +328,11 @@ class OnlineSelector:
         self._record(step, sel)
         return sel
 
-    def _generator(self, step: int, shared: bool = False) -> torch.Generator:
-        """Seeded per (step, rank, draw): soft and mixed choices replay exactly. ``shared``
-        (global scope): the same on every rank, so all ranks make the same choice."""
-        self._draws += 1
-        rank = -1 if shared else self.ctx.dp_rank
-        return torch.Generator().manual_seed(stable_seed("select", step, rank, self._draws))
+    @staticmethod
+    def _generator(step: int, ids) -> torch.Generator:
+        """Seeded by the step and the candidates' content ids: soft and mixed choices replay
+        exactly and do not depend on the parallel layout (DP rank, accumulation, TP)."""
+        return torch.Generator().manual_seed(stable_seed("select", step, *ids))
 
     def _count(self, ids) -> None:
         """Count trained examples by content id (for ``max_repeats``)."""
@@ -391,7 +390,7 @@ class OnlineSelector:
         all_batch = {n: torch.cat([g["batch"][n] for g in gathered]) for n in batch}
         vecs = torch.cat([g["vectors"] for g in gathered]) if vectors is not None else None
         chosen = self._choose(None, self._capped(all_ids, all_scores), k * world, vecs,
-                              self._generator(-1, shared=True))
+                              self._generator(-1, all_ids))
         self._count([all_ids[i] for i in chosen.tolist()])  # every rank counts all: same caps
         per_rank = max(1, chosen.numel() // world)
         ranked = chosen[torch.argsort(-all_scores[chosen].double(), stable=True)]

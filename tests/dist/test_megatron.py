@@ -479,7 +479,7 @@ def _selection_tp2(rank, world):
     cands["labels"] = torch.randint(0, V, (4, S), generator=gen)
     tgt = {"input_ids": torch.randint(0, V, (3, S), generator=gen)}
     tgt["labels"] = torch.randint(0, V, (3, S), generator=gen)
-    cfg = SelectionConfig(enabled=True, policy="topk", uniform_mix=0.0)  # a pure top-k choice
+    cfg = SelectionConfig(enabled=True, policy="topk")
     out = {}
     for tp in (1, 2):
         init_parallel(tp)
