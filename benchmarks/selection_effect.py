@@ -1,57 +1,284 @@
-"""Does online selection help? Target loss after equal trained examples, selection vs random.
+"""Does online selection help? Paired seeds, selection variants vs uniform choice.
 
-    python benchmarks/selection_effect.py [--seeds 3] [--steps 150] [--world 2] [--quick]
+    python benchmarks/selection_effect.py --targets hamlet trivia code --multiples 4 2 \\
+        --seeds 5 --steps 200 --variants default random [--log /work/notes/sel-bench.txt]
+    python benchmarks/selection_effect.py --targets carve:austen carve:kjv --seeds 3 \\
+        --variants random topk=policy:topk cos=normalize:1,per_token:1
 
-For every seed, trains twice with launch/train.py (DeepSpeed ZeRO-3) on the built-in mixed
-corpus with the same candidate stream (2x candidates per trained example): once choosing by
-gradient alignment with the Hamlet target set, once uniformly at random from the same
-candidates. Reports the held-out Hamlet loss of both at the end, the gap per seed, its
-mean and spread (selection must win on average).
+One process, one thread (the effect of the choice does not depend on ZeRO), the library's
+own selection path (``OnlineSelector.for_target_data`` + ``SelectionConfig``, as in
+launch/train.py): tiny GPT-2 (configs/model_gpt2_tiny.json), AdamW lr 2e-3, warmup 20 then
+cosine to 0.1 at step 300 (configs/zero3_cpu.json), gradient clipping 1.0, micro-batch 8 x
+2 accumulation = 16 trained examples per step, seq_len 64. Every variant of a seed starts
+from the same initialization and sees the same candidate stream.
+
+Targets: ``hamlet``, ``trivia``, ``code`` (data/target/*.jsonl: first half = the scoring
+set selection sees, second half = the held-out evaluation set) or ``carve:SOURCE`` (one
+source of data/corpus/train.jsonl; 64 of its documents score, 64 others evaluate, both
+removed from the pool, the source's other documents stay in it, ~11% of the pool). 20
+documents per source never enter the pool: the *general* held-out
+set, which shows what selection costs on everything else.
+
+Variants: ``name=key:value,key:value`` overrides of the default SelectionConfig
+(``default`` = the shipped default, ``random`` = uniform choice from the same candidates).
+
+Prints, per target and candidate multiple, for every variant against random: the final
+gain (random's target loss - the variant's), the mean gain over evaluations after warm-up
+(step > 50), both with standard errors over paired seeds; data efficiency (trained
+examples the variant needs to reach random's final target loss / random's; > 1: never);
+general-corpus loss of both; per-step diagnostics (chosen sources, repeats, gradient norm
+before clipping, clipped steps).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
+import time
+from collections import Counter
+from dataclasses import replace
 from pathlib import Path
+
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from tools.main_job import run_training  # noqa: E402
+
+from dattri_ds.data import (  # noqa: E402
+    build_model, load_documents, tokenize_documents, train_tokenizer,
+)
+from dattri_ds.launch.train import micro_batch_indices  # noqa: E402
+from dattri_ds.selection import OnlineSelector, SelectionConfig  # noqa: E402
+
+SHIPPED = {"hamlet": "data/target/hamlet.jsonl", "trivia": "data/target/trivia.jsonl",
+           "code": "data/target/code.jsonl"}
+GENERAL_PER_SOURCE = 20
+CARVED_DOCS = 64
+WARMUP_EVAL = 50
 
 
-def main() -> None:
+def parse_variant(spec: str) -> tuple[str, dict]:
+    """``name`` or ``name=key:value,...`` -> (name, SelectionConfig overrides)."""
+    name, _, rest = spec.partition("=")
+    if name == "random":
+        return name, {"random": True}
+    over = {}
+    for kv in filter(None, rest.split(",")):
+        k, _, v = kv.partition(":")
+        try:
+            over[k] = json.loads(v)
+        except json.JSONDecodeError:
+            over[k] = v
+    return name, over
+
+
+class Setup:
+    """Tokenized pool, target scoring/eval sets and the general held-out set of one target."""
+
+    def __init__(self, target: str, seq_len: int, target_docs: int) -> None:
+        corpus = load_documents(str(ROOT / "data/corpus/train.jsonl"))
+        tok = train_tokenizer([d.text for d in corpus], vocab_size=1024,
+                              cache_dir=str(ROOT / "runs/cache"))
+        by_src: dict[str, list] = {}
+        for d in corpus:
+            by_src.setdefault(d.source, []).append(d)
+        general = [d for docs in by_src.values() for d in docs[-GENERAL_PER_SOURCE:]]
+        if target.startswith("carve:"):
+            src = target.split(":", 1)[1]
+            if src not in by_src:
+                raise SystemExit(f"unknown source '{src}'; known: {sorted(by_src)}")
+            own = by_src[src][:-GENERAL_PER_SOURCE]
+            score, evald = own[:CARVED_DOCS], own[CARVED_DOCS:2 * CARVED_DOCS]
+            held = {d.id for d in score + evald}
+            pool = [d for docs in by_src.values() for d in docs[:-GENERAL_PER_SOURCE]
+                    if d.id not in held]
+        else:
+            docs = load_documents(str(ROOT / SHIPPED[target]))
+            half = len(docs) // 2
+            score, evald = docs[:half][:target_docs], docs[half:][:CARVED_DOCS]
+            pool = [d for docs in by_src.values() for d in docs[:-GENERAL_PER_SOURCE]]
+        self.tok, self.seq_len = tok, seq_len
+        self.pool = tokenize_documents(pool, tok, seq_len)
+        self.score = tokenize_documents(score, tok, seq_len)
+        self.eval = tokenize_documents(evald, tok, seq_len)
+        self.general = tokenize_documents(general, tok, seq_len)
+        self.sources = [d.source for d in pool]
+
+
+def lr_lambda(step: int, warmup: int = 20, total: int = 300, min_ratio: float = 0.1) -> float:
+    """DeepSpeed WarmupCosineLR as configured in configs/zero3_cpu.json."""
+    if step < warmup:
+        return (step + 1) / warmup
+    t = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+
+
+@torch.no_grad()
+def mean_loss(model, data, bs: int = 32) -> float:
+    model.eval()
+    tot = n = 0.0
+    for i in range(0, len(data), bs):
+        b = data.batch(slice(i, i + bs))
+        cnt = float((b["labels"][:, 1:] != -100).sum())
+        tot += float(model(**b).loss) * cnt
+        n += cnt
+    model.train()
+    return tot / max(n, 1)
+
+
+def run(setup: Setup, sc: SelectionConfig, seed: int, steps: int, eval_every: int,
+        micro: int = 8, gas: int = 2) -> dict:
+    """Train once; return the eval curve and diagnostics."""
+    model = build_model(str(ROOT / "configs/model_gpt2_tiny.json"), tokenizer=setup.tok,
+                        seed=seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    selector = OnlineSelector.for_target_data(
+        model, sc, setup.score.batch(slice(None)), lr_fn=lambda: opt.param_groups[0]["lr"],
+        optimizer=opt)
+    n_cand = selector.num_candidates(micro)
+    curve, sources, repeats = [], Counter(), Counter()
+    norms, clipped = [], 0
+
+    def evaluate(step: int) -> None:
+        curve.append({"step": step, "examples": step * micro * gas,
+                      "target": mean_loss(model, setup.eval),
+                      "general": mean_loss(model, setup.general)})
+
+    evaluate(0)
+    for step in range(steps):
+        idx = micro_batch_indices(len(setup.pool), step, n_cand, gas, 0, 1, seed)
+        for mb in range(gas):
+            batch = setup.pool.batch(idx[mb])
+            ids = [setup.pool.docs[i].id for i in idx[mb].tolist()]
+            sel = selector.select(batch, micro, step, user_ids=ids)
+            for j in sel.indices.tolist():
+                sources[setup.sources[int(idx[mb][j])]] += 1
+                repeats[int(idx[mb][j])] += 1
+            (model(**sel.batch).loss / gas).backward()
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+        norms.append(norm)
+        clipped += norm > 1.0
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if (step + 1) % eval_every == 0 or step + 1 == steps:
+            evaluate(step + 1)
+    v = [st["exp_avg_sq"].mean().item() for st in opt.state.values()]
+    summary = selector.summary()
+    selector.close()
+    total = sum(sources.values())
+    return {"curve": curve,
+            "sources": {s: round(c / total, 3) for s, c in sources.most_common()},
+            "max_repeat": max(repeats.values()), "distinct": len(repeats),
+            "grad_norm": statistics.mean(norms), "clip_frac": clipped / steps,
+            "adam_v": statistics.mean(v), "mean_chosen_score": summary["mean_chosen_score"],
+            "mean_candidate_score": summary["mean_candidate_score"]}
+
+
+def interp_examples(curve: list[dict], level: float) -> float:
+    """Trained examples at which ``curve`` (linear between evals) first reaches ``level``."""
+    for a, b in zip(curve, curve[1:]):
+        if b["target"] <= level:
+            if a["target"] == b["target"]:
+                return b["examples"]
+            f = (a["target"] - level) / (a["target"] - b["target"])
+            return a["examples"] + max(0.0, f) * (b["examples"] - a["examples"])
+    return float("inf")
+
+
+def se(xs: list[float]) -> float:
+    return statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else float("nan")
+
+
+def compare(runs: dict[str, list[dict]], name: str) -> dict:
+    """Paired statistics of variant ``name`` against ``random`` (lists in seed order)."""
+    final, after, eff, gen = [], [], [], []
+    for r, v in zip(runs["random"], runs[name]):
+        final.append(r["curve"][-1]["target"] - v["curve"][-1]["target"])
+        pts = [(a["target"] - b["target"]) for a, b in zip(r["curve"], v["curve"])
+               if a["step"] > WARMUP_EVAL]
+        after.append(statistics.mean(pts) if pts else float("nan"))
+        eff.append(interp_examples(v["curve"], r["curve"][-1]["target"])
+                   / r["curve"][-1]["examples"])
+        gen.append(v["curve"][-1]["general"] - r["curve"][-1]["general"])
+    finite = [e for e in eff if math.isfinite(e)]
+    return {"n": len(final), "final": statistics.mean(final), "final_se": se(final),
+            "after": statistics.mean(after), "after_se": se(after),
+            "eff_median": statistics.median(eff) if eff else float("nan"),
+            "eff_reached": f"{len(finite)}/{len(eff)}",
+            "general_cost": statistics.mean(gen), "general_cost_se": se(gen),
+            "random_general": statistics.mean(r["curve"][-1]["general"]
+                                              for r in runs["random"]),
+            "wins": sum(f > 0 for f in final)}
+
+
+def fmt(name: str, c: dict) -> str:
+    return (f"  {name:<12} final gain {c['final']:+.4f} +- {c['final_se']:.4f} "
+            f"(wins {c['wins']}/{c['n']}) | gain after warm-up {c['after']:+.4f} +- "
+            f"{c['after_se']:.4f} | data efficiency median {c['eff_median']:.2f} "
+            f"(reached {c['eff_reached']}) | general loss {c['general_cost']:+.4f} +- "
+            f"{c['general_cost_se']:.4f} vs random's {c['random_general']:.4f}")
+
+
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--targets", nargs="+", default=["hamlet", "trivia", "code"])
+    p.add_argument("--multiples", nargs="+", type=float, default=[4.0])
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=150)
-    p.add_argument("--world", type=int, default=2)
-    p.add_argument("--out", default="runs/bench-selection")
-    p.add_argument("--quick", action="store_true")
-    args = p.parse_args()
-    args.config, args.max_docs, args.seq_len = "configs/zero3_cpu.json", 3500, 64
-    args.eval_every, args.save_every = args.steps, args.steps
-    if args.quick:
-        args.seeds, args.steps, args.max_docs = 2, 10, 400
-        args.eval_every = args.save_every = args.steps
-    rows = []
-    for seed in range(args.seeds):
-        res = {}
-        for mode, extra in (("selection", []), ("random", ["--random-selection"])):
-            out = ROOT / args.out / f"seed{seed}-{mode}"
-            s = run_training(out, args, ["--online-selection", "--seed", str(seed), *extra])
-            res[mode] = s["eval"][-1]["target_loss"]
-        rows.append((seed, res["selection"], res["random"], res["random"] - res["selection"]))
-        print(f"seed {seed}: selection {rows[-1][1]:.4f}  random {rows[-1][2]:.4f}  "
-              f"gain {rows[-1][3]:+.4f}", flush=True)
-    gains = [r[3] for r in rows]
-    mean = statistics.mean(gains)
-    sd = statistics.stdev(gains) if len(gains) > 1 else 0.0
-    print(f"\nHamlet loss gain of selection over random after {args.steps} steps: "
-          f"mean {mean:+.4f} nats/token, sd {sd:.4f}, min {min(gains):+.4f}, "
-          f"max {max(gains):+.4f} over {len(gains)} seeds")
-    print(json.dumps({"gains": gains, "mean": mean, "sd": sd}))
+    p.add_argument("--seed-offset", type=int, default=0)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--eval-every", type=int, default=25)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--target-docs", type=int, default=64,
+                   help="scoring documents of a shipped target (its first half, capped)")
+    p.add_argument("--variants", nargs="+", default=["default", "random"])
+    p.add_argument("--log", help="append per-seed results and summaries to this file")
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    variants = dict(parse_variant(v) for v in args.variants)
+    log = open(args.log, "a", encoding="utf-8") if args.log else None
+
+    def out(line: str) -> None:
+        print(line, flush=True)
+        if log:
+            log.write(line + "\n")
+            log.flush()
+
+    out(f"# {time.strftime('%H:%M:%S')} selection_effect {' '.join(sys.argv[1:])}")
+    for target in args.targets:
+        setup = Setup(target, args.seq_len, args.target_docs)
+        for mult in args.multiples:
+            runs: dict[str, list[dict]] = {n: [] for n in variants}
+            for seed in range(args.seed_offset, args.seed_offset + args.seeds):
+                for name, over in variants.items():
+                    sc = replace(SelectionConfig(enabled=True, target_data="<benchmark>"),
+                                 candidate_multiple=mult, **over)
+                    t0 = time.process_time()
+                    r = run(setup, sc, seed, args.steps, args.eval_every)
+                    r["cpu_s"] = time.process_time() - t0
+                    runs[name].append(r)
+                    c = r["curve"][-1]
+                    out(f"{target} x{mult:g} seed {seed} {name:<12} target {c['target']:.4f} "
+                        f"general {c['general']:.4f} cpu {r['cpu_s']:.0f}s | "
+                        f"grad_norm {r['grad_norm']:.2f} clip {r['clip_frac']:.2f} "
+                        f"adam_v {r['adam_v']:.2e} repeat<= {r['max_repeat']} "
+                        f"distinct {r['distinct']} score chosen/cand "
+                        f"{r['mean_chosen_score']:.3g}/{r['mean_candidate_score']:.3g} | "
+                        f"{json.dumps(r['sources'])} | curve "
+                        f"{[round(x['target'], 3) for x in r['curve']]}")
+            out(f"== {target} x{mult:g}, {args.seeds} paired seeds, {args.steps} steps "
+                f"(random final target loss "
+                f"{statistics.mean(r['curve'][-1]['target'] for r in runs['random']):.4f})")
+            for name in variants:
+                if name != "random" and "random" in runs:
+                    out(fmt(name, compare(runs, name)))
+    if log:
+        log.close()
 
 
 if __name__ == "__main__":

@@ -80,6 +80,10 @@ class TrainConfig:
     optimizer steps with a NaN/inf loss; 0 = never fail (non-finite steps are only counted
     and warned about)."""
 
+    general_eval_data: str | None = None
+    """jsonl of held-out *general* texts (never trained on) evaluated alongside the target
+    (``general_loss``): what selection costs on everything else. None = not tracked."""
+
     def __post_init__(self) -> None:
         schema.check(self, f"{BLOCK}.train")
 

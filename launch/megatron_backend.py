@@ -409,7 +409,8 @@ def run(args, ds_config: dict, cfg: RunConfig) -> dict:
         clip=clip, verify=bool(getattr(args, "verify_checkpoints", False)))
     selector = make_selector(lm, cfg, data, tok, ctx, device,
                              lambda: float(loop.opt.param_groups[0]["lr"]),
-                             out / "selection.jsonl" if ctx.tp_rank == 0 else None)
+                             out / "selection.jsonl" if ctx.tp_rank == 0 else None,
+                             optimizer=loop.opt)
     evaluator = make_evaluator(lm, cfg, tok, data.seq_len, ctx, device)
     summary = train(loop, cfg, data, out, tok, selector, evaluator)
     summary.update(backend="megatron", tensor_model_parallel_size=ctx.tp_world,

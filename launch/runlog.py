@@ -52,7 +52,7 @@ class RunLog:
         self.evals: list[dict] = []
         self.seen, self.loss = 0, float("nan")
         if evaluator is not None:
-            self.evals.append({"step": 0, "examples": 0, "target_loss": evaluator()})
+            self.evals.append({"step": 0, "examples": 0, **_losses(evaluator())})
         self.bar = _progress(tc.steps, rank)
         self.t0 = time.perf_counter()
 
@@ -73,8 +73,10 @@ class RunLog:
             logger.info("step %d/%d loss %.4f lr %.2e %.1f ex/s", n, tc.steps, loss, lr,
                         self.seen / (time.perf_counter() - self.t0))
         if self.evaluator is not None and (n % tc.eval_every == 0 or n == tc.steps):
-            self.evals.append({"step": n, "examples": self.seen, "target_loss": self.evaluator()})
-            logger.info("step %d target loss %.4f", n, self.evals[-1]["target_loss"])
+            self.evals.append({"step": n, "examples": self.seen, **_losses(self.evaluator())})
+            logger.info("step %d %s", n, " ".join(
+                f"{k.replace('_', ' ')} {v:.4f}" for k, v in self.evals[-1].items()
+                if k.endswith("_loss")))
         if (tc.save_every and n % tc.save_every == 0) or n == tc.steps:
             tag = f"step{n}"
             save(tag, n, lr)
@@ -116,6 +118,11 @@ class RunLog:
                 "seconds": round(time.perf_counter() - self.t0, 2),
                 "checkpoints": [c["tag"] for c in self.checkpoints], "eval": self.evals,
                 **extra}
+
+
+def _losses(got: float | dict[str, float]) -> dict[str, float]:
+    """An evaluator's result as ``{"target_loss": ...}`` (a float is the target loss)."""
+    return dict(got) if isinstance(got, dict) else {"target_loss": got}
 
 
 def _progress(total: int, rank: int):

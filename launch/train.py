@@ -168,27 +168,29 @@ def _target_docs(path: str, tok, seq_len: int, skip: int, limit: int | None):
     return tokenize_documents(docs[:limit] if limit else docs, tok, seq_len)
 
 
-def make_selector(model, cfg: RunConfig, data, tok, ctx, device, lr_fn, log_path):
+def make_selector(model, cfg: RunConfig, data, tok, ctx, device, lr_fn, log_path,
+                  optimizer=None):
     """The OnlineSelector of ``--online-selection`` on ``model`` (what the loop calls), for
-    both backends; every check runs before the first step. None when selection is off."""
+    both backends; every check runs before the first step. None when selection is off.
+    ``optimizer`` (torch or DeepSpeed ZeRO) is read by ``--selection-precondition adam``."""
     sc = cfg.selection
     if not sc.enabled:
         return None
-    from dattri_ds.selection import (
-        FixedTarget, OnlineSelector, ValidationTarget, check_target_compatible,
-    )
+    from dattri_ds.errors import ConfigError
+    from dattri_ds.selection import OnlineSelector, check_target_compatible
 
-    probe = OnlineSelector.probe_capture(model, sc, cfg.capture)
-    if sc.target_store:
-        target = FixedTarget(sc.target_store)
-    else:
-        tdata = _target_docs(sc.target_data, tok, data.seq_len, 0, sc.target_max_docs)
-        check_target_compatible(data, tdata)
-        target = ValidationTarget(
-            probe, lambda b: model(**b).loss, tdata.batch(slice(None)), ctx=ctx,
-            refresh_every=sc.refresh_every, batch_size=sc.target_batch_size, device=device)
-    return OnlineSelector(model, sc, target, probe=probe, ctx=ctx, lr_fn=lr_fn,
-                          log_path=log_path)
+    tdata = None
+    if not sc.target_store:
+        if sc.target_data is None:
+            raise ConfigError("--online-selection needs the target texts: pass --target-data "
+                              "FILE.jsonl (selection.target_data; e.g. a validation set of the "
+                              "task you care about) or set selection.target_store")
+        tdocs = _target_docs(sc.target_data, tok, data.seq_len, 0, sc.target_max_docs)
+        check_target_compatible(data, tdocs)
+        tdata = tdocs.batch(slice(None))
+    return OnlineSelector.for_target_data(model, sc, tdata, capture=cfg.capture, ctx=ctx,
+                                          device=device, lr_fn=lr_fn, log_path=log_path,
+                                          optimizer=optimizer)
 
 
 def _selector(engine, cfg: RunConfig, data, tok, out: Path, ctx: ParallelContext):
@@ -199,25 +201,41 @@ def _selector(engine, cfg: RunConfig, data, tok, out: Path, ctx: ParallelContext
 
     check_engine_supported(engine)
     return make_selector(engine.module, cfg, data, tok, ctx, engine.device,
-                         lambda: float(engine.get_lr()[0]), out / "selection.jsonl")
+                         lambda: float(engine.get_lr()[0]), out / "selection.jsonl",
+                         optimizer=engine.optimizer)
 
 
 def make_evaluator(model, cfg: RunConfig, tok, seq_len: int, ctx, device):
-    """``evaluate() -> mean token loss`` on held-out texts, each DP rank a share; None when
-    ``train.eval_every`` is 0.
+    """``evaluate() -> {"target_loss": ..., "general_loss": ...}`` mean token losses on
+    held-out texts (``general_loss`` only with ``train.general_eval_data``), each DP rank a
+    share; None when ``train.eval_every`` is 0.
 
     Every rank runs the same number of forward calls (``ceil(N / (8 * dp_world))``, a rank
     without rows left runs a zero-weight batch) so ZeRO-3 gathers and tensor-parallel
     collectives stay in step; the token-weighted sums are all-reduced over the DP group.
     """
-    from dattri_ds.distributed import all_reduce_sum
+    from dattri_ds.errors import ConfigError
 
     tc = cfg.train
     if not tc.eval_every:
         return None
     path = tc.eval_data or cfg.selection.target_data
-    ev = _target_docs(path, tok, seq_len, tc.eval_skip if tc.eval_data is None else 0,
-                      tc.eval_max_docs)
+    if path is None:
+        raise ConfigError("--eval-every needs held-out texts: pass --eval-data FILE.jsonl")
+    sets = {"target_loss": _target_docs(path, tok, seq_len,
+                                        tc.eval_skip if tc.eval_data is None else 0,
+                                        tc.eval_max_docs)}
+    if tc.general_eval_data:
+        sets["general_loss"] = _target_docs(tc.general_eval_data, tok, seq_len, 0,
+                                            tc.eval_max_docs)
+    losses = {k: _loss_fn(model, ev, ctx, device) for k, ev in sets.items()}
+    return lambda: {k: fn() for k, fn in losses.items()}
+
+
+def _loss_fn(model, ev, ctx, device):
+    """``() -> mean token loss`` of the examples ``ev``, split over the DP group."""
+    from dattri_ds.distributed import all_reduce_sum
+
     rows = torch.arange(ctx.dp_rank, len(ev), ctx.dp_world)
     n_batches = max(-(-len(ev) // (8 * ctx.dp_world)), 1)  # the same count on every DP rank
 

@@ -20,8 +20,9 @@ class SelectionConfig:
     enabled: bool = False
     """Switch selection on (``--online-selection`` sets this)."""
 
-    target_data: str = "data/target/hamlet.jsonl"
-    """jsonl file with the target texts (e.g. a validation set of the task you care about)."""
+    target_data: str | None = None
+    """jsonl file with the target texts (e.g. a validation set of the task you care about);
+    launch/train.py requires it (``--target-data``) unless ``target_store`` is given."""
 
     target_max_docs: int | None = field(default=64, metadata=schema.bounds(ge=1))
     """Use at most this many target documents (None = all)."""
@@ -32,10 +33,33 @@ class SelectionConfig:
     candidate_multiple: float = field(default=2.0, metadata=schema.bounds(ge=1))
     """Candidates scored per trained example (>= 1): 2 scores 2x the micro-batch."""
 
-    policy: Literal["topk", "fraction", "threshold", "greats"] = "topk"
+    policy: Literal["topk", "fraction", "threshold", "greats", "soft"] = "topk"
     """``topk``: the micro-batch-size best; ``fraction``: the top fraction of candidates;
     ``threshold``: every candidate above ``tau`` (at most the micro-batch size); ``greats``:
-    greedy with a redundancy discount (GREATS)."""
+    greedy with a redundancy discount (GREATS); ``soft``: sample without replacement with
+    probability ``~ exp(z / temperature)``, ``z`` the standardized scores."""
+
+    temperature: float = field(default=1.0, metadata=schema.bounds(gt=0))
+    """Temperature of ``policy="soft"`` on standardized scores (-> 0: top-k; large: uniform)."""
+
+    uniform_mix: float = field(default=0.5, metadata=schema.bounds(ge=0, le=1))
+    """Share of every micro-batch drawn uniformly from the candidates the policy did not
+    pick (0: all by the policy, 1: all uniform)."""
+
+    max_repeats: int | None = field(default=None, metadata=schema.bounds(ge=1))
+    """Train one example (by content id) at most this many times by score; candidates over
+    the cap are picked only when too few others remain. None: no cap."""
+
+    per_token: bool = True
+    """Score the gradient of each example's mean token loss instead of its summed loss, so
+    long examples are not preferred for their length (target gradient likewise)."""
+
+    precondition: Literal["none", "adam"] = "none"
+    """``adam``: score ``<g_b, P g_target>`` with ``P = 1/(sqrt(v_hat) + eps)`` from the
+    optimizer's second moments (LESS-style: the first-order effect of an Adam step on the
+    target loss). ``P`` is applied to the target only, once per target refresh (under
+    ZeRO-3 each rank to its own partition). Needs an Adam-family optimizer and exact
+    (unprojected) scoring."""
 
     fraction: float = field(default=0.5, metadata=schema.bounds(gt=0, le=1))
     """Kept fraction for ``policy="fraction"``."""
@@ -60,7 +84,7 @@ class SelectionConfig:
     projection: ProjectionConfig | None = None
     """Score in a projected space (cheaper for big layers); None = exact ghost products."""
 
-    normalize: bool = False
+    normalize: bool = True
     """Score by cosine ``<g_b, g_target> / ||g_b||`` instead of the raw inner product, so
     large-gradient (hard, long or noisy) candidates are not preferred for their norm alone."""
 
@@ -68,6 +92,15 @@ class SelectionConfig:
     """Run the candidate scoring pass under ``torch.autocast`` in this dtype (scores are
     still accumulated in float32). bfloat16 roughly halves the probe's time on CPUs with
     AVX-512 BF16 and on GPUs; per-layer scores stay within ~1e-4 cosine of float32."""
+
+    validation_fraction: float = field(default=0.0, metadata=schema.bounds(ge=0, lt=1))
+    """Hold this share of the target documents out of scoring (every ``1/f``-th one) and
+    check, every ``fallback_every`` steps, that the chosen examples align with the held-out
+    part better than the average candidate; if not, fall back to uniform choice for the
+    rest of the run (reported in the summary's ``held_out_check``). 0: no check."""
+
+    fallback_every: int = field(default=25, metadata=schema.bounds(ge=1))
+    """Optimizer steps per held-out check window (``validation_fraction > 0``)."""
 
     include: tuple[str, ...] = ()
     """Module-name patterns scored (empty = every supported layer)."""
@@ -82,6 +115,17 @@ class SelectionConfig:
 
     def __post_init__(self) -> None:
         schema.check(self, "selection")
+        if self.validation_fraction > 0 and self.scope == "global":
+            raise ConfigError("selection.validation_fraction (the held-out check) supports "
+                              "scope 'rank' only; set selection.scope='rank' or "
+                              "validation_fraction=0")
+        if self.validation_fraction > 0 and self.target_store:
+            raise ConfigError("selection.validation_fraction splits the target documents: it "
+                              "needs selection.target_data, not selection.target_store")
+        if self.precondition == "adam" and (self.projection is not None or self.target_store):
+            raise ConfigError("selection.precondition='adam' scales the exact target gradient "
+                              "by the optimizer's per-parameter second moments: it cannot be "
+                              "combined with selection.projection or selection.target_store")
         if self.target_store is not None and self.projection is None:
             raise ConfigError("selection.target_store holds projected gradients: set "
                               "selection.projection to the store's projection")

@@ -37,7 +37,9 @@ from dattri_ds.ops import CostModel, norms
 from dattri_ds.ops.projection import stable_seed
 from dattri_ds.semantics import content_id
 from dattri_ds.selection.config import SelectionConfig
-from dattri_ds.selection.policy import choose
+from dattri_ds.selection.fallback import HeldOutCheck, split_rows
+from dattri_ds.selection.policy import cap_repeats, choose, fill_uniform
+from dattri_ds.selection.precondition import PreconditionedTarget, second_moments
 from dattri_ds.selection.scorer import alignment_scores, redundancy_gram
 from dattri_ds.selection.target import TargetProvider
 
@@ -145,13 +147,24 @@ class OnlineSelector:
             writes its own, ``log_file(log_path, dp_rank)``, and ``read_selection_log``
             merges them; rank 0 removes logs of ranks a previous, wider run left behind.
         cost: cost model for routing.
+        optimizer: the training optimizer (torch or DeepSpeed ZeRO), read for
+            ``precondition="adam"``.
+        held_out: the held-out part of the target (``validation_fraction``): the chosen
+            examples' advantage on it decides the fallback to uniform choice.
     """
 
     def __init__(self, model: nn.Module, config: SelectionConfig, target: TargetProvider, *,
                  probe: GradientCapture, ctx: ParallelContext | None = None,
                  lr_fn: Callable[[], float] | None = None, log_path: str | Path | None = None,
-                 cost: CostModel | None = None) -> None:
-        self.model, self.config, self.target = model, config, target
+                 cost: CostModel | None = None, optimizer=None,
+                 held_out: TargetProvider | None = None) -> None:
+        self.model, self.config, self.target, self.held_out = model, config, target, held_out
+        if config.precondition == "adam":
+            moments = second_moments(optimizer, ctx)
+            self.target = PreconditionedTarget(target, probe.layers, moments, ctx)
+            if held_out is not None:
+                self.held_out = PreconditionedTarget(held_out, probe.layers, moments, ctx)
+        self.check = HeldOutCheck(config.fallback_every, ctx) if held_out is not None else None
         self.probe = probe
         self.ctx = ctx or ParallelContext()
         self.lr_fn = lr_fn
@@ -162,6 +175,8 @@ class OnlineSelector:
         self._log = open(log_file(log_path, self.ctx.dp_rank), "w", encoding="utf-8") if (
             log_path is not None and config.log_scores
             and (per_rank or self.ctx.dp_rank == 0)) else None
+        self._trained: dict[str, int] = {}  # content id -> times trained (max_repeats)
+        self._draws = 0
         self.stats = {"steps": 0, "candidates": 0, "chosen": 0, "score_sum": 0.0,
                       "chosen_score_sum": 0.0}
         self.last_kept: torch.Tensor | None = None
@@ -172,8 +187,41 @@ class OnlineSelector:
         """A probe-only capture of ``model`` with the selection's layers and projection."""
         base = capture or CaptureConfig()
         cfg = replace(base, include=config.include or base.include,
-                      projection=config.projection)
+                      projection=config.projection,
+                      per_example_loss="mean" if config.per_token else base.per_example_loss)
         return GradientCapture(model, cfg, probe_only=True).attach()
+
+    @classmethod
+    def for_target_data(cls, model: nn.Module, config: SelectionConfig,
+                        target_data: Batch | None, *, capture: CaptureConfig | None = None,
+                        ctx: ParallelContext | None = None, device: torch.device | str = "cpu",
+                        lr_fn: Callable[[], float] | None = None,
+                        log_path: str | Path | None = None, optimizer=None) -> OnlineSelector:
+        """The selector of ``config`` on ``model``: a probe capture, the target (a
+        ``ValidationTarget`` on ``target_data`` model inputs, or the store's ``FixedTarget``),
+        preconditioned by ``optimizer`` when ``config.precondition`` asks. Launch and the
+        benchmark build it here, so they run the same selection."""
+        from dattri_ds.selection.target import FixedTarget, ValidationTarget
+
+        probe = cls.probe_capture(model, config, capture)
+
+        def validation_target(rows: Batch) -> ValidationTarget:
+            return ValidationTarget(probe, lambda b: model(**b).loss, rows, ctx=ctx,
+                                    refresh_every=config.refresh_every,
+                                    batch_size=config.target_batch_size, device=device)
+
+        held_out = None
+        if config.target_store:
+            target = FixedTarget(config.target_store)
+        elif config.validation_fraction > 0:
+            keep, held = split_rows(target_data["input_ids"].shape[0],
+                                    config.validation_fraction)
+            target = validation_target({k: v[keep] for k, v in target_data.items()})
+            held_out = validation_target({k: v[held] for k, v in target_data.items()})
+        else:
+            target = validation_target(target_data)
+        return cls(model, config, target, probe=probe, ctx=ctx, lr_fn=lr_fn,
+                   log_path=log_path, optimizer=optimizer, held_out=held_out)
 
     def num_candidates(self, k: int) -> int:
         """Candidates scored for ``k`` trained examples: ``ceil(candidate_multiple * k)``."""
@@ -204,9 +252,7 @@ class OnlineSelector:
             raise ConfigError("The probe pass captured nothing: the model's loss does not "
                               "depend on any captured layer")
         kept = self.probe.last_kept
-        scores = alignment_scores(grads, target, self.cost)
-        if self.config.normalize:
-            scores = scores / norms(grads, list(target.layers), self.cost).clamp_min(1e-12)
+        scores = self._against(grads, target)
         finite = torch.isfinite(scores)
         if not bool(finite.all()):
             ok = torch.nonzero(finite.cpu()).flatten()
@@ -223,6 +269,12 @@ class OnlineSelector:
         self.last_kept = kept
         return grads, scores
 
+    def _against(self, grads: GradBatch, target: GradBatch) -> torch.Tensor:
+        scores = alignment_scores(grads, target, self.cost)
+        if self.config.normalize:
+            scores = scores / norms(grads, list(target.layers), self.cost).clamp_min(1e-12)
+        return scores
+
     def _loss(self, batch: Batch) -> torch.Tensor:
         """The model's loss on ``batch``, under autocast when ``probe_autocast`` is set."""
         dtype = self.config.probe_autocast
@@ -238,7 +290,7 @@ class OnlineSelector:
 
         ``user_ids`` (e.g. document ids) prefix the logged sample ids.
         """
-        if self.config.random:
+        if self.config.random or (self.check is not None and self.check.decide(step)):
             return self._select_random(batch, k, step, user_ids)
         grads, scores = self.score(batch, step, user_ids)
         scores = scores.detach().float().cpu()
@@ -248,10 +300,15 @@ class OnlineSelector:
         if self.config.scope == "global" and self.ctx.dp_world > 1:
             sel = self._select_global(batch, grads, scores, k)
         else:
-            idx = self._choose(grads, scores, k, grads)
+            idx = self._choose(grads, self._capped(grads.sample_ids, scores), k, grads,
+                               self._generator(step, grads.sample_ids))
             sel = Selection({n: v[idx.to(v.device)] for n, v in batch.items()},
                             idx if kept is None else kept[idx], scores,
                             tuple(grads.sample_ids[i] for i in idx.tolist()), scores[idx])
+            self._count(sel.chosen_ids)
+            if self.check is not None:
+                val = self._against(grads, self.held_out.get(step)).detach().float().cpu()
+                self.check.add(val, idx)
         self._record(step, sel)
         return sel
 
@@ -259,7 +316,7 @@ class OnlineSelector:
                        user_ids: list[str] | None) -> Selection:
         """Baseline: a seeded uniform draw of ``k`` candidates, no scoring."""
         c = next(iter(batch.values())).shape[0]
-        self._draws = getattr(self, "_draws", 0) + 1
+        self._draws += 1
         gen = torch.Generator().manual_seed(stable_seed("random", step, self.ctx.dp_rank,
                                                         self._draws))
         idx = torch.randperm(c, generator=gen)[:min(k, c)].sort().values
@@ -271,8 +328,39 @@ class OnlineSelector:
         self._record(step, sel)
         return sel
 
+    @staticmethod
+    def _generator(step: int, ids) -> torch.Generator:
+        """Seeded by the step and the candidates' content ids: soft and mixed choices replay
+        exactly and do not depend on the parallel layout (DP rank, accumulation, TP)."""
+        return torch.Generator().manual_seed(stable_seed("select", step, *ids))
+
+    def _count(self, ids) -> None:
+        """Count trained examples by content id (for ``max_repeats``)."""
+        for i in ids:
+            h = i.split("#")[-1]
+            self._trained[h] = self._trained.get(h, 0) + 1
+
+    def _capped(self, ids, scores: torch.Tensor) -> torch.Tensor:
+        """``scores`` with candidates trained ``max_repeats`` times already at ``-inf``."""
+        if self.config.max_repeats is None:
+            return scores
+        counts = torch.tensor([self._trained.get(i.split("#")[-1], 0) for i in ids])
+        return cap_repeats(scores, counts, self.config.max_repeats)
+
     def _choose(self, grads: GradBatch | None, scores: torch.Tensor, k: int,
-                gram_source: GradBatch | torch.Tensor | None) -> torch.Tensor:
+                gram_source: GradBatch | torch.Tensor | None,
+                generator: torch.Generator) -> torch.Tensor:
+        """The policy's ``k - round(uniform_mix * k)`` picks, filled up uniformly to ``k``."""
+        c = scores.numel()
+        k = min(k, c)
+        k_policy = k - round(self.config.uniform_mix * k)
+        chosen = self._policy(scores, k_policy, gram_source, generator) if k_policy > 0 \
+            else torch.zeros(0, dtype=torch.long)
+        return fill_uniform(chosen, c, k, generator) if chosen.numel() < k else chosen
+
+    def _policy(self, scores: torch.Tensor, k: int,
+                gram_source: GradBatch | torch.Tensor | None,
+                generator: torch.Generator) -> torch.Tensor:
         cfg = self.config
         gram = None
         if cfg.policy == "greats":
@@ -281,8 +369,8 @@ class OnlineSelector:
             else:
                 gram = gram_source @ gram_source.T
         lr = cfg.greats_lr if cfg.greats_lr is not None else (self.lr_fn() if self.lr_fn else 1.0)
-        return choose(cfg.policy, scores, k=min(k, scores.numel()), gram=gram, lr=lr,
-                      fraction=cfg.fraction, tau=cfg.tau)
+        return choose(cfg.policy, scores, k=k, gram=gram, lr=lr, fraction=cfg.fraction,
+                      tau=cfg.tau, temperature=cfg.temperature, generator=generator)
 
     def _select_global(self, batch: Batch, grads: GradBatch, scores: torch.Tensor,
                        k: int) -> Selection:
@@ -301,7 +389,9 @@ class OnlineSelector:
         all_ids = [i for g in gathered for i in g["ids"]]
         all_batch = {n: torch.cat([g["batch"][n] for g in gathered]) for n in batch}
         vecs = torch.cat([g["vectors"] for g in gathered]) if vectors is not None else None
-        chosen = self._choose(None, all_scores, k * world, vecs)
+        chosen = self._choose(None, self._capped(all_ids, all_scores), k * world, vecs,
+                              self._generator(-1, all_ids))
+        self._count([all_ids[i] for i in chosen.tolist()])  # every rank counts all: same caps
         per_rank = max(1, chosen.numel() // world)
         ranked = chosen[torch.argsort(-all_scores[chosen].double(), stable=True)]
         mine = ranked[ctx.dp_rank::world][:per_rank].sort().values
@@ -315,7 +405,8 @@ class OnlineSelector:
         st["candidates"] += sel.scores.numel()
         st["chosen"] += sel.indices.numel()
         st["score_sum"] += float(sel.scores.sum())
-        st["chosen_score_sum"] += float(sel.chosen_scores.sum())
+        finite = sel.chosen_scores[torch.isfinite(sel.chosen_scores)]
+        st["chosen_score_sum"] += float(finite.sum())
         if self._log is not None:
             self._log.write(json.dumps({
                 "step": step, "dp_rank": self.ctx.dp_rank, "chosen": list(sel.chosen_ids),
@@ -336,7 +427,8 @@ class OnlineSelector:
                 "chosen": st["chosen"],
                 "mean_candidate_score": st["score_sum"] / max(1, st["candidates"]),
                 "mean_chosen_score": st["chosen_score_sum"] / max(1, st["chosen"]),
-                "target_refreshes": getattr(self.target, "refreshes", 0)}
+                "target_refreshes": getattr(self.target, "refreshes", 0),
+                **({"held_out_check": self.check.summary()} if self.check is not None else {})}
 
     def close(self) -> None:
         self.probe.detach()

@@ -16,7 +16,8 @@ import torch
 
 from dattri_ds.errors import ConfigError
 
-__all__ = ["top_k", "top_fraction", "threshold", "greats", "POLICIES", "choose"]
+__all__ = ["top_k", "top_fraction", "threshold", "greats", "soft_top_k", "fill_uniform",
+           "cap_repeats", "POLICIES", "choose"]
 
 
 def top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -72,12 +73,68 @@ def greats(scores: torch.Tensor, gram: torch.Tensor, k: int, lr: float) -> torch
     return torch.nonzero(chosen).flatten()
 
 
+def soft_top_k(scores: torch.Tensor, k: int, temperature: float,
+               generator: torch.Generator) -> torch.Tensor:
+    """Sample ``k`` candidates without replacement, ``P(b) ~ exp(z_b / temperature)``.
+
+    ``z`` are the scores standardized over the finite candidates (mean 0, standard deviation
+    1), so the temperature does not depend on the score's scale: ``temperature -> 0`` is
+    top-k, large temperatures approach a uniform draw. Candidates scored ``-inf`` (e.g. over
+    a repeat cap) come last. Gumbel-top-k sampling: exact sequential sampling without
+    replacement.
+    """
+    if temperature <= 0:
+        raise ConfigError(f"soft_top_k needs temperature > 0, got {temperature}")
+    c = scores.numel()
+    if not 1 <= k <= c:
+        raise ConfigError(f"soft_top_k needs 1 <= k <= {c} candidates, got k={k}")
+    s = scores.double()
+    finite = torch.isfinite(s)
+    z = torch.full_like(s, float("-inf"))
+    if finite.any():
+        f = s[finite]
+        sd = f.std(unbiased=False) if f.numel() > 1 else f.new_tensor(0.0)
+        z[finite] = (f - f.mean()) / sd.clamp_min(1e-12)
+    u = torch.rand(c, generator=generator, dtype=torch.float64).clamp_(1e-12, 1 - 1e-12)
+    keys = z / temperature - torch.log(-torch.log(u))
+    return top_k(keys, k)
+
+
+def fill_uniform(chosen: torch.Tensor, c: int, k: int,
+                 generator: torch.Generator) -> torch.Tensor:
+    """``chosen`` plus a uniform draw from the other of ``c`` candidates, ``k`` in all.
+
+    The mix with uniform choice: a policy picks ``k - round(ratio * k)``, this fills the
+    rest (``chosen`` empty = a uniform choice of ``k``).
+    """
+    if not chosen.numel() <= k <= c:
+        raise ConfigError(f"fill_uniform needs {chosen.numel()} <= k <= {c}, got k={k}")
+    rest = torch.ones(c, dtype=torch.bool)
+    rest[chosen] = False
+    pool = torch.nonzero(rest).flatten()
+    fill = pool[torch.randperm(pool.numel(), generator=generator)[:k - chosen.numel()]]
+    return torch.cat([chosen, fill]).sort().values
+
+
+def cap_repeats(scores: torch.Tensor, counts: torch.Tensor, cap: int | None) -> torch.Tensor:
+    """Scores with candidates already trained ``>= cap`` times set to ``-inf`` (None: no cap).
+
+    Policies then pick capped candidates only when too few others remain.
+    """
+    if cap is None:
+        return scores
+    if cap < 1:
+        raise ConfigError(f"cap_repeats needs cap >= 1 (or None), got {cap}")
+    return torch.where(counts >= cap, torch.full_like(scores, float("-inf")), scores)
+
+
 #: name -> policy(scores, *, k, gram, lr, fraction, tau) adapter
 POLICIES: dict[str, Callable[..., torch.Tensor]] = {
     "topk": lambda s, *, k, **_: top_k(s, k),
     "fraction": lambda s, *, fraction, **_: top_fraction(s, fraction),
     "threshold": lambda s, *, tau, k, **_: threshold(s, tau, k),
     "greats": lambda s, *, k, gram, lr, **_: greats(s, gram, k, lr),
+    "soft": lambda s, *, k, temperature, generator, **_: soft_top_k(s, k, temperature, generator),
 }
 
 

@@ -2,14 +2,15 @@
 
     python tools/main_job.py [--out runs/main] [--steps 150] [--world 2] [--quick]
 
-1. trains a small GPT-2 with DeepSpeed ZeRO-3 on ``world`` CPU processes, scoring 2x
-   candidates per micro-batch against the mean gradient of Hamlet chunks and training on
-   the best half (``--online-selection``), capturing projected per-example gradients and
-   saving checkpoints;
+1. trains a small GPT-2 with DeepSpeed ZeRO-3 on ``world`` CPU processes, scoring 4x
+   candidates per micro-batch against the gradient of the first half of the Hamlet chunks
+   with the default selection (``--online-selection``), capturing projected per-example
+   gradients and saving checkpoints (data choices: ``DemoData``);
 2. trains the same model on the same candidate stream choosing uniformly at random
    (``--random-selection``): the "without selection" baseline at equal trained examples;
-3. prints held-out Hamlet loss for both, writes ``target_loss.png`` with both curves and a
-   ``report.md`` with the comparison and which corpus sources selection preferred;
+3. prints held-out Hamlet loss (second half, never scored) and held-out general-corpus loss
+   for both, writes ``target_loss.png`` with both curves of both and a ``report.md`` with
+   the comparison and which corpus sources selection preferred;
 4. attributes held-out Hamlet passages to the training corpus offline, from the saved
    ZeRO-3 checkpoints: ``collect`` (projected per-example gradients per checkpoint),
    ``fit`` (EK-FAC factors in the projected space), ``attribute`` with TracIn and EK-FAC,
@@ -24,9 +25,50 @@ import os
 import subprocess
 import sys
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class DemoData:
+    """Every data choice of the main job, in one place (files written under ``--out``)."""
+
+    corpus: str = "data/corpus/train.jsonl"
+    """The training corpus (mixed sources)."""
+
+    general_heldout: int = 140
+    """Its last N documents are never trained on: the general-corpus evaluation set."""
+
+    target: str = "data/target/hamlet.jsonl"
+    """The target texts: the first half scores candidates (``--target-data``), the second
+    half is the held-out evaluation set (``--eval-data``) selection never sees."""
+
+    eval_docs: int = 64
+    """Evaluation documents taken from the target's second half."""
+
+    queries: int = 3
+    """Held-out target passages attributed offline (the evaluation half's last ones)."""
+
+    def write(self, out: Path) -> dict[str, Path]:
+        """Split the files; return ``{"score", "eval", "general", "queries"}`` paths and the
+        number of training documents (``"max_docs"``)."""
+        out.mkdir(parents=True, exist_ok=True)
+        corpus = (ROOT / self.corpus).read_text(encoding="utf-8").splitlines()
+        target = (ROOT / self.target).read_text(encoding="utf-8").splitlines()
+        half = len(target) // 2
+        parts = {"score": target[:half], "eval": target[half:][:self.eval_docs],
+                 "general": corpus[-self.general_heldout:],
+                 "queries": target[half:][-self.queries:]}
+        paths = {}
+        for name, lines in parts.items():
+            paths[name] = out / f"data_{name}.jsonl"
+            paths[name].write_text("\n".join(lines) + "\n", encoding="utf-8")
+        return {**paths, "max_docs": len(corpus) - self.general_heldout}
+
+
+DEMO = DemoData()
 
 
 def run_training(out: Path, args, extra: list[str]) -> dict:
@@ -38,7 +80,8 @@ def run_training(out: Path, args, extra: list[str]) -> dict:
            str(ROOT / args.config), "--out", str(out), "--steps", str(args.steps),
            "--max-docs", str(args.max_docs), "--seq-len", str(args.seq_len),
            "--eval-every", str(args.eval_every), "--log-every", str(args.eval_every),
-           "--save-every", str(args.save_every), "--candidate-multiple", "2", *extra]
+           "--save-every", str(args.save_every), "--candidate-multiple",
+           str(args.candidate_multiple), *extra]
     env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
     print(f"$ {' '.join(cmd[len(launcher):])}", flush=True)
@@ -71,32 +114,44 @@ def chosen_sources(run: Path, corpus: Path) -> Counter:
 
 
 def plot(curves: dict[str, list[dict]], path: Path) -> None:
+    """Target loss and general-corpus loss against trained examples, one line per run."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
-    for label, pts in curves.items():
-        ax.plot([p["examples"] for p in pts], [p["target_loss"] for p in pts], marker="o",
-                label=label)
-    ax.set_xlabel("trained examples")
-    ax.set_ylabel("held-out Hamlet loss (nats/token)")
-    ax.set_title("Online selection vs uniform choice from the same candidates", fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), dpi=120)
+    for ax, key, title in ((axes[0], "target_loss", "held-out target (Hamlet, 2nd half)"),
+                           (axes[1], "general_loss", "held-out general corpus")):
+        for label, pts in curves.items():
+            if pts and key in pts[0]:
+                ax.plot([p["examples"] for p in pts], [p[key] for p in pts], marker="o",
+                        label=label)
+        ax.set_xlabel("trained examples")
+        ax.set_ylabel("loss (nats/token)")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle("Online selection vs uniform choice from the same candidates", fontsize=10)
     fig.tight_layout()
     fig.savefig(path)
+
+
+def report_rows(sel: list[dict], base: list[dict]) -> list[str]:
+    """Markdown rows: step, examples, target and general loss of both runs, target gain."""
+    def g(e: dict) -> str:
+        return f"{e['general_loss']:.4f}" if "general_loss" in e else "-"
+    return [f"| {e['step']} | {e['examples']} | {e['target_loss']:.4f} | "
+            f"{b['target_loss']:.4f} | {b['target_loss'] - e['target_loss']:+.4f} | "
+            f"{g(e)} | {g(b)} |" for e, b in zip(sel, base)]
 
 
 def attribute_offline(run: Path, out: Path, args) -> list[Path]:
     """Step 4: collect -> fit -> attribute (TracIn, EK-FAC) -> report, in-process."""
     from dattri_ds.tools import attribute, collect, fit, report
 
-    corpus = str(ROOT / "data/corpus/train.jsonl")
-    queries = out / "queries.jsonl"  # held-out Hamlet passages (after the target/eval sets)
-    lines = (ROOT / "data/target/hamlet.jsonl").read_text().splitlines()
-    queries.write_text("\n".join(lines[130:133]) + "\n")
+    corpus = str(ROOT / DEMO.corpus)
+    queries = out / "data_queries.jsonl"  # held-out target passages (DemoData.write)
     grads = out / "grads"
     collect.main(["--run", str(run), "--data", corpus, "--max-docs", str(args.attr_docs),
                   "--out", str(grads), "--projection-dim", "256"])
@@ -119,7 +174,7 @@ def attribute_offline(run: Path, out: Path, args) -> list[Path]:
 def top_sources(att: Path) -> str:
     """One line per query: the sources of its top-10 proponents."""
     corpus = {}
-    for line in (ROOT / "data/corpus/train.jsonl").read_text().splitlines():
+    for line in (ROOT / DEMO.corpus).read_text().splitlines():
         d = json.loads(line)
         corpus[d["id"]] = d["source"]
     lines = []
@@ -139,6 +194,8 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--save-every", type=int, default=50)
+    p.add_argument("--candidate-multiple", type=float, default=4.0,
+                   help="candidates scored per trained example")
     p.add_argument("--attr-docs", type=int, default=700,
                    help="training documents attributed offline (step 4)")
     p.add_argument("--quick", action="store_true", help="a 1-minute smoke version")
@@ -147,28 +204,34 @@ def main() -> None:
         args.steps, args.max_docs, args.eval_every, args.save_every = 12, 400, 4, 6
         args.attr_docs = 64
     out = ROOT / args.out
+    data = DEMO.write(out)
+    args.max_docs = min(args.max_docs, data["max_docs"])
+    common = ["--target-data", str(data["score"]), "--eval-data", str(data["eval"]),
+              "--general-eval-data", str(data["general"])]
     print("== 1/4 DeepSpeed ZeRO-3 training WITH online selection (+ gradient capture)")
-    sel = run_training(out / "selection", args, ["--online-selection", "--capture"])
+    sel = run_training(out / "selection", args, ["--online-selection", "--capture", *common])
     print("== 2/4 same candidates, uniform random choice (baseline)")
-    base = run_training(out / "random", args, ["--online-selection", "--random-selection"])
+    base = run_training(out / "random", args,
+                        ["--online-selection", "--random-selection", *common])
     print("== 3/4 selection report")
     curves = {"online selection": sel["eval"], "random (no selection)": base["eval"]}
     plot(curves, out / "target_loss.png")
-    srcs = chosen_sources(out / "selection", ROOT / "data/corpus/train.jsonl")
-    rows = [f"| {e['step']} | {e['examples']} | {e['target_loss']:.4f} | "
-            f"{b['target_loss']:.4f} | {b['target_loss'] - e['target_loss']:+.4f} |"
-            for e, b in zip(sel["eval"], base["eval"])]
+    srcs = chosen_sources(out / "selection", ROOT / DEMO.corpus)
     total = sum(srcs.values()) or 1
     report = "\n".join([
         "# dattri-ds main job", "",
         f"DeepSpeed ZeRO-3, {sel['world']} processes, {sel['steps']} steps, "
-        f"{sel['examples']} trained examples per run; target: Hamlet (held out).", "",
-        "| step | examples | loss with selection | loss random | gain |",
-        "|---:|---:|---:|---:|---:|", *rows, "",
+        f"{sel['examples']} trained examples per run, {args.candidate_multiple:g}x "
+        f"candidates; target: Hamlet (scoring: first half of {DEMO.target}; evaluation: "
+        f"{DEMO.eval_docs} documents of its second half, never scored); general: the "
+        f"corpus' last {DEMO.general_heldout} documents (never trained on).", "",
+        "| step | examples | target loss, selection | target loss, random | target gain | "
+        "general loss, selection | general loss, random |",
+        "|---:|---:|---:|---:|---:|---:|---:|", *report_rows(sel["eval"], base["eval"]), "",
         "Sources of the examples selection trained on:", "",
         *[f"- {s}: {c} ({100 * c / total:.1f}%)" for s, c in srcs.most_common()], "",
         f"Selection: {json.dumps(sel.get('selection', {}))}", "",
-        "![target loss](target_loss.png)", ""])
+        "![target and general loss](target_loss.png)", ""])
     (out / "report.md").write_text(report)
     print(report)
     print(f"plot: {out / 'target_loss.png'}\nreport: {out / 'report.md'}")

@@ -17,10 +17,14 @@ from dattri_ds.selection import (
 from reference import reference_grads, rel_err, tiny_gpt2
 
 
+RAW = dict(normalize=False, per_token=False, uniform_mix=0.0)  # plain <g_b, g_target>, top-k
+
+
 def _setup(policy="topk", projection=None, model=None):
     torch.manual_seed(0)
     model = model or tiny_gpt2()
-    cfg = SelectionConfig(enabled=True, policy=policy, projection=projection, refresh_every=3)
+    cfg = SelectionConfig(enabled=True, policy=policy, projection=projection, refresh_every=3,
+                          **RAW)
     probe = OnlineSelector.probe_capture(model, cfg)
     tgt_ids = torch.randint(0, 97, (5, 10), generator=torch.Generator().manual_seed(1))
     target = ValidationTarget(probe, lambda b: model(**b).loss,
@@ -126,7 +130,7 @@ def test_bf16_probe_autocast_scores_track_fp32():
     cand = torch.randint(0, 97, (8, 10), generator=torch.Generator().manual_seed(5))
     batch = {"input_ids": cand, "labels": cand}
     exact = OnlineSelector(model, cfg, target, probe=probe).score(batch, 0)[1]
-    fast_cfg = SelectionConfig(enabled=True, probe_autocast="bfloat16")
+    fast_cfg = SelectionConfig(enabled=True, probe_autocast="bfloat16", **RAW)
     fast = OnlineSelector(model, fast_cfg, target, probe=probe).score(batch, 0)[1]
     assert fast.dtype == torch.float32
     assert torch.nn.functional.cosine_similarity(exact, fast, dim=0) > 0.99
@@ -137,7 +141,7 @@ def test_bf16_probe_autocast_scores_track_fp32():
 def test_normalized_scores_divide_by_candidate_norms():
     """normalize=True: score_b = <g_b, g_target> / ||g_b|| with reference gradients."""
     model, _, probe, target, tgt_ids = _setup()
-    cfg = SelectionConfig(enabled=True, normalize=True)
+    cfg = SelectionConfig(enabled=True, **{**RAW, "normalize": True})
     cand = torch.randint(0, 97, (5, 10), generator=torch.Generator().manual_seed(6))
     got = OnlineSelector(model, cfg, target, probe=probe).score(
         {"input_ids": cand, "labels": cand}, 0)[1]
