@@ -172,9 +172,10 @@ def _factors(args, tag: str, proj):
         path = path / f"{tag}.pt"
     if path is None or not path.exists():
         every = " --checkpoint all" if _is_trajectory(args.method) else ""
+        source = f"--model {args.model}" if args.run is None else f"--run-dir {args.run}"
         raise ConfigError(f"--method {args.method} needs curvature factors of checkpoint "
                           f"'{tag}' (got --factors {args.factors!r}, looked for {path}); fit "
-                          f"them with tools/fit.py --run {args.run}{every} --out <dir>")
+                          f"them with tools/fit.py {source}{every} --out <dir>")
     factors = KFACFactors.load(path, projector=Projector(proj) if proj else None)
     if proj is not None and all(lf.projection is None for lf in factors.layers.values()):
         logger.warning("%s: exact factors on a %s-projected store: the query is preconditioned "

@@ -84,7 +84,7 @@ def test_model_folder_collect_attribute(tmp_path):
         "gpt2-tiny": 6}
     summary = attribute.main(["--model", str(folder), "--store", str(tmp_path / "g"),
                               "--queries", _texts(tmp_path / "q.jsonl", 2, seed=5),
-                              "--out", str(tmp_path / "attr")])
+                              "--method", "graddot", "--out", str(tmp_path / "attr")])
     assert summary["train"] == 6 and np.load(tmp_path / "attr/scores.npy").shape == (6, 2)
 
     bare = _tiny_folder(tmp_path / "bare", tokenizer=False)
