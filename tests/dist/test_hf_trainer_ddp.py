@@ -14,6 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from _dist import run  # noqa: E402
+from _deps import require
 
 pytestmark = pytest.mark.dist
 
@@ -43,7 +44,7 @@ def _train(rank, world, out):
 
 def test_trainer_ddp_capture_matches_reference(tmp_path):
     """Each rank captures its own 4 examples exactly; the ranks' examples are disjoint."""
-    pytest.importorskip("transformers")
+    require("transformers", "hf")
     got = run(_train, world_size=2, out=str(tmp_path))
     assert [g["rows"] for g in got] == [4, 4]
     assert not set(got[0]["ids"]) & set(got[1]["ids"])

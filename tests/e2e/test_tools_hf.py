@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from dattri_ds.errors import ConfigError
+from _deps import require
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -127,7 +128,7 @@ def _wait(proc: subprocess.Popen) -> None:
 def test_torchrun_and_deepspeed_launch_collect_and_fit(tmp_path):
     """`torchrun ... collect.py --run-dir` and `deepspeed ... fit.py` (which appends
     --local_rank) run on 2 processes and equal the single-process store and factors."""
-    pytest.importorskip("deepspeed")
+    require("deepspeed", "deepspeed")
     from dattri_ds.store import GradientStore
     from dattri_ds.tools import collect, fit
 

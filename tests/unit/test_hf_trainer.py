@@ -14,9 +14,10 @@ import torch
 
 from dattri_ds import CaptureConfig, TrainingCallback, materialize
 from dattri_ds.semantics import batch_info
+from _deps import require
 from reference import reference_grads, rel_err, tiny_gpt2
 
-transformers = pytest.importorskip("transformers")
+transformers = require("transformers", "hf")
 TOL = 1e-5
 
 
@@ -102,7 +103,7 @@ def test_trainer_capture_matches_reference(tmp_path, accumulation):
 
 def _sft(tmp_path, **cfg):
     """A tiny SFTTrainer on pre-tokenized rows with completion masks; and the rows."""
-    pytest.importorskip("trl")
+    require("trl", "hf")
     import datasets
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast

@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
+from _deps import require
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -24,7 +25,7 @@ def _block(heading: str) -> str:
 
 def test_hf_trainer_snippet_runs(tmp_path, monkeypatch):
     """The Hugging Face Trainer / collect snippet stores 16 rows and scores [16, 6]."""
-    pytest.importorskip("transformers")
+    require("transformers", "hf")
     monkeypatch.chdir(tmp_path)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
