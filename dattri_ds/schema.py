@@ -41,7 +41,8 @@ from typing import Any, Literal, Union
 from dattri_ds.errors import ConfigError
 
 __all__ = ["bounds", "partial", "parse", "parse_value", "parse_text", "check", "Leaf",
-           "leaves", "describe", "field_docs", "read_json"]
+           "leaves", "describe", "field_docs", "read_json", "FlagType", "flag_type",
+           "field_flag"]
 
 _MISSING = dataclasses.MISSING
 
@@ -360,6 +361,45 @@ def _number(text: str) -> Any:
         return float(text)
     except ValueError:
         return text
+
+
+@dataclass(frozen=True, eq=False)  # hashed by identity: argparse looks types up in a dict
+class FlagType:
+    """An argparse ``type=`` for a tool flag, parsing its text by :func:`parse_text`'s rules
+    (integer digits for ints, finite numbers for floats, the declared range); a bad value
+    is one argparse error naming the flag, the value and what is allowed."""
+
+    hint: Any
+    name: str
+    meta: dict[str, Any]
+
+    @property
+    def __name__(self) -> str:  # argparse names a type by ``__name__`` in its messages
+        return describe(self.hint, self.meta)
+
+    def __call__(self, text: str) -> Any:
+        import argparse
+
+        try:
+            value = parse_text(self.hint, text, self.name, self.meta)
+        except ConfigError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        members, _ = _split_optional(self.hint)
+        return float(value) if members == [float] and value is not None else value
+
+
+def flag_type(hint: Any, *, name: str, nonfinite: bool = False, **rng: float) -> FlagType:
+    """The strict ``type=`` of flag ``name``: ``flag_type(int, name="--top-k", ge=1)``;
+    ``rng`` takes :func:`bounds`' ``ge``/``gt``/``le``/``lt``/``ne``."""
+    return FlagType(hint, name, bounds(nonfinite=nonfinite, **rng))
+
+
+def field_flag(cls: type, field_name: str, *, name: str) -> FlagType:
+    """The strict ``type=`` of a flag that sets config field ``cls.field_name``: its type
+    hint and range come from the dataclass (one rule for the JSON key and the flag)."""
+    f = next(f for f in _fields(cls) if f.name == field_name)
+    members, _ = _split_optional(_hints(cls)[field_name])
+    return FlagType(members[0], name, dict(f.metadata))
 
 
 @dataclass(frozen=True)

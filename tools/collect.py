@@ -26,6 +26,8 @@ if __package__ in (None, ""):
 
 import torch  # noqa: E402
 
+from dattri_ds.ops.projection import ProjectionConfig  # noqa: E402
+from dattri_ds.schema import field_flag, flag_type  # noqa: E402
 from dattri_ds.tools.common import (  # noqa: E402
     Run, add_source_args, example_ids, gradients, init_distributed, load_texts, logger,
     open_source, seq_len_of, setup_logging, write_config,
@@ -36,17 +38,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dattri-ds collect", description=__doc__.splitlines()[0])
     add_source_args(p)
     p.add_argument("--data", default="data/corpus/train.jsonl", help="jsonl to collect")
-    p.add_argument("--max-docs", type=int, default=None)
+    p.add_argument("--max-docs", type=flag_type(int, name="--max-docs", ge=1), default=None)
     p.add_argument("--checkpoints", default="all", help="all | last | tag,tag,...")
     p.add_argument("--out", required=True, help="store root (one store per checkpoint)")
     p.add_argument("--projection", choices=["kronecker", "dense", "sparse"], default="kronecker")
-    p.add_argument("--projection-dim", type=int, default=4096,
+    p.add_argument("--projection-dim",
+                   type=field_flag(ProjectionConfig, "dim", name="--projection-dim"), default=4096,
                    help="per-layer size k (4096: Kronecker-projected EK-FAC keeps 91%% of "
                         "the exact LDS on the issue-14 benchmark, 1024 80%%, 256 66%%)")
-    p.add_argument("--seed", type=int, default=0, help="projection seed")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seed", type=field_flag(ProjectionConfig, "seed", name="--seed"), default=0,
+                   help="projection seed")
+    p.add_argument("--batch-size", type=flag_type(int, name="--batch-size", ge=1), default=8)
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
-    p.add_argument("--flush-every", type=int, default=256)
+    p.add_argument("--flush-every", type=flag_type(int, name="--flush-every", ge=1), default=256)
     return p
 
 

@@ -38,6 +38,7 @@ from dattri_ds.data import (
     Document, TokenizedDocuments, build_model, load_documents, source_counts, tokenize_documents,
     train_tokenizer,
 )
+from dattri_ds.schema import flag_type
 
 logger = logging.getLogger("dattri_ds.tools.demo")
 
@@ -55,28 +56,41 @@ PRESETS = {
 }
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", default="runs/demo", help="output directory (report.json, scores.pt)")
     p.add_argument("--quick", action="store_true", help="data/tiny, fewer steps (~40 s)")
-    p.add_argument("--steps", type=int, help="optimizer steps (preset: 400, quick 60)")
-    p.add_argument("--batch-size", type=int, help="training batch size (preset: 16)")
-    p.add_argument("--lr", type=float, help="peak AdamW learning rate (preset: 3e-3)")
-    p.add_argument("--seq-len", type=int, help="tokens per document (preset: 128)")
-    p.add_argument("--vocab-size", type=int, help="tokenizer vocabulary (preset: 1024, quick 512)")
-    p.add_argument("--attr-docs", type=int,
+    p.add_argument("--steps", type=flag_type(int, name="--steps", ge=1),
+                   help="optimizer steps (preset: 400, quick 60)")
+    p.add_argument("--batch-size", type=flag_type(int, name="--batch-size", ge=1),
+                   help="training batch size (preset: 16)")
+    p.add_argument("--lr", type=flag_type(float, name="--lr", gt=0),
+                   help="peak AdamW learning rate (preset: 3e-3)")
+    p.add_argument("--seq-len", type=flag_type(int, name="--seq-len", ge=1),
+                   help="tokens per document (preset: 128)")
+    p.add_argument("--vocab-size", type=flag_type(int, name="--vocab-size", ge=1),
+                   help="tokenizer vocabulary (preset: 1024, quick 512)")
+    p.add_argument("--attr-docs", type=flag_type(int, name="--attr-docs", ge=1),
                    help="training documents to score, a prefix of the pool (preset: all)")
-    p.add_argument("--proj-dim", type=int, help="Kronecker projection size per layer")
-    p.add_argument("--queries-per-target", type=int, default=3,
+    p.add_argument("--proj-dim", type=flag_type(int, name="--proj-dim", ge=1),
+                   help="Kronecker projection size per layer")
+    p.add_argument("--queries-per-target", type=flag_type(int, name="--queries-per-target", ge=1),
+                   default=3,
                    help="queries taken evenly spaced from each target file")
-    p.add_argument("--top-k", type=int, default=10, help="k of the top/bottom lists and precision@k")
-    p.add_argument("--log-every", type=int, help="print the training loss every N steps")
+    p.add_argument("--top-k", type=flag_type(int, name="--top-k", ge=1),
+                   default=10, help="k of the top/bottom lists and precision@k")
+    p.add_argument("--log-every", type=flag_type(int, name="--log-every", ge=1),
+                   help="print the training loss every N steps")
     p.add_argument("--model-config", default=str(ROOT / "configs" / "model_gpt2_tiny.json"))
     p.add_argument("--cache-dir", default=None,
                    help="tokenizer cache (default $DATTRI_DS_CACHE or ~/.cache/dattri_ds)")
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+    p.add_argument("--seed", type=flag_type(int, name="--seed", ge=0), default=0)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
     for k, v in PRESETS["quick" if args.quick else "default"].items():
         if getattr(args, k, None) is None:
             setattr(args, k, v)

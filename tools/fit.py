@@ -26,6 +26,9 @@ if __package__ in (None, ""):
 
 import torch  # noqa: E402
 
+from dattri_ds.ops.kronecker import KFACConfig  # noqa: E402
+from dattri_ds.ops.projection import ProjectionConfig  # noqa: E402
+from dattri_ds.schema import field_flag, flag_type  # noqa: E402
 from dattri_ds.tools.common import (  # noqa: E402
     add_source_args, gradients, init_distributed, load_texts, logger, open_source,
     projection_from_tag, seq_len_of, setup_logging, write_config,
@@ -38,18 +41,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", default="last",
                    help="'last', 'all' or comma-separated tags (several: --out is a folder)")
     p.add_argument("--data", default="data/corpus/train.jsonl")
-    p.add_argument("--max-docs", type=int, default=None)
+    p.add_argument("--max-docs", type=flag_type(int, name="--max-docs", ge=1), default=None)
     p.add_argument("--store", help="fit in this store's space if it is Kronecker-projected "
                    "(LoGra; a folder of per-checkpoint stores for several checkpoints); "
                    "exact factors for other projections")
-    p.add_argument("--projection-dim", type=int, default=None,
+    p.add_argument("--projection-dim",
+                   type=field_flag(ProjectionConfig, "dim", name="--projection-dim"), default=None,
                    help="Kronecker projection size (default: exact, or from --store)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--damping", type=float, default=None,
+    p.add_argument("--seed", type=field_flag(ProjectionConfig, "seed", name="--seed"), default=0)
+    p.add_argument("--damping", type=field_flag(KFACConfig, "damping", name="--damping"),
+                   default=None,
                    help="relative or absolute damping (default: KFACConfig's)")
     p.add_argument("--damping-mode", choices=["relative", "absolute"], default=None)
     p.add_argument("--kfac-only", action="store_true", help="skip the EK-FAC pass")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=flag_type(int, name="--batch-size", ge=1), default=8)
     p.add_argument("--out", required=True, help="factors file (.pt, one checkpoint) or folder")
     return p
 

@@ -62,6 +62,7 @@ from dattri_ds.data import (
 from dattri_ds.eval import lds, predicted, retrain_losses, subset_masks
 from dattri_ds.ops.inner import project_batch
 from dattri_ds.ops.projection import Projector
+from dattri_ds.schema import flag_type
 
 logger = logging.getLogger("dattri_ds.tools.lds")
 
@@ -84,36 +85,53 @@ PRESETS = {
 }
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", default="runs/lds", help="output directory (lds.json, lds.md)")
     p.add_argument("--quick", action="store_true", help="smaller preset (about 30 s)")
-    p.add_argument("--n-train", type=int, help="training documents (prefix of the pool)")
-    p.add_argument("--subsets", type=int, help="random subsets retrained (S)")
-    p.add_argument("--seeds", type=int, help="training seeds averaged per subset")
-    p.add_argument("--epochs", type=int, help="epochs of every training run")
+    p.add_argument("--n-train", type=flag_type(int, name="--n-train", ge=1),
+                   help="training documents (prefix of the pool)")
+    p.add_argument("--subsets", type=flag_type(int, name="--subsets", ge=1),
+                   help="random subsets retrained (S)")
+    p.add_argument("--seeds", type=flag_type(int, name="--seeds", ge=1),
+                   help="training seeds averaged per subset")
+    p.add_argument("--epochs", type=flag_type(int, name="--epochs", ge=1),
+                   help="epochs of every training run")
     p.add_argument("--projections", help="comma-separated settings: exact, dense:<k>, "
                    "kronecker:<k>, logra:<k> (k per layer)")
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated methods")
-    p.add_argument("--fraction", type=float, default=0.5, help="subset size / N")
-    p.add_argument("--n-hamlet", type=int, default=8, help="Hamlet queries")
-    p.add_argument("--n-code", type=int, default=2, help="code queries")
-    p.add_argument("--seq-len", type=int, default=64, help="tokens per document (T)")
-    p.add_argument("--vocab-size", type=int, default=512, help="SentencePiece vocabulary")
-    p.add_argument("--batch-size", type=int, default=16, help="training batch size")
+    p.add_argument("--fraction", type=flag_type(float, name="--fraction", gt=0, lt=1),
+                   default=0.5, help="subset size / N")
+    p.add_argument("--n-hamlet", type=flag_type(int, name="--n-hamlet", ge=0),
+                   default=8, help="Hamlet queries")
+    p.add_argument("--n-code", type=flag_type(int, name="--n-code", ge=0),
+                   default=2, help="code queries")
+    p.add_argument("--seq-len", type=flag_type(int, name="--seq-len", ge=1),
+                   default=64, help="tokens per document (T)")
+    p.add_argument("--vocab-size", type=flag_type(int, name="--vocab-size", ge=1),
+                   default=512, help="SentencePiece vocabulary")
+    p.add_argument("--batch-size", type=flag_type(int, name="--batch-size", ge=1),
+                   default=16, help="training batch size")
     p.add_argument("--optimizer", choices=("adam", "sgd"), default="adam",
                    help="Adam or SGD with momentum 0.9, constant learning rate")
-    p.add_argument("--lr", type=float, help="learning rate (default: adam 3e-3, sgd 0.1)")
-    p.add_argument("--checkpoints", type=int, default=5,
+    p.add_argument("--lr", type=flag_type(float, name="--lr", gt=0),
+                   help="learning rate (default: adam 3e-3, sgd 0.1)")
+    p.add_argument("--checkpoints", type=flag_type(int, name="--checkpoints", ge=1), default=5,
                    help="checkpoints of the trajectory methods")
     p.add_argument("--dampings", default=None,
                    help="comma-separated relative dampings of the curvature methods "
                         "(default: the library default KFACConfig().damping)")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--threads", type=flag_type(int, name="--threads", ge=1),
+                   default=1, help="torch CPU threads")
     p.add_argument("--cache-dir", default=None, help="tokenizer cache directory")
-    p.add_argument("--seed", type=int, default=0, help="init, data and subset seed")
-    args = p.parse_args(argv)
+    p.add_argument("--seed", type=flag_type(int, name="--seed", ge=0),
+                   default=0, help="init, data and subset seed")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
     for k, v in PRESETS["quick" if args.quick else "default"].items():
         if getattr(args, k) is None:
             setattr(args, k, v)

@@ -17,6 +17,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dattri_ds.plan import DEVICES, ModelShape, RunSpec, plan  # noqa: E402
+from dattri_ds.schema import flag_type  # noqa: E402
 
 _CHOICES = {"zero_stage": [0, 1, 2, 3], "offload": ["none", "optimizer", "all"],
             "dtype": ["float32", "bfloat16"], "optimizer": ["adamw", "sgd", "sgd_momentum"],
@@ -25,14 +26,18 @@ _CHOICES = {"zero_stage": [0, 1, 2, 3], "offload": ["none", "optimizer", "all"],
             "store_dtype": ["float32", "float16", "bfloat16"]}
 
 
+#: Ranges of the numeric RunSpec flags (the others: > 0).
+_RANGES = {"zero_stage": {"ge": 0, "le": 3}, "k": {"ge": 0}}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dattri-ds plan", description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True,
                    help="our JSON model config or a Hugging Face config.json")
-    p.add_argument("--vocab-size", type=int, default=None,
+    p.add_argument("--vocab-size", type=flag_type(int, name="--vocab-size", ge=1), default=None,
                    help="vocabulary size when the config has none (ours: the tokenizer's)")
     p.add_argument("--device", default="cpu", choices=sorted(DEVICES))
-    p.add_argument("--memory-gb", type=float, default=None,
+    p.add_argument("--memory-gb", type=flag_type(float, name="--memory-gb", gt=0), default=None,
                    help="override the device's memory (e.g. what is free on a shared host)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     defaults = RunSpec()
@@ -42,8 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
         if isinstance(value, bool):
             p.add_argument(flag, default=value, action=argparse.BooleanOptionalAction)
         else:
-            p.add_argument(flag, type=type(value), default=value,
-                           choices=_CHOICES.get(f.name))
+            strict = (flag_type(type(value), name=flag, **_RANGES.get(f.name, {"gt": 0}))
+                      if isinstance(value, (int, float)) else type(value))
+            p.add_argument(flag, type=strict, default=value, choices=_CHOICES.get(f.name))
     return p
 
 
