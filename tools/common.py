@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -308,8 +309,20 @@ def init_distributed() -> tuple[int, int]:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
         if not dist.is_initialized():
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+            atexit.register(_shutdown_distributed)
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def _shutdown_distributed() -> None:
+    """Destroy the group this process created (local, no collective: a rank that failed must
+    not make its peers wait): a gloo group left to interpreter shutdown can abort a rank
+    ("terminate called without an active exception") after its work is done, which launchers
+    report as a failed run."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def write_config(out: Path, name: str, args) -> None:
