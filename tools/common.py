@@ -77,13 +77,9 @@ class Run:
     @property
     def context(self) -> int:
         """The model's context length (``n_positions`` / ``max_position_embeddings``)."""
-        from dattri_ds.tools.sources import model_context
+        from dattri_ds.tools.sources import required_context
 
-        ctx = model_context(self.root / "model/config.json")
-        if ctx is None:
-            raise ConfigError(f"{self.root / 'model/config.json'} names no context length "
-                              f"(n_positions / max_position_embeddings): pass --seq-len")
-        return ctx
+        return required_context(self.root / "model/config.json")
 
     def tokenizer(self):
         """SentencePiece ``tokenizer.model``, else the Hugging Face tokenizer found at open."""

@@ -25,7 +25,7 @@ import torch
 from dattri_ds.errors import ConfigError
 
 __all__ = ["HFModelDir", "HFTokenizer", "is_hf_model_dir", "hf_tokenizer_dir", "load_token_ids",
-           "is_token_file", "model_context", "HF_WEIGHTS", "HF_TOKENIZER_FILES"]
+           "is_token_file", "model_context", "required_context", "HF_WEIGHTS", "HF_TOKENIZER_FILES"]
 
 HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json")
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
@@ -50,6 +50,15 @@ def model_context(config_json: Path) -> int | None:
     cfg = json.loads(config_json.read_text())
     got = cfg.get("n_positions") or cfg.get("max_position_embeddings") or cfg.get("n_ctx")
     return int(got) if got else None
+
+
+def required_context(config_json: Path) -> int:
+    """``model_context``, or a ConfigError naming the file and ``--seq-len``."""
+    ctx = model_context(config_json)
+    if ctx is None:
+        raise ConfigError(f"{config_json} names no context length "
+                          f"(n_positions / max_position_embeddings): pass --seq-len")
+    return ctx
 
 
 def _hash_files(files: list[Path]) -> str:
@@ -127,11 +136,7 @@ class HFModelDir:
 
     @property
     def context(self) -> int:
-        ctx = model_context(self.root / "config.json")
-        if ctx is None:
-            raise ConfigError(f"{self.root / 'config.json'} names no context length "
-                              f"(n_positions / max_position_embeddings): pass --seq-len")
-        return ctx
+        return required_context(self.root / "config.json")
 
     @property
     def seq_len(self) -> int:
