@@ -240,7 +240,6 @@ def _checkpoints(args, run: Run, available: dict[str, Path], tags: list[str], qu
 def main(argv: list[str] | None = None) -> dict:
     """Score the queries with the library's method (``make_attributor(--method)``)."""
     from dattri_ds import Projector, make_attributor
-    from dattri_ds.store import GradientStore
 
     args = build_parser().parse_args(argv)
     setup_logging()
@@ -250,10 +249,10 @@ def main(argv: list[str] | None = None) -> dict:
     queries = load_texts(args.queries, run.tokenizer, run.context, args.query_max_docs,
                          context=run.context, truncate=args.truncate)
     t0 = time.perf_counter()
-    for tag in tags:  # every store is checked before any factors or gradients are read
-        _open_checked(available[tag], run, tag).close()
-    with GradientStore.open(available[tags[0]]) as first:
-        proj = _store_projection(first)
+    proj = None
+    for i, tag in enumerate(tags):  # every store is checked before any factors or gradients
+        with _open_checked(available[tag], run, tag) as store:
+            proj = _store_projection(store) if i == 0 else proj
     projector = Projector(proj) if proj else None
     token_where: list[torch.Tensor] = []  # --per-token: where each token row belongs
     cks = _checkpoints(args, run, available, tags, queries, proj, token_where)
