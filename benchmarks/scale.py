@@ -290,7 +290,7 @@ class _EngineRun:
 def _collect(rank: int, world: int, opts: dict, progress: str | None, counter) -> dict:
     import deepspeed
 
-    from dattri_ds.launch.train import setup_distributed
+    from dattri_ds.launch.deepspeed_backend import setup_distributed
     from dattri_ds.tools.collect import build_parser, collect_checkpoint
     from dattri_ds.tools.common import Run, load_texts
 
