@@ -178,7 +178,7 @@ class LoopState:
             raise ConfigError(f"{folder} has no loop state of rank {rank} ({path.name}): it was "
                               f"written by fewer processes or by a dattri-ds without resume; "
                               f"resume with the number of processes that wrote it")
-        d = torch.load(path, map_location="cpu", weights_only=False)
+        d = torch.load(path, map_location="cpu", weights_only=True)
         return cls(step=int(d["step"]), record=RunRecord.from_dict(d["record"]), rng=d["rng"])
 
 
