@@ -61,7 +61,7 @@ class DeepSpeedBackend(Backend):
                               "need --backend megatron")
         return setup_distributed()
 
-    def __init__(self, args, ds_config: dict, cfg: RunConfig, tok, data, out: Path) -> None:
+    def __init__(self, args, ds_config: dict, cfg: RunConfig, tok, data) -> None:
         import deepspeed
 
         model = build(cfg, tok)
@@ -69,13 +69,14 @@ class DeepSpeedBackend(Backend):
             model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
             config=ds_config)
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        if rank == 0:
-            model.config.save_pretrained(str(out / "model"))  # HF config.json for offline tools
         self.model = self.engine.module
         self.ctx = ParallelContext(dp_rank=rank, dp_world=world)
         self.device = self.engine.device
         self.micro = self.engine.train_micro_batch_size_per_gpu()
         self.gas = self.engine.gradient_accumulation_steps()
+
+    def write_model_config(self, out: Path) -> None:
+        self.model.config.save_pretrained(str(out / "model"))  # HF config.json for the tools
 
     @property
     def optimizer(self):

@@ -35,7 +35,7 @@ from dattri_ds.errors import ConfigError
 from dattri_ds.launch.config import RunConfig
 from dattri_ds.launch.runlog import RunLog, RunRecord, make_run_id
 
-__all__ = ["Backend", "BACKENDS", "backend_class", "LoopState", "train",
+__all__ = ["Backend", "BACKENDS", "backend_class", "LoopState", "train", "resume",
            "micro_batch_indices", "fingerprint", "seal_captured_store"]
 
 logger = logging.getLogger("dattri_ds.launch")
@@ -84,8 +84,12 @@ class Backend(ABC):
         """Check the flags, start the process groups; return ``(global rank, world size)``."""
 
     @abstractmethod
-    def __init__(self, args, ds_config: dict, cfg: RunConfig, tok, data, out: Path) -> None:
-        """Build model and optimizer on this rank; rank 0 writes ``<out>/model``."""
+    def __init__(self, args, ds_config: dict, cfg: RunConfig, tok, data) -> None:
+        """Build model and optimizer on this rank (nothing written yet)."""
+
+    @abstractmethod
+    def write_model_config(self, out: Path) -> None:
+        """Rank 0: what the offline tools need to rebuild the model, in ``<out>/model``."""
 
     @property
     @abstractmethod
@@ -132,6 +136,10 @@ class Backend(ABC):
         """Whether this rank writes a store shard (ranks holding the same examples write one)."""
         return self.ctx.tp_rank == 0
 
+    def layout(self) -> dict[str, int]:
+        """The process layout a checkpoint of this run can be resumed with."""
+        return {"dp": self.ctx.dp_world, "tp": self.ctx.tp_world}
+
     def summary(self) -> dict:
         """Backend-specific fields of ``summary.json``."""
         return {}
@@ -150,6 +158,9 @@ class LoopState:
     rng: dict[str, Any]
     """This rank's RNG states (``torch`` CPU, and CUDA when available)."""
 
+    layout: dict[str, int]
+    """``Backend.layout()`` of the run that wrote it (a resume must have the same)."""
+
     FILE: ClassVar[str] = "loop_state.rank{rank:05d}.pt"
 
     @staticmethod
@@ -166,8 +177,8 @@ class LoopState:
 
     def save(self, folder: Path, rank: int) -> None:
         folder.mkdir(parents=True, exist_ok=True)
-        torch.save({"step": self.step, "record": self.record.to_dict(), "rng": self.rng},
-                   folder / self.FILE.format(rank=rank))
+        torch.save({"step": self.step, "record": self.record.to_dict(), "rng": self.rng,
+                    "layout": self.layout}, folder / self.FILE.format(rank=rank))
 
     @classmethod
     def load(cls, folder: Path, rank: int) -> LoopState:
@@ -179,7 +190,8 @@ class LoopState:
                               f"written by fewer processes or by a dattri-ds without resume; "
                               f"resume with the number of processes that wrote it")
         d = torch.load(path, map_location="cpu", weights_only=True)
-        return cls(step=int(d["step"]), record=RunRecord.from_dict(d["record"]), rng=d["rng"])
+        return cls(step=int(d["step"]), record=RunRecord.from_dict(d["record"]), rng=d["rng"],
+                   layout=dict(d["layout"]))
 
 
 def micro_batch_indices(n: int, step: int, micro: int, gas: int, rank: int, world: int,
@@ -258,27 +270,37 @@ def _capture(backend: Backend, cfg: RunConfig, out: Path, tok, run_id: str, star
     return backend.attach_capture(cfg, cbs, start)
 
 
-def _resume(backend: Backend, cfg: RunConfig, out: Path, rank: int) -> LoopState | None:
+def resume(backend: Backend, cfg: RunConfig, out: Path, rank: int) -> LoopState | None:
+    """With ``train.resume``: check the checkpoint fits this run, load the backend's state
+    from it and return the loop's (``train`` restores its RNG right before the first step).
+    None for a fresh run. Call before anything is written to ``out``.
+
+    Raises:
+        ConfigError: no such checkpoint, or one written by another process layout.
+    """
     if not cfg.train.resume:
         return None
     tag = resume_tag(out, cfg.train.resume)
-    backend.load(out / "checkpoints", tag)
     state = LoopState.load(out / "checkpoints" / tag, rank)
-    state.restore_rng()
-    logger.info("resumed from %s at step %d", tag, state.step)
+    if state.layout != backend.layout():
+        raise ConfigError(f"--resume {tag}: the checkpoint was written with the process layout "
+                          f"{state.layout}, this run has {backend.layout()}; resume with the "
+                          f"same number of processes and parallel sizes")
+    backend.load(out / "checkpoints", tag)
+    logger.info("resuming from %s at step %d", tag, state.step)
     return state
 
 
 def train(backend: Backend, cfg: RunConfig, data, out: Path, tok, rank: int,
-          selector=None, evaluator=None) -> dict:
-    """Train ``cfg.train.steps`` optimizer steps (from the resumed step); the run summary.
+          selector=None, evaluator=None, resumed: LoopState | None = None) -> dict:
+    """Train up to ``cfg.train.steps`` optimizer steps; the run summary.
 
+    ``resumed`` (from ``resume``) continues at its step with its record and RNG state.
     Nothing here knows about capture: hooks and the selector do the work.
     """
     import torch.distributed as dist
 
     tc, ctx, micro, gas = cfg.train, backend.ctx, backend.micro, backend.gas
-    resumed = _resume(backend, cfg, out, rank)
     start = resumed.step if resumed is not None else 0
     run_id = make_run_id(fingerprint(cfg, tok) + backend.fingerprint_suffix, out)
     capture = _capture(backend, cfg, out, tok, run_id, start)
@@ -289,11 +311,13 @@ def train(backend: Backend, cfg: RunConfig, data, out: Path, tok, rank: int,
 
     def save(tag: str, step: int, lr: float) -> None:
         backend.save(ckpt_dir, tag, {"tag": tag, "step": step, "lr": lr}, data)
-        LoopState(step=step, record=log.record, rng=LoopState.capture_rng()).save(
-            ckpt_dir / tag, rank)
+        LoopState(step=step, record=log.record, rng=LoopState.capture_rng(),
+                  layout=backend.layout()).save(ckpt_dir / tag, rank)
         dist.barrier()
 
     backend.model.train()
+    if resumed is not None:
+        resumed.restore_rng()
     for step in range(start, tc.steps):
         idx = micro_batch_indices(len(data), step, n_cand, gas, ctx.dp_rank, ctx.dp_world,
                                   tc.seed)

@@ -258,9 +258,7 @@ class MegatronBackend(Backend):
                               f"parallel ranks: --seq-len {tc.seq_len} must be divisible by {tp}")
         return setup_parallel(tp, args.pipeline_model_parallel_size)
 
-    def __init__(self, args, ds_config: dict, cfg: RunConfig, tok, data, out: Path) -> None:
-        import torch.distributed as dist
-
+    def __init__(self, args, ds_config: dict, cfg: RunConfig, tok, data) -> None:
         from dattri_ds.integrations.megatron import megatron_parallel_context, prepare_model
 
         tc, tp, sp = cfg.train, args.tensor_model_parallel_size, args.sequence_parallel
@@ -280,14 +278,10 @@ class MegatronBackend(Backend):
             "vocab_size": vocab, "trained_sequence_parallel": bool(sp),
             "tokenizer_vocab_size": tok.vocab_size, "max_position_embeddings": context,
             "trained_tensor_model_parallel_size": tp, "tokenizer_fingerprint": tok.fingerprint}
-        if dist.get_rank() == 0:
-            _note_ignored(ds_config)
-            (out / "model").mkdir(exist_ok=True)
-            dump_json(out / "model" / "config.json", self.model_cfg)
-            logger.info("megatron: TP=%d%s DP=%d, %d layers, hidden %d, vocab %d (padded from "
-                        "%d)", self.ctx.tp_world, " (sequence parallel)" if sp else "",
-                        self.ctx.dp_world, kw["num_layers"], kw["hidden_size"], vocab,
-                        tok.vocab_size)
+        _note_ignored(ds_config)
+        logger.info("megatron: TP=%d%s DP=%d, %d layers, hidden %d, vocab %d (padded from %d)",
+                    self.ctx.tp_world, " (sequence parallel)" if sp else "", self.ctx.dp_world,
+                    kw["num_layers"], kw["hidden_size"], vocab, tok.vocab_size)
         self.ddp = wrap_ddp(self.model.model)
         self.clip = float(ds_config.get("gradient_clipping", 0.0))
         self.megatron_opt = torch.cuda.is_available()
@@ -301,13 +295,13 @@ class MegatronBackend(Backend):
         self.verify = bool(getattr(args, "verify_checkpoints", False))
         self.adapter = None  # the capture's MegatronAdapter, told of every optimizer step
 
+    def write_model_config(self, out: Path) -> None:
+        (out / "model").mkdir(exist_ok=True)
+        dump_json(out / "model" / "config.json", self.model_cfg)
+
     @property
     def optimizer(self):
         return self._opt
-
-    @property
-    def layout(self) -> dict[str, int]:
-        return {"tp": self.ctx.tp_world, "dp": self.ctx.dp_world}
 
     def lr(self) -> float:
         return float(self._opt.param_groups[0]["lr"])
@@ -352,14 +346,14 @@ class MegatronBackend(Backend):
 
         ckpt.save_checkpoint(self.model, ckpt_dir / tag, {**meta, "model": self.model_cfg},
                              data, self.verify)
-        ckpt.save_optimizer_state(ckpt_dir / tag, dist.get_rank(), self.layout, self._opt,
+        ckpt.save_optimizer_state(ckpt_dir / tag, dist.get_rank(), self.layout(), self._opt,
                                   self.sched)
 
     def load(self, ckpt_dir: Path, tag: str) -> None:
         import torch.distributed as dist
 
         ckpt.load_consolidated(self.model.model, ckpt.read_consolidated(ckpt_dir / tag))
-        ckpt.load_optimizer_state(ckpt_dir / tag, dist.get_rank(), self.layout, self._opt,
+        ckpt.load_optimizer_state(ckpt_dir / tag, dist.get_rank(), self.layout(), self._opt,
                                   self.sched)
 
     def summary(self) -> dict:

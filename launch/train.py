@@ -30,7 +30,7 @@ import torch  # noqa: E402
 
 from dattri_ds.launch.args import parse_args  # noqa: E402
 from dattri_ds.launch.config import RunConfig, dump_json, load_run_config  # noqa: E402
-from dattri_ds.launch.loop import backend_class, check_resume, train  # noqa: E402
+from dattri_ds.launch.loop import backend_class, check_resume, resume, train  # noqa: E402
 
 logger = logging.getLogger("dattri_ds.launch")
 # DeepSpeed calls torch collectives that torch 2.13 marks deprecated: noise for our users.
@@ -69,14 +69,16 @@ def main(argv: list[str] | None = None) -> dict:
         out.mkdir(parents=True, exist_ok=True)
     torch.distributed.barrier()
     _, tok, data = prepare_data(cfg, out, rank)
-    backend = backend_cls(args, ds_config, cfg, tok, data, out)
+    backend = backend_cls(args, ds_config, cfg, tok, data)
+    resumed = resume(backend, cfg, out, rank)  # refused before anything is overwritten
     if rank == 0:
+        backend.write_model_config(out)
         dump_json(out / "resolved_deepspeed_config.json", ds_config)
         dump_json(out / "resolved_dattri_ds_config.json", cfg)
     selector = _selector(backend, cfg, data, tok, out)
     evaluator = make_evaluator(backend.model, cfg, tok, data.seq_len, backend.ctx,
                                backend.device)
-    summary = train(backend, cfg, data, out, tok, rank, selector, evaluator)
+    summary = train(backend, cfg, data, out, tok, rank, selector, evaluator, resumed)
     if rank == 0:
         dump_json(out / "summary.json", summary)
         logger.info("done: %s", json.dumps(summary))

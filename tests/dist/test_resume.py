@@ -37,7 +37,8 @@ def _train(rank, world, argv):
     return main(argv)
 
 
-def _argv(tmp: Path, backend: str, out: Path, steps: int, *extra: str) -> list[str]:
+def _argv(tmp: Path, backend: str, out: Path, steps: int, *extra: str, tp: int = 2
+          ) -> list[str]:
     cfg = json.loads((ROOT / "configs/zero2_cpu.json").read_text())
     cfg.update(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2)
     cfg["optimizer"]["params"]["lr"] = 0.01
@@ -48,12 +49,13 @@ def _argv(tmp: Path, backend: str, out: Path, steps: int, *extra: str) -> list[s
              "resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.0,
              "tie_word_embeddings": False}  # Megatron ignores the dropout (transformer_kwargs)
     (tmp / "model.json").write_text(json.dumps(model))
-    parallel = ["--tensor-model-parallel-size", "2"] if backend == "megatron" else []
+    parallel = ["--tensor-model-parallel-size", str(tp)] if backend == "megatron" else []
     return ["--backend", backend, *parallel, "--deepspeed_config", str(tmp / "ds.json"),
             "--model-config", str(tmp / "model.json"), "--out", str(out), "--steps", str(steps),
             "--save-every", str(HALF), "--capture", "--train-data",
             str(ROOT / "data/tiny/train.jsonl"), "--max-docs", "32", "--seq-len", "32",
-            "--vocab-size", "512", "--log-every", "1", *extra]
+            "--vocab-size", "512", "--log-every", "1", "--eval-every", "1", "--eval-data",
+            str(ROOT / "data/tiny/target.jsonl"), "--eval-max-docs", "4", *extra]
 
 
 def _weights(backend: str, out: Path, tag: str) -> dict[str, torch.Tensor]:
@@ -67,7 +69,9 @@ def _weights(backend: str, out: Path, tag: str) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("backend", ["megatron", "deepspeed"])
 def test_resumed_run_equals_uninterrupted(tmp_path, backend):
     """4 steps in one go == 2 steps, then ``--steps 4 --resume step2`` on the same --out:
-    losses of all 4 steps, final weights and the stored gradients (rel. err <= 1e-6)."""
+    losses of all 4 steps, held-out losses, final weights and the stored gradients (rel. err
+    <= 1e-6). Resuming with another process layout (1 process) is refused before the run's
+    files are touched."""
     if backend == "megatron":
         require("megatron.core", "megatron")
         warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|Torch Norm).*")
@@ -75,12 +79,20 @@ def test_resumed_run_equals_uninterrupted(tmp_path, backend):
     else:
         require("deepspeed", "deepspeed")
     full, part = tmp_path / "full", tmp_path / "part"
-    run(_train, 2, timeout=300, argv=_argv(tmp_path, backend, full, STEPS))
+    ref = run(_train, 2, timeout=300, argv=_argv(tmp_path, backend, full, STEPS))
     run(_train, 2, timeout=300, argv=_argv(tmp_path, backend, part, HALF))
+    model_config = (part / "model/config.json").read_bytes()
+    with pytest.raises(AssertionError, match="written with the process layout"):
+        run(_train, 1, timeout=300, argv=_argv(tmp_path, backend, part, STEPS, "--resume",
+                                               "latest", tp=1))
+    assert (part / "model/config.json").read_bytes() == model_config
     sums = run(_train, 2, timeout=300, argv=_argv(tmp_path, backend, part, STEPS, "--resume",
-                                                    f"step{HALF}"))
+                                                    "latest"))
     assert sums[0]["checkpoints"] == [f"step{HALF}", f"step{STEPS}"]
     assert sums[0]["examples"] == STEPS * 2 * 2 * (2 if backend == "deepspeed" else 1)
+    ea, eb = ([e[k] for e in s[0]["eval"] for k in ("step", "examples", "target_loss")]
+              for s in (ref, sums))
+    assert len(ea) == 3 * (STEPS + 1) and rel_err(torch.tensor(eb), torch.tensor(ea)) <= TOL
 
     la = [r["loss"] for r in json.loads((full / "trajectory.json").read_text())["lrs"]]
     lb = [r["loss"] for r in json.loads((part / "trajectory.json").read_text())["lrs"]]
