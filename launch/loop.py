@@ -14,7 +14,8 @@ imported on use so that DeepSpeed and Megatron stay optional): add one by writin
 Resume (``train.resume``): the backend restores weights, optimizer and lr schedule; the loop
 restores the step, every rank's RNG state and the ``RunRecord`` from
 ``checkpoints/<tag>/loop_state.rank<R>.pt``, so the resumed run trains what the uninterrupted
-one would have trained.
+one would have trained (tests/dist/test_resume.py). It needs the process layout that wrote
+the checkpoint; with online selection it is refused (the selector's state is not saved).
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ class Backend(ABC):
     """One training engine driven by ``train``.
 
     ``setup`` runs before any model exists (checks, then the process groups); the constructor
-    builds model and optimizer and writes ``<out>/model``. Attributes every backend sets:
+    builds model and optimizer, writing nothing (a refused resume leaves the run as it was);
+    ``write_model_config`` then writes ``<out>/model``. Attributes every backend sets:
     ``model`` (called like a Hugging Face causal LM: ``model(**batch).loss``; what capture,
     selection and evaluation use), ``ctx`` (data- and tensor-parallel groups), ``device``,
     ``micro`` (examples per micro-batch and rank) and ``gas`` (micro-batches per step).
