@@ -209,7 +209,8 @@ def load_optimizer_state(path: Path, rank: int, layout: dict[str, int], optimize
                           f"written by an older dattri-ds (weights only) or by fewer ranks; "
                           f"resume with the layout that wrote it, or start a new run from "
                           f"its weights")
-    state = torch.load(file, map_location="cpu", weights_only=True)
+    # our own file; Megatron's optimizers keep plain Python objects in their param groups
+    state = torch.load(file, map_location="cpu", weights_only=False)
     if state["layout"] != dict(layout):
         raise ConfigError(f"{path} was written by a run with layout {state['layout']}, this run "
                           f"has {dict(layout)}: resume with the same --tensor-model-parallel-"
