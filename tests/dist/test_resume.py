@@ -6,8 +6,9 @@ state and the run record of the steps before it, so that the resumed run trains 
 the uninterrupted run trains: per-step losses, the final weights and the per-example
 gradients it stores agree (fp32, relative error <= 1e-6; in practice bitwise). Checked for
 ``--backend megatron`` with TP=2 (2 gloo ranks; format of
-dattri_ds/integrations/megatron_checkpoint.py) and ``--backend deepspeed`` with ZeRO-2 and
-dropout on (2 gloo ranks; DeepSpeed's own checkpoints plus the loop's per-rank state).
+dattri_ds/integrations/megatron_checkpoint.py; the DeepSpeed JSON's ZeRO block is ignored) and
+``--backend deepspeed`` with ZeRO-2 and ZeRO-3 and dropout on (2 gloo ranks; DeepSpeed's own
+checkpoints plus the loop's per-rank state).
 Breaks if any of them is not restored: e.g. fresh AdamW moments after the resume change the
 step-3 update far beyond the tolerance.
 """
@@ -37,9 +38,9 @@ def _train(rank, world, argv):
     return main(argv)
 
 
-def _argv(tmp: Path, backend: str, out: Path, steps: int, *extra: str, tp: int = 2
-          ) -> list[str]:
-    cfg = json.loads((ROOT / "configs/zero2_cpu.json").read_text())
+def _argv(tmp: Path, backend: str, out: Path, steps: int, *extra: str, tp: int = 2,
+          stage: int = 2) -> list[str]:
+    cfg = json.loads((ROOT / f"configs/zero{stage}_cpu.json").read_text())
     cfg.update(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2)
     cfg["optimizer"]["params"]["lr"] = 0.01
     cfg["scheduler"]["params"].update(warmup_num_steps=2, total_num_steps=8)
@@ -66,8 +67,8 @@ def _weights(backend: str, out: Path, tag: str) -> dict[str, torch.Tensor]:
     return load_state_dict(out / "checkpoints", tag)
 
 
-@pytest.mark.parametrize("backend", ["megatron", "deepspeed"])
-def test_resumed_run_equals_uninterrupted(tmp_path, backend):
+@pytest.mark.parametrize("backend,stage", [("megatron", 1), ("deepspeed", 2), ("deepspeed", 3)])
+def test_resumed_run_equals_uninterrupted(tmp_path, backend, stage):
     """4 steps in one go == 2 steps, then ``--steps 4 --resume step2`` on the same --out:
     losses of all 4 steps, held-out losses, final weights and the stored gradients (rel. err
     <= 1e-6). Resuming with another process layout (1 process) is refused before the run's
@@ -79,15 +80,15 @@ def test_resumed_run_equals_uninterrupted(tmp_path, backend):
     else:
         require("deepspeed", "deepspeed")
     full, part = tmp_path / "full", tmp_path / "part"
-    ref = run(_train, 2, timeout=300, argv=_argv(tmp_path, backend, full, STEPS))
-    run(_train, 2, timeout=300, argv=_argv(tmp_path, backend, part, HALF))
+    ref = run(_train, 2, timeout=300, argv=_argv(tmp_path, backend, full, STEPS, stage=stage))
+    run(_train, 2, timeout=300, argv=_argv(tmp_path, backend, part, HALF, stage=stage))
     model_config = (part / "model/config.json").read_bytes()
     with pytest.raises(AssertionError, match="written with the process layout"):
         run(_train, 1, timeout=300, argv=_argv(tmp_path, backend, part, STEPS, "--resume",
-                                               "latest", tp=1))
+                                               "latest", tp=1, stage=stage))
     assert (part / "model/config.json").read_bytes() == model_config
     sums = run(_train, 2, timeout=300, argv=_argv(tmp_path, backend, part, STEPS, "--resume",
-                                                    "latest"))
+                                                    "latest", stage=stage))
     assert sums[0]["checkpoints"] == [f"step{HALF}", f"step{STEPS}"]
     assert sums[0]["examples"] == STEPS * 2 * 2 * (2 if backend == "deepspeed" else 1)
     ea, eb = ([e[k] for e in s[0]["eval"] for k in ("step", "examples", "target_loss")]
