@@ -12,7 +12,7 @@ setup(
     license="MIT",
     python_requires=">=3.10",
     packages=["dattri_ds", "dattri_ds.layers", "dattri_ds.ops", "dattri_ds.store", "dattri_ds.eval",
-              "dattri_ds.data", "dattri_ds.integrations", "dattri_ds.methods",
+              "dattri_ds.data", "dattri_ds.integrations", "dattri_ds.methods", "dattri_ds.models",
               "dattri_ds.selection", "dattri_ds.launch", "dattri_ds.tools"],
     package_dir={"dattri_ds.selection": "selection", "dattri_ds.launch": "launch",
                  "dattri_ds.tools": "tools"},

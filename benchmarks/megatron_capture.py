@@ -42,7 +42,7 @@ def _setup(tp: int) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from dattri_ds.integrations.megatron import cpu_workarounds
+    from dattri_ds.models.megatron_gpt import cpu_workarounds
 
     dist.init_process_group("gloo")
     ps.initialize_model_parallel(tensor_model_parallel_size=tp)
@@ -50,7 +50,7 @@ def _setup(tp: int) -> None:
 
 
 def _model(args):
-    from dattri_ds.integrations.megatron import build_gpt
+    from dattri_ds.models.megatron_gpt import build_gpt
     from dattri_ds.launch.megatron_backend import transformer_kwargs
 
     kw, _ = transformer_kwargs({"model_type": "gpt2", "n_layer": args.layers,

@@ -198,7 +198,7 @@ def release_after_probes() -> None:
 
 
 def _zero_init_build(ds_path: str):
-    """``launch.train.build`` that builds the model partitioned (``zero.Init`` through
+    """``launch.deepspeed_backend.build`` that builds the model partitioned (``zero.Init`` through
     ``HfDeepSpeedConfig``): no rank ever holds the whole model (launch/train.py builds it
     whole on every rank first, 4 bytes per parameter, before DeepSpeed partitions it)."""
     def build(cfg, tok):
@@ -223,11 +223,12 @@ def train_worker(rank: int, world: int, port: int, argv: list[str], progress: st
                  zero_init: bool = False):
     try:
         counter = _setup_rank(rank, world, port)
+        import dattri_ds.launch.deepspeed_backend as ds_backend
         import dattri_ds.launch.train as launch
         from dattri_ds.launch.runlog import RunLog
 
         if zero_init:
-            launch.build = _zero_init_build(argv[argv.index("--deepspeed_config") + 1])
+            ds_backend.build = _zero_init_build(argv[argv.index("--deepspeed_config") + 1])
             release_after_probes()
 
         marks: list[tuple[float, float, int]] = []
@@ -290,7 +291,7 @@ class _EngineRun:
 def _collect(rank: int, world: int, opts: dict, progress: str | None, counter) -> dict:
     import deepspeed
 
-    from dattri_ds.launch.train import setup_distributed
+    from dattri_ds.launch.deepspeed_backend import setup_distributed
     from dattri_ds.tools.collect import build_parser, collect_checkpoint
     from dattri_ds.tools.common import Run, load_texts
 

@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 from dattri_ds.data import (  # noqa: E402
     build_model, load_documents, tokenize_documents, train_tokenizer,
 )
-from dattri_ds.launch.train import micro_batch_indices  # noqa: E402
+from dattri_ds.launch.loop import micro_batch_indices  # noqa: E402
 from dattri_ds.selection import OnlineSelector, SelectionConfig  # noqa: E402
 
 SHIPPED = {"hamlet": "data/target/hamlet.jsonl", "trivia": "data/target/trivia.jsonl",

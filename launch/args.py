@@ -20,6 +20,7 @@ from typing import Any
 from dattri_ds import schema
 from dattri_ds.errors import UsageError
 from dattri_ds.launch.config import BLOCK, RunConfig
+from dattri_ds.launch.loop import BACKENDS
 
 __all__ = ["build_parser", "parse_args", "flag_name", "ALIASES"]
 
@@ -110,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/train", help="output directory")
     _add_field_flags(p)
     m = p.add_argument_group("backend (launch/megatron_backend.py for megatron)")
-    m.add_argument("--backend", choices=["deepspeed", "megatron"], default="deepspeed",
+    m.add_argument("--backend", choices=sorted(BACKENDS), default="deepspeed",
                    help="deepspeed: a DeepSpeed engine on a Hugging Face model; megatron: a "
                         "Megatron-core GPTModel with tensor parallelism and a torch optimizer "
                         "(the DeepSpeed JSON gives the dattri_ds block, batch sizes, optimizer "

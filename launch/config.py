@@ -84,6 +84,12 @@ class TrainConfig:
     """jsonl of held-out *general* texts (never trained on) evaluated alongside the target
     (``general_loss``): what selection costs on everything else. None = not tracked."""
 
+    resume: str | None = None
+    """Continue this run (the same ``--out``) from its checkpoint ``checkpoints/<tag>``
+    (``latest``: the newest one in ``trajectory.json``): weights, optimizer and lr-schedule
+    state, step, data position, RNG and the record (losses, lrs, evaluations) of the steps
+    before it; the run then trains up to ``steps``. null = start at step 0."""
+
     def __post_init__(self) -> None:
         schema.check(self, f"{BLOCK}.train")
 

@@ -19,11 +19,9 @@ fp32, with its global-norm clipping); on CPU, where Megatron's optimizer needs C
 (SETUP.md s.5), the torch optimizer of the DeepSpeed JSON on ``main_grad`` with a global-
 norm clip summed over the TP group.
 
-The model is ``MegatronLM``: a ``GPTModel`` (``integrations.megatron.gpt_block_spec``:
-Megatron's local layer spec with torch norms that allow sequence parallelism; learned
-absolute positions, untied output layer) called like a Hugging Face model,
-``lm(input_ids=, labels=).loss`` being the token mean over ``labels[:, 1:] != -100`` (so
-captures use the default ``label_shift=1``).
+The model is ``MegatronLM`` (dattri_ds/models/megatron_gpt.py): a ``GPTModel`` called like a
+Hugging Face model, ``lm(input_ids=, labels=).loss`` being the token mean over
+``labels[:, 1:] != -100`` (so captures use the default ``label_shift=1``).
 
 Artifacts (besides those of the DeepSpeed path: resolved configs, tokenizer, trajectory.json
 with the lr of every step, summary.json, grad_store/, selection.jsonl):
@@ -31,16 +29,10 @@ with the lr of every step, summary.json, grad_store/, selection.jsonl):
 * ``<out>/model/config.json``: ``{"backend": "megatron", "transformer_config": {...},
   "vocab_size", "max_position_embeddings", "trained_tensor_model_parallel_size", ...}``;
   ``transformer_config`` holds the TransformerConfig kwargs of the TP=1 model.
-* ``<out>/checkpoints/<tag>/megatron_consolidated.pt``: ``torch.save`` of a plain
-  ``{name: tensor}`` dict, the GPTModel's full (TP=1-equivalent) state dict: every
-  tensor-parallel parameter is all-gathered along its ``partition_dim`` over the TP group,
-  then global rank 0 writes. ``GPTModel(TransformerConfig(**transformer_config), ...)
-  .load_state_dict(state, strict=False)`` (only ``_extra_state`` keys missing) rebuilds it.
-* ``<out>/checkpoints/<tag>/megatron_consolidated.json``: format, step, lr, the model config
-  above, and ``check``: per-example losses of the first training examples computed by the
-  live (sharded) model, so a reload can be verified.
-
-The optimizer state is not saved: these checkpoints serve attribution, not resuming.
+* ``<out>/checkpoints/<tag>/``: the consolidated checkpoint format of
+  dattri_ds/integrations/megatron_checkpoint.py (full TP=1-equivalent weights read by the
+  offline tools at any TP size, plus every rank's optimizer and lr-schedule state, so that
+  ``--resume <tag>`` continues the run with the same TP x DP layout).
 """
 
 from __future__ import annotations
@@ -49,27 +41,23 @@ import json
 import logging
 import os
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 from torch import nn
 
 from dattri_ds.errors import ConfigError
-from dattri_ds.integrations.megatron import MegatronLM, build_gpt, cpu_workarounds
+from dattri_ds.integrations import megatron_checkpoint as ckpt
+from dattri_ds.integrations.megatron_checkpoint import is_tp
 from dattri_ds.launch.config import RunConfig, dump_json
-from dattri_ds.launch.runlog import RunLog
+from dattri_ds.launch.loop import Backend
+from dattri_ds.models.megatron_gpt import MegatronLM, build_gpt, cpu_workarounds
 
-__all__ = ["MegatronLM", "transformer_kwargs", "consolidated_state", "load_consolidated",
-           "run", "CONSOLIDATED", "CONSOLIDATED_META"]
+__all__ = ["MegatronBackend", "transformer_kwargs", "padded_vocab", "setup_parallel"]
 
 logger = logging.getLogger("dattri_ds.launch")
-CONSOLIDATED = "megatron_consolidated.pt"
-CONSOLIDATED_META = "megatron_consolidated.json"
-FORMAT = "dattri_ds.megatron_consolidated"
 #: DeepSpeed keys this backend reads; any other key of the JSON is ignored (and logged).
 USED_DS_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
                 "gradient_clipping", "optimizer", "scheduler", "train_batch_size")
-CHECK_EXAMPLES = 4
 
 
 # ---- model config ---------------------------------------------------------------------------
@@ -115,99 +103,6 @@ def padded_vocab(vocab: int, tp: int, multiple: int = 64) -> int:
     """The vocabulary rounded up to a multiple of ``multiple * tp`` (Megatron's padding)."""
     m = multiple * tp
     return -(-vocab // m) * m
-
-
-# ---- consolidated checkpoints ---------------------------------------------------------------
-def _is_tp(p: torch.Tensor) -> bool:
-    return bool(getattr(p, "tensor_model_parallel", False))
-
-
-def consolidated_state(gpt: nn.Module) -> dict[str, torch.Tensor]:
-    """The full (TP=1) state dict: TP-sharded parameters all-gathered on their partition dim.
-
-    Collective over the tensor-parallel group (every TP rank must call it).
-    """
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    group, tp = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
-    params = dict(gpt.named_parameters())
-    out = {}
-    for name, t in gpt.state_dict().items():
-        if not isinstance(t, torch.Tensor) or name.endswith("_extra_state"):
-            continue
-        p = params.get(name)
-        if p is not None and _is_tp(p) and tp > 1:
-            parts = [torch.empty_like(p.data) for _ in range(tp)]
-            dist.all_gather(parts, p.data.contiguous(), group=group)
-            t = torch.cat(parts, dim=p.partition_dim)
-        out[name] = t.detach().cpu().clone()
-    return out
-
-
-def load_consolidated(gpt: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Load a consolidated state into a GPTModel of any TP size (slicing sharded params)."""
-    from megatron.core import parallel_state as ps
-
-    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    params = dict(gpt.named_parameters())
-    local = {}
-    for name, t in state.items():
-        p = params.get(name)
-        if p is not None and _is_tp(p) and tp > 1:
-            t = t.chunk(tp, dim=p.partition_dim)[rank]
-        local[name] = t
-    missing, unexpected = gpt.load_state_dict(local, strict=False)
-    bad = [m for m in missing if not m.endswith("_extra_state")]
-    if bad or unexpected:
-        raise ConfigError(f"Consolidated Megatron state does not match the model: missing "
-                          f"{bad[:5]}, unexpected {unexpected[:5]}")
-
-
-def _check_losses(lm: MegatronLM, data) -> list[float]:
-    rows = torch.arange(min(CHECK_EXAMPLES, len(data)))
-    device = next(lm.parameters()).device
-    b = {k: v.to(device) for k, v in data.batch(rows).items()}
-    was = lm.training
-    lm.eval()
-    with torch.no_grad():
-        out = lm(input_ids=b["input_ids"], labels=b["labels"])
-    lm.train(was)
-    n = (b["labels"][:, 1:] != -100).sum(1).clamp_min(1)
-    return (out.token_losses.sum(1) / n).cpu().tolist()
-
-
-def save_checkpoint(lm: MegatronLM, path: Path, meta: dict, data, verify: bool) -> None:
-    """Gather, write (global rank 0), and with ``verify`` reload and compare on every rank."""
-    import torch.distributed as dist
-
-    state = consolidated_state(lm.model)
-    meta = {**meta, "format": FORMAT, "format_version": 1,
-            "check": {"rows": list(range(min(CHECK_EXAMPLES, len(data)))),
-                      "example_loss": _check_losses(lm, data)}}
-    if dist.get_rank() == 0:
-        path.mkdir(parents=True, exist_ok=True)
-        tmp = path / (CONSOLIDATED + ".tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, path / CONSOLIDATED)
-        dump_json(path / CONSOLIDATED_META, meta)
-    dist.barrier()
-    if verify:
-        _verify(lm.model, torch.load(path / CONSOLIDATED, map_location="cpu",
-                                     weights_only=True), path)
-
-
-def _verify(gpt: nn.Module, saved: dict[str, torch.Tensor], path: Path) -> None:
-    """Every rank: its live shard equals the matching slice of the saved full tensor."""
-    from megatron.core import parallel_state as ps
-
-    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    for name, p in gpt.named_parameters():
-        full = saved[name]
-        mine = full.chunk(tp, dim=p.partition_dim)[rank] if _is_tp(p) and tp > 1 else full
-        if not torch.equal(mine, p.detach().cpu()):
-            raise RuntimeError(f"Consolidated checkpoint {path} differs from the live TP rank "
-                               f"{rank} shard of '{name}'")
 
 
 # ---- optimization ---------------------------------------------------------------------------
@@ -289,7 +184,7 @@ def _clip(model: nn.Module, max_norm: float, ctx) -> float:
     """Clip by the global norm: sharded parameters' squares summed over the TP group."""
     import torch.distributed as dist
 
-    grads = [(p.grad, _is_tp(p)) for p in model.parameters() if p.grad is not None]
+    grads = [(p.grad, is_tp(p)) for p in model.parameters() if p.grad is not None]
     device = grads[0][0].device if grads else torch.device("cpu")
     sq = torch.zeros(2, dtype=torch.float64, device=device)
     for g, sharded in grads:
@@ -344,178 +239,123 @@ def _note_ignored(ds_config: dict) -> None:
                     "size, gradient accumulation, clipping, optimizer, scheduler)", ignored)
 
 
-# ---- the run --------------------------------------------------------------------------------
-def run(args, ds_config: dict, cfg: RunConfig) -> dict:
-    """Train ``cfg`` with Megatron-core (``--backend megatron``); return the summary."""
-    import torch.distributed as dist
+# ---- the backend ----------------------------------------------------------------------------
+class MegatronBackend(Backend):
+    """``--backend megatron``: a ``MegatronLM`` under Megatron DDP with TP x DP groups."""
 
-    from dattri_ds.integrations.megatron import megatron_parallel_context, prepare_model
-    from dattri_ds.launch.train import make_evaluator, make_selector, prepare_data
+    fingerprint_suffix = ":megatron"
 
-    tc, tp = cfg.train, args.tensor_model_parallel_size
-    if tc.model_path:
-        raise ConfigError("--model-path loads a Hugging Face model: --backend megatron builds a "
-                          "GPTModel from --model-config; drop --model-path or use --backend "
-                          "deepspeed")
-    kw, context = transformer_kwargs(tc.model_config, tp, args.sequence_parallel)  # before any
-    if args.sequence_parallel and tc.seq_len % tp:  # process group: errors at start
-        raise ConfigError(f"--sequence-parallel splits the sequence over the {tp} tensor-"
-                          f"parallel ranks: --seq-len {tc.seq_len} must be divisible by {tp}")
-    rank, world = setup_parallel(tp, args.pipeline_model_parallel_size)
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    if rank == 0:
+    @classmethod
+    def setup(cls, args, ds_config: dict, cfg: RunConfig) -> tuple[int, int]:
+        tc, tp = cfg.train, args.tensor_model_parallel_size
+        if tc.model_path:
+            raise ConfigError("--model-path loads a Hugging Face model: --backend megatron "
+                              "builds a GPTModel from --model-config; drop --model-path or use "
+                              "--backend deepspeed")
+        transformer_kwargs(tc.model_config, tp, args.sequence_parallel)  # before any
+        if args.sequence_parallel and tc.seq_len % tp:  # process group: errors at start
+            raise ConfigError(f"--sequence-parallel splits the sequence over the {tp} tensor-"
+                              f"parallel ranks: --seq-len {tc.seq_len} must be divisible by {tp}")
+        return setup_parallel(tp, args.pipeline_model_parallel_size)
+
+    def __init__(self, args, ds_config: dict, cfg: RunConfig, tok, data) -> None:
+        from dattri_ds.integrations.megatron import megatron_parallel_context, prepare_model
+
+        tc, tp, sp = cfg.train, args.tensor_model_parallel_size, args.sequence_parallel
+        kw, context = transformer_kwargs(tc.model_config, tp, sp)
+        if data.seq_len > context:
+            raise ConfigError(f"--seq-len {data.seq_len} exceeds the model context {context} "
+                              f"(n_positions of {tc.model_config})")
+        vocab = padded_vocab(tok.vocab_size, tp)
+        self.device = torch.device("cuda", torch.cuda.current_device()) \
+            if torch.cuda.is_available() else torch.device("cpu")
+        self.model = MegatronLM(build_gpt(kw, vocab, context, tc.seed)).to(self.device)
+        prepare_model(self.model)
+        self.ctx = megatron_parallel_context()
+        self.model_cfg = {
+            "backend": "megatron", "transformer_config": {
+                **kw, "tensor_model_parallel_size": 1, "sequence_parallel": False},
+            "vocab_size": vocab, "trained_sequence_parallel": bool(sp),
+            "tokenizer_vocab_size": tok.vocab_size, "max_position_embeddings": context,
+            "trained_tensor_model_parallel_size": tp, "tokenizer_fingerprint": tok.fingerprint}
         _note_ignored(ds_config)
-    out = Path(args.out)
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
-    _, tok, data = prepare_data(cfg, out, rank)
-    if data.seq_len > context:
-        raise ConfigError(f"--seq-len {data.seq_len} exceeds the model context {context} "
-                          f"(n_positions of {tc.model_config})")
-    vocab = padded_vocab(tok.vocab_size, tp)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-        else torch.device("cpu")
-    lm = MegatronLM(build_gpt(kw, vocab, context, tc.seed)).to(device)
-    prepare_model(lm)
-    ctx = megatron_parallel_context()
-    model_cfg = {"backend": "megatron", "transformer_config": {**kw,
-                 "tensor_model_parallel_size": 1, "sequence_parallel": False},
-                 "vocab_size": vocab, "trained_sequence_parallel": bool(args.sequence_parallel),
-                 "tokenizer_vocab_size": tok.vocab_size, "max_position_embeddings": context,
-                 "trained_tensor_model_parallel_size": tp, "tokenizer_fingerprint": tok.fingerprint}
-    if rank == 0:
-        dump_json(out / "resolved_deepspeed_config.json", ds_config)
-        dump_json(out / "resolved_dattri_ds_config.json", cfg)
-        (out / "model").mkdir(exist_ok=True)
-        dump_json(out / "model" / "config.json", model_cfg)
         logger.info("megatron: TP=%d%s DP=%d, %d layers, hidden %d, vocab %d (padded from %d)",
-                    ctx.tp_world, " (sequence parallel)" if args.sequence_parallel else "",
-                    ctx.dp_world, kw["num_layers"], kw["hidden_size"], vocab,
-                    tok.vocab_size)
-    ddp = wrap_ddp(lm.model)
-    clip = float(ds_config.get("gradient_clipping", 0.0))
-    if torch.cuda.is_available():
-        opt = megatron_optimizer(ds_config, ddp, clip)
-        sched = make_schedule(ds_config, opt.optimizer)
-    else:
-        opt, sched = make_optimizer(ds_config, lm.parameters())
-    loop = SimpleNamespace(
-        lm=lm, ddp=ddp, opt=opt, sched=sched, megatron_opt=torch.cuda.is_available(),
-        ctx=ctx, device=device, model_cfg=model_cfg,
-        micro=int(ds_config.get("train_micro_batch_size_per_gpu", 1)),
-        gas=int(ds_config.get("gradient_accumulation_steps", 1)),
-        clip=clip, verify=bool(getattr(args, "verify_checkpoints", False)))
-    selector = make_selector(lm, cfg, data, tok, ctx, device,
-                             lambda: float(loop.opt.param_groups[0]["lr"]),
-                             out / "selection.jsonl" if ctx.tp_rank == 0 else None,
-                             optimizer=loop.opt)
-    evaluator = make_evaluator(lm, cfg, tok, data.seq_len, ctx, device)
-    summary = train(loop, cfg, data, out, tok, selector, evaluator)
-    summary.update(backend="megatron", tensor_model_parallel_size=ctx.tp_world,
-                   data_parallel_size=ctx.dp_world)
-    if rank == 0:
-        dump_json(out / "summary.json", summary)
-        logger.info("done: %s", json.dumps(summary))
-    return summary
+                    self.ctx.tp_world, " (sequence parallel)" if sp else "", self.ctx.dp_world,
+                    kw["num_layers"], kw["hidden_size"], vocab, tok.vocab_size)
+        self.ddp = wrap_ddp(self.model.model)
+        self.clip = float(ds_config.get("gradient_clipping", 0.0))
+        self.megatron_opt = torch.cuda.is_available()
+        if self.megatron_opt:
+            self._opt = megatron_optimizer(ds_config, self.ddp, self.clip)
+            self.sched = make_schedule(ds_config, self._opt.optimizer)
+        else:
+            self._opt, self.sched = make_optimizer(ds_config, self.model.parameters())
+        self.micro = int(ds_config.get("train_micro_batch_size_per_gpu", 1))
+        self.gas = int(ds_config.get("gradient_accumulation_steps", 1))
+        self.verify = bool(getattr(args, "verify_checkpoints", False))
+        self.adapter = None  # the capture's MegatronAdapter, told of every optimizer step
 
+    def write_model_config(self, out: Path) -> None:
+        (out / "model").mkdir(exist_ok=True)
+        dump_json(out / "model" / "config.json", self.model_cfg)
 
-def _capture(loop, cfg: RunConfig, out: Path, tok, run_id: str | None = None):
-    """Capture on every rank (projections all-reduce over TP); TP rank 0 writes the store."""
-    if not cfg.capture_enabled:
-        return None
-    from dattri_ds.integrations.megatron import MegatronAdapter, megatron_capture
-    from dattri_ds.launch.train import fingerprint
-    from dattri_ds.store import StoreCallback
+    @property
+    def optimizer(self):
+        return self._opt
 
-    if cfg.capture.projection is None:
-        raise ConfigError("--capture stores projected gradients: set dattri_ds.capture."
-                          "projection in the DeepSpeed JSON (e.g. {\"dim\": 256})")
-    ctx, cbs = loop.ctx, []
-    if ctx.tp_rank == 0:  # TP ranks hold the same examples: one shard per DP rank
-        cbs.append(StoreCallback(cfg.store_config(out), projection=cfg.capture.projection,
-                                 fingerprint=f"{fingerprint(cfg, tok)}:megatron",
-                                 rank=ctx.dp_rank, world=ctx.dp_world, capture=cfg.capture,
-                                 run_id=run_id))
-    adapter = MegatronAdapter(loop.lm, backward_scale=1.0 / loop.gas)
-    return megatron_capture(loop.lm, cfg.capture, callbacks=cbs, adapter=adapter).attach()
+    def lr(self) -> float:
+        return float(self._opt.param_groups[0]["lr"])
 
+    def forward_backward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        loss = self.model(**batch).loss
+        (loss / self.gas).backward()
+        return loss.detach()
 
-def _optimizer_step(loop) -> None:
-    """Synchronize (Megatron DDP), clip, step, zero the grad buffers, advance the schedule."""
-    from megatron.core.distributed import finalize_model_grads
+    def optimizer_step(self) -> None:
+        """Synchronize (Megatron DDP), clip, step, zero the grad buffers, advance the schedule;
+        then tell the capture a step ended."""
+        from megatron.core.distributed import finalize_model_grads
 
-    finalize_model_grads([loop.ddp])
-    if loop.megatron_opt:
-        loop.opt.step()  # clips by the global norm itself
-    else:
-        _main_grads_to_grad(loop.lm)
-        if loop.clip > 0:
-            _clip(loop.lm, loop.clip, loop.ctx)
-        loop.opt.step()
-    loop.opt.zero_grad(set_to_none=True)
-    loop.ddp.zero_grad_buffer()
-    if loop.sched is not None:
-        loop.sched.step()
+        finalize_model_grads([self.ddp])
+        if not self.megatron_opt:
+            _main_grads_to_grad(self.model)
+            if self.clip > 0:
+                _clip(self.model, self.clip, self.ctx)
+        self._opt.step()  # Megatron's optimizer clips by the global norm itself
+        self._opt.zero_grad(set_to_none=True)
+        self.ddp.zero_grad_buffer()
+        if self.sched is not None:
+            self.sched.step()
+        if self.adapter is not None:
+            self.adapter.step_done()
 
+    def attach_capture(self, cfg: RunConfig, callbacks: list, start_step: int):
+        """Capture on every rank (projections all-reduce over TP)."""
+        from dattri_ds.integrations.megatron import MegatronAdapter, megatron_capture
 
-def train(loop, cfg: RunConfig, data, out: Path, tok, selector=None, evaluator=None) -> dict:
-    """The loop of launch/train.py with a torch optimizer; hooks and the selector do the rest."""
-    import torch.distributed as dist
+        self.adapter = MegatronAdapter(self.model, backward_scale=1.0 / self.gas,
+                                       start_step=start_step)
+        return megatron_capture(self.model, cfg.capture, callbacks=callbacks,
+                                adapter=self.adapter).attach()
 
-    from dattri_ds.launch.runlog import make_run_id
-    from dattri_ds.launch.train import fingerprint, micro_batch_indices, seal_captured_store
+    def selection_log(self, out: Path) -> Path | None:
+        return out / "selection.jsonl" if self.ctx.tp_rank == 0 else None
 
-    tc, lm, ctx, micro, gas = cfg.train, loop.lm, loop.ctx, loop.micro, loop.gas
-    rank = dist.get_rank()
-    run_id = make_run_id(f"{fingerprint(cfg, tok)}:megatron", out)
-    capture = _capture(loop, cfg, out, tok, run_id)
-    n_cand = selector.num_candidates(micro) if selector is not None else micro
-    ckpt_dir = out / "checkpoints"
-    log = RunLog(tc, out, rank, evaluator, run_id=run_id)
+    def save(self, ckpt_dir: Path, tag: str, meta: dict, data) -> None:
+        import torch.distributed as dist
 
-    def save(tag: str, step: int, lr: float) -> None:
-        save_checkpoint(lm, ckpt_dir / tag, {"tag": tag, "step": step, "lr": lr,
-                                             "model": loop.model_cfg}, data, loop.verify)
+        ckpt.save_checkpoint(self.model, ckpt_dir / tag, {**meta, "model": self.model_cfg},
+                             data, self.verify)
+        ckpt.save_optimizer_state(ckpt_dir / tag, dist.get_rank(), self.layout(), self._opt,
+                                  self.sched)
 
-    lm.train()
-    for step in range(tc.steps):
-        idx = micro_batch_indices(len(data), step, n_cand, gas, ctx.dp_rank, ctx.dp_world,
-                                  tc.seed)
-        lr = float(loop.opt.param_groups[0]["lr"])  # the lr this step uses
-        step_loss = torch.zeros((), dtype=torch.float64, device=loop.device)
-        for mb in range(gas):
-            batch = {k: v.to(loop.device) for k, v in data.batch(idx[mb]).items()}
-            doc_ids = [data.docs[i].id for i in idx[mb].tolist()]
-            if selector is not None:
-                sel = selector.select(batch, micro, step, user_ids=doc_ids)
-                batch = sel.batch
-                doc_ids = [c.split("#")[0] for c in sel.chosen_ids]
-            if capture is not None:  # stored ids: "<doc id>@<step>#<content hash>"
-                capture.tag([f"{d}@{step}" for d in doc_ids])
-            loss = lm(**batch).loss
-            (loss / gas).backward()
-            step_loss += float(loss.detach()) / gas
-        _optimizer_step(loop)
-        if capture is not None:
-            capture.adapter.step_done()
-        if ctx.dp_world > 1:
-            dist.all_reduce(step_loss, group=ctx.dp_group)
-        log.end_step(step, float(step_loss) / ctx.dp_world, lr, micro * gas * ctx.dp_world, save)
-    if capture is not None:
-        capture.close()
-    summary = log.summary(world=dist.get_world_size(), captured=bool(capture))
-    if capture is not None:  # examples dropped for a NaN/inf gradient, over the DP ranks
-        from dattri_ds.distributed import all_reduce_sum
+    def load(self, ckpt_dir: Path, tag: str) -> None:
+        import torch.distributed as dist
 
-        dropped = torch.tensor([float(capture.skipped_examples)], device=loop.device)
-        all_reduce_sum(dropped, ctx.dp_group, ctx.dp_world)
-        summary["capture_dropped_examples"] = int(dropped.item())
-    if selector is not None:
-        summary["selection"] = selector.summary()
-        selector.close()
-    dist.barrier()
-    if capture is not None:
-        seal_captured_store(cfg.store_config(out).path, rank)
-    return summary
+        ckpt.load_consolidated(self.model.model, ckpt.read_consolidated(ckpt_dir / tag))
+        ckpt.load_optimizer_state(ckpt_dir / tag, dist.get_rank(), self.layout(), self._opt,
+                                  self.sched)
+
+    def summary(self) -> dict:
+        return {"backend": "megatron", "tensor_model_parallel_size": self.ctx.tp_world,
+                "data_parallel_size": self.ctx.dp_world}

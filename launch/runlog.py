@@ -17,12 +17,13 @@ import math
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dattri_ds.errors import DattriDSError
 from dattri_ds.launch.config import TrainConfig, dump_json
 
-__all__ = ["RunLog", "NonFiniteTrainingError", "make_run_id"]
+__all__ = ["RunLog", "RunRecord", "NonFiniteTrainingError", "make_run_id"]
 
 logger = logging.getLogger("dattri_ds.launch")
 
@@ -38,23 +39,59 @@ def make_run_id(fingerprint: str, out: Path) -> str:
     return f"run:{h.hexdigest()}"
 
 
+@dataclass(kw_only=True)
+class RunRecord:
+    """What a run has recorded so far: saved with every checkpoint, restored on resume."""
+
+    lrs: list[dict] = field(default_factory=list)
+    """Per optimizer step: ``{"step", "lr", "loss"}`` (``trajectory.json``'s ``lrs``)."""
+
+    checkpoints: list[dict] = field(default_factory=list)
+    """Per checkpoint: ``{"tag", "step", "lr"}``."""
+
+    evals: list[dict] = field(default_factory=list)
+    """Held-out evaluation points: ``{"step", "examples", "target_loss", ...}``."""
+
+    seen: int = 0
+    """Training examples consumed (over all data-parallel ranks)."""
+
+    loss: float = float("nan")
+    """The last step's loss."""
+
+    nonfinite: int = 0
+    """Consecutive non-finite steps up to now."""
+
+    nonfinite_total: int = 0
+    """Non-finite steps in all."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RunRecord:
+        return cls(**d)
+
+
 class RunLog:
-    """Bookkeeping of one training run (rank 0 writes files and draws the bar)."""
+    """Bookkeeping of one training run (rank 0 writes files and draws the bar).
+
+    A fresh run evaluates at step 0; a resumed one (``record`` given) continues the record
+    of its checkpoint instead.
+    """
 
     def __init__(self, tc: TrainConfig, out: Path, rank: int,
                  evaluator: Callable[[], float] | None = None,
-                 run_id: str | None = None) -> None:
+                 run_id: str | None = None, record: RunRecord | None = None) -> None:
         self.tc, self.out, self.rank, self.evaluator = tc, out, rank, evaluator
         self.run_id = run_id
-        self.nonfinite, self.nonfinite_total = 0, 0
-        self.lrs: list[dict] = []
-        self.checkpoints: list[dict] = []
-        self.evals: list[dict] = []
-        self.seen, self.loss = 0, float("nan")
-        if evaluator is not None:
-            self.evals.append({"step": 0, "examples": 0, **_losses(evaluator())})
+        self.record = record if record is not None else RunRecord()
+        if record is None and evaluator is not None:
+            self.record.evals.append({"step": 0, "examples": 0, **_losses(evaluator())})
         self.bar = _progress(tc.steps, rank)
+        if self.bar is not None and self.record.lrs:
+            self.bar.update(len(self.record.lrs))
         self.t0 = time.perf_counter()
+        self._seen0 = self.record.seen
 
     def end_step(self, step: int, loss: float, lr: float, examples: int,
                  save: Callable[[str, int, float], None]) -> None:
@@ -64,42 +101,43 @@ class RunLog:
             NonFiniteTrainingError: this is the ``train.max_nonfinite_steps``-th consecutive
                 step with a NaN/inf loss (``summary.json`` is written first).
         """
-        tc, n = self.tc, step + 1
+        tc, n, rec = self.tc, step + 1, self.record
         self._check_finite(n, loss)
-        self.loss = loss
-        self.lrs.append({"step": step, "lr": lr, "loss": loss})
-        self.seen += examples
+        rec.loss = loss
+        rec.lrs.append({"step": step, "lr": lr, "loss": loss})
+        rec.seen += examples
         if n % tc.log_every == 0 or n == tc.steps:
             logger.info("step %d/%d loss %.4f lr %.2e %.1f ex/s", n, tc.steps, loss, lr,
-                        self.seen / (time.perf_counter() - self.t0))
+                        (rec.seen - self._seen0) / (time.perf_counter() - self.t0))
         if self.evaluator is not None and (n % tc.eval_every == 0 or n == tc.steps):
-            self.evals.append({"step": n, "examples": self.seen, **_losses(self.evaluator())})
+            rec.evals.append({"step": n, "examples": rec.seen, **_losses(self.evaluator())})
             logger.info("step %d %s", n, " ".join(
-                f"{k.replace('_', ' ')} {v:.4f}" for k, v in self.evals[-1].items()
+                f"{k.replace('_', ' ')} {v:.4f}" for k, v in rec.evals[-1].items()
                 if k.endswith("_loss")))
         if (tc.save_every and n % tc.save_every == 0) or n == tc.steps:
             tag = f"step{n}"
-            save(tag, n, lr)
-            self.checkpoints.append({"tag": tag, "step": n, "lr": lr})
+            rec.checkpoints.append({"tag": tag, "step": n, "lr": lr})
+            save(tag, n, lr)  # the record saved with it includes this checkpoint
             if self.rank == 0:
                 dump_json(self.out / "trajectory.json",
-                          {"checkpoints": self.checkpoints, "lrs": self.lrs})
+                          {"checkpoints": rec.checkpoints, "lrs": rec.lrs})
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{loss:.3f}")
 
     def _check_finite(self, n: int, loss: float) -> None:
+        rec = self.record
         if math.isfinite(loss):
-            self.nonfinite = 0
+            rec.nonfinite = 0
             return
-        self.nonfinite += 1
-        self.nonfinite_total += 1
+        rec.nonfinite += 1
+        rec.nonfinite_total += 1
         limit = self.tc.max_nonfinite_steps
         logger.warning("step %d: the loss is %s (%d consecutive non-finite step(s)%s)", n, loss,
-                       self.nonfinite, f", the run fails at {limit}" if limit else "")
-        if not limit or self.nonfinite < limit:
+                       rec.nonfinite, f", the run fails at {limit}" if limit else "")
+        if not limit or rec.nonfinite < limit:
             return
-        reason = (f"{self.nonfinite} consecutive optimizer steps ({n - self.nonfinite + 1}.."
+        reason = (f"{rec.nonfinite} consecutive optimizer steps ({n - rec.nonfinite + 1}.."
                   f"{n}) had a non-finite loss (last: {loss}): training diverged. Lower the "
                   f"learning rate, enable gradient clipping or loss scaling, or set "
                   f"train.max_nonfinite_steps (now {limit}; 0 = never fail)")
@@ -112,11 +150,12 @@ class RunLog:
         """Close the bar; the run summary (``extra`` adds backend-specific fields)."""
         if self.bar is not None:
             self.bar.close()
+        rec = self.record
         return {"status": "ok", "run_id": self.run_id, "steps": self.tc.steps,
-                "examples": self.seen, "final_loss": self.loss,
-                "nonfinite_steps": self.nonfinite_total,
+                "examples": rec.seen, "final_loss": rec.loss,
+                "nonfinite_steps": rec.nonfinite_total,
                 "seconds": round(time.perf_counter() - self.t0, 2),
-                "checkpoints": [c["tag"] for c in self.checkpoints], "eval": self.evals,
+                "checkpoints": [c["tag"] for c in rec.checkpoints], "eval": rec.evals,
                 **extra}
 
 

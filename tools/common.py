@@ -160,9 +160,11 @@ class Run:
         """The model at checkpoint ``tag``, fp32, eval mode, no dropout.
 
         A ``--backend megatron`` run (``checkpoints/<tag>/megatron_consolidated.pt``) gives a
-        TP=1 GPTModel called like a Hugging Face model (``_MegatronLM``).
+        TP=1 GPTModel called like a Hugging Face model (``MegatronLM``).
         """
-        if (self.root / "checkpoints" / tag / MEGATRON_CONSOLIDATED).exists():
+        from dattri_ds.integrations.megatron_checkpoint import is_consolidated
+
+        if is_consolidated(self.root / "checkpoints" / tag):
             return _megatron_model(self.root, tag).to(device).eval()
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -237,16 +239,13 @@ def seq_len_of(source, args) -> int:
     return args.seq_len or source.seq_len
 
 
-# ---- Megatron runs (launch/megatron_backend.py documents the checkpoint format) -----------
-MEGATRON_CONSOLIDATED = "megatron_consolidated.pt"
-
-
+# ---- Megatron runs (integrations/megatron_checkpoint.py documents the checkpoint format) ----
 def _megatron_single_process() -> None:
     """Megatron groups with TP=1 (a 1-process gloo group if none exists); CPU workarounds."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from dattri_ds.integrations.megatron import cpu_workarounds
+    from dattri_ds.models.megatron_gpt import cpu_workarounds
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -267,7 +266,11 @@ def _megatron_model(root: Path, tag: str) -> torch.nn.Module:
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|Torch Norm).*")
-        from dattri_ds.integrations.megatron import MegatronLM, build_gpt, prepare_model
+        from dattri_ds.integrations.megatron import prepare_model
+        from dattri_ds.integrations.megatron_checkpoint import (
+            load_consolidated, read_consolidated,
+        )
+        from dattri_ds.models.megatron_gpt import MegatronLM, build_gpt
 
     cfg = json.loads((root / "model/config.json").read_text())
     if cfg.get("backend") != "megatron":
@@ -277,13 +280,11 @@ def _megatron_model(root: Path, tag: str) -> torch.nn.Module:
     kw = {**cfg["transformer_config"], "tensor_model_parallel_size": 1,
           "sequence_parallel": False}
     gpt = build_gpt(kw, cfg["vocab_size"], cfg["max_position_embeddings"], seed=0)
-    state = torch.load(root / "checkpoints" / tag / MEGATRON_CONSOLIDATED, map_location="cpu",
-                       weights_only=True)
-    missing, unexpected = gpt.load_state_dict(state, strict=False)
-    bad = [m for m in missing if not m.endswith("_extra_state")]
-    if bad or unexpected:
+    try:
+        load_consolidated(gpt, read_consolidated(root / "checkpoints" / tag))
+    except ConfigError as e:
         raise ConfigError(f"Megatron checkpoint '{tag}' of {root} does not match its model "
-                          f"config: missing {bad[:5]}, unexpected {unexpected[:5]}")
+                          f"config: {e}") from None
     return prepare_model(MegatronLM(gpt))
 
 

@@ -30,9 +30,8 @@ from dattri_ds import (  # noqa: E402
     CaptureConfig, Dense, GradientCapture, ProjectionConfig, Projector,
 )
 from dattri_ds.errors import ConfigError, UnsupportedLayerError  # noqa: E402
-from dattri_ds.integrations.megatron import (  # noqa: E402
-    cpu_workarounds, gpt_block_spec, megatron_capture, prepare_model,
-)
+from dattri_ds.integrations.megatron import megatron_capture, prepare_model  # noqa: E402
+from dattri_ds.models.megatron_gpt import cpu_workarounds, gpt_block_spec  # noqa: E402
 from dattri_ds.layers import kind_for  # noqa: E402
 from dattri_ds.ops import (  # noqa: E402
     cross_gram, grad_sum, kron_dims, layer_cross_gram, materialize, sq_norms,

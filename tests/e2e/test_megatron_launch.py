@@ -142,15 +142,13 @@ def tp1_megatron():
 
 def _reference_model(run_dir: Path, tag: str):
     """A TP=1 GPTModel from the consolidated weights, built with launch's own helpers."""
-    from dattri_ds.launch.megatron_backend import (
-        CONSOLIDATED, MegatronLM, build_gpt, load_consolidated,
-    )
+    from dattri_ds.integrations.megatron_checkpoint import load_consolidated, read_consolidated
+    from dattri_ds.models.megatron_gpt import MegatronLM, build_gpt
 
     cfg = json.loads((run_dir / "model/config.json").read_text())
     gpt = build_gpt(cfg["transformer_config"], cfg["vocab_size"],
                     cfg["max_position_embeddings"], seed=123)
-    load_consolidated(gpt, torch.load(run_dir / "checkpoints" / tag / CONSOLIDATED,
-                                      weights_only=True))
+    load_consolidated(gpt, read_consolidated(run_dir / "checkpoints" / tag))
     return MegatronLM(gpt).eval()
 
 

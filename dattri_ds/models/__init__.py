@@ -1,0 +1,1 @@
+"""Model definitions dattri-ds trains and rebuilds (heavy frameworks imported lazily)."""

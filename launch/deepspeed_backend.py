@@ -1,0 +1,119 @@
+"""DeepSpeed backend of launch/train.py: a Hugging Face causal LM in a DeepSpeed engine (ZeRO 0-3).
+
+The DeepSpeed JSON configures the engine (``"dattri_ds"`` removed first). Checkpoints are
+DeepSpeed's own (``engine.save_checkpoint``: weights, optimizer and lr schedule, sharded as
+the ZeRO stage shards them; ``client_state`` holds step and lr), which the offline tools
+consolidate with ``zero_to_fp32``; a resume loads them with ``engine.load_checkpoint``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from dattri_ds.distributed import ParallelContext
+from dattri_ds.errors import ConfigError
+from dattri_ds.launch.config import RunConfig
+from dattri_ds.launch.loop import Backend
+
+__all__ = ["DeepSpeedBackend", "setup_distributed", "build"]
+
+
+def setup_distributed() -> tuple[int, int]:
+    """Initialize torch.distributed through DeepSpeed (gloo on CPU); works single-process."""
+    import importlib
+
+    import deepspeed
+
+    from dattri_ds.distributed import default_rendezvous_env
+
+    default_rendezvous_env()
+    cuda = torch.cuda.is_available()
+    if not cuda:  # gloo needs no shm op; skip its JIT build
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+def build(cfg: RunConfig, tok):
+    """The Hugging Face model of ``cfg.train``: loaded from ``model_path`` or built from
+    ``model_config`` (random init, seeded)."""
+    from dattri_ds.data import build_model
+
+    if cfg.train.model_path:
+        from transformers import AutoModelForCausalLM
+        return AutoModelForCausalLM.from_pretrained(cfg.train.model_path, local_files_only=True)
+    return build_model(cfg.train.model_config, tokenizer=tok, seed=cfg.train.seed)
+
+
+class DeepSpeedBackend(Backend):
+    """``--backend deepspeed`` (the default)."""
+
+    @classmethod
+    def setup(cls, args, ds_config: dict, cfg: RunConfig) -> tuple[int, int]:
+        if args.tensor_model_parallel_size != 1 or args.pipeline_model_parallel_size != 1 or \
+                args.sequence_parallel:
+            raise ConfigError("--tensor/pipeline-model-parallel-size and --sequence-parallel "
+                              "need --backend megatron")
+        return setup_distributed()
+
+    def __init__(self, args, ds_config: dict, cfg: RunConfig, tok, data) -> None:
+        import deepspeed
+
+        model = build(cfg, tok)
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+            config=ds_config)
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        self.model = self.engine.module
+        self.ctx = ParallelContext(dp_rank=rank, dp_world=world)
+        self.device = self.engine.device
+        self.micro = self.engine.train_micro_batch_size_per_gpu()
+        self.gas = self.engine.gradient_accumulation_steps()
+
+    def write_model_config(self, out: Path) -> None:
+        self.model.config.save_pretrained(str(out / "model"))  # HF config.json for the tools
+
+    @property
+    def optimizer(self):
+        return self.engine.optimizer
+
+    def lr(self) -> float:
+        if self.engine.lr_scheduler is not None:
+            return float(self.engine.get_lr()[0])
+        return float(self.engine.optimizer.param_groups[0]["lr"])
+
+    def forward_backward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        loss = self.engine(**batch).loss
+        self.engine.backward(loss)
+        self.engine.step()  # a real step only at the accumulation boundary
+        return loss.detach()
+
+    def optimizer_step(self) -> None:
+        """Nothing: ``engine.step()`` of the last micro-batch stepped."""
+
+    def attach_capture(self, cfg: RunConfig, callbacks: list, start_step: int):
+        from dattri_ds import GradientCapture
+
+        # the engine counts its own steps (restored by load_checkpoint)
+        return GradientCapture.for_engine(self.engine, cfg.capture,
+                                          callbacks=callbacks).attach()
+
+    def check_selection(self) -> None:
+        from dattri_ds.selection import check_engine_supported
+
+        check_engine_supported(self.engine)
+
+    def save(self, ckpt_dir: Path, tag: str, meta: dict, data) -> None:
+        self.engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=dict(meta))
+
+    def load(self, ckpt_dir: Path, tag: str) -> None:
+        path, _ = self.engine.load_checkpoint(str(ckpt_dir), tag=tag)
+        if path is None:
+            raise ConfigError(f"DeepSpeed could not load checkpoint '{tag}' from {ckpt_dir}; "
+                              f"resume with the configuration and number of processes that "
+                              f"wrote it")

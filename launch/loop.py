@@ -1,0 +1,364 @@
+"""The training loop of launch/train.py, one for every backend.
+
+The loop owns what does not depend on the engine: the data order (``micro_batch_indices``,
+a function of the step, so a resumed run continues the same stream), online selection,
+capture tags, the step bookkeeping (``RunLog``: losses, lrs, evaluations, non-finite steps),
+checkpoints with the loop's own state, and resume. A ``Backend`` does the rest: it builds the
+model and optimizer, runs forward and backward of one micro-batch, steps the optimizer,
+attaches capture, and saves / loads its own checkpoint.
+
+Backends are looked up by ``--backend`` name in ``BACKENDS`` (``"name": "module:Class"``,
+imported on use so that DeepSpeed and Megatron stay optional): add one by writing a
+``Backend`` subclass and one line there.
+
+Resume (``train.resume``): the backend restores weights, optimizer and lr schedule; the loop
+restores the step, every rank's RNG state and the ``RunRecord`` from
+``checkpoints/<tag>/loop_state.rank<R>.pt``, so the resumed run trains what the uninterrupted
+one would have trained (tests/dist/test_resume.py). It needs the process layout that wrote
+the checkpoint; with online selection it is refused (the selector's state is not saved).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from dattri_ds.distributed import ParallelContext, all_reduce_sum
+from dattri_ds.errors import ConfigError
+from dattri_ds.launch.config import RunConfig
+from dattri_ds.launch.runlog import RunLog, RunRecord, make_run_id
+
+__all__ = ["Backend", "BACKENDS", "backend_class", "LoopState", "train", "resume",
+           "micro_batch_indices", "fingerprint", "seal_captured_store"]
+
+logger = logging.getLogger("dattri_ds.launch")
+
+#: ``--backend`` name -> ``"module:Class"`` of its Backend (imported on use).
+BACKENDS: dict[str, str] = {
+    "deepspeed": "dattri_ds.launch.deepspeed_backend:DeepSpeedBackend",
+    "megatron": "dattri_ds.launch.megatron_backend:MegatronBackend",
+}
+
+
+def backend_class(name: str) -> type[Backend]:
+    """The Backend class registered as ``name``.
+
+    Raises:
+        ConfigError: an unknown name.
+    """
+    if name not in BACKENDS:
+        raise ConfigError(f"--backend {name!r} is not known; use one of {sorted(BACKENDS)}")
+    module, cls = BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+class Backend(ABC):
+    """One training engine driven by ``train``.
+
+    ``setup`` runs before any model exists (checks, then the process groups); the constructor
+    builds model and optimizer, writing nothing (a refused resume leaves the run as it was);
+    ``write_model_config`` then writes ``<out>/model``. Attributes every backend sets:
+    ``model`` (called like a Hugging Face causal LM: ``model(**batch).loss``; what capture,
+    selection and evaluation use), ``ctx`` (data- and tensor-parallel groups), ``device``,
+    ``micro`` (examples per micro-batch and rank) and ``gas`` (micro-batches per step).
+    """
+
+    #: Appended to the run fingerprint in stores (stores of two backends never mix).
+    fingerprint_suffix: ClassVar[str] = ""
+
+    model: nn.Module
+    ctx: ParallelContext
+    device: torch.device
+    micro: int
+    gas: int
+
+    @classmethod
+    @abstractmethod
+    def setup(cls, args, ds_config: dict, cfg: RunConfig) -> tuple[int, int]:
+        """Check the flags, start the process groups; return ``(global rank, world size)``."""
+
+    @abstractmethod
+    def __init__(self, args, ds_config: dict, cfg: RunConfig, tok, data) -> None:
+        """Build model and optimizer on this rank (nothing written yet)."""
+
+    @abstractmethod
+    def write_model_config(self, out: Path) -> None:
+        """Rank 0: what the offline tools need to rebuild the model, in ``<out>/model``."""
+
+    @property
+    @abstractmethod
+    def optimizer(self) -> Any:
+        """The optimizer (read by ``--selection-precondition adam``)."""
+
+    @abstractmethod
+    def lr(self) -> float:
+        """The learning rate the next optimizer step uses."""
+
+    @abstractmethod
+    def forward_backward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Forward and backward of one micro-batch (``1 / gas`` of the step); its loss."""
+
+    @abstractmethod
+    def optimizer_step(self) -> None:
+        """After the ``gas`` micro-batches of a step: synchronize, clip, step, zero."""
+
+    @abstractmethod
+    def attach_capture(self, cfg: RunConfig, callbacks: list, start_step: int):
+        """An attached GradientCapture on ``model`` writing to ``callbacks``, its step count
+        starting at ``start_step``."""
+
+    @abstractmethod
+    def save(self, ckpt_dir: Path, tag: str, meta: dict, data) -> None:
+        """Write checkpoint ``ckpt_dir/tag`` (collective); ``meta`` has tag, step and lr."""
+
+    @abstractmethod
+    def load(self, ckpt_dir: Path, tag: str) -> None:
+        """Restore weights, optimizer and lr schedule from ``ckpt_dir/tag`` (collective).
+
+        Raises:
+            ConfigError: the checkpoint cannot be resumed by this run.
+        """
+
+    def check_selection(self) -> None:
+        """Refuse, at start, an engine online selection cannot drive (default: accept)."""
+
+    def selection_log(self, out: Path) -> Path | None:
+        """Where this rank logs its selections (None: it does not)."""
+        return out / "selection.jsonl"
+
+    def store_writer(self) -> bool:
+        """Whether this rank writes a store shard (ranks holding the same examples write one)."""
+        return self.ctx.tp_rank == 0
+
+    def layout(self) -> dict[str, int]:
+        """The process layout a checkpoint of this run can be resumed with."""
+        return {"dp": self.ctx.dp_world, "tp": self.ctx.tp_world}
+
+    def summary(self) -> dict:
+        """Backend-specific fields of ``summary.json``."""
+        return {}
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoopState:
+    """The loop's part of a checkpoint, one per rank (``loop_state.rank<R>.pt``)."""
+
+    step: int
+    """Optimizer steps done: the resumed run starts at this step (its data position)."""
+
+    record: RunRecord
+    """The run record up to ``step`` (equal on every rank)."""
+
+    rng: dict[str, Any]
+    """This rank's RNG states (``torch`` CPU, and CUDA when available)."""
+
+    layout: dict[str, int]
+    """``Backend.layout()`` of the run that wrote it (a resume must have the same)."""
+
+    FILE: ClassVar[str] = "loop_state.rank{rank:05d}.pt"
+
+    @staticmethod
+    def capture_rng() -> dict[str, Any]:
+        rng = {"torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        return rng
+
+    def restore_rng(self) -> None:
+        torch.set_rng_state(self.rng["torch"])
+        if torch.cuda.is_available() and "cuda" in self.rng:
+            torch.cuda.set_rng_state(self.rng["cuda"])
+
+    def save(self, folder: Path, rank: int) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        torch.save({"step": self.step, "record": self.record.to_dict(), "rng": self.rng,
+                    "layout": self.layout}, folder / self.FILE.format(rank=rank))
+
+    @classmethod
+    def load(cls, folder: Path, rank: int) -> LoopState:
+        """Raises: ConfigError: no state of this rank (written by fewer ranks, or by an older
+        dattri-ds)."""
+        path = folder / cls.FILE.format(rank=rank)
+        if not path.exists():
+            raise ConfigError(f"{folder} has no loop state of rank {rank} ({path.name}): it was "
+                              f"written by fewer processes or by a dattri-ds without resume; "
+                              f"resume with the number of processes that wrote it")
+        d = torch.load(path, map_location="cpu", weights_only=True)
+        return cls(step=int(d["step"]), record=RunRecord.from_dict(d["record"]), rng=d["rng"],
+                   layout=dict(d["layout"]))
+
+
+def micro_batch_indices(n: int, step: int, micro: int, gas: int, rank: int, world: int,
+                        seed: int) -> torch.Tensor:
+    """Example indices of (step, micro-batch, rank): a seeded permutation per epoch."""
+    per_step = micro * gas * world
+    out = []
+    for mb in range(gas):
+        start = step * per_step + (mb * world + rank) * micro
+        idx = []
+        for k in range(start, start + micro):
+            epoch, pos = divmod(k, n)
+            perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1000 + epoch))
+            idx.append(int(perm[pos]))
+        out.append(torch.tensor(idx))
+    return torch.stack(out)
+
+
+def fingerprint(cfg: RunConfig, tok) -> str:
+    """Identity of the trained model family recorded in stores: config + tokenizer + seed."""
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=8)
+    h.update(json.dumps([cfg.train.model_config, cfg.train.model_path, cfg.train.seed,
+                         cfg.train.seq_len]).encode())
+    h.update(tok.fingerprint.encode())
+    return f"run:{h.hexdigest()}"
+
+
+def check_resume(cfg: RunConfig) -> None:
+    """Refuse, before any process starts, what a resume cannot reproduce.
+
+    Raises:
+        ConfigError: ``train.resume`` with online selection (the selector's running state,
+            statistics and log are not checkpointed).
+    """
+    if cfg.train.resume and cfg.selection.enabled:
+        raise ConfigError(f"--resume {cfg.train.resume} with --online-selection is not "
+                          f"supported: the selector's state is not checkpointed, so the "
+                          f"resumed run would choose differently. Rerun from step 0 (drop "
+                          f"--resume) or resume without --online-selection")
+
+
+def resume_tag(out: Path, resume: str) -> str:
+    """The checkpoint tag ``train.resume`` names (``latest``: the newest in trajectory.json).
+
+    Raises:
+        ConfigError: no such checkpoint in ``out``.
+    """
+    traj = out / "trajectory.json"
+    tags = [c["tag"] for c in json.loads(traj.read_text())["checkpoints"]] \
+        if traj.exists() else []
+    tag = (tags[-1] if tags else None) if resume == "latest" else resume
+    if tag is None or not (out / "checkpoints" / tag).is_dir():
+        raise ConfigError(f"--resume {resume}: no checkpoint '{tag}' in {out / 'checkpoints'} "
+                          f"(checkpoints of this run: {tags}); pass the --out of the run to "
+                          f"continue and one of its tags, or 'latest'")
+    return tag
+
+
+def _capture(backend: Backend, cfg: RunConfig, out: Path, tok, run_id: str, start: int):
+    """Capture on every rank; one store shard per data-parallel rank (``store_writer``)."""
+    if not cfg.capture_enabled:
+        return None
+    from dattri_ds.store import StoreCallback
+
+    if cfg.capture.projection is None:
+        raise ConfigError("--capture stores projected gradients: set dattri_ds.capture."
+                          "projection in the DeepSpeed JSON (e.g. {\"dim\": 256})")
+    ctx, cbs = backend.ctx, []
+    if backend.store_writer():
+        cbs.append(StoreCallback(cfg.store_config(out), projection=cfg.capture.projection,
+                                 fingerprint=fingerprint(cfg, tok) + backend.fingerprint_suffix,
+                                 rank=ctx.dp_rank, world=ctx.dp_world, capture=cfg.capture,
+                                 run_id=run_id))
+    return backend.attach_capture(cfg, cbs, start)
+
+
+def resume(backend: Backend, cfg: RunConfig, out: Path, rank: int) -> LoopState | None:
+    """With ``train.resume``: check the checkpoint fits this run, load the backend's state
+    from it and return the loop's (``train`` restores its RNG right before the first step).
+    None for a fresh run. Call before anything is written to ``out``.
+
+    Raises:
+        ConfigError: no such checkpoint, or one written by another process layout.
+    """
+    if not cfg.train.resume:
+        return None
+    tag = resume_tag(out, cfg.train.resume)
+    state = LoopState.load(out / "checkpoints" / tag, rank)
+    if state.layout != backend.layout():
+        raise ConfigError(f"--resume {tag}: the checkpoint was written with the process layout "
+                          f"{state.layout}, this run has {backend.layout()}; resume with the "
+                          f"same number of processes and parallel sizes")
+    backend.load(out / "checkpoints", tag)
+    logger.info("resuming from %s at step %d", tag, state.step)
+    return state
+
+
+def train(backend: Backend, cfg: RunConfig, data, out: Path, tok, rank: int,
+          selector=None, evaluator=None, resumed: LoopState | None = None) -> dict:
+    """Train up to ``cfg.train.steps`` optimizer steps; the run summary.
+
+    ``resumed`` (from ``resume``) continues at its step with its record and RNG state.
+    Nothing here knows about capture: hooks and the selector do the work.
+    """
+    import torch.distributed as dist
+
+    tc, ctx, micro, gas = cfg.train, backend.ctx, backend.micro, backend.gas
+    start = resumed.step if resumed is not None else 0
+    run_id = make_run_id(fingerprint(cfg, tok) + backend.fingerprint_suffix, out)
+    capture = _capture(backend, cfg, out, tok, run_id, start)
+    n_cand = selector.num_candidates(micro) if selector is not None else micro
+    ckpt_dir = out / "checkpoints"
+    log = RunLog(tc, out, rank, evaluator, run_id=run_id,
+                 record=resumed.record if resumed is not None else None)
+
+    def save(tag: str, step: int, lr: float) -> None:
+        backend.save(ckpt_dir, tag, {"tag": tag, "step": step, "lr": lr}, data)
+        LoopState(step=step, record=log.record, rng=LoopState.capture_rng(),
+                  layout=backend.layout()).save(ckpt_dir / tag, rank)
+        dist.barrier()
+
+    backend.model.train()
+    if resumed is not None:
+        resumed.restore_rng()
+    for step in range(start, tc.steps):
+        idx = micro_batch_indices(len(data), step, n_cand, gas, ctx.dp_rank, ctx.dp_world,
+                                  tc.seed)
+        lr = backend.lr()  # the lr this step uses
+        step_loss = torch.zeros((), dtype=torch.float64, device=backend.device)
+        for mb in range(gas):
+            batch = {k: v.to(backend.device) for k, v in data.batch(idx[mb]).items()}
+            doc_ids = [data.docs[i].id for i in idx[mb].tolist()]
+            # ---- online selection: candidates -> the chosen micro-batch -----------------
+            if selector is not None:
+                sel = selector.select(batch, micro, step, user_ids=doc_ids)
+                batch = sel.batch
+                doc_ids = [c.split("#")[0] for c in sel.chosen_ids]  # "<doc id>#<hash>"
+            # ---- end of online selection -----------------------------------------------
+            if capture is not None:  # stored ids: "<doc id>@<step>#<content hash>"
+                capture.tag([f"{d}@{step}" for d in doc_ids])
+            step_loss += backend.forward_backward(batch).double() / gas
+        backend.optimizer_step()
+        all_reduce_sum(step_loss, ctx.dp_group, ctx.dp_world)
+        log.end_step(step, float(step_loss) / ctx.dp_world, lr, micro * gas * ctx.dp_world, save)
+    if capture is not None:
+        capture.close()
+    summary = log.summary(world=dist.get_world_size(), captured=bool(capture))
+    if capture is not None:  # examples dropped for a NaN/inf gradient, over the DP ranks
+        dropped = torch.tensor([float(capture.skipped_examples)], device=backend.device)
+        all_reduce_sum(dropped, ctx.dp_group, ctx.dp_world)
+        summary["capture_dropped_examples"] = int(dropped.item())
+    if selector is not None:
+        summary["selection"] = selector.summary()
+        selector.close()
+    dist.barrier()
+    if capture is not None:
+        seal_captured_store(cfg.store_config(out).path, rank)
+    return {**summary, **backend.summary()}
+
+
+def seal_captured_store(path: str, rank: int) -> None:
+    """After every rank closed its shard (a barrier), rank 0 records the store complete."""
+    from dattri_ds.store import seal_store
+
+    if rank == 0 and (Path(path) / "info.json").exists():
+        seal_store(path)
