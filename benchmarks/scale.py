@@ -284,6 +284,10 @@ class _EngineRun:
     def fingerprint(self) -> str:
         return self.run.fingerprint()
 
+    @property
+    def run_id(self) -> str | None:
+        return self.run.run_id
+
     def model(self, tag: str):
         return self.module.eval()
 

@@ -357,6 +357,8 @@ def weights_hash(model: Any) -> str:
     are never scored against another checkpoint. Cost: one read of the weights."""
     import torch
 
+    if _zero3_partitioned(model):
+        return _partitioned_weights_hash(model)
     state = model.state_dict() if hasattr(model, "state_dict") else model
     h = hashlib.blake2b(digest_size=16)
     for name in sorted(state):
@@ -367,3 +369,31 @@ def weights_hash(model: Any) -> str:
         h.update(f"{name}|{t.dtype}|{tuple(state[name].shape)}|".encode())
         h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return "blake2b:" + h.hexdigest()
+
+
+def _zero3_partitioned(model: Any) -> bool:
+    """True for a module whose parameters DeepSpeed ZeRO-3 has partitioned (placeholders of
+    numel 0 with the rank's slice in ``ds_tensor``): its ``state_dict`` holds no weights."""
+    params = getattr(model, "parameters", None)
+    return params is not None and any(hasattr(p, "ds_tensor") for p in params())
+
+
+def _partitioned_weights_hash(model: Any) -> str:
+    """``weights_hash`` of a ZeRO-3 module without gathering it: every rank hashes its own
+    partitions (name, full shape, bytes), and the rank digests are hashed in rank order. Equal
+    for the same weights at the same world size; a collective, so every rank must call it."""
+    import torch
+    import torch.distributed as dist
+
+    h = hashlib.blake2b(digest_size=16)
+    for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        part = getattr(p, "ds_tensor", p).detach().to("cpu").contiguous().reshape(-1)
+        shape = tuple(getattr(p, "ds_shape", p.shape))
+        h.update(f"{name}|{part.dtype}|{shape}|".encode())
+        h.update(part.view(torch.uint8).numpy().tobytes() if part.numel() else b"")
+    digests = [h.hexdigest()]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        digests = [None] * dist.get_world_size()
+        dist.all_gather_object(digests, h.hexdigest())
+    whole = hashlib.blake2b("|".join(digests).encode(), digest_size=16)
+    return f"blake2b:zero3x{len(digests)}:{whole.hexdigest()}"

@@ -100,3 +100,35 @@ def test_zero3_checkpoint_loads_live_weights(need_deepspeed, tmp_path):
         assert torch.equal(state[name], torch.from_numpy(w)), name
     assert torch.equal(load_state_dict(tmp_path / "ckpt" / "step1")["lm_head.weight"],
                        torch.from_numpy(live["lm_head.weight"]))
+
+
+def _hashes(rank, world, bump):
+    import deepspeed
+
+    from dattri_ds.store import weights_hash
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = tiny_gpt2(seed=0)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=ds_config(3, 1))
+    first = weights_hash(engine.module)
+    placeholders = weights_hash(engine.module.state_dict())  # numel-0 tensors: no weights
+    if bump and rank == world - 1:  # change one element of the last rank's slice only
+        p = next(iter(engine.module.parameters()))
+        with torch.no_grad():
+            p.ds_tensor[0] += 1.0
+    if bump:
+        torch.distributed.barrier()
+    return first, weights_hash(engine.module), placeholders
+
+
+def test_zero3_weights_hash_covers_every_partition(need_deepspeed):
+    """The manifest's weights hash of a ZeRO-3 module is computed from every rank's partition
+    (no gather): equal on all ranks, unchanged for unchanged weights, changed when one rank's
+    slice changes, and never the hash of the numel-0 placeholders ``state_dict`` returns."""
+    same = run(_hashes, 2, bump=False)
+    bumped = run(_hashes, 2, bump=True)
+    assert same[0] == same[1]  # every rank records the same hash
+    assert same[0][0] == same[0][1] == bumped[0][0]  # deterministic for the same weights
+    assert bumped[0][1] == bumped[1][1] != bumped[0][0]  # the last rank's slice changed
+    assert same[0][0] != same[0][2]
