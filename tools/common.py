@@ -340,17 +340,20 @@ def example_ids(data, rows: torch.Tensor, label_shift: int = 1) -> list[str]:
 
 
 def gradients(model, data, rows: torch.Tensor, *, capture, batch_size: int,
-              device: torch.device | str = "cpu", progress: str | None = None):
+              device: torch.device | str = "cpu", progress: str | None = None,
+              factors=None):
     """Per-example gradients (GradBatch per ``batch_size`` rows) by probe passes
     (``dattri_ds.collect``): no parameter ``.grad`` is touched. ``capture`` is a
-    CaptureConfig (projection applies); sample ids are ``<doc id>#<content hash>``."""
+    CaptureConfig (projection and whitening by ``factors`` apply); sample ids are
+    ``<doc id>#<content hash>``."""
     from dattri_ds import collect
 
     chunks = [rows[s:s + batch_size] for s in range(0, rows.numel(), batch_size)]
     bar = _bar(rows.numel(), progress)
     batches = (data.batch(idx) for idx in chunks)
     ids = ([data.docs[i].id for i in idx.tolist()] for idx in chunks)
-    for idx, got in zip(chunks, collect(model, batches, capture, user_ids=ids, device=device)):
+    for idx, got in zip(chunks, collect(model, batches, capture, user_ids=ids, device=device,
+                                             factors=factors)):
         if bar is not None:
             bar.update(idx.numel())
         yield got
