@@ -7,8 +7,9 @@
     python tools/collect.py --model hf_folder --data tokens.jsonl --out grads  # any causal LM
 
 Rows are projected per layer with ``--projection`` (a kind of
-``dattri_ds.ops.projection.PROJECTION_KINDS``; default ``ProjectionConfig()``: sparse JL,
-k = 1024, chosen by fidelity per byte on ``tools/lds.py``, README "Attribution fidelity").
+``dattri_ds.ops.projection.PROJECTION_KINDS``; default ``ProjectionConfig()``: ``auto``
+(sparse JL, Kronecker only where it pays), k = 4096, chosen by fidelity per byte on
+``tools/lds.py``, README "Attribution fidelity").
 For the curvature methods (``attribute``'s default ``ekfac-trajectory``) fit the factors
 first and collect whitened rows (``--whiten ekfac --factors DIR``, ``DIR/<tag>.pt`` per
 checkpoint as ``tools/fit.py --checkpoint all`` writes them): projected raw gradients lose
@@ -57,9 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="per-layer size k (README, 'Attribution fidelity': fidelity per byte)")
     p.add_argument("--whiten", choices=["kfac", "ekfac"], default=None,
                    help="whiten rows by each checkpoint's factors before projecting (for "
-                        "--method kfac/ekfac[-trajectory]; needs --factors)")
+                        "--method kfac/ekfac[-trajectory]; default: ekfac when --factors is "
+                        "given, else plain rows)")
     p.add_argument("--factors", default=None,
-                   help="factors file, or folder of <tag>.pt (tools/fit.py), for --whiten")
+                   help="exact factors file, or folder of <tag>.pt (tools/fit.py --checkpoint "
+                        "all): the rows are whitened by them")
     p.add_argument("--seed", type=field_flag(ProjectionConfig, "seed", name="--seed"), default=0,
                    help="projection seed")
     p.add_argument("--batch-size", type=flag_type(int, name="--batch-size", ge=1), default=8)
@@ -121,8 +124,6 @@ def _factors(args, tag: str):
     from dattri_ds.errors import ConfigError
 
     if args.whiten is None:
-        if args.factors:
-            raise ConfigError(f"--factors {args.factors} is only read with --whiten kfac|ekfac")
         return None
     path = Path(args.factors) if args.factors else None
     if path is not None and path.is_dir():
@@ -140,6 +141,8 @@ def _factors(args, tag: str):
 
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
+    if args.whiten is None and args.factors:  # factors given: the default method's rows
+        args.whiten = "ekfac"
     rank, world = init_distributed()
     setup_logging(rank)
     run = open_source(args)

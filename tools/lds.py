@@ -332,7 +332,7 @@ def frontier(rows: list[dict]) -> None:
 
 
 def table(rows: list[dict]) -> str:
-    """Markdown fidelity-cost table; ``*`` = best at its cost, ``(default)`` = the library default."""
+    """Markdown fidelity-cost table; ``*`` = best at its cost, ``(default)`` = the default."""
     lines = ["| method | projection | damping | LDS (mean ± std over queries) | CPU s "
              "| bytes/row | r vs exact | |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -512,7 +512,7 @@ def summarize(reports: list[dict], out: Path) -> dict:
                      f"{mark} |")
     seeds = [rep["args"]["seed"] for rep in reports]
     agree = [rep["seed_agreement"]["mean"] for rep in reports if rep["seed_agreement"]]
-    head = f"LDS over seeds {seeds} (each: {reports[0]['head']})"
+    head = f"LDS over seeds {seeds} (each: {reports[0]['head'].split(';')[0]})"
     if agree:
         a, e = mean_se(agree)
         head += f"; seed-to-seed agreement of retrained losses {a:+.3f} ± {e:.3f}"

@@ -167,9 +167,10 @@ def test_tracin_and_ekfac_match_independent_references(run_dir, tmp_path):
 
 
 def test_whitened_store_scores_equal_the_exact_store(run_dir, tmp_path):
-    """collect --whiten ekfac --factors DIR stores rows whitened by each checkpoint's exact
-    factors; with k above every layer's size (kept exactly) the default ekfac-trajectory
-    scores them as it scores the exact store (the query is whitened by the same factors),
+    """collect --factors DIR (whitening defaults to ekfac) stores rows whitened by each
+    checkpoint's exact factors; with k above every layer's size (kept exactly) the default
+    ekfac-trajectory scores them as it scores the exact store (the query is whitened by the
+    same factors),
     and a whitened store refuses a method it was not whitened for. Breaks if collect and
     attribute whiten with different factors or checkpoints, or attribute treats whitened
     rows as raw gradients."""
@@ -179,8 +180,7 @@ def test_whitened_store_scores_equal_the_exact_store(run_dir, tmp_path):
     fit.main(["--run", str(run_dir), "--data", TINY, "--max-docs", "6", "--checkpoint", "all",
               "--out", str(factors)])
     stores = {}
-    for name, extra in (("exact", []), ("white", ["--whiten", "ekfac", "--factors",
-                                                  str(factors)])):
+    for name, extra in (("exact", []), ("white", ["--factors", str(factors)])):  # ekfac
         stores[name] = tmp_path / name
         collect.main(["--run", str(run_dir), "--data", TINY, "--max-docs", "6", "--out",
                       str(stores[name]), "--projection-dim", str(1 << 22), "--batch-size", "3",

@@ -241,9 +241,9 @@ def test_bad_inputs_name_the_layer(setup):
     with pytest.raises(ShapeError, match=f"{name}.*factorized form"):
         dense = train.layers[name].replace(data=Dense(rtrain[name]))
         KFACFactors().update(GradBatch(0, train.sample_ids, {name: dense}))
-    proj = Projector(ProjectionConfig(dim=16, seed=0))
+    proj = Projector(ProjectionConfig(kind="kronecker", dim=16, seed=0))
     fp = _fit([train], projector=proj, ekfac=False)
-    other = project_batch(query, Projector(ProjectionConfig(dim=16, seed=1)))
+    other = project_batch(query, Projector(ProjectionConfig(kind="kronecker", dim=16, seed=1)))
     with pytest.raises(ShapeError, match=f"{name}.*projection"):
         fp.precondition_layer(other.layers[name], "kfac")
     bad = project_batch(query, proj).layers[name]
