@@ -331,18 +331,31 @@ def frontier(rows: list[dict]) -> None:
             for o in rows)
 
 
+def _opt(x: float | None, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+#: Columns every table shares before its statistics: (header, row -> cell).
+_KEY_COLUMNS = [("method", lambda r: r["method"]), ("projection", lambda r: r["projection"]),
+                ("damping", lambda r: _opt(r["damping"], "g"))]
+_TAIL_COLUMNS = [("bytes/row", lambda r: str(r.get("bytes_per_row") or "-")),
+                 ("r vs exact", lambda r: _opt(r["r_vs_exact"], ".3f")),
+                 ("", lambda r: ("*" if r["best_at_cost"] else "")
+                  + (" (default)" if r["default"] else ""))]
+
+
+def markdown(rows: list[dict], columns: list[tuple[str, Callable[[dict], str]]]) -> str:
+    """A markdown table of ``rows`` with ``columns = [(header, row -> cell text)]``."""
+    lines = ["| " + " | ".join(h for h, _ in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(r) for _, cell in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
 def table(rows: list[dict]) -> str:
     """Markdown fidelity-cost table; ``*`` = best at its cost, ``(default)`` = the default."""
-    lines = ["| method | projection | damping | LDS (mean ± std over queries) | CPU s "
-             "| bytes/row | r vs exact | |", "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        mark = ("*" if r["best_at_cost"] else "") + (" (default)" if r["default"] else "")
-        damping = "-" if r["damping"] is None else f"{r['damping']:g}"
-        r_ex = "-" if r["r_vs_exact"] is None else f"{r['r_vs_exact']:.3f}"
-        lines.append(f"| {r['method']} | {r['projection']} | {damping} | {r['lds_mean']:+.3f} ± "
-                     f"{r['lds_std']:.3f} | {r['time_s']:.2f} | {r.get('bytes_per_row') or '-'} "
-                     f"| {r_ex} | {mark} |")
-    return "\n".join(lines)
+    return markdown(rows, _KEY_COLUMNS + [
+        ("LDS (mean ± std over queries)", lambda r: f"{r['lds_mean']:+.3f} ± {r['lds_std']:.3f}"),
+        ("CPU s", lambda r: f"{r['time_s']:.2f}")] + _TAIL_COLUMNS)
 
 
 def full_run(train: Callable, init: torch.nn.Module, ds: TokenizedDocuments,
@@ -499,24 +512,17 @@ def summarize(reports: list[dict], out: Path) -> dict:
                      else mean_se([r["r_vs_exact"] for r in rs])[0],
                      "default": rs[0]["default"]})
     frontier(rows)
-    lines = ["| method | projection | damping | LDS (mean ± s.e. over seeds) | of exact | "
-             "CPU s | bytes/row | r vs exact | |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        mark = ("*" if r["best_at_cost"] else "") + (" (default)" if r["default"] else "")
-        damping = "-" if r["damping"] is None else f"{r['damping']:g}"
-        pct = "-" if r["pct_exact"] is None else f"{100 * r['pct_exact']:.0f}%"
-        lines.append(f"| {r['method']} | {r['projection']} | {damping} | {r['lds_mean']:+.3f} "
-                     f"± {r['lds_se']:.3f} | {pct} | {r['time_s']:.2f} ± {r['time_se']:.2f} | "
-                     f"{r['bytes_per_row'] or '-'} | "
-                     f"{'-' if r['r_vs_exact'] is None else format(r['r_vs_exact'], '.3f')} | "
-                     f"{mark} |")
+    md = markdown(rows, _KEY_COLUMNS + [
+        ("LDS (mean ± s.e. over seeds)", lambda r: f"{r['lds_mean']:+.3f} ± {r['lds_se']:.3f}"),
+        ("of exact", lambda r: _opt(None if r["pct_exact"] is None else 100 * r["pct_exact"],
+                                    ".0f") + ("%" if r["pct_exact"] is not None else "")),
+        ("CPU s", lambda r: f"{r['time_s']:.2f} ± {r['time_se']:.2f}")] + _TAIL_COLUMNS)
     seeds = [rep["args"]["seed"] for rep in reports]
     agree = [rep["seed_agreement"]["mean"] for rep in reports if rep["seed_agreement"]]
     head = f"LDS over seeds {seeds} (each: {reports[0]['head'].split(';')[0]})"
     if agree:
         a, e = mean_se(agree)
         head += f"; seed-to-seed agreement of retrained losses {a:+.3f} ± {e:.3f}"
-    md = "\n".join(lines)
     print(f"\n{head}\n{md}")
     summary = {"seeds": seeds, "results": rows, "head": head}
     out.mkdir(parents=True, exist_ok=True)
