@@ -32,7 +32,7 @@ from torch import nn
 
 from dattri_ds.callbacks import TrainingCallback
 from dattri_ds.config import CaptureConfig
-from dattri_ds.errors import CaptureError, UnsupportedLayerError
+from dattri_ds.errors import CaptureError, ConfigError, UnsupportedLayerError
 from dattri_ds.gradient import Dense, Factorized, GradBatch, LayerGrad
 from dattri_ds.integrations.base import EngineAdapter
 from dattri_ds.layers import LayerKind, kind_for
@@ -123,6 +123,11 @@ class GradientCapture:
         self.last_kept: torch.Tensor | None = None
         self.layers: dict[str, tuple[nn.Module, LayerKind]] = {}
         self.unsupported: list[str] = []
+        if self.config.whiten is not None:
+            raise ConfigError(f"capture.whiten='{self.config.whiten}' needs the curvature "
+                              f"factors, which GradientCapture does not have: use "
+                              f"dattri_ds.collect(model, batches, config, factors=...), or "
+                              f"whiten=None")
         self._projector = Projector(self.config.projection) if self.config.projection else None
         self._handles: list = []
         self._open: list[_Record] = []

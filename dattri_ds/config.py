@@ -59,13 +59,27 @@ class CaptureConfig:
     """Keep captured factors in this dtype (None = the model's); inner products run in fp32."""
 
     projection: ProjectionConfig | None = None
-    """Project each micro-batch right after backward (compact storage); None keeps factors."""
+    """Project each micro-batch right after backward (compact storage); None keeps factors.
+    ``ProjectionConfig()`` is the measured projected default: ``auto`` (sparse JL, Kronecker
+    only on layers where it pays) at k = 4096 per layer (README, "Attribution fidelity")."""
+
+    whiten: Literal["kfac", "ekfac"] | None = None
+    """Whiten every example by a checkpoint's curvature factors before projecting:
+    ``r = (F + lambda)^-1/2 g`` in the Kronecker eigenbasis (``KFACFactors.whiten``), so
+    ``<P r_n, P r_q>`` is the K-FAC/EK-FAC influence up to the projection's JL error. The
+    rows a projected store for ``kfac``/``ekfac`` (and their trajectories) should hold:
+    they keep >= 90% of the exact LDS where projecting raw gradients keeps ~10%. Needs the
+    factors: ``dattri_ds.collect(..., factors=)`` (``GradientCapture`` refuses it)."""
 
     max_pending: int = field(default=64, metadata=schema.bounds(ge=1))
     """Warn when more than this many captured batches wait to be popped (no callback)."""
 
     def __post_init__(self) -> None:
         schema.check(self, "capture")
+        if self.whiten is not None and self.projection is None:
+            raise ConfigError(f"capture: whiten='{self.whiten}' without a projection stores "
+                              f"the exact whitened rows [B, O*I'] per layer; set "
+                              f"capture.projection (e.g. ProjectionConfig()) or whiten=None")
         if self.loss_reduction not in LOSS_REDUCTIONS or \
                 self.per_example_loss not in PER_EXAMPLE_LOSSES:  # the hints mirror semantics.py
             raise ConfigError(f"capture: loss_reduction '{self.loss_reduction}' or "

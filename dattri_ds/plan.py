@@ -24,7 +24,9 @@ weight, ``s = R`` when the state is sharded by the ZeRO stage, else 1):
 | activations | ``B T L (9 h + 3 h_kv + 4 i) e`` (Llama; GPT-2: ``16 h``) + logits ``3 B T V 4`` |
 | factors     | captured output-grads ``B T O e`` per layer, norms ``B D 4`` (the inputs ``a``    |
 |             | are tensors autograd saves anyway: see ``captured_factor_bytes``)    |
-| projections | Kronecker ``(ko O + ki I) 4`` per layer; dense ``k I O 4``            |
+| projections | per layer ``ProjectionKind.matrix_bytes``: Kronecker ``(ko O + ki I) 4``;   |
+|             | dense ``k I O 4``; sparse ``12 s I O`` (int64 row + fp32 value per non-zero); |
+|             | auto: the kind ``ops.cost.choose_projection`` picks for the layer          |
 | kfac        | ``(I^2 + O^2) 4`` per layer, twice with eigenvectors (EK-FAC adds ``I O 4``) |
 | runtime     | the framework's resident size (the device's ``runtime_bytes``)       |
 
@@ -51,8 +53,8 @@ from typing import Any, Literal
 
 from dattri_ds.errors import ConfigError
 from dattri_ds.layers.base import LayerDims
-from dattri_ds.ops.cost import CostModel, Roofline
-from dattri_ds.ops.projection import kron_dims
+from dattri_ds.ops.cost import CostModel, Roofline, choose_projection
+from dattri_ds.ops.projection import KINDS, kron_dims, projection_kind
 
 __all__ = ["DeviceSpec", "DEVICES", "ModelShape", "LayerShape", "RunSpec", "Plan", "plan",
            "device", "captured_factor_bytes"]
@@ -288,7 +290,8 @@ class RunSpec:
         zero_stage: DeepSpeed ZeRO stage 0-3. offload: ``none``, ``optimizer`` or ``all``
         (optimizer and parameters). dtype: weight dtype (``float32`` or ``bfloat16``).
         optimizer: ``adamw``, ``sgd`` or ``sgd_momentum``. capture: per-example gradients
-        are captured during training. projection: ``kronecker`` or ``dense``.
+        are captured during training. projection: a projection kind (``kronecker``,
+        ``dense``, ``sparse`` or ``auto``: per layer by ``ops.cost.choose_projection``).
         k: projected size per layer (0 = recommend one). method: what the gradients feed
         (``graddot``/``tracin``: inner products; ``kfac``/``ekfac``: curvature factors;
         ``selection``: online selection with ``candidate_multiple`` candidates per trained
@@ -313,7 +316,7 @@ class RunSpec:
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
     optimizer: str = "adamw"
     capture: bool = True
-    projection: Literal["kronecker", "dense"] = "kronecker"
+    projection: Literal["kronecker", "dense", "sparse", "auto"] = "kronecker"
     k: int = 0
     method: str = "graddot"
     candidate_multiple: float = 2.0
@@ -344,8 +347,8 @@ class RunSpec:
                               f"'{self.optimizer}'")
         if self.method not in _METHODS:
             raise ConfigError(f"method must be one of {_METHODS}, got '{self.method}'")
-        if self.projection not in ("kronecker", "dense"):
-            raise ConfigError(f"projection must be kronecker or dense, got '{self.projection}'")
+        if self.projection not in KINDS:
+            raise ConfigError(f"projection must be one of {KINDS}, got '{self.projection}'")
         if self.k < 0:
             raise ConfigError(f"k must be >= 0 (0 = recommend one), got {self.k}")
 
@@ -472,6 +475,18 @@ def _proj_dims(layer: LayerShape, k: int) -> tuple[int, int]:
     return kron_dims(k, layer.O, layer.I)
 
 
+def _layer_kind(kind: str, layer: LayerShape, k: int) -> str:
+    """The projection kind a layer gets: ``identity`` when ``O*I <= k``; ``auto`` resolved
+    by the cost model; Kronecker falls back to dense on norms (no Kronecker structure)."""
+    if layer.O * layer.I <= k:
+        return "identity"
+    if layer.kind == "norm" and kind in ("auto", "kronecker"):  # dense-only rows
+        return "sparse" if kind == "auto" else "dense"
+    if kind == "auto":
+        return choose_projection(layer.O, layer.I, k).kind
+    return kind
+
+
 def captured_factor_bytes(m: ModelShape, s: RunSpec, rows: int) -> dict[str, float]:
     """Bytes of one captured batch of ``rows`` examples, as ``GradBatch`` holds them:
     ``inputs`` (linear ``a [B, T, I]``, embedding indices ``[B, T]`` int64), ``grads``
@@ -495,12 +510,9 @@ def _capture_terms(m: ModelShape, s: RunSpec, rows: int) -> dict[str, float]:
     f = captured_factor_bytes(m, s, rows)
     proj, kfac = 0.0, 0.0
     for L in m.captured_layers():
-        if L.kind != "norm" and s.k:
-            if s.projection == "kronecker":
-                ko, ki = _proj_dims(L, s.k)
-                proj += (ko * L.O + ki * L.I) * 4 * L.count
-            else:
-                proj += s.k * L.I * L.O * 4 * L.count
+        kind = _layer_kind(s.projection, L, s.k) if s.k else "identity"
+        if L.kind != "norm" and kind != "identity":
+            proj += projection_kind(kind).matrix_bytes(s.k, L.O, L.I) * L.count
         if s.method in ("kfac", "ekfac") and L.kind == "linear":
             kfac += 2 * (L.I ** 2 + L.O ** 2) * 4 * L.count
             if s.method == "ekfac":
@@ -508,16 +520,14 @@ def _capture_terms(m: ModelShape, s: RunSpec, rows: int) -> dict[str, float]:
     return {"factors": f["grads"] + f["dense"], "projections": proj, "kfac": kfac}
 
 
-def _width(m: ModelShape, k: int) -> int:
-    """Stored elements per example: ``ko * ki`` per factorized layer, ``min(k, numel)`` per
-    norm (dense, projected only when larger than k)."""
+def _width(m: ModelShape, k: int, kind: str = "kronecker") -> int:
+    """Stored elements per example: ``ProjectionKind.width`` of the layer's kind (``ko * ki``
+    for Kronecker, k for dense and sparse), ``O*I`` for a layer no larger than k."""
     total = 0
     for L in m.captured_layers():
-        if L.kind == "norm":
-            total += L.count * min(k, L.I * L.O)
-        else:
-            ko, ki = _proj_dims(L, k)
-            total += L.count * ko * ki
+        lk = _layer_kind(kind, L, k)
+        total += L.count * (L.I * L.O if lk == "identity"
+                            else projection_kind(lk).width(k, L.O, L.I))
     return total
 
 
@@ -530,9 +540,14 @@ def _routing(m: ModelShape, s: RunSpec, dev: DeviceSpec, rows: int) -> tuple[dic
             continue
         dims = LayerDims(rows, s.seq_len * L.token_factor, L.I, L.O,
                          index_input=L.kind == "embedding", itemsize=e)
-        if s.projection == "kronecker":
+        kind = _layer_kind(s.projection, L, s.k)
+        if kind == "identity":
+            continue
+        if kind == "kronecker":
             ko, ki = _proj_dims(L, s.k)
             d = cm.choose("project_kron", L.name, dims, ko=ko, ki=ki)
+        elif kind == "sparse":
+            d = cm.choose("project_sparse", L.name, dims, P=s.k)
         else:
             d = cm.choose("project_dense", L.name, dims, P=s.k)
         routes[L.name] = d.path
@@ -587,7 +602,8 @@ def plan(model: ModelShape, dev: DeviceSpec | str, spec: RunSpec) -> Plan:
             base = _times(model, trial, dev, 0.0, 0.0)
             work = base["train_step"] if spec.train else base["collect_per_example"] * \
                 spec.micro_batch
-            store = spec.examples * _width(model, cand) * _STORE_BYTES[spec.store_dtype]
+            store = spec.examples * _width(model, cand, spec.projection) * \
+                _STORE_BYTES[spec.store_dtype]
             if ps <= 0.1 * work and store <= spec.store_budget_gb * GB:
                 k = cand
         spec = replace(spec, k=k)
@@ -601,10 +617,23 @@ def plan(model: ModelShape, dev: DeviceSpec | str, spec: RunSpec) -> Plan:
     dense = [n for n, p in result.routing.items() if p == "dense"]
     advice.append(f"projection path: ghost (factorized) for {ghost or 'no layer'}; dense "
                   f"(materialized) for {dense or 'no layer'}")
+    if spec.k:
+        advice.append(_kind_advice(model, spec))
     if spec.dtype == "bfloat16" and dev.name == "cpu":
         advice.append("bf16 matmuls run ~100x slower than fp32 on CPUs without AVX-512 BF16:"
                       " prefer float32 weights on CPU")
     return replace(result, advice=advice + result.advice)
+
+
+def _kind_advice(model: ModelShape, spec: RunSpec) -> str:
+    """Which projection kind each layer gets at ``spec.k`` and its expected relative error
+    of an inner product (``ProjectionKind.error``; 0 for layers kept exactly)."""
+    parts = []
+    for L in model.captured_layers():
+        kind = _layer_kind(spec.projection, L, spec.k)
+        err = 0.0 if kind == "identity" else projection_kind(kind).error(spec.k, L.O, L.I)
+        parts.append(f"{L.name} {kind} (error ~{err:.2f})")
+    return f"projection kind per layer ({spec.projection}, k={spec.k}): " + ", ".join(parts)
 
 
 def _fit_advice(model: ModelShape, dev: DeviceSpec, spec: RunSpec, result: Plan) -> str:
@@ -641,6 +670,6 @@ def _plan_fixed(model: ModelShape, dev: DeviceSpec, spec: RunSpec) -> Plan:
     routes, proj_s = _routing(model, spec, dev, B)
     _, cand_s = _routing(model, spec, dev, rows) if spec.method == "selection" else ({}, 0.0)
     times = _times(model, spec, dev, proj_s, cand_s)
-    store = spec.examples * _width(model, spec.k) * _STORE_BYTES[spec.store_dtype] \
-        if spec.k else 0.0
+    store = spec.examples * _width(model, spec.k, spec.projection) * \
+        _STORE_BYTES[spec.store_dtype] if spec.k else 0.0
     return Plan(model, dev, spec, memory, host, times, routes, store)

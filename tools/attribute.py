@@ -10,7 +10,10 @@ Every method is the library's (``make_attributor``); trajectories sum per-checkp
 with ``Trajectory.trajectory_scores`` (curvature factors per checkpoint: ``tools/fit.py
 --checkpoint all --out <dir>``). Curvature methods precondition the unprojected query
 exactly and then project it into the store's space (``Attributor(projector=...)``), unless
-the factors were fitted in that space (``fit --store``, LoGra).
+the factors were fitted in that space (``fit --store``, LoGra), or the store holds whitened
+rows (``collect --whiten ekfac --factors DIR``): then the query is whitened by the same
+exact factors and projected, and scores are plain dot products (the projected recipe that
+keeps >= 90% of the exact LDS).
 
 Streams the store in blocks of ``--block-rows`` (memory: one block plus the preconditioned
 queries plus the ``[N, Q]`` result). Writes ``scores.npy`` (``[N, Q]``, positive = the
@@ -156,12 +159,26 @@ def _is_trajectory(method: str) -> bool:
     return issubclass(get_attributor(method), Trajectory)
 
 
-def _is_curvature(method: str) -> bool:
-    from dattri_ds.methods import KFAC, Trajectory, get_attributor
+def _inner(method: str) -> str:
+    """The per-checkpoint method of ``method`` (itself unless it is a trajectory)."""
+    from dattri_ds.methods import Trajectory, get_attributor
     cls = get_attributor(method)
-    if issubclass(cls, Trajectory):
-        cls = get_attributor(cls.default_inner)
-    return issubclass(cls, KFAC)
+    return cls.default_inner if issubclass(cls, Trajectory) else method
+
+
+def _is_curvature(method: str) -> bool:
+    from dattri_ds.methods import KFAC, get_attributor
+    return issubclass(get_attributor(_inner(method)), KFAC)
+
+
+def _check_whitened(method: str, whitened: str | None, store: Path) -> None:
+    """A whitened store is scored only by the curvature method it was whitened for."""
+    from dattri_ds.errors import ConfigError
+
+    if whitened is not None and _inner(method) != whitened:
+        raise ConfigError(f"Store '{store}' holds rows whitened by '{whitened}' factors; "
+                          f"--method {method} cannot score them: use --method {whitened} or "
+                          f"{whitened}-trajectory, or collect without --whiten")
 
 
 def _factors(args, tag: str, proj):
@@ -180,10 +197,11 @@ def _factors(args, tag: str, proj):
                           f"them with tools/fit.py {source}{every} --out <dir>")
     factors = KFACFactors.load(path, projector=Projector(proj) if proj else None)
     if proj is not None and all(lf.projection is None for lf in factors.layers.values()):
-        logger.warning("%s: exact factors on a %s-projected store: the query is preconditioned "
-                       "exactly, then projected, which loses most of the curvature's fidelity "
-                       "(README, 'Attribution fidelity'); for Kronecker stores fit with "
-                       "tools/fit.py --store %s", path, proj.kind, args.store)
+        logger.warning("%s: exact factors on a %s-projected store of raw gradients: the query "
+                       "is preconditioned exactly, then projected, which loses most of the "
+                       "curvature's fidelity (LDS ~0.05 of 0.67, README 'Attribution "
+                       "fidelity'); collect whitened rows instead (tools/collect.py --factors "
+                       "%s: >= 90%% of the exact LDS)", path, proj.kind, args.factors)
     return factors
 
 
@@ -195,7 +213,7 @@ def _store_projection(store):
 
 
 def _checkpoints(args, run: Run, available: dict[str, Path], tags: list[str], queries,
-                 proj, token_where: list[torch.Tensor]):
+                 proj, token_where: list[torch.Tensor], whitened: str | None = None):
     """One ``Checkpoint`` per tag, opened lazily (store, query gradients, factors).
 
     With ``--per-token`` every query token's loss gradient is appended to the query rows
@@ -207,12 +225,13 @@ def _checkpoints(args, run: Run, available: dict[str, Path], tags: list[str], qu
     curvature = _is_curvature(args.method)
     for tag in tags:
         store = _open_checked(available[tag], run, tag)
-        if _store_projection(store) != proj:
+        if _store_projection(store) != proj or store.spec.whitened != whitened:
             store.close()
             raise StoreMismatchError(
-                f"Store '{available[tag]}' is projected with {store.spec.projection!r}, the "
-                f"store of '{tags[0]}' otherwise; collect every checkpoint with the same "
-                f"--projection settings")
+                f"Store '{available[tag]}' is projected with {store.spec.projection!r} "
+                f"(whitened {store.spec.whitened!r}), the store of '{tags[0]}' otherwise "
+                f"({whitened!r}); collect every checkpoint with the same --projection and "
+                f"--whiten settings")
         model = run.model(tag)
         _check_weights(store, model, tag)
         # curvature: the query is preconditioned exactly, then projected (Attributor projector)
@@ -228,7 +247,8 @@ def _checkpoints(args, run: Run, available: dict[str, Path], tags: list[str], qu
                                            capture)
             q = GradBatch.cat([q, tok])
             token_where[:] = [where]
-        factors = _factors(args, tag, proj) if curvature else None
+        # whitened rows: exact factors (the query is whitened, then projected)
+        factors = _factors(args, tag, None if whitened else proj) if curvature else None
         try:
             yield Checkpoint(store.iter_batches(args.block_rows), q,
                              float(run.checkpoint(tag)["lr"]), factors)
@@ -249,21 +269,24 @@ def main(argv: list[str] | None = None) -> dict:
     queries = load_texts(args.queries, run.tokenizer, run.context, args.query_max_docs,
                          context=run.context, truncate=args.truncate)
     t0 = time.perf_counter()
-    proj = None
+    proj, whitened = None, None
     for i, tag in enumerate(tags):  # every store is checked before any factors or gradients
         with _open_checked(available[tag], run, tag) as store:
-            proj = _store_projection(store) if i == 0 else proj
+            if i == 0:
+                proj, whitened = _store_projection(store), store.spec.whitened
+                _check_whitened(args.method, whitened, available[tag])
     projector = Projector(proj) if proj else None
     token_where: list[torch.Tensor] = []  # --per-token: where each token row belongs
-    cks = _checkpoints(args, run, available, tags, queries, proj, token_where)
+    cks = _checkpoints(args, run, available, tags, queries, proj, token_where, whitened)
+    extra = {} if whitened is None else {"whitened": True}
     per_ckpt: list[torch.Tensor] = []
     if _is_trajectory(args.method):
         kwargs = {} if args.weighting is None else {"weighting": args.weighting}
-        attributor = make_attributor(args.method, projector=projector, **kwargs)
+        attributor = make_attributor(args.method, projector=projector, **kwargs, **extra)
         ids, total = attributor.trajectory_scores(cks, per_checkpoint=per_ckpt)
     else:
         ck = next(cks)
-        kwargs = {"factors": ck.factors} if ck.factors is not None else {}
+        kwargs = {"factors": ck.factors, **extra} if ck.factors is not None else {}
         attributor = make_attributor(args.method, projector=projector, **kwargs)
         ids, total = attributor.scores(ck.train, ck.query)
         cks.close()

@@ -6,6 +6,15 @@
     deepspeed --num_gpus 2 tools/collect.py --run-dir ...
     python tools/collect.py --model hf_folder --data tokens.jsonl --out grads  # any causal LM
 
+Rows are projected per layer with ``--projection`` (a kind of
+``dattri_ds.ops.projection.PROJECTION_KINDS``; default ``ProjectionConfig()``: ``auto``
+(sparse JL, Kronecker only where it pays), k = 4096, chosen by fidelity per byte on
+``tools/lds.py``, README "Attribution fidelity").
+For the curvature methods (``attribute``'s default ``ekfac-trajectory``) fit the factors
+first and collect whitened rows (``--whiten ekfac --factors DIR``, ``DIR/<tag>.pt`` per
+checkpoint as ``tools/fit.py --checkpoint all`` writes them): projected raw gradients lose
+the curvature (LDS ~0.05 of 0.67), projected whitened rows keep >= 90% of it.
+
 Each checkpoint gets its own store ``<out>/<tag>/`` (fingerprint ``<model>@<tag>``; the
 manifest also records the run id, the tag, a hash of the checkpoint's weights and the capture
 semantics). Resumable: examples already stored (and intact: their checksums are verified)
@@ -26,7 +35,7 @@ if __package__ in (None, ""):
 
 import torch  # noqa: E402
 
-from dattri_ds.ops.projection import ProjectionConfig  # noqa: E402
+from dattri_ds.ops.projection import KINDS, ProjectionConfig  # noqa: E402
 from dattri_ds.schema import field_flag, flag_type  # noqa: E402
 from dattri_ds.tools.common import (  # noqa: E402
     Run, add_source_args, example_ids, gradients, init_distributed, load_texts, logger,
@@ -41,11 +50,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-docs", type=flag_type(int, name="--max-docs", ge=1), default=None)
     p.add_argument("--checkpoints", default="all", help="all | last | tag,tag,...")
     p.add_argument("--out", required=True, help="store root (one store per checkpoint)")
-    p.add_argument("--projection", choices=["kronecker", "dense", "sparse"], default="kronecker")
+    p.add_argument("--projection", choices=KINDS, default=ProjectionConfig().kind,
+                   help="projection kind (ops/projection.py registry)")
     p.add_argument("--projection-dim",
-                   type=field_flag(ProjectionConfig, "dim", name="--projection-dim"), default=4096,
-                   help="per-layer size k (4096: Kronecker-projected EK-FAC keeps 91%% of "
-                        "the exact LDS on the issue-14 benchmark, 1024 80%%, 256 66%%)")
+                   type=field_flag(ProjectionConfig, "dim", name="--projection-dim"),
+                   default=ProjectionConfig().dim,
+                   help="per-layer size k (README, 'Attribution fidelity': fidelity per byte)")
+    p.add_argument("--whiten", choices=["kfac", "ekfac"], default=None,
+                   help="whiten rows by each checkpoint's factors before projecting (for "
+                        "--method kfac/ekfac[-trajectory]; default: ekfac when --factors is "
+                        "given, else plain rows)")
+    p.add_argument("--factors", default=None,
+                   help="exact factors file, or folder of <tag>.pt (tools/fit.py --checkpoint "
+                        "all): the rows are whitened by them")
     p.add_argument("--seed", type=field_flag(ProjectionConfig, "seed", name="--seed"), default=0,
                    help="projection seed")
     p.add_argument("--batch-size", type=flag_type(int, name="--batch-size", ge=1), default=8)
@@ -63,7 +80,8 @@ def collect_checkpoint(run: Run, tag: str, data, args, rank: int, world: int) ->
     from dattri_ds.store.format import store_files
 
     proj = ProjectionConfig(kind=args.projection, dim=args.projection_dim, seed=args.seed)
-    capture = CaptureConfig(projection=proj)
+    capture = CaptureConfig(projection=proj, whiten=args.whiten)
+    factors = _factors(args, tag)
     path = Path(args.out) / tag
     fingerprint = f"{run.fingerprint()}@{tag}"
     model = run.model(tag)
@@ -83,10 +101,16 @@ def collect_checkpoint(run: Run, tag: str, data, args, rank: int, world: int) ->
         return 0
     writer, added = None, 0
     cfg = StoreConfig(path=str(path), dtype=args.dtype, flush_every=args.flush_every)
-    for batch in gradients(model, data, rows, capture=capture,
+    for batch in gradients(model, data, rows, capture=capture, factors=factors,
                            batch_size=args.batch_size, progress=f"collect {tag}"):
         if writer is None:
             spec = StoreSpec.from_batch(batch, projection=proj, capture=capture, **origin)
+            if rank == 0 and proj.kind == "auto":
+                from dattri_ds.ops.cost import explain_projection
+
+                logger.info("projection per layer (ops.cost.choose_projection):\n%s",
+                            explain_projection({ls.name: tuple(ls.shape) for ls in spec.layers},
+                                               proj.dim, proj.kron_speedup))
             writer = GradientStoreWriter(cfg, spec, rank=rank, world=world)
         added += writer.append(batch)
     if writer is not None:
@@ -94,8 +118,31 @@ def collect_checkpoint(run: Run, tag: str, data, args, rank: int, world: int) ->
     return added
 
 
+def _factors(args, tag: str):
+    """The exact curvature factors of checkpoint ``tag`` for ``--whiten`` (else None)."""
+    from dattri_ds import KFACFactors
+    from dattri_ds.errors import ConfigError
+
+    if args.whiten is None:
+        return None
+    path = Path(args.factors) if args.factors else None
+    if path is not None and path.is_dir():
+        path = path / f"{tag}.pt"
+    if path is None or not path.is_file():
+        raise ConfigError(f"--whiten {args.whiten} needs the exact factors of checkpoint "
+                          f"'{tag}' (--factors {args.factors!r}, looked for {path}); fit them "
+                          f"with tools/fit.py --checkpoint all --out <dir>, then --factors <dir>")
+    factors = KFACFactors.load(path)
+    if any(lf.projection is not None for lf in factors.layers.values()):
+        raise ConfigError(f"{path}: --whiten needs exact factors (fit without --store or "
+                          f"--projection-dim); these were fitted in a projected space")
+    return factors
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
+    if args.whiten is None and args.factors:  # factors given: the default method's rows
+        args.whiten = "ekfac"
     rank, world = init_distributed()
     setup_logging(rank)
     run = open_source(args)

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from dattri_ds.errors import ConfigError
-from dattri_ds.ops.projection import ProjectionConfig
+from dattri_ds.ops.projection import KINDS, ProjectionConfig
 from dattri_ds.schema import flag_type, read_json
 
 __all__ = ["Run", "setup_logging", "projection_from_tag", "init_distributed", "write_config",
@@ -288,15 +288,17 @@ def _megatron_model(root: Path, tag: str) -> torch.nn.Module:
     return prepare_model(MegatronLM(gpt))
 
 
-_TAG = re.compile(r"^(kronecker|dense|sparse):(gaussian|rademacher):k(\d+):s(-?\d+)$")
+_TAG = re.compile(r"^(\w+):(gaussian|rademacher):k(\d+):s(-?\d+)(?::x([0-9.e+-]+))?$")
 
 
 def projection_from_tag(tag: str) -> ProjectionConfig:
     """The ProjectionConfig whose ``.tag`` is ``tag`` (stores record the tag)."""
     m = _TAG.match(tag)
-    if m is None:
-        raise ConfigError(f"Unrecognized projection tag '{tag}'")
-    return ProjectionConfig(kind=m[1], distribution=m[2], dim=int(m[3]), seed=int(m[4]))
+    if m is None or m[1] not in KINDS:
+        raise ConfigError(f"Unrecognized projection tag '{tag}' (kinds: {KINDS})")
+    extra = {} if m[5] is None else {"kron_speedup": float(m[5])}
+    return ProjectionConfig(kind=m[1], distribution=m[2], dim=int(m[3]), seed=int(m[4]),
+                            **extra)
 
 
 def init_distributed() -> tuple[int, int]:
@@ -340,17 +342,20 @@ def example_ids(data, rows: torch.Tensor, label_shift: int = 1) -> list[str]:
 
 
 def gradients(model, data, rows: torch.Tensor, *, capture, batch_size: int,
-              device: torch.device | str = "cpu", progress: str | None = None):
+              device: torch.device | str = "cpu", progress: str | None = None,
+              factors=None):
     """Per-example gradients (GradBatch per ``batch_size`` rows) by probe passes
     (``dattri_ds.collect``): no parameter ``.grad`` is touched. ``capture`` is a
-    CaptureConfig (projection applies); sample ids are ``<doc id>#<content hash>``."""
+    CaptureConfig (projection and whitening by ``factors`` apply); sample ids are
+    ``<doc id>#<content hash>``."""
     from dattri_ds import collect
 
     chunks = [rows[s:s + batch_size] for s in range(0, rows.numel(), batch_size)]
     bar = _bar(rows.numel(), progress)
     batches = (data.batch(idx) for idx in chunks)
     ids = ([data.docs[i].id for i in idx.tolist()] for idx in chunks)
-    for idx, got in zip(chunks, collect(model, batches, capture, user_ids=ids, device=device)):
+    for idx, got in zip(chunks, collect(model, batches, capture, user_ids=ids, device=device,
+                                             factors=factors)):
         if bar is not None:
             bar.update(idx.numel())
         yield got

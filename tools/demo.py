@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"{s} {q_before[s]:.2f} -> {q_after[s]:.2f}" for s in q_before))
 
     t2 = time.time()
-    proj = ProjectionConfig(dim=args.proj_dim, seed=args.seed)
+    proj = ProjectionConfig(kind="kronecker", dim=args.proj_dim, seed=args.seed)
     train_ds = ds.subset(range(min(args.attr_docs, len(ds))))
     scores, layers = attribute(model, train_ds, qds, proj)
     times["attribution_s"] = time.time() - t2

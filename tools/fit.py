@@ -74,7 +74,7 @@ def _projection(args, tag: str):
                     proj.kind)
         return None
     if args.projection_dim:
-        return ProjectionConfig(dim=args.projection_dim, seed=args.seed)
+        return ProjectionConfig(kind="kronecker", dim=args.projection_dim, seed=args.seed)
     return None  # exact factors
 
 

@@ -10,7 +10,11 @@ per-example gradients, under every ``--projections`` setting: ``exact`` (factori
 unprojected), ``dense:k`` / ``sparse:k`` / ``kronecker:k`` (training rows projected per
 layer to k, as a store holds them; curvature factors stay exact and the query is
 preconditioned exactly, then projected), ``logra:k`` (Kronecker projection with the factors
-fitted in the projected space). Curvature methods run at each ``--dampings`` value.
+fitted in the projected space), ``whitened-<kind>:k`` (rows whitened by the curvature
+factors, then projected: what ``collect --whiten`` stores). Curvature methods run at each
+``--dampings`` value on the exact setting (projected settings at the first). ``tfidf``
+(TF-IDF of character n-grams of the text each row holds, ``dattri_ds.eval.tfidf_scores``)
+is the model-free text-overlap baseline of the issue-14 benchmark.
 The same model is then retrained from the same initialization on S random half subsets,
 and each method's Linear Datamodeling Score is the mean over queries of the Spearman
 correlation between ``-(mask @ scores)`` and the retrained query losses
@@ -21,7 +25,8 @@ Usage::
     python tools/lds.py [--quick] [--out runs/lds] [--seed 1] [--dampings 0.1,0.01] ...
 
 The fidelity-cost table (method, projection, damping, LDS mean +- std over queries,
-single-thread CPU seconds, Pearson r of the scores with the same method's exact scores,
+single-thread CPU seconds, fp32 bytes per stored training row, Pearson r of the scores with
+the same method's exact scores,
 ``*`` = best at its cost: no row has a higher LDS for fewer CPU
 seconds, ``(default)`` = what ``tools/attribute.py`` runs by default) is printed and written
 to ``<out>/lds.md``; everything else (config, per-query correlations, retrained losses) to
@@ -29,7 +34,10 @@ to ``<out>/lds.md``; everything else (config, per-query correlations, retrained 
 are its own work (projection, factor fitting, scoring) plus the gradient captures it reads
 (every checkpoint's for trajectories, the final model's otherwise); retraining is
 excluded. ``--quick`` is a smaller preset (about 30 s); the default (N = 128, S = 32
-subsets x 2 seeds) about 3 minutes on an idle core.
+subsets x 2 seeds) about 3 minutes on an idle core. ``--repeats R`` runs seeds
+``--seed .. --seed+R-1`` (each into ``<out>/seed<s>/``; a seed already run with the same
+settings is reused) and tabulates mean +- standard error over seeds, with each row's share
+of the same method's exact LDS.
 
 Training is plain Adam (or ``--optimizer sgd``) at a constant learning rate; every run,
 full or subset, starts from the same initialization and visits its documents in the
@@ -59,22 +67,25 @@ from dattri_ds.data import (
     Document, TokenizedDocuments, build_model, load_documents, source_counts,
     tokenize_documents, train_tokenizer,
 )
-from dattri_ds.eval import lds, predicted, retrain_losses, subset_masks
+from dattri_ds.eval import lds, predicted, retrain_losses, subset_masks, tfidf_scores
 from dattri_ds.ops.inner import project_batch
-from dattri_ds.ops.projection import Projector
+from dattri_ds.ops.projection import KINDS, Projector, projection_kind
 from dattri_ds.schema import flag_type
 
 logger = logging.getLogger("dattri_ds.tools.lds")
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ("graddot", "gradcos", "tracin", "kfac", "ekfac", "kfac-trajectory", "ekfac-trajectory")
+#: Model-free reference rows (exact setting only): TF-IDF of character n-grams
+#: (``dattri_ds.eval.tfidf_scores``), the text-overlap baseline of the issue-14 benchmark.
+BASELINES = ("tfidf",)
 #: What ``tools/attribute.py`` runs by default (chosen by this table, see the README).
 DEFAULT_METHOD = "ekfac-trajectory"
 CURVATURE = ("kfac", "ekfac", "kfac-trajectory", "ekfac-trajectory")
-SETTING_KINDS = ("dense", "sparse", "kronecker", "logra", "whitened-dense", "whitened-sparse",
-                 "whitened-kronecker")
+#: Projection settings: every kind of the projection registry, LoGra, and whitened rows.
+SETTING_KINDS = KINDS + ("logra",) + tuple(f"whitened-{k}" for k in KINDS)
 #: Settings that only curvature methods have (factors in the projected space, or whitened).
-CURVATURE_ONLY = ("logra", "whitened-dense", "whitened-sparse", "whitened-kronecker")
+CURVATURE_ONLY = ("logra",) + tuple(f"whitened-{k}" for k in KINDS)
 MODEL = {"model_type": "gpt2", "n_layer": 2, "n_head": 4, "n_embd": 64, "n_positions": 64,
          "activation_function": "gelu_new", "resid_pdrop": 0.0, "embd_pdrop": 0.0,
          "attn_pdrop": 0.0, "tie_word_embeddings": False}
@@ -98,9 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training seeds averaged per subset")
     p.add_argument("--epochs", type=flag_type(int, name="--epochs", ge=1),
                    help="epochs of every training run")
-    p.add_argument("--projections", help="comma-separated settings: exact, dense:<k>, "
-                   "kronecker:<k>, logra:<k> (k per layer)")
-    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated methods")
+    p.add_argument("--projections", help="comma-separated settings: exact or <kind>:<k> "
+                   f"(k per layer), kind in {SETTING_KINDS}")
+    p.add_argument("--methods", default=",".join(METHODS + BASELINES),
+                   help="comma-separated methods")
     p.add_argument("--fraction", type=flag_type(float, name="--fraction", gt=0, lt=1),
                    default=0.5, help="subset size / N")
     p.add_argument("--n-hamlet", type=flag_type(int, name="--n-hamlet", ge=0),
@@ -120,8 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoints", type=flag_type(int, name="--checkpoints", ge=1), default=5,
                    help="checkpoints of the trajectory methods")
     p.add_argument("--dampings", default=None,
-                   help="comma-separated relative dampings of the curvature methods "
+                   help="comma-separated relative dampings of the curvature methods, all "
+                        "run on the exact setting; projected settings use the first "
                         "(default: the library default KFACConfig().damping)")
+    p.add_argument("--repeats", type=flag_type(int, name="--repeats", ge=1), default=1,
+                   help="run seeds --seed .. --seed+R-1 into <out>/seed<s>/ (a finished "
+                        "seed with the same settings is reused) and tabulate mean +- s.e.")
     p.add_argument("--threads", type=flag_type(int, name="--threads", ge=1),
                    default=1, help="torch CPU threads")
     p.add_argument("--cache-dir", default=None, help="tokenizer cache directory")
@@ -131,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
+    p = build_parser()
+    args = p.parse_args(argv)
     for k, v in PRESETS["quick" if args.quick else "default"].items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -148,9 +165,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("seeds", "epochs", "checkpoints", "n_train"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    unknown = sorted(set(args.methods) - set(METHODS))
+    unknown = sorted(set(args.methods) - set(METHODS) - set(BASELINES))
     if unknown:
-        p.error(f"unknown method(s) {unknown}; choose from {list(METHODS)}")
+        p.error(f"unknown method(s) {unknown}; choose from {list(METHODS + BASELINES)}")
     return args
 
 
@@ -314,17 +331,31 @@ def frontier(rows: list[dict]) -> None:
             for o in rows)
 
 
-def table(rows: list[dict]) -> str:
-    """Markdown fidelity-cost table; ``*`` = best at its cost, ``(default)`` = the library default."""
-    lines = ["| method | projection | damping | LDS (mean ± std over queries) | CPU s "
-             "| r vs exact | |", "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        mark = ("*" if r["best_at_cost"] else "") + (" (default)" if r["default"] else "")
-        damping = "-" if r["damping"] is None else f"{r['damping']:g}"
-        r_ex = "-" if r["r_vs_exact"] is None else f"{r['r_vs_exact']:.3f}"
-        lines.append(f"| {r['method']} | {r['projection']} | {damping} | {r['lds_mean']:+.3f} ± "
-                     f"{r['lds_std']:.3f} | {r['time_s']:.2f} | {r_ex} | {mark} |")
+def _opt(x: float | None, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+#: Columns every table shares before its statistics: (header, row -> cell).
+_KEY_COLUMNS = [("method", lambda r: r["method"]), ("projection", lambda r: r["projection"]),
+                ("damping", lambda r: _opt(r["damping"], "g"))]
+_TAIL_COLUMNS = [("bytes/row", lambda r: str(r.get("bytes_per_row") or "-")),
+                 ("r vs exact", lambda r: _opt(r["r_vs_exact"], ".3f")),
+                 ("", lambda r: ("*" if r["best_at_cost"] else "")
+                  + (" (default)" if r["default"] else ""))]
+
+
+def markdown(rows: list[dict], columns: list[tuple[str, Callable[[dict], str]]]) -> str:
+    """A markdown table of ``rows`` with ``columns = [(header, row -> cell text)]``."""
+    lines = ["| " + " | ".join(h for h, _ in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(r) for _, cell in columns) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown fidelity-cost table; ``*`` = best at its cost, ``(default)`` = the default."""
+    return markdown(rows, _KEY_COLUMNS + [
+        ("LDS (mean ± std over queries)", lambda r: f"{r['lds_mean']:+.3f} ± {r['lds_std']:.3f}"),
+        ("CPU s", lambda r: f"{r['time_s']:.2f}")] + _TAIL_COLUMNS)
 
 
 def full_run(train: Callable, init: torch.nn.Module, ds: TokenizedDocuments,
@@ -351,19 +382,54 @@ def full_run(train: Callable, init: torch.nn.Module, ds: TokenizedDocuments,
     return states, loss
 
 
-def score_all(grads: list[dict], args: argparse.Namespace) -> dict:
+def row_bytes(shapes: dict[str, tuple[int, int]], setting: tuple[str | None, int]) -> int:
+    """fp32 bytes of one training example's row in a store of this setting.
+
+    ``exact``: the materialized gradient, ``sum O*I'``; a projected layer holds
+    ``min(O*I', k)`` values (``ko*ki`` for Kronecker kinds, ``ops.projection.kron_dims``):
+    a layer no larger than k is kept exactly (``ops.inner.project``).
+    """
+    kind, k = setting
+    base = None if kind is None else ("kronecker" if kind == "logra"
+                                      else kind.removeprefix("whitened-"))
+    total = 0
+    for o, i in shapes.values():
+        if base is None or o * i <= k:
+            total += o * i
+        else:
+            projector = Projector(ProjectionConfig(kind=base, dim=k))
+            total += projection_kind(projector.kind_of(o, i)).width(k, o, i)
+    return 4 * total
+
+
+def text_of(ds: TokenizedDocuments, tok) -> list[str]:
+    """The text each row's model input holds (its tokens decoded, padding dropped)."""
+    return [tok.decode(ids[mask.bool()]) for ids, mask in zip(ds.input_ids, ds.attention_mask)]
+
+
+def score_all(grads: list[dict], args: argparse.Namespace,
+              texts: tuple[list[str], list[str]] | None = None) -> dict:
     """``{(method, setting, damping): (scores [N, Q], CPU seconds)}``.
 
     CPU seconds (``time.process_time``, single-threaded with ``--threads 1``) include the
-    captures the method reads. ``logra`` settings apply to curvature methods only.
+    captures the method reads. ``logra`` settings apply to curvature methods only; every
+    ``--dampings`` value runs on the exact setting, projected settings use the first.
+    ``BASELINES`` (exact setting only) score ``texts = (train texts, query texts)``.
     """
     scores: dict[tuple[str, str, float | None], tuple[torch.Tensor, float]] = {}
     for setting in args.projections:
         for method in args.methods:
+            if method in BASELINES:
+                if setting[0] is None and texts is not None:
+                    t0 = time.process_time()
+                    values = tfidf_scores(*texts).float()
+                    scores[(method, "exact", None)] = (values, time.process_time() - t0)
+                continue
             curvature = method in CURVATURE
             if setting[0] in CURVATURE_ONLY and not curvature:
                 continue
-            for damping in (args.dampings if curvature else [None]):
+            dampings = args.dampings if setting[0] is None else args.dampings[:1]
+            for damping in (dampings if curvature else [None]):
                 t0 = time.process_time()
                 values = attribute(method, setting, grads, args, damping)
                 used = grads if method == "tracin" or method.endswith("-trajectory") \
@@ -378,11 +444,95 @@ def score_all(grads: list[dict], args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Run the benchmark; returns the report also written to ``<out>/lds.json``."""
+    """Run the benchmark; returns the report also written to ``<out>/lds.json``.
+
+    With ``--repeats R`` every seed runs into ``<out>/seed<s>/`` and the report is the
+    summary over seeds (``summarize``).
+    """
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)
+    if args.repeats == 1:
+        return run_one(args)
+    reports = []
+    for seed in range(args.seed, args.seed + args.repeats):
+        one = argparse.Namespace(**{**vars(args), "seed": seed, "repeats": 1,
+                                    "out": str(Path(args.out) / f"seed{seed}")})
+        saved = Path(one.out) / "lds.json"
+        old = json.loads(saved.read_text()) if saved.is_file() else None
+        if old is not None and _settings(old["args"]) == _settings(vars(one)):
+            logger.info("seed %d: reusing %s", seed, saved)
+            reports.append(old)
+        else:
+            reports.append(run_one(one))
+    return summarize(reports, Path(args.out))
+
+
+#: The arguments that define a benchmark run (a saved seed with equal values is reused).
+SETTINGS = ("n_train", "subsets", "seeds", "epochs", "projections", "methods", "fraction",
+            "n_hamlet", "n_code", "seq_len", "vocab_size", "batch_size", "optimizer", "lr",
+            "checkpoints", "dampings")
+
+
+def _settings(args: dict) -> str:
+    """The benchmark settings of a run's args (JSON), without its seed and output folder."""
+    keep = {k: args.get(k) for k in SETTINGS}
+    return json.dumps(json.loads(json.dumps(keep, default=str)), sort_keys=True)
+
+
+def summarize(reports: list[dict], out: Path) -> dict:
+    """Mean +- standard error over seeds of every row's LDS, share of exact and CPU seconds.
+
+    ``pct_exact`` is the ratio of a row's mean LDS to the mean LDS of the same method's
+    exact row at the same damping; ``best_at_cost`` compares the seed means.
+    Writes ``<out>/lds.md`` and ``<out>/lds.json``.
+    """
+    def mean_se(xs: list[float]) -> tuple[float, float]:
+        t = torch.tensor(xs, dtype=torch.float64)
+        se = float(t.std() / len(xs) ** 0.5) if len(xs) > 1 else 0.0
+        return float(t.mean()), se
+
+    groups: dict[tuple, list[dict]] = {}
+    for rep in reports:
+        by_key = {(r["method"], r["projection"], r["damping"]): r for r in rep["results"]}
+        for key, r in by_key.items():
+            groups.setdefault(key, []).append(r)
+    means = {key: mean_se([r["lds_mean"] for r in rs])[0] for key, rs in groups.items()}
+    rows = []
+    for (method, setting, damping), rs in groups.items():
+        lm, ls = mean_se([r["lds_mean"] for r in rs])
+        tm, ts = mean_se([r["time_s"] for r in rs])
+        exact = means.get((method, "exact", damping))
+        rows.append({"method": method, "projection": setting, "damping": damping,
+                     "lds_mean": lm, "lds_se": ls, "time_s": tm, "time_se": ts,
+                     "pct_exact": None if not exact else lm / exact,
+                     "bytes_per_row": rs[0].get("bytes_per_row"), "seeds": len(rs),
+                     "r_vs_exact": None if rs[0]["r_vs_exact"] is None
+                     else mean_se([r["r_vs_exact"] for r in rs])[0],
+                     "default": rs[0]["default"]})
+    frontier(rows)
+    md = markdown(rows, _KEY_COLUMNS + [
+        ("LDS (mean ± s.e. over seeds)", lambda r: f"{r['lds_mean']:+.3f} ± {r['lds_se']:.3f}"),
+        ("of exact", lambda r: _opt(None if r["pct_exact"] is None else 100 * r["pct_exact"],
+                                    ".0f") + ("%" if r["pct_exact"] is not None else "")),
+        ("CPU s", lambda r: f"{r['time_s']:.2f} ± {r['time_se']:.2f}")] + _TAIL_COLUMNS)
+    seeds = [rep["args"]["seed"] for rep in reports]
+    agree = [rep["seed_agreement"]["mean"] for rep in reports if rep["seed_agreement"]]
+    head = f"LDS over seeds {seeds} (each: {reports[0]['head'].split(';')[0]})"
+    if agree:
+        a, e = mean_se(agree)
+        head += f"; seed-to-seed agreement of retrained losses {a:+.3f} ± {e:.3f}"
+    print(f"\n{head}\n{md}")
+    summary = {"seeds": seeds, "results": rows, "head": head}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "lds.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
+    (out / "lds.md").write_text(f"{head}\n\n{md}\n", encoding="utf-8")
+    return summary
+
+
+def run_one(args: argparse.Namespace) -> dict:
+    """One seed of the benchmark into ``args.out`` (``lds.json``, ``lds.md``)."""
     torch.manual_seed(args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -396,7 +546,8 @@ def main(argv: list[str] | None = None) -> dict:
     train = make_trainer(init, ds, args)
     states, full_loss = full_run(train, init, ds, qds, args)
     grads = capture_checkpoints(states, copy.deepcopy(init), ds, qds)
-    scores = score_all(grads, args)
+    scores = score_all(grads, args, (text_of(ds, tok), text_of(qds, tok)))
+    shapes = {n: lg.shape for n, lg in grads[-1]["train"][0].layers.items()}
 
     masks = subset_masks(len(ds), args.subsets, args.fraction, seed=args.seed)
     t0 = time.time()
@@ -417,6 +568,8 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append({"method": method, "projection": setting, "damping": damping,
                      "lds_mean": res.mean, "lds_std": res.std, "time_s": round(seconds, 3),
                      "r_vs_exact": r_exact,
+                     "bytes_per_row": None if method in BASELINES
+                     else row_bytes(shapes, parse_setting(setting)),
                      "default": (method == DEFAULT_METHOD and setting == "exact"
                                  and damping == KFACConfig().damping),
                      "per_query": [round(float(r), 4) for r in res.per_query]})
@@ -429,7 +582,7 @@ def main(argv: list[str] | None = None) -> dict:
                  f"{agree.std:.3f}")
     print(f"\n{head}\n{md}")
     report = {
-        "args": vars(args), "model": MODEL, "tokenizer": tok.fingerprint,
+        "args": vars(args), "head": head, "model": MODEL, "tokenizer": tok.fingerprint,
         "train_ids": ds.ids, "query_ids": qds.ids, "results": rows,
         "full_model_query_loss": full_loss.tolist(),
         "retrained_query_loss": actual.tolist(), "masks": masks.int().tolist(),

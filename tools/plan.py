@@ -16,12 +16,13 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dattri_ds.ops.projection import KINDS  # noqa: E402
 from dattri_ds.plan import DEVICES, ModelShape, RunSpec, plan  # noqa: E402
 from dattri_ds.schema import flag_type  # noqa: E402
 
 _CHOICES = {"zero_stage": [0, 1, 2, 3], "offload": ["none", "optimizer", "all"],
             "dtype": ["float32", "bfloat16"], "optimizer": ["adamw", "sgd", "sgd_momentum"],
-            "projection": ["kronecker", "dense"],
+            "projection": list(KINDS),
             "method": ["graddot", "tracin", "kfac", "ekfac", "selection"],
             "store_dtype": ["float32", "float16", "bfloat16"]}
 

@@ -18,9 +18,19 @@ gradients (``B*T*O`` scatter-adds for index inputs, where ``A.A^T`` costs ``T*S`
 | cross_dense  | 2*B*T*Q*O*(I + 1)                   | M(B,T) + 2*B*Q*I*O              |
 | project_kron | 2*B*T*(O*ko + I*ki + ko*ki)         | M(B,T) + 2*B*ko*I*(O + ki)      |
 | project_dense| 2*B*T*P*O*I                         | M(B,T) + 2*B*P*I*O              |
+| project_sparse| (none: sparse JL materializes)     | M(B,T) + 2*B*s*I*O              |
 | sum          | 2*B*T*I*O                           | M(B,T) + B*I*O                  |
 
 Bytes count the factors read, every intermediate written and read back, and the result.
+
+Projection kind per layer (``choose_projection``, the ``auto`` projection): a layer with
+``O*I' <= k`` is kept exactly (error 0); otherwise sparse JL (dense-JL error
+``sqrt(2/k)``) unless its flops per example, ``2*T*O*I' + 2*s*O*I'`` (materialize, then
+scatter), exceed ``kron_speedup`` times the factorized Kronecker path's
+``2*T*(O*ko + I'*ki + ko*ki)``; then Kronecker, at its larger error
+``sqrt(2/ko) + sqrt(2/ki)``. Both flop counts scale with ``T`` alike, so the choice depends
+on the layer's shape and k only (``T`` = ``REF_TOKENS``), never on a batch: train rows and
+queries land in the same space.
 """
 
 from __future__ import annotations
@@ -35,8 +45,10 @@ import torch
 
 from dattri_ds.errors import ConfigError
 from dattri_ds.layers.base import LayerDims
+from dattri_ds.ops.projection import PROJECTION_KINDS, SPARSE_NNZ
 
-__all__ = ["PathCost", "Roofline", "Decision", "CostModel", "OPS", "PATHS", "estimate"]
+__all__ = ["PathCost", "Roofline", "Decision", "CostModel", "OPS", "PATHS", "estimate",
+           "ProjectionChoice", "choose_projection", "explain_projection", "REF_TOKENS"]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -166,12 +178,64 @@ def _project_dense(d: LayerDims, P: int) -> dict[str, PathCost]:
     return {"ghost": ghost, "dense": dense}
 
 
+def _project_sparse(d: LayerDims, P: int) -> dict[str, PathCost]:
+    """Sparse JL has only the dense path: materialize, then ``s`` scatter-adds per entry
+    (reading an int64 row index and an fp32 value per non-zero)."""
+    e, s = d.itemsize, min(SPARSE_NNZ, P)
+    m = _mat(d, d.B, d.T)
+    return {"dense": PathCost(m.flops + 2 * d.B * s * d.I * d.O,
+                              m.bytes + e * d.B * d.I * d.O + 12 * s * d.I * d.O
+                              + 4 * d.B * P)}
+
+
 def _sum(d: LayerDims) -> dict[str, PathCost]:
     e = d.itemsize
     ghost = PathCost(_mat(d, 1, d.B * d.T).flops, e * (d.B * d.T * (d.I + d.O) + d.I * d.O))
     m = _mat(d, d.B, d.T)
     dense = PathCost(m.flops + d.B * d.I * d.O, m.bytes + e * (d.B * d.I * d.O + d.I * d.O))
     return {"ghost": ghost, "dense": dense}
+
+
+#: Tokens per example of the projection-kind comparison (the ratio is the same for any T
+#: up to the per-example scatter term of sparse).
+REF_TOKENS = 512
+
+
+@dataclass(frozen=True)
+class ProjectionChoice:
+    """The projection kind one layer gets, and why.
+
+    Attributes:
+        kind: ``identity`` (kept exactly), ``sparse`` or ``kronecker``.
+        width: values stored per example. error: expected relative inner-product error.
+        speedup: flops of the sparse path / flops of the Kronecker path (``REF_TOKENS``).
+    """
+
+    kind: str
+    width: int
+    error: float
+    speedup: float
+
+
+def choose_projection(o: int, i: int, k: int, kron_speedup: float = 8.0) -> ProjectionChoice:
+    """Identity, sparse or Kronecker for a layer ``[O, I']`` at size k (module docstring)."""
+    if o * i <= k:
+        return ProjectionChoice("identity", o * i, 0.0, 1.0)
+    sparse, kron = PROJECTION_KINDS["sparse"], PROJECTION_KINDS["kronecker"]
+    ratio = sparse.flops(k, o, i, REF_TOKENS) / kron.flops(k, o, i, REF_TOKENS)
+    pick = kron if ratio > kron_speedup else sparse
+    return ProjectionChoice(pick.name, pick.width(k, o, i), pick.error(k, o, i), ratio)
+
+
+def explain_projection(shapes: Mapping[str, tuple[int, int]], k: int,
+                       kron_speedup: float = 8.0) -> str:
+    """One line per layer: its ``auto`` projection kind, width, error and the flops ratio."""
+    lines = []
+    for name, (o, i) in shapes.items():
+        c = choose_projection(o, i, k, kron_speedup)
+        lines.append(f"{name} [{o}x{i}] k={k} -> {c.kind} (width {c.width}, relative error "
+                     f"~{c.error:.3f}, sparse/kronecker flops {c.speedup:.1f})")
+    return "\n".join(lines)
 
 
 #: op name -> estimator(dims, **op args) -> {path: PathCost}; a flat routing table.
@@ -181,6 +245,7 @@ OPS: dict[str, Callable[..., dict[str, PathCost]]] = {
     "cross_dense": _cross_dense,
     "project_kron": _project_kron,
     "project_dense": _project_dense,
+    "project_sparse": _project_sparse,
     "sum": _sum,
 }
 
@@ -258,6 +323,8 @@ class CostModel:
         forced = path or self.force.get(op) or self.force.get("*")
         if forced is not None and forced not in PATHS:
             raise ConfigError(f"path must be one of {PATHS}, got '{forced}'")
+        if forced is not None and forced not in costs:  # an op with one path (sparse)
+            forced = None
         chosen = forced or min(secs, key=secs.__getitem__)
         args = dict(B=dims.B, T=dims.T, I=dims.I, O=dims.O, **kwargs)
         dec = Decision(op, layer, chosen, costs, secs, forced is not None, args)

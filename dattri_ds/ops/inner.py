@@ -253,7 +253,7 @@ def project(lg: LayerGrad, projector: Projector, cost: CostModel | None = None,
     if o * i <= cfg.dim:
         return lg.replace(data=Dense(materialize(lg)), projection=f"identity:{cfg.tag}")
     dev = lg.device
-    if cfg.kind == "kronecker" and not get_kind(lg.kind).dense_only:
+    if projector.kind_of(o, i) == "kronecker" and not get_kind(lg.kind).dense_only:
         ko, ki = kron_dims(cfg.dim, o, i)
         p_out = projector.side(lg.name, "out", ko, o, dev)
         p_in = projector.side(lg.name, "in", ki, i, dev)
@@ -297,7 +297,7 @@ def _project_dense(lg: LayerGrad, projector: Projector, cost: CostModel | None,
     def dense() -> torch.Tensor:
         return projector.apply(lg.name, kind.materialize(f, lg.shape), k)
 
-    if projector.config.kind == "sparse":  # B*D*s work: materializing dominates
+    if projector.sparse:  # B*D*s work: materializing dominates
         return dense()
 
     def ghost() -> torch.Tensor:
@@ -414,7 +414,7 @@ def _project_shard(lg: LayerGrad, projector: Projector, cost: CostModel | None,
         return lg.replace(data=Dense(gather_shards(lg)), shape=tuple(shard.full_shape),
                           shard=None, projection=f"identity:{cfg.tag}")
     local = lg.replace(shard=None)
-    if cfg.kind == "kronecker" and isinstance(lg.data, Factorized):
+    if projector.kind_of(o, i) == "kronecker" and isinstance(lg.data, Factorized):
         dev = lg.device
         ko, ki = kron_dims(cfg.dim, o, i)
         p_out = projector.side(lg.name, "out", ko, o, dev)

@@ -18,6 +18,15 @@ Three families, all unbiased for inner products (``E[<Px, Py>] = <x, y>``):
   relative error of an inner product scales like ``sqrt(2/ko) + sqrt(2/ki)``, not
   ``sqrt(2/(ko*ki))`` (the price of never materializing ``G``).
 
+* auto: per layer, the cost model (``ops.cost.choose_projection``) picks sparse, or
+  Kronecker where the sparse path costs more than ``ProjectionConfig.kron_speedup`` times
+  the factorized Kronecker path (large layers), and reports the choice and its error.
+
+Every kind is a ``ProjectionKind`` strategy in one registry (``PROJECTION_KINDS``): what a
+layer stores (``width``), the bytes of its seeded matrices, its projection flops per
+example and its expected relative error of an inner product. Stores, the planner and the
+cost model read the kinds from there.
+
 Matrices are generated on the CPU with a ``torch.Generator`` (same bits on every device and
 rank) and cached per device. A layer whose gradient is no larger than the target dimension is
 kept exactly (the "identity" projection).
@@ -28,14 +37,16 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 
+from dattri_ds.errors import ConfigError
 from dattri_ds.schema import bounds, check
 
 __all__ = ["ProjectionConfig", "Projector", "stable_seed", "random_matrix", "kron_dims",
-           "sparse_columns", "KINDS", "SPARSE_NNZ"]
+           "sparse_columns", "KINDS", "SPARSE_NNZ", "ProjectionKind", "PROJECTION_KINDS",
+           "projection_kind"]
 
 #: Columns per independently seeded block of a dense or sparse projection matrix.
 BLOCK = 1 << 14
@@ -44,22 +55,148 @@ BLOCK = 1 << 14
 #: 0.33 / 0.17 / 0.08 (4 non-zeros: 0.35 / 0.20 / 0.13), at 1/3.5 (k=1024) to 1/20
 #: (k=4096) of the dense CPU time (README, "Attribution fidelity").
 SPARSE_NNZ = 16
-#: Projection kinds.
-KINDS = ("kronecker", "dense", "sparse")
+#: Bytes of one stored non-zero of a sparse matrix: an int64 row index and a float32 value.
+_SPARSE_ENTRY_BYTES = 12
+
+
+class ProjectionKind:
+    """One projection kind: what a layer ``[O, I']`` stores, costs and loses at size k.
+
+    Subclasses register by name (``class X(ProjectionKind, name="x")``). Every method is
+    per layer and per example, for a layer larger than k (a layer with ``O*I' <= k`` is
+    kept exactly by every kind: ``layer_width`` / ``layer_error`` handle that).
+    """
+
+    name: ClassVar[str]
+    #: Projects the factors ``(a, g)`` without materializing ``G`` (no ``[B, O*I']``).
+    factorized: ClassVar[bool] = False
+
+    def __init_subclass__(cls, *, name: str, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.name = name
+        PROJECTION_KINDS[name] = cls()
+
+    def width(self, k: int, o: int, i: int) -> int:
+        """Values stored per example."""
+        return k
+
+    def matrix_bytes(self, k: int, o: int, i: int) -> int:
+        """Bytes of the layer's seeded matrices (fp32 values)."""
+        raise NotImplementedError
+
+    def flops(self, k: int, o: int, i: int, t: int) -> float:
+        """Multiply-adds x 2 to project one example of ``t`` tokens from its factors."""
+        raise NotImplementedError
+
+    def error(self, k: int, o: int, i: int) -> float:
+        """Expected relative error of ``<Px, Py>`` vs ``<x, y>`` (units of ``|x||y|``):
+        the JL scale ``sqrt(2 / k)``; test_projection checks every pair within 5x it."""
+        return math.sqrt(2.0 / k)
+
+
+#: name -> ProjectionKind strategy (filled by the subclasses below).
+PROJECTION_KINDS: dict[str, ProjectionKind] = {}
+
+
+class KroneckerKind(ProjectionKind, name="kronecker"):
+    """``P_out (x) P_in`` (LoGra): sides ``[ko, O]`` and ``[ki, I']``, ``ko*ki ~ k``."""
+
+    factorized = True
+
+    def width(self, k: int, o: int, i: int) -> int:
+        ko, ki = kron_dims(k, o, i)
+        return ko * ki
+
+    def matrix_bytes(self, k: int, o: int, i: int) -> int:
+        ko, ki = kron_dims(k, o, i)
+        return 4 * (ko * o + ki * i)
+
+    def flops(self, k: int, o: int, i: int, t: int) -> float:
+        ko, ki = kron_dims(k, o, i)
+        return 2.0 * t * (o * ko + i * ki + ko * ki)
+
+    def error(self, k: int, o: int, i: int) -> float:
+        """``sqrt(2/ko) + sqrt(2/ki)``: each side is a JL map of its own factor."""
+        ko, ki = kron_dims(k, o, i)
+        return math.sqrt(2.0 / ko) + math.sqrt(2.0 / ki)
+
+
+class DenseKind(ProjectionKind, name="dense"):
+    """One Gaussian/Rademacher ``[k, O*I']`` matrix on the materialized gradient."""
+
+    def matrix_bytes(self, k: int, o: int, i: int) -> int:
+        return 4 * k * o * i
+
+    def flops(self, k: int, o: int, i: int, t: int) -> float:
+        return 2.0 * t * o * i + 2.0 * k * o * i
+
+
+class SparseKind(ProjectionKind, name="sparse"):
+    """Sparse JL: ``SPARSE_NNZ`` non-zeros per column on the materialized gradient."""
+
+    def matrix_bytes(self, k: int, o: int, i: int) -> int:
+        return _SPARSE_ENTRY_BYTES * min(SPARSE_NNZ, k) * o * i
+
+    def flops(self, k: int, o: int, i: int, t: int) -> float:
+        return 2.0 * t * o * i + 2.0 * min(SPARSE_NNZ, k) * o * i
+
+
+class AutoKind(ProjectionKind, name="auto"):
+    """Per layer the cheaper-where-it-pays of sparse and Kronecker (``resolve``)."""
+
+    def resolve(self, config: ProjectionConfig, o: int, i: int) -> ProjectionKind:
+        """The kind a layer ``[O, I']`` gets (``ops.cost.choose_projection``)."""
+        from dattri_ds.ops.cost import choose_projection  # cost reads this registry
+
+        return PROJECTION_KINDS[choose_projection(o, i, config.dim,
+                                                  config.kron_speedup).kind]
+
+    def width(self, k: int, o: int, i: int) -> int:
+        raise ConfigError("the 'auto' projection has no width of its own: resolve it per "
+                          "layer first (AutoKind.resolve / Projector.kind_of)")
+
+    matrix_bytes = flops = error = width  # type: ignore[assignment]
+
+
+#: Projection kinds (the registry's names).
+KINDS = tuple(PROJECTION_KINDS)
+
+
+def projection_kind(name: str) -> ProjectionKind:
+    """The registered kind ``name``; ConfigError naming the known kinds otherwise."""
+    try:
+        return PROJECTION_KINDS[name]
+    except KeyError:
+        raise ConfigError(f"projection kind '{name}' is not registered; known kinds: "
+                          f"{sorted(PROJECTION_KINDS)}") from None
 
 
 @dataclass(frozen=True, kw_only=True)
 class ProjectionConfig:
     """How per-layer gradients are compressed."""
 
-    kind: Literal["kronecker", "dense", "sparse"] = "kronecker"
-    """``kronecker``: project input and output sides separately (LoGra); ``dense``: one
-    ``[k, D]`` matrix on the materialized gradient; ``sparse``: a sparse JL matrix with
-    ``SPARSE_NNZ`` non-zeros per column on the materialized gradient (dense-JL error at a
-    fraction of its cost)."""
+    kind: Literal["kronecker", "dense", "sparse", "auto"] = "auto"
+    """A registered ``ProjectionKind``: ``kronecker``: project input and output sides
+    separately (LoGra); ``dense``: one ``[k, D]`` matrix on the materialized gradient;
+    ``sparse``: a sparse JL matrix with ``SPARSE_NNZ`` non-zeros per column on the
+    materialized gradient (dense-JL error at a fraction of its cost); ``auto`` (default):
+    sparse, or Kronecker per layer where it pays (``kron_speedup``), small layers exact.
+    Chosen by fidelity per byte on ``tools/lds.py`` (README, "Attribution fidelity"): at
+    equal bytes (k = 4096) whitened sparse rows keep 93% of the default method's exact
+    LDS where Kronecker with LoGra factors keeps 78% (5 seeds). The LoGra fit
+    (``KFACFactors(projector=...)``) needs ``kronecker``."""
 
-    dim: int = field(default=1024, metadata=bounds(ge=1))
-    """Target size per layer (``ko * ki`` for kronecker, about ``dim``)."""
+    dim: int = field(default=4096, metadata=bounds(ge=1))
+    """Target size per layer (``ko * ki`` for kronecker, about ``dim``). 4096: the smallest
+    of 256 / 1024 / 4096 at which the default method's projected recipe (whitened rows,
+    ``CaptureConfig.whiten``) keeps >= 90% of its exact LDS on ``tools/lds.py`` (mean of
+    5 seeds: 64% / 82% / 93%; README), at 27% of the exact
+    rows' bytes there; plain projected rows keep >= 90% for grad-dot and TracIn already at
+    1024."""
+
+    kron_speedup: float = field(default=8.0, metadata=bounds(ge=1))
+    """``auto`` only: a layer is Kronecker-projected when the sparse path needs more than
+    this many times the flops of the factorized Kronecker path (``ops.cost``)."""
 
     distribution: Literal["gaussian", "rademacher"] = "gaussian"
     """Entry distribution (both scaled to variance ``1/rows``)."""
@@ -72,11 +209,13 @@ class ProjectionConfig:
 
     def __post_init__(self) -> None:
         check(self, "projection")
+        projection_kind(self.kind)
 
     @property
     def tag(self) -> str:
         """Identifier stored with projected gradients; equal tags = comparable vectors."""
-        return f"{self.kind}:{self.distribution}:k{self.dim}:s{self.seed}"
+        auto = f":x{self.kron_speedup:g}" if self.kind == "auto" else ""
+        return f"{self.kind}:{self.distribution}:k{self.dim}:s{self.seed}{auto}"
 
 
 def stable_seed(*parts: object) -> int:
@@ -131,6 +270,15 @@ class Projector:
         self.config = config
         self._cache: dict[tuple, torch.Tensor] = {}
         self._cached_bytes = 0
+        #: Matrix (non-Kronecker) layers use the sparse JL matrix (``auto`` falls back to it).
+        self.sparse = config.kind in ("sparse", "auto")
+
+    def kind_of(self, o: int, i: int) -> str:
+        """The kind a layer ``[O, I']`` is projected with (``auto`` resolved per layer)."""
+        kind = projection_kind(self.config.kind)
+        if isinstance(kind, AutoKind):
+            kind = kind.resolve(self.config, o, i)
+        return kind.name
 
     def _get(self, key: tuple, make, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         full_key = key + (str(device), dtype)
@@ -177,7 +325,7 @@ class Projector:
 
     def apply(self, layer: str, x: torch.Tensor, rows: int) -> torch.Tensor:
         """``x [B, D] @ P^T`` -> ``[B, rows]`` for the dense or sparse kind."""
-        if self.config.kind == "sparse":
+        if self.sparse:
             return self.apply_at(layer, x, rows, None, x.shape[1])
         return self.dense_apply(layer, x, rows)
 
@@ -213,7 +361,7 @@ class Projector:
     def apply_at(self, layer: str, x: torch.Tensor, rows: int, index: torch.Tensor | None,
                  d: int) -> torch.Tensor:
         """``dense_apply_at`` for both matrix kinds; ``index=None``: all ``d`` columns."""
-        if self.config.kind != "sparse":
+        if not self.sparse:
             if index is None:
                 return self.dense_apply(layer, x, rows)
             return self.dense_apply_at(layer, x, rows, index, d)
@@ -233,7 +381,7 @@ class Projector:
 
     def dense_matrix(self, layer: str, d: int, rows: int) -> torch.Tensor:
         """The whole ``[rows, D]`` matrix, dense or sparse kind (references, small layers)."""
-        if self.config.kind == "sparse":
+        if self.sparse:
             out = torch.zeros(rows, d)
             for b, start in enumerate(range(0, d, BLOCK)):
                 cols = min(BLOCK, d - start)

@@ -140,6 +140,11 @@ class StoreSpec:
     weights_hash: str | None = None
     """``weights_hash`` of the model the rows were computed with (None: not one checkpoint)."""
 
+    whitened: str | None = None
+    """``kfac``/``ekfac``: the rows were whitened by that checkpoint's curvature factors
+    before projection (``CaptureConfig.whiten``); scoring them needs the same factors and
+    ``whitened=True``. None: plain projected gradients."""
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
         if not self.layers:
@@ -161,18 +166,21 @@ class StoreSpec:
             ConfigError: a layer is factorized, unprojected, TP-sharded or projected with
                 another ProjectionConfig.
         """
+        whitened = getattr(capture, "whiten", None)
         tag = projection.tag
+        suffix = "" if whitened is None else f"+whitened:{whitened}"
         layers = tuple(_layer_spec(k, lg) for k, lg in batch.layers.items())
         for ls in layers:
-            if ls.projection not in (tag, f"identity:{tag}"):
+            if ls.projection not in (tag + suffix, f"identity:{tag}{suffix}"):
                 raise ConfigError(
                     f"Layer '{ls.name}' was projected with {ls.projection!r} but the store is "
-                    f"configured for projection {tag!r}: pass the ProjectionConfig that "
-                    f"capture.projection uses")
+                    f"configured for projection {tag + suffix!r}: pass the ProjectionConfig "
+                    f"(and whiten setting) that capture uses")
         return cls(layers=layers, projection=projection.tag, seed=projection.seed,
                    fingerprint=fingerprint, projection_config=_projection_dict(projection),
                    semantics=None if capture is None else capture_semantics(capture),
-                   run_id=run_id, checkpoint=checkpoint, weights_hash=weights_hash)
+                   run_id=run_id, checkpoint=checkpoint, weights_hash=weights_hash,
+                   whitened=whitened)
 
     def origin(self) -> dict[str, str | None]:
         """The provenance fields (``ORIGIN_FIELDS``) of this spec."""
@@ -229,6 +237,10 @@ class StoreSpec:
                 self.projection_config != requested.projection_config:
             lines.append(f"projection_config: stored {self.projection_config}, requested "
                          f"{requested.projection_config}; fix: {_FIX_PROJECTION}")
+        if self.whitened != requested.whitened:
+            lines.append(f"whitened: stored {self.whitened!r}, requested "
+                         f"{requested.whitened!r}; fix: collect with the same capture.whiten "
+                         f"(and factors), or point store.path at a new directory")
         if requested.semantics is not None and self.semantics != requested.semantics:
             lines.append(f"capture semantics: stored {self.semantics}, requested "
                          f"{requested.semantics}; fix: {_FIX_SEMANTICS}")
@@ -252,6 +264,7 @@ class StoreSpec:
                 "projection_config": self.projection_config, "semantics": self.semantics,
                 "run_id": self.run_id, "checkpoint": self.checkpoint,
                 "weights_hash": self.weights_hash,
+                **({} if self.whitened is None else {"whitened": self.whitened}),
                 "layers": [ls.to_json() for ls in self.layers]}
 
     @classmethod
@@ -260,7 +273,7 @@ class StoreSpec:
                    projection=d["projection"], seed=int(d["seed"]), fingerprint=d["fingerprint"],
                    projection_config=d.get("projection_config"), semantics=d.get("semantics"),
                    run_id=d.get("run_id"), checkpoint=d.get("checkpoint"),
-                   weights_hash=d.get("weights_hash"))
+                   weights_hash=d.get("weights_hash"), whitened=d.get("whitened"))
 
     def digest(self, dtype: str) -> str:
         """blake2b of the canonical JSON of (spec, dtype): equal digests = same row layout."""
@@ -324,7 +337,10 @@ def check_stored(stored: StoreSpec, stored_dtype: str, *, path: str, expect: Sto
 def _projection_dict(projection: ProjectionConfig) -> dict[str, Any]:
     import dataclasses
 
-    return json.loads(json.dumps(dataclasses.asdict(projection)))
+    d = json.loads(json.dumps(dataclasses.asdict(projection)))
+    if projection.kind != "auto":  # only auto reads it: older stores stay comparable
+        d.pop("kron_speedup")
+    return d
 
 
 def load_manifest(root: Path, with_complete: bool = False):

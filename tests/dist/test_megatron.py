@@ -175,7 +175,8 @@ def capture(model, call, ids, labels, cfg: CaptureConfig, megatron: bool = False
     return batch
 
 
-PROJ = {"kron": ProjectionConfig(dim=64, seed=3), "dense": ProjectionConfig(kind="dense", dim=24),
+PROJ = {"kron": ProjectionConfig(kind="kronecker", dim=64, seed=3),
+        "dense": ProjectionConfig(kind="dense", dim=24),
         "identity": ProjectionConfig(dim=1 << 20)}
 
 

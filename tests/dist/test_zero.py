@@ -102,6 +102,6 @@ def test_zero_capture_matches_reference(need_deepspeed, stage):
 def test_zero3_projected_capture_matches_reference(need_deepspeed):
     """ZeRO-3: Kronecker-projected per-example gradients equal reference @ kron(P_out, P_in)^T,
     with matrices seeded per layer (no communication)."""
-    proj = ProjectionConfig(dim=64, seed=7)
+    proj = ProjectionConfig(kind="kronecker", dim=64, seed=7)
     for res in run(_zero_capture, 2, stage=3, gas=2, projection=proj):
         assert max(res["proj_errs"].values()) <= 1e-5, res["proj_errs"]

@@ -166,6 +166,37 @@ def test_tracin_and_ekfac_match_independent_references(run_dir, tmp_path):
     np.testing.assert_allclose(ek, ref, rtol=1e-3, atol=1e-4 * float(abs(ref).max()))
 
 
+def test_whitened_store_scores_equal_the_exact_store(run_dir, tmp_path):
+    """collect --factors DIR (whitening defaults to ekfac) stores rows whitened by each
+    checkpoint's exact factors; with k above every layer's size (kept exactly) the default
+    ekfac-trajectory scores them as it scores the exact store (the query is whitened by the
+    same factors),
+    and a whitened store refuses a method it was not whitened for. Breaks if collect and
+    attribute whiten with different factors or checkpoints, or attribute treats whitened
+    rows as raw gradients."""
+    from dattri_ds.tools import attribute, collect, fit
+
+    factors = tmp_path / "factors"
+    fit.main(["--run", str(run_dir), "--data", TINY, "--max-docs", "6", "--checkpoint", "all",
+              "--out", str(factors)])
+    stores = {}
+    for name, extra in (("exact", []), ("white", ["--factors", str(factors)])):  # ekfac
+        stores[name] = tmp_path / name
+        collect.main(["--run", str(run_dir), "--data", TINY, "--max-docs", "6", "--out",
+                      str(stores[name]), "--projection-dim", str(1 << 22), "--batch-size", "3",
+                      *extra])
+    got = {}
+    for name, store in stores.items():
+        base = ["--run", str(run_dir), "--store", str(store), "--queries", QUERIES,
+                "--query-max-docs", "2", "--truncate", "--factors", str(factors)]
+        attribute.main([*base, "--out", str(tmp_path / f"attr-{name}")])
+        got[name] = np.load(tmp_path / f"attr-{name}/scores.npy")
+    np.testing.assert_allclose(got["white"], got["exact"], rtol=1e-3,
+                               atol=1e-5 * float(abs(got["exact"]).max()))
+    with pytest.raises(ConfigError, match="whitened"):
+        attribute.main([*base, "--method", "tracin", "--out", str(tmp_path / "bad")])
+
+
 def test_collect_resumes_without_duplicates(run_dir, tmp_path):
     """A second collect adds nothing; a larger one adds only the new documents."""
     from dattri_ds.store import GradientStore

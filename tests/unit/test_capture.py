@@ -225,7 +225,7 @@ def test_projected_capture_with_padding_matches_projected_reference():
     mask[0, 6:] = 0
     mask[2, 3:] = 0
     labels = ids.masked_fill(mask == 0, -100)
-    proj = ProjectionConfig(dim=64, seed=4)
+    proj = ProjectionConfig(kind="kronecker", dim=64, seed=4)
     batch = _capture(model, CaptureConfig(projection=proj, per_example_loss="mean"),
                      input_ids=ids, attention_mask=mask, labels=labels)
     ref = reference_grads(model, ids, attention_mask=mask, labels=labels, per_example_loss="mean")

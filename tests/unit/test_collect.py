@@ -54,3 +54,55 @@ def test_scores_accept_query_batches_and_cat_checks_layers():
     exact = next(iter(dattri_ds.collect(model, _batches()[:1])))
     with pytest.raises(ShapeError, match="differs between the batches"):
         GradBatch.cat([train[0], exact])
+
+
+@pytest.mark.parametrize("kind", ["sparse", "auto", "kronecker"])
+def test_whitened_store_equals_in_memory_projection(tmp_path, kind):
+    """collect(..., whiten="ekfac", factors=f) written to a store and read back equals the
+    in-memory rows ``EKFAC(whitened=True, projector=P).train_rows(exact)`` (<= 1e-5), the
+    store records the whitening, and scoring the stored rows with the whitened attributor
+    gives the in-memory scores. Breaks if collect skips the whitening, projects before
+    whitening, or the store drops the whitened tag."""
+    from dattri_ds import Projector, fit_factors
+    from dattri_ds.methods import EKFAC
+    from dattri_ds.store import GradientStore, GradientStoreWriter, StoreConfig, StoreSpec
+
+    model = tiny_gpt2()
+    exact = list(dattri_ds.collect(model, _batches()))
+    factors = fit_factors(exact, ekfac=True)
+    proj = ProjectionConfig(kind=kind, dim=16)
+    cfg = CaptureConfig(projection=proj, whiten="ekfac")
+    rows = list(dattri_ds.collect(model, _batches(), cfg, factors=factors))
+    spec = StoreSpec.from_batch(rows[0], projection=proj, fingerprint="m", capture=cfg)
+    assert spec.whitened == "ekfac"
+    with GradientStoreWriter(StoreConfig(path=str(tmp_path)), spec) as w:
+        for b in rows:
+            w.append(b)
+    att = EKFAC(factors=factors, whitened=True, projector=Projector(proj))
+    want = GradBatch.cat([att.train_rows(b) for b in exact])
+    with GradientStore.open(tmp_path) as store:
+        assert store.spec.whitened == "ekfac"
+        stored = store.to_gradbatch(slice(None))
+        for name, lg in want.layers.items():
+            assert stored.layers[name].projection == lg.projection
+            assert rel_err(stored.layers[name].data.values, lg.data.values) <= 1e-5, name
+        query = exact[1]
+        got = att.scores([stored], query).values
+        ref = att.scores([want], query).values
+        assert rel_err(got, ref) <= 1e-5
+
+
+def test_whiten_needs_factors_and_projection():
+    """whiten without factors (or factors without whiten) and whiten without a projection
+    are configuration errors naming the fix; GradientCapture refuses whiten."""
+    from dattri_ds import GradientCapture
+    from dattri_ds.errors import ConfigError
+
+    model = tiny_gpt2()
+    with pytest.raises(ConfigError, match="factors"):
+        next(dattri_ds.collect(model, _batches(), CaptureConfig(
+            projection=ProjectionConfig(kind="sparse", dim=8), whiten="ekfac")))
+    with pytest.raises(ConfigError, match="projection"):
+        CaptureConfig(whiten="kfac")
+    with pytest.raises(ConfigError, match="collect"):
+        GradientCapture(model, CaptureConfig(projection=ProjectionConfig(dim=8), whiten="kfac"))

@@ -241,9 +241,9 @@ def test_bad_inputs_name_the_layer(setup):
     with pytest.raises(ShapeError, match=f"{name}.*factorized form"):
         dense = train.layers[name].replace(data=Dense(rtrain[name]))
         KFACFactors().update(GradBatch(0, train.sample_ids, {name: dense}))
-    proj = Projector(ProjectionConfig(dim=16, seed=0))
+    proj = Projector(ProjectionConfig(kind="kronecker", dim=16, seed=0))
     fp = _fit([train], projector=proj, ekfac=False)
-    other = project_batch(query, Projector(ProjectionConfig(dim=16, seed=1)))
+    other = project_batch(query, Projector(ProjectionConfig(kind="kronecker", dim=16, seed=1)))
     with pytest.raises(ShapeError, match=f"{name}.*projection"):
         fp.precondition_layer(other.layers[name], "kfac")
     bad = project_batch(query, proj).layers[name]
@@ -312,3 +312,38 @@ def test_float32_default_equals_float64_scores(setup):
         assert rel_err(s32, s64) <= 1e-4, method
         r = torch.corrcoef(torch.stack([s32.flatten(), s64.flatten()]).double())[0, 1]
         assert r >= 1 - 1e-8, method
+
+
+def _scaled(batch: GradBatch, c: float) -> GradBatch:
+    """The batch with every output-gradient factor multiplied by ``c`` (loss scaled by c)."""
+    from dattri_ds.gradient import Factorized
+
+    layers = {n: lg.replace(data=Factorized(lg.data.a, lg.data.g * c))
+              if lg.is_factorized else lg.replace(data=Dense(lg.data.values * c))
+              for n, lg in batch.layers.items()}
+    return GradBatch(batch.step, batch.sample_ids, layers, batch.micro_batch,
+                     batch.token_counts)
+
+
+@pytest.mark.parametrize("method", ["kfac", "ekfac"])
+def test_default_damping_is_deterministic_and_spectrum_relative(setup, method):
+    """The default damping (``KFACConfig.damping`` 0.003, relative) is documented behaviour:
+    refitting gives bit-identical influence (deterministic: no data-dependent search), and
+    ``lambda = 0.003 * mean eigenvalue`` per layer makes the influence invariant to the
+    loss scale (gradients x c: eigenvalues and lambda both scale by c^2), where an absolute
+    damping is not. Breaks if the default stops being relative to each layer's spectrum or
+    becomes nondeterministic."""
+    _, train, _, query, _ = setup
+    cfg = KFACConfig()
+    assert (cfg.damping, cfg.damping_mode) == (0.003, "relative")
+    one, two = _fit([train], cfg), _fit([train], cfg)
+    s1 = cross_gram(train, one.precondition(query, method))
+    assert torch.equal(s1, cross_gram(train, two.precondition(query, method)))
+    c = 10.0
+    big_t, big_q = _scaled(train, c), _scaled(query, c)
+    scaled = _fit([big_t], cfg)
+    assert rel_err(cross_gram(big_t, scaled.precondition(big_q, method)), s1) <= 1e-4
+    absolute = KFACConfig(damping=1e6, damping_mode="absolute")  # dominates: ~ dot / 1e6
+    a1 = cross_gram(train, _fit([train], absolute).precondition(query, method))
+    a2 = cross_gram(big_t, _fit([big_t], absolute).precondition(big_q, method))
+    assert rel_err(a2, c * c * a1) <= 1e-2 and rel_err(a2, a1) > 1

@@ -130,10 +130,41 @@ def test_tool_quick_runs(tmp_path):
     assert (tmp_path / "lds.md").is_file()
     rows = {(r["method"], r["projection"]): r for r in saved["results"]}
     assert set(rows) == ({(m, k) for m in mod.METHODS for k in ("exact", "dense:64")}
-                         | {(m, "logra:64") for m in mod.CURVATURE})
+                         | {(m, "logra:64") for m in mod.CURVATURE} | {("tfidf", "exact")})
+    assert rows[("graddot", "dense:64")]["bytes_per_row"] < rows[("graddot", "exact")][
+        "bytes_per_row"]
     assert sum(r["default"] for r in rows.values()) == 1
     assert any(r["best_at_cost"] for r in rows.values())
     for r in rows.values():
         assert math.isfinite(r["lds_mean"]) and -1 <= r["lds_mean"] <= 1
         assert r["time_s"] >= 0 and len(r["per_query"]) == 4
     assert len(saved["retrained_query_loss"]) == 4 and report["results"] == saved["results"]
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("tools_lds", ROOT / "tools" / "lds.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_summary_over_seeds_is_mean_and_standard_error(tmp_path):
+    """tools/lds.py --repeats: each row's LDS and CPU seconds are the mean and standard error
+    over seeds, its share of exact is mean LDS / the same method's mean exact LDS, and the
+    best-at-cost mark compares the means. Breaks if seeds are mixed up or s.e. is a std."""
+    mod = _tool()
+
+    def rep(seed, exact, proj, t):
+        row = {"damping": 0.003, "default": False, "r_vs_exact": None, "bytes_per_row": 8}
+        return {"args": {"seed": seed}, "head": "h", "seed_agreement": None, "results": [
+            {**row, "method": "ekfac", "projection": "exact", "lds_mean": exact, "time_s": t},
+            {**row, "method": "ekfac", "projection": "sparse:4", "lds_mean": proj,
+             "time_s": t / 2, "r_vs_exact": 0.9}]}
+    out = mod.summarize([rep(0, 0.5, 0.4, 2.0), rep(1, 0.7, 0.6, 4.0)], tmp_path)
+    rows = {r["projection"]: r for r in out["results"]}
+    assert rows["exact"]["lds_mean"] == pytest.approx(0.6)
+    assert rows["exact"]["lds_se"] == pytest.approx(0.1)  # std 0.1414 / sqrt(2)
+    assert rows["exact"]["time_s"] == pytest.approx(3.0)
+    assert rows["sparse:4"]["pct_exact"] == pytest.approx(0.5 / 0.6)
+    assert rows["exact"]["best_at_cost"] and rows["sparse:4"]["best_at_cost"]
+    assert out["seeds"] == [0, 1] and (tmp_path / "lds.md").is_file()

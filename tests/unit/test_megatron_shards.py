@@ -109,7 +109,7 @@ def test_partial_ops_sum_to_the_full_layer(layout, collect, monkeypatch):
     full, other = full_layer(layout, 0), full_layer(layout, 1)
     parts, other_parts = shards(full, layout), shards(other, layout)
     full_target = grad_sum(other)
-    kron = Projector(ProjectionConfig(dim=12, seed=5))
+    kron = Projector(ProjectionConfig(kind="kronecker", dim=12, seed=5))
     dense = Projector(ProjectionConfig(kind="dense", dim=9, seed=5))
     want = {"gram": layer_cross_gram(full, other, path="dense"),
             "target": layer_cross_gram(full, full_target),

@@ -65,7 +65,7 @@ def test_graddot_and_gradcos_equal_reference(data):
 def test_projected_store_rows_score_like_projected_reference(data):
     """Dense Kronecker-projected rows (what a store holds) give projected reference dots."""
     _, train, rt, query, rq, *_ = data
-    proj = Projector(ProjectionConfig(dim=16, seed=2))
+    proj = Projector(ProjectionConfig(kind="kronecker", dim=16, seed=2))
     blocks_t, blocks_q, start = [], [], 0
     for name, lg in train.layers.items():
         o, i = lg.shape

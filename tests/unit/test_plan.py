@@ -18,6 +18,7 @@ from dattri_ds import CaptureConfig, GradientCapture, ProjectionConfig
 from dattri_ds.data import build_model
 from dattri_ds.errors import ConfigError
 from dattri_ds.gradient import Dense, Factorized
+from dattri_ds.ops.projection import KINDS
 from dattri_ds.plan import (
     DEVICES, ModelShape, RunSpec, captured_factor_bytes, device, plan,
 )
@@ -105,18 +106,37 @@ def test_captured_factor_bytes_equal_a_real_gradbatch(cfg):
     assert want == got
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("k", [16, 64])
-def test_store_bytes_equal_the_projected_width(k):
-    """store_bytes = examples x (projected columns of a real Kronecker-projected batch) x 2."""
+def test_store_bytes_equal_the_projected_width(k, kind):
+    """store_bytes = examples x (projected columns of a real batch projected with every
+    registered kind, ``auto`` resolved per layer) x 2; the advice names each layer's kind
+    and error. Breaks if the planner's per-kind width drifts from what projection stores."""
     model = _model(LLAMA)
     ids = torch.randint(0, VOCAB, (B, T))
-    proj = ProjectionConfig(kind="kronecker", dim=k)
+    proj = ProjectionConfig(kind=kind, dim=k)
     with GradientCapture(model, CaptureConfig(projection=proj), probe_only=True) as cap:
         batch = cap.probe(lambda: model(input_ids=ids, labels=ids).loss)
     width = sum(lg.data.values.shape[1] for lg in batch.layers.values())
     p = plan(ModelShape.from_config(LLAMA, vocab_size=VOCAB), "cpu",
-             RunSpec(seq_len=T, micro_batch=B, k=k, examples=10, store_dtype="float16"))
+             RunSpec(seq_len=T, micro_batch=B, k=k, examples=10, store_dtype="float16",
+                     projection=kind))
     assert p.store_bytes == 10 * width * 2
+    assert any(a.startswith(f"projection kind per layer ({kind}, k={k})") and "error ~" in a
+               for a in p.advice)
+
+
+def test_sparse_projection_memory_is_its_nonzeros():
+    """The planner's sparse projection memory is 12 bytes (int64 row, fp32 value) per
+    non-zero, ``min(16, k)`` per column of every projected linear layer; Kronecker's is the
+    two sides. Breaks if plan.py prices sparse like a dense matrix."""
+    shape = ModelShape.from_config(LLAMA, vocab_size=VOCAB)
+    k = 16
+    mem = {kind: plan(shape, "cpu", RunSpec(seq_len=T, micro_batch=B, k=k, projection=kind))
+           .memory["projections"] for kind in ("sparse", "dense")}
+    linear = [L for L in shape.captured_layers() if L.kind != "norm" and L.O * L.I > k]
+    assert mem["sparse"] == sum(12 * 16 * L.O * L.I * L.count for L in linear)
+    assert mem["dense"] == sum(4 * k * L.O * L.I * L.count for L in linear)
 
 
 def test_zero_sharding_and_offload_move_the_right_terms():

@@ -15,6 +15,7 @@ import torch
 
 from dattri_ds import Dense, Factorized, LayerGrad
 from dattri_ds.ops import Projector, ProjectionConfig, project
+from dattri_ds.ops.projection import KINDS, projection_kind
 
 
 def _pairwise_errors(x: torch.Tensor, px: torch.Tensor) -> torch.Tensor:
@@ -123,3 +124,49 @@ def test_sparse_projection_is_its_matrix_and_shards_sum():
     rows = torch.bmm(f.g.transpose(1, 2), f.a).reshape(3, -1)
     want = rows @ proj.dense_matrix("v", 600, 64).T
     assert torch.allclose(project(lg, proj).data.values, want, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("o,i,k", [(64, 64, 1024), (512, 512, 256)])
+def test_every_kind_meets_its_bound_on_all_pairs(kind, o, i, k):
+    """Every registered kind (``auto`` resolved per layer) keeps every pairwise inner
+    product of 24 low-rank gradients (all pairs) within 5x its own documented error
+    ``ProjectionKind.error`` and their mean within 1.5x it, stores ``width`` values, and
+    the registry's error is the JL scale sqrt(2/k) for matrix kinds. Breaks when a kind's
+    projection is biased or its declared error/width understates the truth."""
+    gen = torch.Generator().manual_seed(3)
+    f = Factorized(torch.randn(24, 6, i, generator=gen), torch.randn(24, 6, o, generator=gen))
+    f.g[1] = f.g[0] + 0.3 * f.g[1]  # a correlated pair
+    lg = LayerGrad("w", "linear", f, (o, i))
+    full = torch.bmm(f.g.transpose(1, 2), f.a).reshape(24, -1)
+    projector = Projector(ProjectionConfig(kind=kind, dim=k, seed=5))
+    resolved = projection_kind(projector.kind_of(o, i))
+    px = project(lg, projector).data.values
+    assert px.shape == (24, resolved.width(k, o, i))
+    bound = resolved.error(k, o, i)
+    if not resolved.factorized:
+        assert bound == pytest.approx(math.sqrt(2 / k))
+    err = _pairwise_errors(full, px)
+    assert err.max() <= 5 * bound
+    assert err.mean() <= 1.5 * bound
+
+
+def test_auto_projection_is_sparse_or_kronecker_per_layer():
+    """``auto``: a small layer is projected exactly as ``sparse`` would, a large one exactly as
+    ``kronecker`` would (same seeds), as ``ops.cost.choose_projection`` decides from the shape
+    alone; the decision and its error are reported. Breaks if auto's per-layer choice
+    depends on the batch or disagrees with the cost model."""
+    from dattri_ds.ops.cost import choose_projection, explain_projection
+
+    gen = torch.Generator().manual_seed(4)
+    for (o, i), want in [((64, 64), "sparse"), ((512, 512), "kronecker")]:
+        assert choose_projection(o, i, 256).kind == want
+        for b, t in [(3, 5), (7, 2)]:  # the choice never depends on B or T
+            f = Factorized(torch.randn(b, t, i, generator=gen), torch.randn(b, t, o, generator=gen))
+            lg = LayerGrad("w", "linear", f, (o, i))
+            auto = project(lg, Projector(ProjectionConfig(kind="auto", dim=256, seed=1)))
+            same = project(lg, Projector(ProjectionConfig(kind=want, dim=256, seed=1)))
+            torch.testing.assert_close(auto.data.values, same.data.values, rtol=0, atol=0)
+    assert choose_projection(8, 8, 256).kind == "identity"
+    text = explain_projection({"small": (64, 64), "big": (512, 512)}, 256)
+    assert "small [64x64] k=256 -> sparse" in text and "big [512x512] k=256 -> kronecker" in text
