@@ -105,6 +105,11 @@ class SelectionConfig:
     include: tuple[str, ...] = ()
     """Module-name patterns scored (empty = every supported layer)."""
 
+    top_blocks: int | None = field(default=None, metadata=schema.bounds(ge=1))
+    """Score only the layers of the model's last N repeated blocks (truncated scoring: the
+    probe backward stops at the lowest scored block, so the blocks below, the embeddings
+    and the head are never back-propagated or scored). None: every layer (or ``include``)."""
+
     random: bool = False
     """Baseline: keep a uniformly random subset of the same candidates (no scoring), for
     measuring what scoring adds."""
@@ -126,6 +131,10 @@ class SelectionConfig:
             raise ConfigError("selection.precondition='adam' scales the exact target gradient "
                               "by the optimizer's per-parameter second moments: it cannot be "
                               "combined with selection.projection or selection.target_store")
+        if self.top_blocks is not None and self.include:
+            raise ConfigError(f"selection.top_blocks={self.top_blocks} and selection.include="
+                              f"{list(self.include)} both choose the scored layers; set only "
+                              f"one of them")
         if self.target_store is not None and self.projection is None:
             raise ConfigError("selection.target_store holds projected gradients: set "
                               "selection.projection to the store's projection")

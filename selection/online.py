@@ -36,6 +36,7 @@ from dattri_ds.gradient import GradBatch
 from dattri_ds.ops import CostModel, norms
 from dattri_ds.ops.projection import stable_seed
 from dattri_ds.semantics import content_id
+from dattri_ds.selection.blocks import top_block_patterns
 from dattri_ds.selection.config import SelectionConfig
 from dattri_ds.selection.fallback import HeldOutCheck, split_rows
 from dattri_ds.selection.policy import cap_repeats, choose, fill_uniform
@@ -186,7 +187,10 @@ class OnlineSelector:
                       capture: CaptureConfig | None = None) -> GradientCapture:
         """A probe-only capture of ``model`` with the selection's layers and projection."""
         base = capture or CaptureConfig()
-        cfg = replace(base, include=config.include or base.include,
+        include = config.include or base.include
+        if config.top_blocks is not None:
+            include = top_block_patterns(model, config.top_blocks)
+        cfg = replace(base, include=include,
                       projection=config.projection,
                       per_example_loss="mean" if config.per_token else base.per_example_loss)
         return GradientCapture(model, cfg, probe_only=True).attach()
