@@ -158,9 +158,12 @@ def _worker(rank: int, world: int, port: int, args, q) -> None:
         n = k if i == 0 else selector.num_candidates(k)
         ids = torch.randint(0, V, (n, T), generator=gen)
         batch = {"input_ids": ids, "labels": ids}
+        reused = None
         if i == 1:
-            batch = selector.select(batch, k, step).batch
-        loss = clock.wrap("train forward", lambda: call(**batch).loss)()
+            sel = selector.select(batch, k, step)
+            batch, reused = sel.batch, sel.loss
+        loss = reused if reused is not None else \
+            clock.wrap("train forward", lambda: call(**batch).loss)()
         clock.wrap("train backward", backward)(loss)
         clock.wrap("optimizer step", opt_step)()
 
@@ -176,7 +179,9 @@ def _worker(rank: int, world: int, port: int, args, q) -> None:
         if step >= args.warmup:
             per_step.append(tuple(d for _, d in sorted(got)))
     selector.close()
-    q.put((rank, per_step, selector.cost_note if hasattr(selector, "cost_note") else ""))
+    plan = selector.plan
+    q.put((rank, per_step, f"selection/stepcost.py predicts {plan.ratio():.2f}x (floor of this "
+                           f"path {plan.bound():.2f}x): {plan.units()}"))
 
 
 def main() -> None:

@@ -5,7 +5,7 @@ all have one type (``transformer.h`` in GPT-2, ``model.layers`` in Llama,
 ``decoder.layers`` in Megatron). Scoring only the layers of the last ``N`` blocks makes the
 probe backward stop there: ``torch.autograd.grad`` w.r.t. the captured outputs runs only
 the autograd nodes between the loss and the lowest captured output, so the blocks below,
-the embeddings and every weight-gradient GEMM are never computed (see ``probe_units``).
+the embeddings and every weight-gradient GEMM are never computed (``probe_share``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from torch import nn
 
 from dattri_ds.errors import ConfigError
 
-__all__ = ["find_blocks", "top_block_patterns", "probe_units"]
+__all__ = ["find_blocks", "top_block_patterns", "probe_share"]
 
 
 def find_blocks(model: nn.Module) -> tuple[str, int]:
@@ -53,11 +53,23 @@ def top_block_patterns(model: nn.Module, n: int) -> tuple[str, ...]:
     return tuple(p for i in range(count - n, count) for p in (f"{pre}{i}", f"{pre}{i}.*"))
 
 
-def probe_units(blocks_total: int, blocks_scored: int | None) -> float:
-    """Share of a full activation-gradient backward that a probe runs, counting blocks
-    only (embeddings and head are small against the blocks at depth): ``N / L`` for the
-    top ``N`` of ``L`` blocks, ``1`` when every layer is scored (the backward must reach
-    the embeddings)."""
-    if blocks_scored is None:
+def probe_share(model: nn.Module, scored: list[str]) -> float:
+    """Share ``s`` of the model's blocks a probe backward runs through when the layers
+    ``scored`` are captured: ``(L - i) / L`` with ``i`` the lowest block holding a scored
+    layer; 1 when a scored layer sits before the blocks (the embeddings) or the model has
+    no blocks; ``1 / L`` when only layers after the blocks (the head) are scored, counting
+    the head like one block."""
+    try:
+        prefix, count = find_blocks(model)
+    except ConfigError:
         return 1.0
-    return blocks_scored / max(blocks_total, 1)
+    pre = f"{prefix}." if prefix else ""
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    first_block = order.get(f"{pre}0", 0)
+    lowest = count
+    for name in scored:
+        if name.startswith(pre) and name[len(pre):].split(".")[0].isdigit():
+            lowest = min(lowest, int(name[len(pre):].split(".")[0]))
+        elif order.get(name, 0) < first_block:
+            return 1.0
+    return max(count - lowest, 1) / count

@@ -95,3 +95,78 @@ def test_bad_top_blocks_fail_early():
         SelectionConfig(top_blocks=1, include=("lm_head",))
     with pytest.raises(ConfigError):
         SelectionConfig(top_blocks=0)
+
+
+def test_step_cost_units_and_probe_share():
+    """The cost model's units (selection/stepcost.py table) on hand-picked sizes, and the
+    probe share: top 1 of 3 blocks -> 1/3, every layer (embeddings) -> 1, head only -> 1/3."""
+    from dattri_ds.selection.blocks import probe_share
+    from dattri_ds.selection.stepcost import StepCost
+
+    plan = StepCost(candidates=16, trained=8, share=0.25, normalize=True, target_examples=64,
+                    refresh_every=10)
+    assert plan.units() == {"probe forward": 16.0, "probe backward": 4.0, "scoring": 8.0,
+                            "training step": 24.0, "target refresh": 3.2}
+    assert plan.ratio() == pytest.approx(55.2 / 24)
+    assert plan.bound() == pytest.approx(44 / 24)
+    model = tiny_gpt2(n_layer=3)
+    every = [n for n, _ in model.named_modules() if n.startswith("transformer.")]
+    assert probe_share(model, _block_layers(model, 2)) == pytest.approx(1 / 3)
+    assert probe_share(model, every) == 1.0
+    assert probe_share(model, ["lm_head"]) == pytest.approx(1 / 3)
+
+
+def _padded(n, seed):
+    """Examples of different lengths (pads masked out of the loss), so the token-mean
+    over a batch differs from the mean of per-example means."""
+    ids = _ids(n, seed)
+    mask = torch.ones_like(ids)
+    for b in range(n):
+        mask[b, 3 + b % 5:] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def test_reused_forward_gives_the_batch_loss_gradients_and_scores():
+    """reuse_forward: Selection.loss equals the model's loss on the chosen batch and its
+    backward the same parameter gradients (<= 1e-5); the scores equal those of the batched
+    probe; no candidate's graph is forwarded twice (one model call per candidate)."""
+    model = tiny_gpt2(n_layer=2)
+    tgt, cand = _padded(4, 1), _padded(6, 2)
+    base = SelectionConfig(uniform_mix=0.0)
+    plain = _selector(model, base, tgt)
+    want_scores = plain.score(cand, 0)[1]
+    plain.close()
+    sel = _selector(model, SelectionConfig(uniform_mix=0.0, reuse_forward=True), tgt)
+    sel.target.get(0)
+    calls = []
+    handle = model.register_forward_pre_hook(lambda *_: calls.append(1))
+    got = sel.select(cand, 3, 0)
+    handle.remove()
+    assert len(calls) == 6 and rel_err(got.scores, want_scores) <= 1e-5
+    model.zero_grad(set_to_none=True)
+    got.loss.backward()
+    g_reuse = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    ref = model(**got.batch).loss
+    ref.backward()
+    assert rel_err(got.loss.detach(), ref.detach()) <= 1e-6
+    assert max(rel_err(g_reuse[n], p.grad) for n, p in model.named_parameters()) <= 1e-5
+    model.zero_grad(set_to_none=True)
+    sel.close()
+
+
+def test_reuse_forward_refuses_what_it_cannot_serve():
+    """Global scope (chosen examples from other ranks have no local graph) and a recording
+    capture (it would not see the trained forward): clear errors."""
+    from dattri_ds import GradientCapture
+
+    with pytest.raises(ConfigError, match="scope"):
+        SelectionConfig(reuse_forward=True, scope="global")
+    model = tiny_gpt2()
+    ids = _ids(4, 1)
+    sel = _selector(model, SelectionConfig(reuse_forward=True), {"input_ids": ids,
+                                                                  "labels": ids})
+    with GradientCapture(model):
+        with pytest.raises(ConfigError, match="capture"):
+            sel.select({"input_ids": ids, "labels": ids}, 2, 0)
+    sel.close()
