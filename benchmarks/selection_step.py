@@ -10,8 +10,9 @@ every ``refresh_every`` steps, then the training step on the chosen). ``--world 
 plain torch model + AdamW; ``--world 2`` two gloo ranks of DeepSpeed ZeRO-3 (AdamW).
 
 CPU seconds (``time.process_time``, one thread per rank) are split into exclusive phases:
-target refresh, probe forward, probe backward (+ building the per-example factors),
-scoring, policy (+ bookkeeping), training forward, training backward, optimizer step.
+target refresh (its own probe passes included), probe forward, probe backward (+ building
+the per-example factors), scoring, policy (+ bookkeeping), training forward (none when the
+candidates' forward is reused), training backward, optimizer step.
 Prints per-phase CPU-s per step and the selection/plain ratio (paired per step, median),
 rank 0's view (ranks do the same work).
 """
@@ -52,7 +53,9 @@ class PhaseClock:
     def wrap(self, phase: str, fn):
         def timed(*a, **kw):
             self._switch()
-            self._stack.append(phase)
+            # the target refresh's own probe passes belong to the refresh
+            refresh = bool(self._stack) and self._stack[-1] == "target refresh"
+            self._stack.append("target refresh" if refresh else phase)
             try:
                 return fn(*a, **kw)
             finally:
@@ -160,7 +163,7 @@ def _worker(rank: int, world: int, port: int, args, q) -> None:
         batch = {"input_ids": ids, "labels": ids}
         reused = None
         if i == 1:
-            sel = selector.select(batch, k, step)
+            sel = selector.select(batch, k, step, train_loss=True)
             batch, reused = sel.batch, sel.loss
         loss = reused if reused is not None else \
             clock.wrap("train forward", lambda: call(**batch).loss)()

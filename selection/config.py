@@ -110,12 +110,15 @@ class SelectionConfig:
     probe backward stops at the lowest scored block, so the blocks below, the embeddings
     and the head are never back-propagated or scored). None: every layer (or ``include``)."""
 
-    reuse_forward: bool = False
-    """Forward every candidate on its own (one graph per example) and keep the chosen
-    examples' graphs for the training backward (``Selection.loss``): the chosen are not
-    forwarded a second time (``k`` forwards saved per micro-batch) at the cost of keeping
-    the candidates' activations until the choice. Scope ``rank`` only; needs a model whose
-    loss is the mean over the batch's label tokens (Hugging Face causal LMs)."""
+    reuse_forward: Literal["auto", "on", "off"] = "auto"
+    """``on``: forward every candidate on its own (one graph per example) and keep the
+    chosen examples' graphs for the training backward (``Selection.loss``), so the chosen
+    are not forwarded a second time (``k`` forwards saved per micro-batch; the activations
+    kept are those the batched probe holds anyway). Exact; scope ``rank`` only; needs a
+    model whose loss is reduced as ``capture.loss_reduction`` says. ``auto``: the step
+    cost model decides (selection/stepcost.py: on for unpartitioned CPU models, off under
+    ZeRO-3, where every model call gathers every module's parameters again, and on GPUs).
+    ``off``: the chosen are forwarded again."""
 
     random: bool = False
     """Baseline: keep a uniformly random subset of the same candidates (no scoring), for
@@ -142,10 +145,10 @@ class SelectionConfig:
             raise ConfigError(f"selection.top_blocks={self.top_blocks} and selection.include="
                               f"{list(self.include)} both choose the scored layers; set only "
                               f"one of them")
-        if self.reuse_forward and self.scope == "global":
+        if self.reuse_forward == "on" and self.scope == "global":
             raise ConfigError("selection.reuse_forward keeps this rank's candidates' graphs "
                               "for training: examples chosen on another rank have none. Set "
-                              "selection.scope='rank' or reuse_forward=False")
+                              "selection.scope='rank' or reuse_forward='auto'")
         if self.target_store is not None and self.projection is None:
             raise ConfigError("selection.target_store holds projected gradients: set "
                               "selection.projection to the store's projection")

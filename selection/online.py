@@ -43,7 +43,7 @@ from dattri_ds.selection.fallback import HeldOutCheck, split_rows
 from dattri_ds.selection.policy import cap_repeats, choose, fill_uniform
 from dattri_ds.selection.precondition import PreconditionedTarget, second_moments
 from dattri_ds.selection.scorer import alignment_scores, redundancy_gram
-from dattri_ds.selection.stepcost import StepCost
+from dattri_ds.selection.stepcost import StepCost, decide_reuse
 from dattri_ds.selection.target import TargetProvider
 
 __all__ = ["Selection", "OnlineSelector", "check_engine_supported", "check_target_compatible"]
@@ -190,6 +190,7 @@ class OnlineSelector:
         self.last_kept: torch.Tensor | None = None
         self.plan: StepCost | None = None
         self._losses: list[torch.Tensor] | None = None  # reuse_forward: per-candidate losses
+        self.reuse, self._reuse_why = decide_reuse(config.reuse_forward, model, config.scope)
 
     @staticmethod
     def probe_capture(model: nn.Module, config: SelectionConfig,
@@ -240,8 +241,8 @@ class OnlineSelector:
         """Candidates scored for ``k`` trained examples: ``ceil(candidate_multiple * k)``."""
         return math.ceil(self.config.candidate_multiple * k - 1e-9)
 
-    def score(self, batch: Batch, step: int,
-              user_ids: list[str] | None = None) -> tuple[GradBatch, torch.Tensor]:
+    def score(self, batch: Batch, step: int, user_ids: list[str] | None = None, *,
+              reuse: bool = False) -> tuple[GradBatch, torch.Tensor]:
         """Per-example gradients of the candidates and their scores.
 
         Candidates with a NaN/inf gradient or score are dropped (named in a warning);
@@ -253,7 +254,7 @@ class OnlineSelector:
         """
         target = self.target.get(step)
         dropped = self.probe.skipped
-        if self.config.reuse_forward:
+        if reuse:
             grads = self.probe.probe(lambda: self._per_example(batch, user_ids),
                                      retain_graph=True)
         else:
@@ -286,7 +287,7 @@ class OnlineSelector:
         self.last_kept = kept
         return grads, scores
 
-    def _explain(self, candidates: int, trained: int) -> None:
+    def _explain(self, candidates: int, trained: int, reuse: bool) -> None:
         """Predict this run's step cost (selection/stepcost.py) and log it once (rank 0)."""
         cfg = self.config
         layers = list(self.probe.layers)
@@ -296,12 +297,14 @@ class OnlineSelector:
             trained=trained,
             share=probe_share(self.model, layers), normalize=cfg.normalize,
             target_examples=getattr(inner, "rows_per_rank", 0),
-            refresh_every=cfg.refresh_every)
+            refresh_every=cfg.refresh_every, reuse=reuse)
         scored = (f"top {cfg.top_blocks} block(s), {len(layers)} layers" if cfg.top_blocks
                   else f"{len(layers)} layers") + (
             f", projected to {cfg.projection.dim}" if cfg.projection else ", exact ghost scores")
         if self.ctx.dp_rank == 0:
-            logger.info(self.plan.explain(scored))
+            why = self._reuse_why if reuse or not self.reuse else \
+                "the caller forwards the chosen itself (select(train_loss=False))"
+            logger.info(self.plan.explain(scored, why))
 
     def _against(self, grads: GradBatch, target: GradBatch) -> torch.Tensor:
         scores = alignment_scores(grads, target, self.cost)
@@ -318,13 +321,21 @@ class OnlineSelector:
         with torch.autocast(device_type=device, dtype=getattr(torch, dtype)):
             return self.model(**batch).loss
 
+    def _reusing(self) -> bool:
+        """Reuse this step's forward? Not with a recording capture on the model (it does
+        not record probe forwards): ``auto`` turns reuse off, ``on`` is refused."""
+        if not self.reuse or getattr(self.model, "_dattri_ds_capture", None) is None:
+            return self.reuse
+        if self.config.reuse_forward == "on":
+            raise ConfigError("selection.reuse_forward='on' trains on graphs built during the "
+                              "probe, which a recording GradientCapture (--capture) does not "
+                              "record: set selection.reuse_forward='auto' or 'off' to capture")
+        self.reuse, self._reuse_why = False, "a recording capture is attached"
+        return False
+
     def _per_example(self, batch: Batch, user_ids: list[str] | None) -> torch.Tensor:
         """``reuse_forward``: one model call per candidate (one graph each); the calls'
         losses are kept for ``_reused_loss`` and their sum is probed."""
-        if getattr(self.model, "_dattri_ds_capture", None) is not None:
-            raise ConfigError("selection.reuse_forward trains on graphs built during the "
-                              "probe, which a recording GradientCapture (--capture) does not "
-                              "record: set selection.reuse_forward=False to capture")
         c = next(iter(batch.values())).shape[0]
         self._losses = []
         for i in range(c):
@@ -351,17 +362,20 @@ class OnlineSelector:
         n = (labels[:, cap.label_shift:] != cap.ignore_index).sum(1).to(chosen.dtype)
         return (chosen * n.to(chosen.device)).sum() / n.sum().clamp_min(1)
 
-    def select(self, batch: Batch, k: int, step: int,
-               user_ids: list[str] | None = None) -> Selection:
+    def select(self, batch: Batch, k: int, step: int, user_ids: list[str] | None = None, *,
+               train_loss: bool = False) -> Selection:
         """Score ``batch`` (C candidates) and return the ``k`` (or policy-sized) to train on.
 
-        ``user_ids`` (e.g. document ids) prefix the logged sample ids.
+        ``user_ids`` (e.g. document ids) prefix the logged sample ids. ``train_loss=True``:
+        the caller back-propagates ``Selection.loss`` when it is set instead of forwarding
+        the chosen batch (forward reuse, ``selection.reuse_forward``).
         """
         if self.config.random or (self.check is not None and self.check.decide(step)):
             return self._select_random(batch, k, step, user_ids)
+        reuse = train_loss and self._reusing()
         if self.plan is None:
-            self._explain(next(iter(batch.values())).shape[0], k)
-        grads, scores = self.score(batch, step, user_ids)
+            self._explain(next(iter(batch.values())).shape[0], k, reuse)
+        grads, scores = self.score(batch, step, user_ids, reuse=reuse)
         scores = scores.detach().float().cpu()
         kept = self.last_kept  # candidates left after dropping non-finite ones (None: all)
         original = batch

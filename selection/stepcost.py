@@ -19,13 +19,22 @@ layer is scored: the backward must reach the embeddings; ``N / L`` for the top `
 At ``C = 2k`` without forward reuse the ratio is at least ``(2 + 2s + 3) / 3``: 2.33x with
 every layer scored, 1.67x as ``s -> 0``. Only reusing the candidates' forward for the
 training backward (``2 + 2s + 2``)/3 can reach 1.5x, and only with ``s <= 0.25``.
+
+Forward reuse (``selection.reuse_forward``) needs one model call per candidate (a graph
+per example, so the chosen can be back-propagated alone). Measured here (GPT-2 4x256,
+T=128, 16 examples, CPU-s of one thread): 16 single calls cost 1.17x one batched call in
+one process, but 2.4-2.8x under ZeRO-3 on 2 ranks, where every call gathers every
+module's partitioned parameters again; there the extra gathers cost more than the ``k``
+forwards reuse saves. ``decide_reuse`` encodes that.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["StepCost"]
+from torch import nn
+
+__all__ = ["StepCost", "decide_reuse"]
 
 
 @dataclass(frozen=True)
@@ -47,12 +56,13 @@ class StepCost:
     normalize: bool
     target_examples: int
     refresh_every: int
+    reuse: bool = False
 
     def units(self) -> dict[str, float]:
         c, k, s = self.candidates, self.trained, self.share
         return {"probe forward": float(c), "probe backward": c * s,
                 "scoring": c * s * (2.0 if self.normalize else 1.0),
-                "training step": 3.0 * k,
+                "training step": (2.0 if self.reuse else 3.0) * k,
                 "target refresh": self.target_examples * 2.0 * s / self.refresh_every}
 
     def ratio(self) -> float:
@@ -64,10 +74,26 @@ class StepCost:
         u = self.units()
         return (u["probe forward"] + u["probe backward"] + u["training step"]) / (3.0 * self.trained)
 
-    def explain(self, scored: str) -> str:
+    def explain(self, scored: str, reuse_why: str) -> str:
         parts = ", ".join(f"{name} {v:.3g}" for name, v in self.units().items())
         return (f"online selection step plan: {scored}; {self.candidates} candidates for "
-                f"{self.trained} trained; units (1 = one example's forward, plain step = "
+                f"{self.trained} trained; forward reuse {'on' if self.reuse else 'off'} "
+                f"({reuse_why}); units (1 = one example's forward, plain step = "
                 f"{3 * self.trained}): {parts}; predicted {self.ratio():.2f}x a plain step "
-                f"(floor of this path {self.bound():.2f}x; the candidates' forward is not "
-                f"reused for training, so 1.5x needs top_blocks and reuse)")
+                f"(floor of this path {self.bound():.2f}x)")
+
+
+def decide_reuse(setting: str, model: nn.Module, scope: str) -> tuple[bool, str]:
+    """``(reuse the candidates' forward?, why)`` for ``selection.reuse_forward``."""
+    if setting != "auto":
+        return setting == "on", "set by selection.reuse_forward"
+    if scope == "global":
+        return False, "global scope trains examples of other ranks"
+    params = list(model.parameters())
+    if any(hasattr(p, "ds_id") for p in params):
+        return False, ("ZeRO-3 partitioned parameters: one call per candidate gathers every "
+                       "module again (measured 2.4-2.8x a batched forward on 2 ranks)")
+    if params and params[0].device.type != "cpu":
+        return False, f"per-example calls underuse a {params[0].device.type} device"
+    return True, ("unpartitioned CPU model: per-example calls cost ~1.17x a batched forward "
+                  "and save the chosen examples' second forward")

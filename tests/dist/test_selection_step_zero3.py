@@ -44,6 +44,7 @@ def _scores_under_zero3(rank, world, top_blocks):
     selector = OnlineSelector(engine.module, cfg, target, probe=probe, ctx=ctx)
     got = selector.score({"input_ids": cand, "labels": cand}, 0)[1]
     layers = sorted(probe.layers)
+    assert not selector.reuse  # auto: off under ZeRO-3 (per-call gathers)
     selector.close()
     params = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params):
@@ -107,12 +108,13 @@ def _reuse_vs_subset(rank, world, top_blocks):
     mask = torch.ones_like(cand)
     mask[0, 5:] = 0
     cand = {"input_ids": cand, "attention_mask": mask, "labels": cand.masked_fill(mask == 0, -100)}
-    cfg = SelectionConfig(enabled=True, reuse_forward=True, top_blocks=top_blocks)
+    cfg = SelectionConfig(enabled=True, reuse_forward="on", top_blocks=top_blocks)
     probe = OnlineSelector.probe_capture(eng_sel.module, cfg)
     target = ValidationTarget(probe, lambda b: eng_sel.module(**b).loss,
                               {"input_ids": tgt, "labels": tgt}, ctx=ctx)
     selector = OnlineSelector(eng_sel.module, cfg, target, probe=probe, ctx=ctx)
-    sel = selector.select(cand, 2, 0)
+    sel = selector.select(cand, 2, 0, train_loss=True)
+    assert sel.loss is not None
     g_sel, p_sel = _step(eng_sel, sel.batch, sel.loss)
     selector.close()
     g_ref, p_ref = _step(eng_ref, sel.batch)

@@ -136,11 +136,11 @@ def test_reused_forward_gives_the_batch_loss_gradients_and_scores():
     plain = _selector(model, base, tgt)
     want_scores = plain.score(cand, 0)[1]
     plain.close()
-    sel = _selector(model, SelectionConfig(uniform_mix=0.0, reuse_forward=True), tgt)
+    sel = _selector(model, SelectionConfig(uniform_mix=0.0, reuse_forward="on"), tgt)
     sel.target.get(0)
     calls = []
     handle = model.register_forward_pre_hook(lambda *_: calls.append(1))
-    got = sel.select(cand, 3, 0)
+    got = sel.select(cand, 3, 0, train_loss=True)
     handle.remove()
     assert len(calls) == 6 and rel_err(got.scores, want_scores) <= 1e-5
     model.zero_grad(set_to_none=True)
@@ -155,18 +155,24 @@ def test_reused_forward_gives_the_batch_loss_gradients_and_scores():
     sel.close()
 
 
-def test_reuse_forward_refuses_what_it_cannot_serve():
-    """Global scope (chosen examples from other ranks have no local graph) and a recording
-    capture (it would not see the trained forward): clear errors."""
+def test_reuse_forward_decision_and_refusals():
+    """auto: on for an unpartitioned CPU model when the caller trains on Selection.loss, off
+    for callers that forward the chosen themselves, for global scope and with a recording
+    capture attached (it would not see the trained forward), where 'on' is refused."""
     from dattri_ds import GradientCapture
 
     with pytest.raises(ConfigError, match="scope"):
-        SelectionConfig(reuse_forward=True, scope="global")
+        SelectionConfig(reuse_forward="on", scope="global")
     model = tiny_gpt2()
     ids = _ids(4, 1)
-    sel = _selector(model, SelectionConfig(reuse_forward=True), {"input_ids": ids,
-                                                                  "labels": ids})
+    batch = {"input_ids": ids, "labels": ids}
+    auto = _selector(model, SelectionConfig(), batch)
+    assert auto.select(batch, 2, 0, train_loss=True).loss is not None and auto.plan.reuse
+    assert auto.select(batch, 2, 1).loss is None
+    assert not _selector(model, SelectionConfig(scope="global"), batch).reuse
     with GradientCapture(model):
+        assert auto.select(batch, 2, 2, train_loss=True).loss is None and not auto.reuse
+        on = _selector(model, SelectionConfig(reuse_forward="on"), batch)
         with pytest.raises(ConfigError, match="capture"):
-            sel.select({"input_ids": ids, "labels": ids}, 2, 0)
-    sel.close()
+            on.select(batch, 2, 0, train_loss=True)
+    auto.close()
