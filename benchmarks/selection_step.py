@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import statistics
 import sys
 import time
@@ -85,8 +86,8 @@ def _instrument(selector, clock: PhaseClock) -> None:
     inner._compute = clock.wrap("target refresh", inner._compute)
     raw_probe = probe.probe
 
-    def probe_timed(forward):
-        return raw_probe(clock.wrap("probe forward", forward))
+    def probe_timed(forward, **kw):
+        return raw_probe(clock.wrap("probe forward", forward), **kw)
     probe.probe = clock.wrap("probe backward", probe_timed)
     selector._against = clock.wrap("scoring", selector._against)
     selector.select = clock.wrap("policy", selector.select)
@@ -215,7 +216,16 @@ def main() -> None:
              for r in range(args.world)]
     for pr in procs:
         pr.start()
-    results = {r: (steps, note) for r, steps, note in (q.get(timeout=3600) for _ in procs)}
+    results = {}
+    while len(results) < len(procs):
+        try:
+            r, steps, note = q.get(timeout=10)
+            results[r] = (steps, note)
+        except queue.Empty:
+            if any(pr.exitcode not in (None, 0) for pr in procs):
+                for pr in procs:
+                    pr.kill()
+                raise SystemExit("a benchmark rank failed (traceback above)") from None
     for pr in procs:
         pr.join()
     steps, note = results[0]

@@ -190,7 +190,8 @@ class OnlineSelector:
         self.last_kept: torch.Tensor | None = None
         self.plan: StepCost | None = None
         self._losses: list[torch.Tensor] | None = None  # reuse_forward: per-candidate losses
-        self.reuse, self._reuse_why = decide_reuse(config.reuse_forward, model, config.scope)
+        self.reuse: bool | None = None  # decided at the first select (needs T)
+        self._reuse_why = ""
 
     @staticmethod
     def probe_capture(model: nn.Module, config: SelectionConfig,
@@ -321,9 +322,13 @@ class OnlineSelector:
         with torch.autocast(device_type=device, dtype=getattr(torch, dtype)):
             return self.model(**batch).loss
 
-    def _reusing(self) -> bool:
-        """Reuse this step's forward? Not with a recording capture on the model (it does
-        not record probe forwards): ``auto`` turns reuse off, ``on`` is refused."""
+    def _reusing(self, tokens: int) -> bool:
+        """Reuse this step's forward? Decided once by ``decide_reuse``; never with a
+        recording capture on the model (it does not record probe forwards): ``auto`` then
+        turns reuse off, ``on`` is refused."""
+        if self.reuse is None:
+            self.reuse, self._reuse_why = decide_reuse(self.config.reuse_forward, self.model,
+                                                       self.config.scope, tokens)
         if not self.reuse or getattr(self.model, "_dattri_ds_capture", None) is None:
             return self.reuse
         if self.config.reuse_forward == "on":
@@ -372,7 +377,7 @@ class OnlineSelector:
         """
         if self.config.random or (self.check is not None and self.check.decide(step)):
             return self._select_random(batch, k, step, user_ids)
-        reuse = train_loss and self._reusing()
+        reuse = train_loss and self._reusing(batch["input_ids"].shape[-1])
         if self.plan is None:
             self._explain(next(iter(batch.values())).shape[0], k, reuse)
         grads, scores = self.score(batch, step, user_ids, reuse=reuse)

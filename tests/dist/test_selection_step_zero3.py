@@ -44,7 +44,10 @@ def _scores_under_zero3(rank, world, top_blocks):
     selector = OnlineSelector(engine.module, cfg, target, probe=probe, ctx=ctx)
     got = selector.score({"input_ids": cand, "labels": cand}, 0)[1]
     layers = sorted(probe.layers)
-    assert not selector.reuse  # auto: off under ZeRO-3 (per-call gathers)
+    from dattri_ds.selection import stepcost
+
+    stepcost.REUSE_MIN_FLOPS = 1.0  # so that only the partitioned parameters decide
+    assert not selector._reusing(T) and "ZeRO-3" in selector._reuse_why
     selector.close()
     params = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params):

@@ -155,24 +155,31 @@ def test_reused_forward_gives_the_batch_loss_gradients_and_scores():
     sel.close()
 
 
-def test_reuse_forward_decision_and_refusals():
-    """auto: on for an unpartitioned CPU model when the caller trains on Selection.loss, off
-    for callers that forward the chosen themselves, for global scope and with a recording
-    capture attached (it would not see the trained forward), where 'on' is refused."""
+def test_reuse_forward_decision_and_refusals(monkeypatch):
+    """auto: on for an unpartitioned CPU model with enough work per example when the caller
+    trains on Selection.loss; off for callers that forward the chosen themselves, for global
+    scope, for small per-example work, and with a recording capture attached (it would not
+    see the trained forward), where 'on' is refused."""
     from dattri_ds import GradientCapture
+    from dattri_ds.selection import stepcost
 
     with pytest.raises(ConfigError, match="scope"):
         SelectionConfig(reuse_forward="on", scope="global")
     model = tiny_gpt2()
     ids = _ids(4, 1)
     batch = {"input_ids": ids, "labels": ids}
+    small = _selector(model, SelectionConfig(), batch)
+    assert small.select(batch, 2, 0, train_loss=True).loss is None and not small.reuse
+    monkeypatch.setattr(stepcost, "REUSE_MIN_FLOPS", 1.0)
     auto = _selector(model, SelectionConfig(), batch)
     assert auto.select(batch, 2, 0, train_loss=True).loss is not None and auto.plan.reuse
     assert auto.select(batch, 2, 1).loss is None
-    assert not _selector(model, SelectionConfig(scope="global"), batch).reuse
+    glob = _selector(model, SelectionConfig(scope="global"), batch)
+    assert glob.select(batch, 2, 0, train_loss=True).loss is None and not glob.reuse
     with GradientCapture(model):
         assert auto.select(batch, 2, 2, train_loss=True).loss is None and not auto.reuse
         on = _selector(model, SelectionConfig(reuse_forward="on"), batch)
         with pytest.raises(ConfigError, match="capture"):
             on.select(batch, 2, 0, train_loss=True)
-    auto.close()
+    for s in (small, auto, glob, on):
+        s.close()
