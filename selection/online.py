@@ -34,7 +34,7 @@ from dattri_ds.config import CaptureConfig
 from dattri_ds.distributed import ParallelContext, all_reduce_sum
 from dattri_ds.errors import CaptureError, ConfigError
 from dattri_ds.gradient import GradBatch
-from dattri_ds.ops import CostModel, norms
+from dattri_ds.ops import CostModel, default_cost_model, norms
 from dattri_ds.ops.projection import stable_seed
 from dattri_ds.semantics import content_id
 from dattri_ds.selection.blocks import probe_share, top_block_patterns
@@ -322,13 +322,17 @@ class OnlineSelector:
         with torch.autocast(device_type=device, dtype=getattr(torch, dtype)):
             return self.model(**batch).loss
 
-    def _reusing(self, tokens: int) -> bool:
+    def _reusing(self, tokens: int, candidates: int, trained: int) -> bool:
         """Reuse this step's forward? Decided once by ``decide_reuse``; never with a
         recording capture on the model (it does not record probe forwards): ``auto`` then
         turns reuse off, ``on`` is refused."""
         if self.reuse is None:
-            self.reuse, self._reuse_why = decide_reuse(self.config.reuse_forward, self.model,
-                                                       self.config.scope, tokens)
+            device = next(self.model.parameters()).device
+            roofline = (self.cost or default_cost_model(device)).roofline
+            self.reuse, self._reuse_why = decide_reuse(
+                self.config.reuse_forward, self.model, self.config.scope, tokens=tokens,
+                candidates=candidates, trained=trained, layers=len(self.probe.layers),
+                flops_per_s=roofline.flops_per_s)
         if not self.reuse or getattr(self.model, "_dattri_ds_capture", None) is None:
             return self.reuse
         if self.config.reuse_forward == "on":
@@ -377,9 +381,10 @@ class OnlineSelector:
         """
         if self.config.random or (self.check is not None and self.check.decide(step)):
             return self._select_random(batch, k, step, user_ids)
-        reuse = train_loss and self._reusing(batch["input_ids"].shape[-1])
+        c, t = batch["input_ids"].shape[0], batch["input_ids"].shape[-1]
+        reuse = train_loss and self._reusing(t, c, k)
         if self.plan is None:
-            self._explain(next(iter(batch.values())).shape[0], k, reuse)
+            self._explain(c, k, reuse)
         grads, scores = self.score(batch, step, user_ids, reuse=reuse)
         scores = scores.detach().float().cpu()
         kept = self.last_kept  # candidates left after dropping non-finite ones (None: all)

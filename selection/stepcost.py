@@ -24,8 +24,9 @@ Forward reuse (``selection.reuse_forward``) needs one model call per candidate (
 per example, so the chosen can be back-propagated alone). Measured here (GPT-2 4x256,
 T=128, 16 examples, CPU-s of one thread): 16 single calls cost 1.17x one batched call in
 one process, but 2.4-2.8x under ZeRO-3 on 2 ranks, where every call gathers every
-module's partitioned parameters again; there the extra gathers cost more than the ``k``
-forwards reuse saves. ``decide_reuse`` encodes that.
+module's partitioned parameters again; and the per-call bookkeeping of the probe (one
+record per call and layer) costs more than the saved forwards at that size (a reused step
+5.21x a plain one against 4.97x without). ``decide_reuse`` encodes both.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-__all__ = ["StepCost", "decide_reuse", "REUSE_MIN_FLOPS"]
+__all__ = ["StepCost", "decide_reuse", "REUSE_CALL_OVERHEAD_S"]
 
 
 @dataclass(frozen=True)
@@ -83,16 +84,21 @@ class StepCost:
                 f"(floor of this path {self.bound():.2f}x)")
 
 
-#: Per-example forward work (FLOPs, ``2 * T * parameters``) below which one model call per
-#: candidate costs more in fixed per-call overhead (Python, hooks, per-record bookkeeping:
-#: a few ms) than the saved forwards: measured here, GPT-2 2x64 at T=32 (~10 MFLOP) ran a
-#: reused step at 7.5x a plain step against 3.3x batched.
-REUSE_MIN_FLOPS = 1e9
+#: Fixed CPU seconds per model call and captured layer that per-candidate calls add (Python,
+#: hooks, one per-record build per layer, concatenation), measured here: GPT-2 4x256, T=128,
+#: 16 candidates x 28 layers added 0.31 s to a step (probe forward +77 ms, probe backward
+#: +154 ms, training backward through 8 graphs +79 ms) while saving a 151 ms forward.
+REUSE_CALL_OVERHEAD_S = 7e-4
 
 
-def decide_reuse(setting: str, model: nn.Module, scope: str, tokens: int) -> tuple[bool, str]:
-    """``(reuse the candidates' forward?, why)`` for ``selection.reuse_forward`` on
-    candidates of ``tokens`` tokens."""
+def decide_reuse(setting: str, model: nn.Module, scope: str, *, tokens: int, candidates: int,
+                 trained: int, layers: int, flops_per_s: float) -> tuple[bool, str]:
+    """``(reuse the candidates' forward?, why)`` for ``selection.reuse_forward``.
+
+    ``auto`` reuses when the saved forwards outweigh the per-call overhead:
+    ``k * 2 * T * P / flops_per_s > C * layers * REUSE_CALL_OVERHEAD_S`` (``P`` parameters),
+    and never for partitioned (ZeRO-3) parameters, global scope or non-CPU devices.
+    """
     if setting != "auto":
         return setting == "on", "set by selection.reuse_forward"
     if scope == "global":
@@ -103,11 +109,8 @@ def decide_reuse(setting: str, model: nn.Module, scope: str, tokens: int) -> tup
                        "module again (measured 2.4-2.8x a batched forward on 2 ranks)")
     if params and params[0].device.type != "cpu":
         return False, f"per-example calls underuse a {params[0].device.type} device"
-    flops = 2.0 * tokens * sum(p.numel() for p in params)
-    if flops < REUSE_MIN_FLOPS:
-        return False, (f"a per-example forward is ~{flops / 1e9:.2g} GFLOP, under "
-                       f"{REUSE_MIN_FLOPS / 1e9:g}: per-call overhead outweighs the saved "
-                       f"forwards")
-    return True, (f"unpartitioned CPU model, ~{flops / 1e9:.2g} GFLOP per example's forward: "
-                  f"per-example calls cost ~1.17x a batched forward and save the chosen "
-                  f"examples' second forward")
+    saved = trained * 2.0 * tokens * sum(p.numel() for p in params) / flops_per_s
+    extra = candidates * layers * REUSE_CALL_OVERHEAD_S
+    why = (f"saves ~{saved * 1e3:.3g} ms of forwards, per-candidate calls add "
+           f"~{extra * 1e3:.3g} ms")
+    return saved > extra, why

@@ -46,8 +46,8 @@ def _scores_under_zero3(rank, world, top_blocks):
     layers = sorted(probe.layers)
     from dattri_ds.selection import stepcost
 
-    stepcost.REUSE_MIN_FLOPS = 1.0  # so that only the partitioned parameters decide
-    assert not selector._reusing(T) and "ZeRO-3" in selector._reuse_why
+    stepcost.REUSE_CALL_OVERHEAD_S = 0.0  # so that only the partitioned parameters decide
+    assert not selector._reusing(T, 4, 2) and "ZeRO-3" in selector._reuse_why
     selector.close()
     params = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params):

@@ -156,7 +156,8 @@ def test_reused_forward_gives_the_batch_loss_gradients_and_scores():
 
 
 def test_reuse_forward_decision_and_refusals(monkeypatch):
-    """auto: on for an unpartitioned CPU model with enough work per example when the caller
+    """auto: on for an unpartitioned CPU model whose saved forwards outweigh the per-call
+    overhead when the caller
     trains on Selection.loss; off for callers that forward the chosen themselves, for global
     scope, for small per-example work, and with a recording capture attached (it would not
     see the trained forward), where 'on' is refused."""
@@ -170,7 +171,7 @@ def test_reuse_forward_decision_and_refusals(monkeypatch):
     batch = {"input_ids": ids, "labels": ids}
     small = _selector(model, SelectionConfig(), batch)
     assert small.select(batch, 2, 0, train_loss=True).loss is None and not small.reuse
-    monkeypatch.setattr(stepcost, "REUSE_MIN_FLOPS", 1.0)
+    monkeypatch.setattr(stepcost, "REUSE_CALL_OVERHEAD_S", 0.0)
     auto = _selector(model, SelectionConfig(), batch)
     assert auto.select(batch, 2, 0, train_loss=True).loss is not None and auto.plan.reuse
     assert auto.select(batch, 2, 1).loss is None
