@@ -462,38 +462,63 @@ class GradientCapture:
                 f"pass callbacks (capture.max_pending={self.config.max_pending})", stacklevel=3)
 
     # ---- probing: per-example gradients without touching parameter gradients ------------
-    def probe(self, forward: Callable[[], torch.Tensor]) -> GradBatch | None:
+    def probe(self, forward: Callable[[], torch.Tensor], *,
+              retain_graph: bool = False) -> GradBatch | None:
         """Per-example gradients of one forward, computed without any parameter ``.grad``.
 
-        ``forward()`` must call the root model once and return its reduced loss (reduced as
-        ``config.loss_reduction`` says). Only gradients w.r.t. the captured layers' outputs
+        ``forward()`` must call the root model and return its reduced loss (reduced as
+        ``config.loss_reduction`` says); it may call the model several times (e.g. once
+        per example) and return the sum of the calls' losses: the batch then holds every
+        call's examples in call order. Only gradients w.r.t. the captured layers' outputs
         are computed (``torch.autograd.grad``), so engines see no gradient accumulation and
         no reduction: safe between the steps of DDP, FSDP2 and DeepSpeed ZeRO-3 training.
-        The batch is returned (and projected if configured), not delivered to callbacks.
-        Cost: one forward and one backward without weight-gradient matmuls.
+        ``retain_graph=True`` keeps the forward graphs, so the caller may back-propagate
+        (some of) the calls' losses again afterwards.
+        The batch is returned (and projected if configured), not delivered to callbacks;
+        ``last_kept`` holds the positions of the kept examples over all calls (None: all).
+        Cost: one forward and one backward without weight-gradient matmuls, which stops
+        at the lowest captured layer.
         """
         self._probing = True
         token = _PROBING.set(True)
+        first = self._count
         try:
             loss = forward()
-            rec = self._open[-1] if self._open else None
+            recs = [r for r in self._open if r.index >= first and r.probe]
         finally:
             _PROBING.reset(token)
             self._probing = False
-        if rec is None or not rec.probe:
+        if not recs:
             return None
-        entries, rec.probe = rec.probe, []
-        grads = torch.autograd.grad(loss, [o for _, _, o in entries], allow_unused=True)
-        for (name, a, _), g in zip(entries, grads):
+        entries = [(r, name, a, o) for r in recs for name, a, o in r.probe]
+        for r in recs:
+            r.probe = []
+        grads = torch.autograd.grad(loss, [o for *_, o in entries], allow_unused=True,
+                                    retain_graph=retain_graph)
+        for (r, name, a, _), g in zip(entries, grads):
             if g is not None:
-                rec.pairs[name].append((a, g.detach()))
-        rec.done = True
-        self._open.remove(rec)
-        if not rec.pairs:
+                r.pairs[name].append((a, g.detach()))
+        return self._build_probed(recs)
+
+    def _build_probed(self, recs: list[_Record]) -> GradBatch | None:
+        """The probed records' batches, concatenated; ``last_kept`` over all of them."""
+        batches, kept, offset, dropped = [], [], 0, False
+        for r in recs:
+            r.done = True
+            self._open.remove(r)
+            rows = _rows(r)
+            batch = self._build(r, scale_c=1.0) if r.pairs else None
+            r.pairs.clear()
+            if batch is not None:
+                batches.append(batch)
+                local = self.last_kept if self.last_kept is not None else torch.arange(rows)
+                kept.append(local + offset)
+            dropped |= batch is None or self.last_kept is not None
+            offset += rows
+        self.last_kept = torch.cat(kept) if dropped and kept else None
+        if not batches:
             return None
-        batch = self._build(rec, scale_c=1.0)
-        rec.pairs.clear()
-        return batch
+        return batches[0] if len(batches) == 1 else GradBatch.cat(batches)
 
     # ---- consumer API ---------------------------------------------------------------
     def pop(self) -> GradBatch | None:
@@ -522,6 +547,14 @@ def _batch_dim(kind: LayerKind, module: nn.Module) -> int:
     (Megatron ``[S, B, H]``) that define ``batch_dim(module)``."""
     fn = getattr(kind, "batch_dim", None)
     return fn(module) if fn is not None else 0
+
+
+def _rows(rec: _Record) -> int:
+    """Examples of a record's forward call (from its ids, else its zero-token factors)."""
+    if rec.info is not None:
+        return len(rec.info.sample_ids)
+    a0, _ = next(iter(rec.empty.values()))
+    return a0.shape[1] if a0.dim() > 1 and a0.shape[0] == 0 else a0.shape[0]
 
 
 def _empty_factors(a: torch.Tensor, out: torch.Tensor,

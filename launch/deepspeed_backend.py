@@ -87,8 +87,12 @@ class DeepSpeedBackend(Backend):
             return float(self.engine.get_lr()[0])
         return float(self.engine.optimizer.param_groups[0]["lr"])
 
+    reuses_selection_forward = True
+
     def forward_backward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        loss = self.engine(**batch).loss
+        return self.backward_reused(self.engine(**batch).loss)
+
+    def backward_reused(self, loss: torch.Tensor) -> torch.Tensor:
         self.engine.backward(loss)
         self.engine.step()  # a real step only at the accumulation boundary
         return loss.detach()

@@ -73,6 +73,9 @@ class Backend(ABC):
 
     #: Appended to the run fingerprint in stores (stores of two backends never mix).
     fingerprint_suffix: ClassVar[str] = ""
+    #: ``backward_reused`` back-propagates a loss the selector computed from the candidates'
+    #: forward (``selection.reuse_forward``); backends without it forward the chosen again.
+    reuses_selection_forward: ClassVar[bool] = False
 
     model: nn.Module
     ctx: ParallelContext
@@ -105,6 +108,10 @@ class Backend(ABC):
     @abstractmethod
     def forward_backward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Forward and backward of one micro-batch (``1 / gas`` of the step); its loss."""
+
+    def backward_reused(self, loss: torch.Tensor) -> torch.Tensor:
+        """Backward of one micro-batch whose forward the selector already ran; its loss."""
+        raise NotImplementedError(f"{type(self).__name__} does not train on reused forwards")
 
     @abstractmethod
     def optimizer_step(self) -> None:
@@ -329,14 +336,18 @@ def train(backend: Backend, cfg: RunConfig, data, out: Path, tok, rank: int,
             batch = {k: v.to(backend.device) for k, v in data.batch(idx[mb]).items()}
             doc_ids = [data.docs[i].id for i in idx[mb].tolist()]
             # ---- online selection: candidates -> the chosen micro-batch -----------------
+            reused = None
             if selector is not None:
-                sel = selector.select(batch, micro, step, user_ids=doc_ids)
-                batch = sel.batch
+                sel = selector.select(batch, micro, step, user_ids=doc_ids,
+                                      train_loss=backend.reuses_selection_forward)
+                batch, reused = sel.batch, sel.loss
                 doc_ids = [c.split("#")[0] for c in sel.chosen_ids]  # "<doc id>#<hash>"
             # ---- end of online selection -----------------------------------------------
             if capture is not None:  # stored ids: "<doc id>@<step>#<content hash>"
                 capture.tag([f"{d}@{step}" for d in doc_ids])
-            step_loss += backend.forward_backward(batch).double() / gas
+            loss = backend.forward_backward(batch) if reused is None else \
+                backend.backward_reused(reused)
+            step_loss += loss.double() / gas
         backend.optimizer_step()
         all_reduce_sum(step_loss, ctx.dp_group, ctx.dp_world)
         log.end_step(step, float(step_loss) / ctx.dp_world, lr, micro * gas * ctx.dp_world, save)

@@ -105,6 +105,21 @@ class SelectionConfig:
     include: tuple[str, ...] = ()
     """Module-name patterns scored (empty = every supported layer)."""
 
+    top_blocks: int | None = field(default=None, metadata=schema.bounds(ge=1))
+    """Score only the layers of the model's last N repeated blocks (truncated scoring: the
+    probe backward stops at the lowest scored block, so the blocks below, the embeddings
+    and the head are never back-propagated or scored). None: every layer (or ``include``)."""
+
+    reuse_forward: Literal["auto", "on", "off"] = "auto"
+    """``on``: forward every candidate on its own (one graph per example) and keep the
+    chosen examples' graphs for the training backward (``Selection.loss``), so the chosen
+    are not forwarded a second time (``k`` forwards saved per micro-batch; the activations
+    kept are those the batched probe holds anyway). Exact; scope ``rank`` only; needs a
+    model whose loss is reduced as ``capture.loss_reduction`` says. ``auto``: the step
+    cost model decides (selection/stepcost.py: on for unpartitioned CPU models, off under
+    ZeRO-3, where every model call gathers every module's parameters again, and on GPUs).
+    ``off``: the chosen are forwarded again."""
+
     random: bool = False
     """Baseline: keep a uniformly random subset of the same candidates (no scoring), for
     measuring what scoring adds."""
@@ -126,6 +141,14 @@ class SelectionConfig:
             raise ConfigError("selection.precondition='adam' scales the exact target gradient "
                               "by the optimizer's per-parameter second moments: it cannot be "
                               "combined with selection.projection or selection.target_store")
+        if self.top_blocks is not None and self.include:
+            raise ConfigError(f"selection.top_blocks={self.top_blocks} and selection.include="
+                              f"{list(self.include)} both choose the scored layers; set only "
+                              f"one of them")
+        if self.reuse_forward == "on" and self.scope == "global":
+            raise ConfigError("selection.reuse_forward keeps this rank's candidates' graphs "
+                              "for training: examples chosen on another rank have none. Set "
+                              "selection.scope='rank' or reuse_forward='auto'")
         if self.target_store is not None and self.projection is None:
             raise ConfigError("selection.target_store holds projected gradients: set "
                               "selection.projection to the store's projection")

@@ -19,6 +19,7 @@ round-robin by score, so every rank trains exactly ``k`` examples.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import warnings
 from collections.abc import Callable
@@ -33,19 +34,22 @@ from dattri_ds.config import CaptureConfig
 from dattri_ds.distributed import ParallelContext, all_reduce_sum
 from dattri_ds.errors import CaptureError, ConfigError
 from dattri_ds.gradient import GradBatch
-from dattri_ds.ops import CostModel, norms
+from dattri_ds.ops import CostModel, default_cost_model, norms
 from dattri_ds.ops.projection import stable_seed
 from dattri_ds.semantics import content_id
+from dattri_ds.selection.blocks import probe_share, top_block_patterns
 from dattri_ds.selection.config import SelectionConfig
 from dattri_ds.selection.fallback import HeldOutCheck, split_rows
 from dattri_ds.selection.policy import cap_repeats, choose, fill_uniform
 from dattri_ds.selection.precondition import PreconditionedTarget, second_moments
 from dattri_ds.selection.scorer import alignment_scores, redundancy_gram
+from dattri_ds.selection.stepcost import StepCost, decide_reuse
 from dattri_ds.selection.target import TargetProvider
 
 __all__ = ["Selection", "OnlineSelector", "check_engine_supported", "check_target_compatible"]
 
 Batch = dict[str, torch.Tensor]
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,9 @@ class Selection:
             with a NaN/inf gradient or score were dropped).
         chosen_ids: sample ids (content hashes) of the chosen examples.
         chosen_scores: ``[k]`` their scores.
+        loss: with ``reuse_forward``, the model's loss on ``batch`` computed from the
+            candidates' retained forward graphs: back-propagate it instead of forwarding
+            ``batch`` again. None: forward ``batch`` as usual.
     """
 
     batch: Batch
@@ -67,6 +74,7 @@ class Selection:
     scores: torch.Tensor
     chosen_ids: tuple[str, ...]
     chosen_scores: torch.Tensor
+    loss: torch.Tensor | None = None
 
 
 def check_engine_supported(engine: object) -> None:
@@ -180,13 +188,20 @@ class OnlineSelector:
         self.stats = {"steps": 0, "candidates": 0, "chosen": 0, "score_sum": 0.0,
                       "chosen_score_sum": 0.0}
         self.last_kept: torch.Tensor | None = None
+        self.plan: StepCost | None = None
+        self._losses: list[torch.Tensor] | None = None  # reuse_forward: per-candidate losses
+        self.reuse: bool | None = None  # decided at the first select (needs T)
+        self._reuse_why = ""
 
     @staticmethod
     def probe_capture(model: nn.Module, config: SelectionConfig,
                       capture: CaptureConfig | None = None) -> GradientCapture:
         """A probe-only capture of ``model`` with the selection's layers and projection."""
         base = capture or CaptureConfig()
-        cfg = replace(base, include=config.include or base.include,
+        include = config.include or base.include
+        if config.top_blocks is not None:
+            include = top_block_patterns(model, config.top_blocks)
+        cfg = replace(base, include=include,
                       projection=config.projection,
                       per_example_loss="mean" if config.per_token else base.per_example_loss)
         return GradientCapture(model, cfg, probe_only=True).attach()
@@ -227,8 +242,8 @@ class OnlineSelector:
         """Candidates scored for ``k`` trained examples: ``ceil(candidate_multiple * k)``."""
         return math.ceil(self.config.candidate_multiple * k - 1e-9)
 
-    def score(self, batch: Batch, step: int,
-              user_ids: list[str] | None = None) -> tuple[GradBatch, torch.Tensor]:
+    def score(self, batch: Batch, step: int, user_ids: list[str] | None = None, *,
+              reuse: bool = False) -> tuple[GradBatch, torch.Tensor]:
         """Per-example gradients of the candidates and their scores.
 
         Candidates with a NaN/inf gradient or score are dropped (named in a warning);
@@ -239,10 +254,14 @@ class OnlineSelector:
             CaptureError: every candidate has a non-finite gradient or score.
         """
         target = self.target.get(step)
-        if user_ids is not None:
-            self.probe.tag(user_ids)
         dropped = self.probe.skipped
-        grads = self.probe.probe(lambda: self._loss(batch))
+        if reuse:
+            grads = self.probe.probe(lambda: self._per_example(batch, user_ids),
+                                     retain_graph=True)
+        else:
+            if user_ids is not None:
+                self.probe.tag(user_ids)
+            grads = self.probe.probe(lambda: self._loss(batch))
         if grads is None:
             if self.probe.skipped > dropped:
                 raise CaptureError(
@@ -269,6 +288,25 @@ class OnlineSelector:
         self.last_kept = kept
         return grads, scores
 
+    def _explain(self, candidates: int, trained: int, reuse: bool) -> None:
+        """Predict this run's step cost (selection/stepcost.py) and log it once (rank 0)."""
+        cfg = self.config
+        layers = list(self.probe.layers)
+        inner = getattr(self.target, "inner", self.target)
+        self.plan = StepCost(
+            candidates=candidates,
+            trained=trained,
+            share=probe_share(self.model, layers), normalize=cfg.normalize,
+            target_examples=getattr(inner, "rows_per_rank", 0),
+            refresh_every=cfg.refresh_every, reuse=reuse)
+        scored = (f"top {cfg.top_blocks} block(s), {len(layers)} layers" if cfg.top_blocks
+                  else f"{len(layers)} layers") + (
+            f", projected to {cfg.projection.dim}" if cfg.projection else ", exact ghost scores")
+        if self.ctx.dp_rank == 0:
+            why = self._reuse_why if reuse or not self.reuse else \
+                "the caller forwards the chosen itself (select(train_loss=False))"
+            logger.info(self.plan.explain(scored, why))
+
     def _against(self, grads: GradBatch, target: GradBatch) -> torch.Tensor:
         scores = alignment_scores(grads, target, self.cost)
         if self.config.normalize:
@@ -284,17 +322,73 @@ class OnlineSelector:
         with torch.autocast(device_type=device, dtype=getattr(torch, dtype)):
             return self.model(**batch).loss
 
-    def select(self, batch: Batch, k: int, step: int,
-               user_ids: list[str] | None = None) -> Selection:
+    def _reusing(self, tokens: int, candidates: int, trained: int) -> bool:
+        """Reuse this step's forward? Decided once by ``decide_reuse``; never with a
+        recording capture on the model (it does not record probe forwards): ``auto`` then
+        turns reuse off, ``on`` is refused."""
+        if self.reuse is None:
+            device = next(self.model.parameters()).device
+            roofline = (self.cost or default_cost_model(device)).roofline
+            self.reuse, self._reuse_why = decide_reuse(
+                self.config.reuse_forward, self.model, self.config.scope, tokens=tokens,
+                candidates=candidates, trained=trained, layers=len(self.probe.layers),
+                flops_per_s=roofline.flops_per_s)
+        if not self.reuse or getattr(self.model, "_dattri_ds_capture", None) is None:
+            return self.reuse
+        if self.config.reuse_forward == "on":
+            raise ConfigError("selection.reuse_forward='on' trains on graphs built during the "
+                              "probe, which a recording GradientCapture (--capture) does not "
+                              "record: set selection.reuse_forward='auto' or 'off' to capture")
+        self.reuse, self._reuse_why = False, "a recording capture is attached"
+        return False
+
+    def _per_example(self, batch: Batch, user_ids: list[str] | None) -> torch.Tensor:
+        """``reuse_forward``: one model call per candidate (one graph each); the calls'
+        losses are kept for ``_reused_loss`` and their sum is probed."""
+        c = next(iter(batch.values())).shape[0]
+        self._losses = []
+        for i in range(c):
+            if user_ids is not None:
+                self.probe.tag(user_ids[i:i + 1])
+            self._losses.append(self._loss({n: v[i:i + 1] for n, v in batch.items()}))
+        return torch.stack(self._losses).sum()
+
+    def _reused_loss(self, positions: torch.Tensor, batch: Batch) -> torch.Tensor | None:
+        """The model's loss on the candidates at ``positions`` from their retained graphs,
+        reduced like one batch of them (``capture.loss_reduction``): token mean
+        ``sum_i n_i L_i / sum_i n_i`` (``n_i`` label tokens), example mean, or sum."""
+        losses, self._losses = self._losses, None
+        if losses is None:
+            return None
+        cap = self.probe.config
+        pos = positions.tolist()
+        chosen = torch.stack([losses[i] for i in pos])
+        if cap.loss_reduction == "sum":
+            return chosen.sum()
+        if cap.loss_reduction == "example_mean":
+            return chosen.mean()
+        labels = batch.get("labels", batch["input_ids"])[positions.to(batch["input_ids"].device)]
+        n = (labels[:, cap.label_shift:] != cap.ignore_index).sum(1).to(chosen.dtype)
+        return (chosen * n.to(chosen.device)).sum() / n.sum().clamp_min(1)
+
+    def select(self, batch: Batch, k: int, step: int, user_ids: list[str] | None = None, *,
+               train_loss: bool = False) -> Selection:
         """Score ``batch`` (C candidates) and return the ``k`` (or policy-sized) to train on.
 
-        ``user_ids`` (e.g. document ids) prefix the logged sample ids.
+        ``user_ids`` (e.g. document ids) prefix the logged sample ids. ``train_loss=True``:
+        the caller back-propagates ``Selection.loss`` when it is set instead of forwarding
+        the chosen batch (forward reuse, ``selection.reuse_forward``).
         """
         if self.config.random or (self.check is not None and self.check.decide(step)):
             return self._select_random(batch, k, step, user_ids)
-        grads, scores = self.score(batch, step, user_ids)
+        c, t = batch["input_ids"].shape[0], batch["input_ids"].shape[-1]
+        reuse = train_loss and self._reusing(t, c, k)
+        if self.plan is None:
+            self._explain(c, k, reuse)
+        grads, scores = self.score(batch, step, user_ids, reuse=reuse)
         scores = scores.detach().float().cpu()
         kept = self.last_kept  # candidates left after dropping non-finite ones (None: all)
+        original = batch
         if kept is not None:
             batch = {n: v[kept.to(v.device)] for n, v in batch.items()}
         if self.config.scope == "global" and self.ctx.dp_world > 1:
@@ -302,9 +396,11 @@ class OnlineSelector:
         else:
             idx = self._choose(grads, self._capped(grads.sample_ids, scores), k, grads,
                                self._generator(step, grads.sample_ids))
+            positions = idx if kept is None else kept[idx]
             sel = Selection({n: v[idx.to(v.device)] for n, v in batch.items()},
-                            idx if kept is None else kept[idx], scores,
-                            tuple(grads.sample_ids[i] for i in idx.tolist()), scores[idx])
+                            positions, scores,
+                            tuple(grads.sample_ids[i] for i in idx.tolist()), scores[idx],
+                            self._reused_loss(positions, original))
             self._count(sel.chosen_ids)
             if self.check is not None:
                 val = self._against(grads, self.held_out.get(step)).detach().float().cpu()

@@ -72,6 +72,11 @@ class ValidationTarget(TargetProvider):
             self.refreshes += 1
         return self._value
 
+    @property
+    def rows_per_rank(self) -> int:
+        """Target examples this rank forwards per refresh."""
+        return self._rows().numel()
+
     def _rows(self) -> torch.Tensor:
         ctx = self.ctx
         if self.n < ctx.dp_world:  # too few to split: every rank uses all, no reduction

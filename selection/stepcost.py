@@ -1,0 +1,116 @@
+"""What a selection step costs against a plain step, in forward units, explained once per run.
+
+Units per example: a forward is 1, the activation-gradient half of a backward is 1, the
+weight-gradient half is 1, so a plain step on ``k`` examples is ``3k``. With ``C``
+candidates, a probe backward that reaches a share ``s`` of the blocks (``s = 1`` when every
+layer is scored: the backward must reach the embeddings; ``N / L`` for the top ``N`` of
+``L`` blocks), ``n`` target examples recomputed every ``r`` steps:
+
+| part                 | units                  | why                                        |
+|----------------------|------------------------|--------------------------------------------|
+| probe forward        | ``C``                  | every candidate is forwarded once          |
+| probe backward       | ``C * s``              | activation gradients only, no weight GEMMs |
+| scoring              | ``C * s * (1 + norm)`` | a ghost ``<G_b, G_target>`` costs one      |
+|                      |                        | weight-gradient GEMM per scored layer;     |
+|                      |                        | cosine adds the ghost norms (``norm ~ 1``) |
+| training step        | ``3k``                 | the chosen are forwarded again (no reuse)  |
+| target refresh       | ``n * 2s / r``         | probe forward + backward of the target     |
+
+At ``C = 2k`` without forward reuse the ratio is at least ``(2 + 2s + 3) / 3``: 2.33x with
+every layer scored, 1.67x as ``s -> 0``. Only reusing the candidates' forward for the
+training backward (``2 + 2s + 2``)/3 can reach 1.5x, and only with ``s <= 0.25``.
+
+Forward reuse (``selection.reuse_forward``) needs one model call per candidate (a graph
+per example, so the chosen can be back-propagated alone). Measured here (GPT-2 4x256,
+T=128, 16 examples, CPU-s of one thread): 16 single calls cost 1.17x one batched call in
+one process, but 2.4-2.8x under ZeRO-3 on 2 ranks, where every call gathers every
+module's partitioned parameters again; and the per-call bookkeeping of the probe (one
+record per call and layer) costs more than the saved forwards at that size (a reused step
+5.21x a plain one against 4.97x without). ``decide_reuse`` encodes both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+__all__ = ["StepCost", "decide_reuse", "REUSE_CALL_OVERHEAD_S"]
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Predicted units of one selection step (see the module table).
+
+    Attributes:
+        candidates: ``C``, candidates scored per micro-batch.
+        trained: ``k``, examples trained per micro-batch.
+        share: ``s``, share of the blocks the probe backward runs through.
+        normalize: cosine scores (adds the candidates' gradient norms).
+        target_examples: ``n``, target examples per refresh on this rank.
+        refresh_every: ``r``, steps between target refreshes.
+    """
+
+    candidates: int
+    trained: int
+    share: float
+    normalize: bool
+    target_examples: int
+    refresh_every: int
+    reuse: bool = False
+
+    def units(self) -> dict[str, float]:
+        c, k, s = self.candidates, self.trained, self.share
+        return {"probe forward": float(c), "probe backward": c * s,
+                "scoring": c * s * (2.0 if self.normalize else 1.0),
+                "training step": (2.0 if self.reuse else 3.0) * k,
+                "target refresh": self.target_examples * 2.0 * s / self.refresh_every}
+
+    def ratio(self) -> float:
+        """Predicted selection step / plain step (``3k``)."""
+        return sum(self.units().values()) / (3.0 * self.trained)
+
+    def bound(self) -> float:
+        """The ratio without scoring and refresh: the floor of this path."""
+        u = self.units()
+        return (u["probe forward"] + u["probe backward"] + u["training step"]) / (3.0 * self.trained)
+
+    def explain(self, scored: str, reuse_why: str) -> str:
+        parts = ", ".join(f"{name} {v:.3g}" for name, v in self.units().items())
+        return (f"online selection step plan: {scored}; {self.candidates} candidates for "
+                f"{self.trained} trained; forward reuse {'on' if self.reuse else 'off'} "
+                f"({reuse_why}); units (1 = one example's forward, plain step = "
+                f"{3 * self.trained}): {parts}; predicted {self.ratio():.2f}x a plain step "
+                f"(floor of this path {self.bound():.2f}x)")
+
+
+#: Fixed CPU seconds per model call and captured layer that per-candidate calls add (Python,
+#: hooks, one per-record build per layer, concatenation), measured here: GPT-2 4x256, T=128,
+#: 16 candidates x 28 layers added 0.31 s to a step (probe forward +77 ms, probe backward
+#: +154 ms, training backward through 8 graphs +79 ms) while saving a 151 ms forward.
+REUSE_CALL_OVERHEAD_S = 7e-4
+
+
+def decide_reuse(setting: str, model: nn.Module, scope: str, *, tokens: int, candidates: int,
+                 trained: int, layers: int, flops_per_s: float) -> tuple[bool, str]:
+    """``(reuse the candidates' forward?, why)`` for ``selection.reuse_forward``.
+
+    ``auto`` reuses when the saved forwards outweigh the per-call overhead:
+    ``k * 2 * T * P / flops_per_s > C * layers * REUSE_CALL_OVERHEAD_S`` (``P`` parameters),
+    and never for partitioned (ZeRO-3) parameters, global scope or non-CPU devices.
+    """
+    if setting != "auto":
+        return setting == "on", "set by selection.reuse_forward"
+    if scope == "global":
+        return False, "global scope trains examples of other ranks"
+    params = list(model.parameters())
+    if any(hasattr(p, "ds_id") for p in params):
+        return False, ("ZeRO-3 partitioned parameters: one call per candidate gathers every "
+                       "module again (measured 2.4-2.8x a batched forward on 2 ranks)")
+    if params and params[0].device.type != "cpu":
+        return False, f"per-example calls underuse a {params[0].device.type} device"
+    saved = trained * 2.0 * tokens * sum(p.numel() for p in params) / flops_per_s
+    extra = candidates * layers * REUSE_CALL_OVERHEAD_S
+    why = (f"saves ~{saved * 1e3:.3g} ms of forwards, per-candidate calls add "
+           f"~{extra * 1e3:.3g} ms")
+    return saved > extra, why
