@@ -12,6 +12,7 @@ __all__ = [
     "CaptureError",
     "StoreCorruptError",
     "DuplicateSampleError",
+    "registered",
 ]
 
 
@@ -49,3 +50,13 @@ class StoreCorruptError(DattriDSError, OSError):
 
 class DuplicateSampleError(DattriDSError, ValueError):
     """The same sample id is stored more than once across the shards of a store."""
+
+
+def registered(table, name, what: str):
+    """``table[name]`` from a registry; otherwise a ConfigError naming ``what``, the value and
+    every registered name (the one lookup every strategy registry shares)."""
+    try:
+        return table[name]
+    except KeyError:
+        raise ConfigError(f"{what} '{name}' is not registered; registered: "
+                          f"{sorted(table)}") from None

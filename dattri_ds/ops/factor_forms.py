@@ -22,7 +22,7 @@ from typing import ClassVar
 
 import torch
 
-from dattri_ds.errors import ConfigError
+from dattri_ds.errors import registered
 from dattri_ds.gradient import Factorized
 from dattri_ds.layers.base import get_kind
 
@@ -179,11 +179,7 @@ class DiagonalForm(FactorForm, name="diagonal"):
 
 def get_form(name: str) -> FactorForm:
     """The registered FactorForm called ``name``."""
-    try:
-        return _FORMS[name]
-    except KeyError:
-        raise ConfigError(f"No curvature factor form '{name}'; registered forms: "
-                          f"{sorted(_FORMS)}") from None
+    return registered(_FORMS, name, "curvature factor form")
 
 
 def _eigh(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

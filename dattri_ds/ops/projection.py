@@ -41,7 +41,7 @@ from typing import ClassVar, Literal
 
 import torch
 
-from dattri_ds.errors import ConfigError
+from dattri_ds.errors import ConfigError, registered
 from dattri_ds.schema import bounds, check
 
 __all__ = ["ProjectionConfig", "Projector", "stable_seed", "random_matrix", "kron_dims",
@@ -164,11 +164,7 @@ KINDS = tuple(PROJECTION_KINDS)
 
 def projection_kind(name: str) -> ProjectionKind:
     """The registered kind ``name``; ConfigError naming the known kinds otherwise."""
-    try:
-        return PROJECTION_KINDS[name]
-    except KeyError:
-        raise ConfigError(f"projection kind '{name}' is not registered; known kinds: "
-                          f"{sorted(PROJECTION_KINDS)}") from None
+    return registered(PROJECTION_KINDS, name, "projection kind")
 
 
 @dataclass(frozen=True, kw_only=True)
