@@ -1,0 +1,245 @@
+"""Peer benchmark: dattri-ds vs dattri-llm, bergson, kronfluence and torch.func vmap.
+
+One seeded workload (``_peer_tasks.py``: GPT-2-style, 4 layers, T=128, 256 train / 16
+query examples, the 16 attention/MLP linears, projection k=1024 = 32 x 32 per layer, each
+library's own Kronecker/LoGra projection) and three tasks:
+
+* ``collect``: per-example projected gradients of the 256 train examples;
+* ``graddot``: grad-dot scores ``[256, 16]`` end to end (collect train and query, score);
+  ``dattri-ds exact`` is the unprojected (ghost-routed) path;
+* ``ekfac``: EK-FAC fit on the train set + scores (unprojected, damping 0.1 x mean
+  eigenvalue, empirical Fisher) for dattri-ds and kronfluence.
+
+Every (library, task, width, threads) runs in a FRESH process (``--worker``) and reports
+CPU seconds (``time.process_time``, all threads) and wall seconds of its timed region and
+the process's peak RSS. Its scores are compared with exact unprojected grad-dot scores
+computed once per width by per-example autograd (``exact``), so a fast wrong path cannot
+win; EK-FAC is also compared with kronfluence's scores. ``plain`` is one SGD training step
+per micro-batch: the memory and time floor for collection.
+
+This script installs nothing. Peers come from the ``bench`` extra, installed into a
+separate virtualenv (never over the project's torch), e.g.::
+
+    cp -a .venv .venv-peers   # or python -m venv; then keep torch pinned:
+    .venv-peers/bin/python -m pip install -c <(echo torch==2.13.0) -e .[bench]
+    .venv-peers/bin/python -m pip uninstall -y torchvision torchaudio
+    .venv-peers/bin/python benchmarks/peers.py --widths 64 256
+
+A peer that is not importable is reported as "not installed". Ratios: examples per
+CPU-second relative to vmap and to the fastest installed peer, per task and width.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+for p in (str(HERE), str(ROOT)):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+TASKS = ("collect", "graddot", "ekfac")
+
+
+def installed(lib: str) -> bool:
+    from _peer_tasks import LIBRARIES
+
+    module = LIBRARIES[lib][0]
+    return module is None or importlib.util.find_spec(module) is not None
+
+
+# ---- worker -------------------------------------------------------------------------------
+def worker(lib: str, task: str, width: int, threads: int, out: str, n_train: int) -> None:
+    """Run one adapter in this (fresh) process; write ``out.json`` and ``out.pt``."""
+    import torch
+
+    torch.set_num_threads(threads)
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from _peer_tasks import LIBRARIES, Clock, build
+
+    wl = build(width, n_train=n_train)
+    clock = Clock()
+    scores = LIBRARIES[lib][1][task](wl, clock)
+    if clock.entered != 1:
+        raise RuntimeError(f"adapter {lib}/{task} timed {clock.entered} regions, not 1")
+    if scores is not None:
+        torch.save(scores.detach().float().cpu(), out + ".pt")
+    Path(out + ".json").write_text(json.dumps({
+        "lib": lib, "task": task, "width": width, "threads": threads, "cpu_s": clock.cpu,
+        "wall_s": clock.wall, "rss_before_mb": clock.rss_before_mb,
+        "peak_rss_mb": clock.peak_mb, "torch_threads": torch.get_num_threads()}))
+
+
+def run_one(lib: str, task: str, width: int, threads: int, folder: Path, n_train: int,
+            timeout: float) -> dict:
+    """One fresh worker process; returns its record (``status`` ok / failed / timeout)."""
+    tag = f"{lib.replace(' ', '_')}-{task}-w{width}-t{threads}"
+    out = str(folder / tag)
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"))
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", lib, task, str(width),
+           "--threads", str(threads), "--out", out, "--n-train", str(n_train)]
+    rec = {"lib": lib, "task": task, "width": width, "threads": threads}
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {**rec, "status": f"timeout after {timeout:.0f}s"}
+    if proc.returncode != 0 or not os.path.exists(out + ".json"):
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        return {**rec, "status": "failed: " + " | ".join(tail)}
+    rec.update(json.loads(Path(out + ".json").read_text()), status="ok")
+    if os.path.exists(out + ".pt"):
+        rec["scores"] = out + ".pt"
+    return rec
+
+
+# ---- driver -------------------------------------------------------------------------------
+def pearson(x, y) -> float:
+    import torch
+
+    x, y = x.flatten().double(), y.flatten().double()
+    x, y = x - x.mean(), y - y.mean()
+    return float((x @ y) / (x.norm() * y.norm()).clamp_min(1e-300))
+
+
+def examples(task: str, n_train: int) -> int:
+    """Examples processed by a task: train (+ query for the end-to-end scoring tasks)."""
+    return n_train + (16 if task in ("graddot", "ekfac") else 0)
+
+
+def plan(args) -> list[tuple[str, str]]:
+    from _peer_tasks import LIBRARIES
+
+    jobs = [(lib, t) for lib, (_, tasks) in LIBRARIES.items() for t in tasks
+            if t in args.tasks and (args.libs is None or lib in args.libs)]
+    if "memory" in args.tasks:
+        jobs.append(("dattri-ds", "plain"))
+    return jobs
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--widths", type=int, nargs="+", default=[64, 256])
+    p.add_argument("--tasks", nargs="+", default=[*TASKS, "memory"],
+                   choices=[*TASKS, "memory"])
+    p.add_argument("--libs", nargs="+", default=None, help="only these libraries")
+    p.add_argument("--threads", type=int, nargs="+", default=[1],
+                   help="torch threads per worker; collection is repeated per value")
+    p.add_argument("--n-train", type=int, default=256)
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per worker")
+    p.add_argument("--out", default=str(ROOT / "out" / "peers"))
+    p.add_argument("--json", default=None, help="also write every record here")
+    p.add_argument("--worker", nargs=3, metavar=("LIB", "TASK", "WIDTH"), default=None)
+    args = p.parse_args()
+    if args.worker:
+        lib, task, width = args.worker
+        worker(lib, task, int(width), args.threads[0], args.out, args.n_train)
+        return
+
+    import torch
+
+    folder = Path(args.out)
+    folder.mkdir(parents=True, exist_ok=True)
+    print(f"peers: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, torch "
+          f"{torch.__version__}, python {sys.executable}, {os.cpu_count()} cpus, load "
+          f"{'/'.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
+    records: list[dict] = []
+    for width in args.widths:
+        ref = run_one("exact", "reference", width, 1, folder, args.n_train, args.timeout)
+        if ref["status"] != "ok":
+            raise SystemExit(f"exact reference failed at width {width}: {ref['status']}")
+        exact = torch.load(ref["scores"])
+        for lib, task in plan(args):
+            for threads in (args.threads if task in ("collect", "plain") else [1]):
+                if not installed(lib):
+                    rec = {"lib": lib, "task": task, "width": width, "threads": threads,
+                           "status": "not installed"}
+                else:
+                    rec = run_one(lib, task, width, threads, folder, args.n_train,
+                                  args.timeout)
+                if "scores" in rec:
+                    rec["r_exact"] = pearson(torch.load(rec["scores"]), exact)
+                records.append(rec)
+                print(json.dumps({k: v for k, v in rec.items() if k != "scores"}), flush=True)
+        kf = [r for r in records if r["width"] == width and r["lib"] == "kronfluence"
+              and r.get("scores")]
+        for r in records:
+            if r["width"] == width and r["task"] == "ekfac" and r.get("scores") and kf:
+                r["r_kronfluence"] = pearson(torch.load(r["scores"]),
+                                             torch.load(kf[0]["scores"]))
+    if args.json:
+        Path(args.json).write_text(json.dumps(records, indent=1))
+    print()
+    print(report(records, args.n_train))
+
+
+def report(records: list[dict], n_train: int) -> str:
+    """Markdown tables: throughput ratios per task and width, threads, memory."""
+    from _peer_tasks import PEERS
+
+    lines = ["| task | width | library | CPU s | wall s | ex / CPU-s | x vmap | "
+             "x fastest peer | r vs exact | peak RSS MB |", "|---" * 10 + "|"]
+    one = [r for r in records if r.get("threads", 1) == 1 and r["task"] in TASKS]
+    for task in TASKS:
+        for width in sorted({r["width"] for r in one}):
+            rows = [r for r in one if r["task"] == task and r["width"] == width]
+            ok = {r["lib"]: examples(task, n_train) / r["cpu_s"] for r in rows
+                  if r["status"] == "ok"}
+            peers = [v for k, v in ok.items() if k in PEERS]
+            best_peer = max(peers) if peers else None
+            for r in rows:
+                if r["status"] != "ok":
+                    lines.append(f"| {task} | {width} | {r['lib']} | {r['status']} |"
+                                 + " |" * 6)
+                    continue
+                tput = ok[r["lib"]]
+                vs_vmap = f"{tput / ok['vmap']:.2f}" if "vmap" in ok else "-"
+                vs_peer = f"{tput / best_peer:.2f}" if best_peer else "-"
+                rk = (f" (r vs kronfluence {r['r_kronfluence']:.3f})"
+                      if "r_kronfluence" in r and r["lib"] != "kronfluence" else "")
+                lines.append(f"| {task} | {width} | {r['lib']} | {r['cpu_s']:.1f} | "
+                             f"{r['wall_s']:.1f} | {tput:.1f} | {vs_vmap} | {vs_peer} | "
+                             f"{r.get('r_exact', float('nan')):.3f}{rk} | "
+                             f"{r['peak_rss_mb']:.0f} |")
+    threads = sorted({r.get("threads", 1) for r in records})
+    if len(threads) > 1:
+        lines += ["", "| collect | width | library | " + " | ".join(
+            f"wall s, {t} thr (CPU s)" for t in threads) + f" | speed-up {threads[-1]} thr |",
+            "|---" * (4 + len(threads)) + "|"]
+        for width in sorted({r["width"] for r in records}):
+            for lib in dict.fromkeys(r["lib"] for r in records if r["task"] == "collect"):
+                rs = {r["threads"]: r for r in records if r["task"] == "collect"
+                      and r["lib"] == lib and r["width"] == width and r["status"] == "ok"}
+                if len(rs) != len(threads):
+                    continue
+                cells = " | ".join(f"{rs[t]['wall_s']:.1f} ({rs[t]['cpu_s']:.1f})"
+                                   for t in threads)
+                lines.append(f"| collect | {width} | {lib} | {cells} | "
+                             f"{rs[threads[0]]['wall_s'] / rs[threads[-1]]['wall_s']:.2f} |")
+    plain = {r["width"]: r for r in records if r["task"] == "plain" and r["status"] == "ok"}
+    if plain:
+        lines += ["", "| memory | width | library | peak RSS MB | x plain step |",
+                  "|---|---|---|---|---|"]
+        for r in records:
+            if r["task"] in ("collect", "plain") and r["status"] == "ok" and \
+                    r["width"] in plain and r.get("threads", 1) == 1:
+                base = plain[r["width"]]["peak_rss_mb"]
+                name = "plain SGD step" if r["task"] == "plain" else r["lib"]
+                lines.append(f"| collect | {r['width']} | {name} | {r['peak_rss_mb']:.0f} | "
+                             f"{r['peak_rss_mb'] / base:.2f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
