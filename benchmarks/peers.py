@@ -80,9 +80,23 @@ def worker(lib: str, task: str, width: int, threads: int, out: str, n_train: int
         "peak_rss_mb": clock.peak_mb, "torch_threads": torch.get_num_threads()}))
 
 
+def available_gb() -> float:
+    with open("/proc/meminfo") as f:
+        info = dict(line.split(":", 1) for line in f)
+    return int(info["MemAvailable"].split()[0]) / 2**20
+
+
+def wait_for_memory(min_gb: float, patience_s: float = 600) -> None:
+    """Block until ``MemAvailable >= min_gb`` (a shared machine), at most ``patience_s``."""
+    t0 = time.monotonic()
+    while available_gb() < min_gb and time.monotonic() - t0 < patience_s:
+        time.sleep(5)
+
+
 def run_one(lib: str, task: str, width: int, threads: int, folder: Path, n_train: int,
-            timeout: float) -> dict:
+            timeout: float, min_gb: float = 0.0) -> dict:
     """One fresh worker process; returns its record (``status`` ok / failed / timeout)."""
+    wait_for_memory(min_gb)
     tag = f"{lib.replace(' ', '_')}-{task}-w{width}-t{threads}"
     out = str(folder / tag)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
@@ -136,15 +150,26 @@ def main() -> None:
     p.add_argument("--libs", nargs="+", default=None, help="only these libraries")
     p.add_argument("--threads", type=int, nargs="+", default=[1],
                    help="torch threads per worker; collection is repeated per value")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="rounds; each round runs every job once (fresh processes), ratios "
+                        "are paired within a round")
     p.add_argument("--n-train", type=int, default=256)
     p.add_argument("--timeout", type=float, default=1800, help="seconds per worker")
+    p.add_argument("--min-available-gb", type=float, default=3.0,
+                   help="wait (up to 10 min) for this much available memory before a worker")
     p.add_argument("--out", default=str(ROOT / "out" / "peers"))
     p.add_argument("--json", default=None, help="also write every record here")
+    p.add_argument("--from-json", nargs="+", default=None,
+                   help="print the report of saved records (several files are merged)")
     p.add_argument("--worker", nargs=3, metavar=("LIB", "TASK", "WIDTH"), default=None)
     args = p.parse_args()
     if args.worker:
         lib, task, width = args.worker
         worker(lib, task, int(width), args.threads[0], args.out, args.n_train)
+        return
+    if args.from_json:
+        records = [r for f in args.from_json for r in json.loads(Path(f).read_text())]
+        print(report(records, args.n_train))
         return
 
     import torch
@@ -156,89 +181,142 @@ def main() -> None:
           f"{'/'.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
     records: list[dict] = []
     for width in args.widths:
-        ref = run_one("exact", "reference", width, 1, folder, args.n_train, args.timeout)
+        ref = run_one("exact", "reference", width, 1, folder / "exact", args.n_train,
+                      args.timeout, args.min_available_gb)
         if ref["status"] != "ok":
             raise SystemExit(f"exact reference failed at width {width}: {ref['status']}")
         exact = torch.load(ref["scores"])
-        for lib, task in plan(args):
-            for threads in (args.threads if task in ("collect", "plain") else [1]):
-                if not installed(lib):
+        for rep in range(args.repeats):
+            for lib, task in plan(args):
+                for threads in (args.threads if task in ("collect", "plain") else [1]):
                     rec = {"lib": lib, "task": task, "width": width, "threads": threads,
                            "status": "not installed"}
-                else:
-                    rec = run_one(lib, task, width, threads, folder, args.n_train,
-                                  args.timeout)
-                if "scores" in rec:
-                    rec["r_exact"] = pearson(torch.load(rec["scores"]), exact)
-                records.append(rec)
-                print(json.dumps({k: v for k, v in rec.items() if k != "scores"}), flush=True)
-        kf = [r for r in records if r["width"] == width and r["lib"] == "kronfluence"
-              and r.get("scores")]
-        for r in records:
-            if r["width"] == width and r["task"] == "ekfac" and r.get("scores") and kf:
-                r["r_kronfluence"] = pearson(torch.load(r["scores"]),
-                                             torch.load(kf[0]["scores"]))
-    if args.json:
-        Path(args.json).write_text(json.dumps(records, indent=1))
+                    if installed(lib):
+                        rec = run_one(lib, task, width, threads, folder / f"r{rep}",
+                                      args.n_train, args.timeout, args.min_available_gb)
+                    if "scores" in rec:
+                        rec["r_exact"] = pearson(torch.load(rec["scores"]), exact)
+                    rec["rep"] = rep
+                    records.append(rec)
+                    print(json.dumps({k: v for k, v in rec.items() if k != "scores"}),
+                          flush=True)
+            kf = [r for r in records if r["width"] == width and r["lib"] == "kronfluence"
+                  and r.get("scores") and r["rep"] == rep]
+            for r in records:
+                if (r["width"], r["task"], r["rep"]) == (width, "ekfac", rep) and \
+                        r.get("scores") and kf:
+                    r["r_kronfluence"] = pearson(torch.load(r["scores"]),
+                                                 torch.load(kf[0]["scores"]))
+        if args.json:
+            Path(args.json).write_text(json.dumps(records, indent=1))
     print()
     print(report(records, args.n_train))
 
 
+def _mean_se(xs: list[float]) -> tuple[float, float]:
+    m = sum(xs) / len(xs)
+    if len(xs) < 2:
+        return m, float("nan")
+    var = sum((x - m) ** 2 for x in xs) / (len(xs) - 1)
+    return m, (var / len(xs)) ** 0.5
+
+
+def _fmt(xs: list[float], digits: int = 2) -> str:
+    m, se = _mean_se(xs)
+    return f"{m:.{digits}f}" + (f" ± {se:.{digits}f}" if se == se else "")
+
+
+def _paired(a: dict[int, float], b: dict[int, float]) -> list[float]:
+    """Per-round throughput ratios ``a / b`` over the rounds both have."""
+    return [a[k] / b[k] for k in a if k in b]
+
+
 def report(records: list[dict], n_train: int) -> str:
-    """Markdown tables: throughput ratios per task and width, threads, memory."""
+    """Markdown tables: throughput ratios per task and width (mean ± s.e. over rounds of
+    per-round paired ratios), threads scaling, memory."""
     from _peer_tasks import PEERS
+
+    def tput(task: str, width: int, lib: str, threads: int = 1) -> dict[int, float]:
+        return {r.get("rep", 0): examples(task, n_train) / r["cpu_s"] for r in records
+                if (r["task"], r["width"], r["lib"], r.get("threads", 1)) ==
+                (task, width, lib, threads) and r["status"] == "ok"}
 
     lines = ["| task | width | library | CPU s | wall s | ex / CPU-s | x vmap | "
              "x fastest peer | r vs exact | peak RSS MB |", "|---" * 10 + "|"]
-    one = [r for r in records if r.get("threads", 1) == 1 and r["task"] in TASKS]
     for task in TASKS:
-        for width in sorted({r["width"] for r in one}):
-            rows = [r for r in one if r["task"] == task and r["width"] == width]
-            ok = {r["lib"]: examples(task, n_train) / r["cpu_s"] for r in rows
-                  if r["status"] == "ok"}
-            peers = [v for k, v in ok.items() if k in PEERS]
-            best_peer = max(peers) if peers else None
-            for r in rows:
-                if r["status"] != "ok":
-                    lines.append(f"| {task} | {width} | {r['lib']} | {r['status']} |"
+        for width in sorted({r["width"] for r in records}):
+            libs = dict.fromkeys(r["lib"] for r in records
+                                 if (r["task"], r["width"]) == (task, width))
+            got = {lib: tput(task, width, lib) for lib in libs}
+            peers = {lib: t for lib, t in got.items() if lib in PEERS and t}
+            best = max(peers, key=lambda k: _mean_se(list(peers[k].values()))[0],
+                       default=None)
+            for lib in libs:
+                rs = [r for r in records if (r["task"], r["width"], r["lib"],
+                                             r.get("threads", 1)) == (task, width, lib, 1)]
+                ok = [r for r in rs if r["status"] == "ok"]
+                if not ok:
+                    lines.append(f"| {task} | {width} | {lib} | {rs[0]['status'][:120]} |"
                                  + " |" * 6)
                     continue
-                tput = ok[r["lib"]]
-                vs_vmap = f"{tput / ok['vmap']:.2f}" if "vmap" in ok else "-"
-                vs_peer = f"{tput / best_peer:.2f}" if best_peer else "-"
-                rk = (f" (r vs kronfluence {r['r_kronfluence']:.3f})"
-                      if "r_kronfluence" in r and r["lib"] != "kronfluence" else "")
-                lines.append(f"| {task} | {width} | {r['lib']} | {r['cpu_s']:.1f} | "
-                             f"{r['wall_s']:.1f} | {tput:.1f} | {vs_vmap} | {vs_peer} | "
-                             f"{r.get('r_exact', float('nan')):.3f}{rk} | "
-                             f"{r['peak_rss_mb']:.0f} |")
-    threads = sorted({r.get("threads", 1) for r in records})
-    if len(threads) > 1:
-        lines += ["", "| collect | width | library | " + " | ".join(
-            f"wall s, {t} thr (CPU s)" for t in threads) + f" | speed-up {threads[-1]} thr |",
-            "|---" * (4 + len(threads)) + "|"]
-        for width in sorted({r["width"] for r in records}):
-            for lib in dict.fromkeys(r["lib"] for r in records if r["task"] == "collect"):
-                rs = {r["threads"]: r for r in records if r["task"] == "collect"
-                      and r["lib"] == lib and r["width"] == width and r["status"] == "ok"}
-                if len(rs) != len(threads):
-                    continue
-                cells = " | ".join(f"{rs[t]['wall_s']:.1f} ({rs[t]['cpu_s']:.1f})"
-                                   for t in threads)
-                lines.append(f"| collect | {width} | {lib} | {cells} | "
-                             f"{rs[threads[0]]['wall_s'] / rs[threads[-1]]['wall_s']:.2f} |")
-    plain = {r["width"]: r for r in records if r["task"] == "plain" and r["status"] == "ok"}
-    if plain:
-        lines += ["", "| memory | width | library | peak RSS MB | x plain step |",
-                  "|---|---|---|---|---|"]
-        for r in records:
-            if r["task"] in ("collect", "plain") and r["status"] == "ok" and \
-                    r["width"] in plain and r.get("threads", 1) == 1:
-                base = plain[r["width"]]["peak_rss_mb"]
-                name = "plain SGD step" if r["task"] == "plain" else r["lib"]
-                lines.append(f"| collect | {r['width']} | {name} | {r['peak_rss_mb']:.0f} | "
-                             f"{r['peak_rss_mb'] / base:.2f} |")
+                vs_vmap = _fmt(_paired(got[lib], got["vmap"])) if got.get("vmap") else "-"
+                vs_peer = _fmt(_paired(got[lib], peers[best])) if best else "-"
+                r_ex = min(r.get("r_exact", float("nan")) for r in ok)
+                rk = [r["r_kronfluence"] for r in ok if "r_kronfluence" in r]
+                rk = f" (r vs kronfluence {min(rk):.3f})" if rk and lib != "kronfluence" else ""
+                lines.append(
+                    f"| {task} | {width} | {lib} | {_fmt([r['cpu_s'] for r in ok], 1)} | "
+                    f"{_fmt([r['wall_s'] for r in ok], 1)} | "
+                    f"{_fmt(list(got[lib].values()), 1)} | {vs_vmap} | {vs_peer} | "
+                    f"{r_ex:.3f}{rk} | {max(r['peak_rss_mb'] for r in ok):.0f} |")
+    lines += _threads_table(records)
+    lines += _memory_table(records)
+    lines.append(f"\n{len({r.get('rep', 0) for r in records})} round(s); fastest peer per "
+                 f"row group = highest mean ex / CPU-s among {', '.join(PEERS)}")
     return "\n".join(lines)
+
+
+def _threads_table(records: list[dict]) -> list[str]:
+    threads = sorted({r.get("threads", 1) for r in records if r["task"] == "collect"})
+    if len(threads) < 2:
+        return []
+    lines = ["", "| collect | width | library | " + " | ".join(
+        f"wall s at {t} thr (CPU s)" for t in threads) + f" | wall speed-up 1 -> "
+        f"{threads[-1]} thr |", "|---" * (4 + len(threads)) + "|"]
+    for width in sorted({r["width"] for r in records}):
+        for lib in dict.fromkeys(r["lib"] for r in records if r["task"] == "collect"):
+            rs = {t: [r for r in records if (r["task"], r["lib"], r["width"],
+                                              r.get("threads", 1)) ==
+                      ("collect", lib, width, t) and r["status"] == "ok"] for t in threads}
+            if not all(rs.values()):
+                continue
+            cells = " | ".join(f"{_fmt([r['wall_s'] for r in rs[t]], 1)} "
+                               f"({_fmt([r['cpu_s'] for r in rs[t]], 1)})" for t in threads)
+            w = {t: {r.get("rep", 0): r["wall_s"] for r in rs[t]} for t in threads}
+            lines.append(f"| collect | {width} | {lib} | {cells} | "
+                         f"{_fmt(_paired(w[threads[0]], w[threads[-1]]))} |")
+    return lines
+
+
+def _memory_table(records: list[dict]) -> list[str]:
+    plain = {r["width"]: r["peak_rss_mb"] for r in records
+             if r["task"] == "plain" and r["status"] == "ok" and r.get("threads", 1) == 1}
+    if not plain:
+        return []
+    lines = ["", "| memory (collect) | width | library | peak RSS MB | x plain SGD step |",
+             "|---|---|---|---|---|"]
+    seen = set()
+    for r in records:
+        key = (r["lib"], r["width"], r["task"])
+        if r["task"] in ("collect", "plain") and r["status"] == "ok" and \
+                r["width"] in plain and r.get("threads", 1) == 1 and key not in seen:
+            seen.add(key)
+            peak = max(x["peak_rss_mb"] for x in records if (x["lib"], x["width"], x["task"])
+                       == key and x["status"] == "ok" and x.get("threads", 1) == 1)
+            name = "plain SGD step" if r["task"] == "plain" else r["lib"]
+            lines.append(f"| | {r['width']} | {name} | {peak:.0f} | "
+                         f"{peak / plain[r['width']]:.2f} |")
+    return lines
 
 
 if __name__ == "__main__":
