@@ -155,6 +155,9 @@ def _vmap_rows(wl: Workload, ids: torch.Tensor, projector) -> torch.Tensor:
             kind = kind_for(mod)
             c = kind.canonical(mod, {"weight": g[f"{n}.weight"]})
             o, i = kind.layer_shape(mod)
+            if o * i <= K:  # small layers stay exact, as dattri-ds keeps them
+                cols.append(c)
+                continue
             ko, ki = kron_dims(K, o, i)
             p_out = projector.side(n, "out", ko, o, c.device)
             p_in = projector.side(n, "in", ki, i, c.device)
@@ -238,6 +241,21 @@ def ds_ekfac(wl: Workload, clock: Clock) -> torch.Tensor:
         s = make_attributor("ekfac", factors=factors).scores(
             collect(wl.model, _ds_batches(wl.train), cfg), query).values
     return s
+
+
+def floor(wl: Workload, clock: Clock) -> None:
+    """The fp32 floor of collection: forward + backward to the attributed layers' outputs
+    only (``autograd.grad``, no weight-gradient GEMMs, nothing captured or projected)."""
+    model, outs = wl.model, []
+    hooks = [model.get_submodule(n).register_forward_hook(lambda m, a, o: outs.append(o))
+             for n in wl.layers]
+    with clock:
+        for b in batches(wl.train):
+            outs.clear()
+            torch.autograd.grad(model(input_ids=b, labels=b).loss, outs)
+    for h in hooks:
+        h.remove()
+    return None
 
 
 def plain_step(wl: Workload, clock: Clock) -> None:
@@ -411,6 +429,7 @@ LIBRARIES: dict[str, tuple[str | None, dict[str, Adapter]]] = {
     "dattri-llm": ("dattri_llm", {"collect": dl_collect, "graddot": dl_graddot}),
     "bergson": ("bergson", {"collect": bg_collect, "graddot": bg_graddot}),
     "kronfluence": ("kronfluence", {"ekfac": kf_ekfac}),
+    "fp32 floor": (None, {"collect": floor}),
     "exact": (None, {"reference": exact}),
 }
 PEERS = ("dattri-llm", "bergson", "kronfluence")

@@ -12,7 +12,8 @@ library's own Kronecker/LoGra projection) and three tasks:
 
 Every (library, task, width, threads) runs in a FRESH process (``--worker``) and reports
 CPU seconds (``time.process_time``, all threads) and wall seconds of its timed region and
-the process's peak RSS. Its scores are compared with exact unprojected grad-dot scores
+the process's peak RSS. ``fp32 floor`` times what any exact collection must run: the
+forward and the backward to the attributed layers' outputs, with nothing captured. Its scores are compared with exact unprojected grad-dot scores
 computed once per width by per-example autograd (``exact``), so a fast wrong path cannot
 win; EK-FAC is also compared with kronfluence's scores. ``plain`` is one SGD training step
 per micro-batch: the memory and time floor for collection.
@@ -97,6 +98,7 @@ def run_one(lib: str, task: str, width: int, threads: int, folder: Path, n_train
             timeout: float, min_gb: float = 0.0) -> dict:
     """One fresh worker process; returns its record (``status`` ok / failed / timeout)."""
     wait_for_memory(min_gb)
+    folder.mkdir(parents=True, exist_ok=True)
     tag = f"{lib.replace(' ', '_')}-{task}-w{width}-t{threads}"
     out = str(folder / tag)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
@@ -160,7 +162,8 @@ def main() -> None:
     p.add_argument("--out", default=str(ROOT / "out" / "peers"))
     p.add_argument("--json", default=None, help="also write every record here")
     p.add_argument("--from-json", nargs="+", default=None,
-                   help="print the report of saved records (several files are merged)")
+                   help="print the report of saved records: --json files or the JSON lines "
+                        "of a run's log (several files are merged)")
     p.add_argument("--worker", nargs=3, metavar=("LIB", "TASK", "WIDTH"), default=None)
     args = p.parse_args()
     if args.worker:
@@ -168,7 +171,7 @@ def main() -> None:
         worker(lib, task, int(width), args.threads[0], args.out, args.n_train)
         return
     if args.from_json:
-        records = [r for f in args.from_json for r in json.loads(Path(f).read_text())]
+        records = [r for f in args.from_json for r in _load_records(Path(f))]
         print(report(records, args.n_train))
         return
 
@@ -211,6 +214,14 @@ def main() -> None:
             Path(args.json).write_text(json.dumps(records, indent=1))
     print()
     print(report(records, args.n_train))
+
+
+def _load_records(path: Path) -> list[dict]:
+    """Records of a ``--json`` file, or the JSON lines a run printed (a partial run's log)."""
+    text = path.read_text()
+    if text.lstrip().startswith("["):
+        return json.loads(text)
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
 
 
 def _mean_se(xs: list[float]) -> tuple[float, float]:
@@ -261,14 +272,15 @@ def report(records: list[dict], n_train: int) -> str:
                     continue
                 vs_vmap = _fmt(_paired(got[lib], got["vmap"])) if got.get("vmap") else "-"
                 vs_peer = _fmt(_paired(got[lib], peers[best])) if best else "-"
-                r_ex = min(r.get("r_exact", float("nan")) for r in ok)
+                r_ex = min((r["r_exact"] for r in ok if "r_exact" in r), default=None)
+                r_ex = "-" if r_ex is None else f"{r_ex:.3f}"
                 rk = [r["r_kronfluence"] for r in ok if "r_kronfluence" in r]
                 rk = f" (r vs kronfluence {min(rk):.3f})" if rk and lib != "kronfluence" else ""
                 lines.append(
                     f"| {task} | {width} | {lib} | {_fmt([r['cpu_s'] for r in ok], 1)} | "
                     f"{_fmt([r['wall_s'] for r in ok], 1)} | "
                     f"{_fmt(list(got[lib].values()), 1)} | {vs_vmap} | {vs_peer} | "
-                    f"{r_ex:.3f}{rk} | {max(r['peak_rss_mb'] for r in ok):.0f} |")
+                    f"{r_ex}{rk} | {max(r['peak_rss_mb'] for r in ok):.0f} |")
     lines += _threads_table(records)
     lines += _memory_table(records)
     lines.append(f"\n{len({r.get('rep', 0) for r in records})} round(s); fastest peer per "
@@ -299,8 +311,10 @@ def _threads_table(records: list[dict]) -> list[str]:
 
 
 def _memory_table(records: list[dict]) -> list[str]:
-    plain = {r["width"]: r["peak_rss_mb"] for r in records
-             if r["task"] == "plain" and r["status"] == "ok" and r.get("threads", 1) == 1}
+    plain: dict[int, float] = {}
+    for r in records:
+        if r["task"] == "plain" and r["status"] == "ok" and r.get("threads", 1) == 1:
+            plain[r["width"]] = max(plain.get(r["width"], 0.0), r["peak_rss_mb"])
     if not plain:
         return []
     lines = ["", "| memory (collect) | width | library | peak RSS MB | x plain SGD step |",
