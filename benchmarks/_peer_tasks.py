@@ -168,7 +168,7 @@ def _vmap_rows(wl: Workload, ids: torch.Tensor, projector) -> torch.Tensor:
 
 def _vmap_projector():
     from dattri_ds import ProjectionConfig, Projector
-    return Projector(ProjectionConfig(dim=K))
+    return Projector(ProjectionConfig(kind="kronecker", dim=K))
 
 
 def vmap_collect(wl: Workload, clock: Clock) -> torch.Tensor:
@@ -188,8 +188,8 @@ def vmap_graddot(wl: Workload, clock: Clock) -> torch.Tensor:
 # ---- dattri-ds ----------------------------------------------------------------------------
 def _ds_config(projected: bool):
     from dattri_ds import CaptureConfig, ProjectionConfig
-    return CaptureConfig(include=tuple(_layers_pattern()),
-                         projection=ProjectionConfig(dim=K) if projected else None)
+    proj = ProjectionConfig(kind="kronecker", dim=K) if projected else None
+    return CaptureConfig(include=tuple(_layers_pattern()), projection=proj)
 
 
 def _layers_pattern() -> list[str]:
