@@ -3,7 +3,8 @@
 Workload (seeded, identical for every library): a random-init GPT-2 (4 layers, 4 heads,
 vocab 4096, no dropout) whose ``Conv1D`` layers are swapped for equivalent bias-free
 ``nn.Linear`` (dattri, kronfluence and logix hook only ``nn.Linear``; the biases are zero at
-GPT-2's init, and without them every library attributes the same 16 weight matrices); 256 train and 16 query sequences of
+GPT-2's init, and without them every library attributes the same 16 weight matrices);
+256 train and 16 query sequences of
 T = 128 random tokens; the 16 attention/MLP linears ``transformer.h.*.{attn,mlp}.*`` are
 attributed; micro-batches of 16; per-example loss = the sum of the example's token losses.
 

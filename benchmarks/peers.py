@@ -13,7 +13,8 @@ library's own Kronecker/LoGra projection) and three tasks:
 Every (library, task, width, threads) runs in a FRESH process (``--worker``) and reports
 CPU seconds (``time.process_time``, all threads) and wall seconds of its timed region and
 the process's peak RSS. ``fp32 floor`` times what any exact collection must run: the
-forward and the backward to the attributed layers' outputs, with nothing captured. Its scores are compared with exact unprojected grad-dot scores
+forward and the backward to the attributed layers' outputs, with nothing captured.
+The scores are compared with exact unprojected grad-dot scores
 computed once per width by per-example autograd (``exact``), so a fast wrong path cannot
 win; EK-FAC is also compared with kronfluence's scores. ``plain`` is one SGD training step
 per micro-batch: the memory and time floor for collection.
