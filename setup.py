@@ -24,6 +24,10 @@ setup(
         "megatron": ["megatron-core>=0.12"],
         "plot": ["matplotlib"],
         "test": ["pytest", "transformers>=4.40"],
+        # peer libraries for benchmarks/peers.py: install into a SEPARATE virtualenv with
+        # torch pinned (pip install -c <constraints: torch==X> -e .[bench]); see its docstring
+        "bench": ["dattri-llm==0.1.0", "dattri==0.3.0", "bergson==2.5.1", "kronfluence==1.0.1",
+                  "transformers>=4.40", "datasets", "accelerate"],
     },
     entry_points={"console_scripts": ["dattri-ds=dattri_ds.tools.cli:main"]},
 )
