@@ -394,6 +394,17 @@ def flag_type(hint: Any, *, name: str, nonfinite: bool = False, **rng: float) ->
     return FlagType(hint, name, bounds(nonfinite=nonfinite, **rng))
 
 
+_RANGE_KEYS = ("ge", "gt", "le", "lt", "ne", "nonfinite")
+
+
+def add_flag(parser: Any, flag: str, hint: Any, **kwargs: Any) -> Any:
+    """``parser.add_argument(flag, type=flag_type(hint, name=flag, ...), ...)`` with the flag
+    named once: range keys (``ge``/``gt``/``le``/``lt``/``ne``/``nonfinite``) go to
+    :func:`flag_type`, everything else to ``add_argument``."""
+    rng = {k: kwargs.pop(k) for k in _RANGE_KEYS if k in kwargs}
+    return parser.add_argument(flag, type=flag_type(hint, name=flag, **rng), **kwargs)
+
+
 def field_flag(cls: type, field_name: str, *, name: str) -> FlagType:
     """The strict ``type=`` of a flag that sets config field ``cls.field_name``: its type
     hint and range come from the dataclass (one rule for the JSON key and the flag)."""

@@ -36,7 +36,7 @@ if __package__ in (None, ""):
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from dattri_ds.schema import flag_type  # noqa: E402
+from dattri_ds.schema import add_flag  # noqa: E402
 from dattri_ds.tools.common import (  # noqa: E402
     Run, add_source_args, gradients, load_texts, logger, open_source, projection_from_tag,
     setup_logging, write_config,
@@ -54,8 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--store", required=True,
                    help="a gradient store, or a folder of per-checkpoint stores (collect --out)")
     p.add_argument("--queries", required=True, help="jsonl of query texts")
-    p.add_argument("--query-max-docs", type=flag_type(int, name="--query-max-docs", ge=1),
-                   default=None)
+    add_flag(p, "--query-max-docs", int, ge=1,
+             default=None)
     p.add_argument("--method", choices=METHODS, default=DEFAULT_METHOD,
                    help="attribution method (trajectories need a store and, for curvature, "
                         "factors per checkpoint)")
@@ -67,8 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: the newest stored)")
     p.add_argument("--factors", help="curvature methods: factors file from tools/fit.py, or "
                    "a folder of <tag>.pt (tools/fit.py --checkpoint all) for trajectories")
-    p.add_argument("--top-k", type=flag_type(int, name="--top-k", ge=1), default=10)
-    p.add_argument("--block-rows", type=flag_type(int, name="--block-rows", ge=1), default=1024)
+    add_flag(p, "--top-k", int, ge=1, default=10)
+    add_flag(p, "--block-rows", int, ge=1, default=1024)
     p.add_argument("--truncate", action="store_true",
                    help="score the first context-many tokens of queries longer than the "
                         "model's context (default: error)")

@@ -36,7 +36,7 @@ if __package__ in (None, ""):
 import torch  # noqa: E402
 
 from dattri_ds.ops.projection import KINDS, ProjectionConfig  # noqa: E402
-from dattri_ds.schema import field_flag, flag_type  # noqa: E402
+from dattri_ds.schema import add_flag, field_flag  # noqa: E402
 from dattri_ds.tools.common import (  # noqa: E402
     Run, add_source_args, example_ids, gradients, init_distributed, load_texts, logger,
     open_source, seq_len_of, setup_logging, write_config,
@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dattri-ds collect", description=__doc__.splitlines()[0])
     add_source_args(p)
     p.add_argument("--data", default="data/corpus/train.jsonl", help="jsonl to collect")
-    p.add_argument("--max-docs", type=flag_type(int, name="--max-docs", ge=1), default=None)
+    add_flag(p, "--max-docs", int, ge=1, default=None)
     p.add_argument("--checkpoints", default="all", help="all | last | tag,tag,...")
     p.add_argument("--out", required=True, help="store root (one store per checkpoint)")
     p.add_argument("--projection", choices=KINDS, default=ProjectionConfig().kind,
@@ -65,9 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "all): the rows are whitened by them")
     p.add_argument("--seed", type=field_flag(ProjectionConfig, "seed", name="--seed"), default=0,
                    help="projection seed")
-    p.add_argument("--batch-size", type=flag_type(int, name="--batch-size", ge=1), default=8)
+    add_flag(p, "--batch-size", int, ge=1, default=8)
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
-    p.add_argument("--flush-every", type=flag_type(int, name="--flush-every", ge=1), default=256)
+    add_flag(p, "--flush-every", int, ge=1, default=256)
     return p
 
 

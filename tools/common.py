@@ -14,7 +14,7 @@ import torch
 
 from dattri_ds.errors import ConfigError
 from dattri_ds.ops.projection import KINDS, ProjectionConfig
-from dattri_ds.schema import flag_type, read_json
+from dattri_ds.schema import add_flag, flag_type, read_json
 
 __all__ = ["Run", "setup_logging", "projection_from_tag", "init_distributed", "write_config",
            "add_source_args", "open_source"]
@@ -209,9 +209,9 @@ def add_source_args(p) -> None:
     p.add_argument("--model", help="a Hugging Face causal LM folder (save_pretrained) instead "
                                    "of --run-dir")
     p.add_argument("--tokenizer", help="Hugging Face tokenizer folder (default: the model's)")
-    p.add_argument("--seq-len", type=flag_type(int, name="--seq-len", ge=1), default=None,
-                   help="tokens per example (default: the run's seq_len, else the model's "
-                        "context)")
+    add_flag(p, "--seq-len", int, ge=1, default=None,
+             help="tokens per example (default: the run's seq_len, else the model's "
+             "context)")
     p.add_argument("--local_rank", "--local-rank", type=flag_type(int, name="--local_rank", ge=0),
                    help=argparse.SUPPRESS)
 

@@ -28,7 +28,7 @@ import torch  # noqa: E402
 
 from dattri_ds.ops.kronecker import KFACConfig  # noqa: E402
 from dattri_ds.ops.projection import ProjectionConfig  # noqa: E402
-from dattri_ds.schema import field_flag, flag_type  # noqa: E402
+from dattri_ds.schema import add_flag, field_flag  # noqa: E402
 from dattri_ds.tools.common import (  # noqa: E402
     add_source_args, gradients, init_distributed, load_texts, logger, open_source,
     projection_from_tag, seq_len_of, setup_logging, write_config,
@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", default="last",
                    help="'last', 'all' or comma-separated tags (several: --out is a folder)")
     p.add_argument("--data", default="data/corpus/train.jsonl")
-    p.add_argument("--max-docs", type=flag_type(int, name="--max-docs", ge=1), default=None)
+    add_flag(p, "--max-docs", int, ge=1, default=None)
     p.add_argument("--store", help="fit in this store's space if it is Kronecker-projected "
                    "(LoGra; a folder of per-checkpoint stores for several checkpoints); "
                    "exact factors for other projections")
@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="relative or absolute damping (default: KFACConfig's)")
     p.add_argument("--damping-mode", choices=["relative", "absolute"], default=None)
     p.add_argument("--kfac-only", action="store_true", help="skip the EK-FAC pass")
-    p.add_argument("--batch-size", type=flag_type(int, name="--batch-size", ge=1), default=8)
+    add_flag(p, "--batch-size", int, ge=1, default=8)
     p.add_argument("--out", required=True, help="factors file (.pt, one checkpoint) or folder")
     return p
 

@@ -70,7 +70,7 @@ from dattri_ds.data import (
 from dattri_ds.eval import lds, predicted, retrain_losses, subset_masks, tfidf_scores
 from dattri_ds.ops.inner import project_batch
 from dattri_ds.ops.projection import KINDS, Projector, projection_kind
-from dattri_ds.schema import flag_type
+from dattri_ds.schema import add_flag
 
 logger = logging.getLogger("dattri_ds.tools.lds")
 
@@ -101,48 +101,48 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", default="runs/lds", help="output directory (lds.json, lds.md)")
     p.add_argument("--quick", action="store_true", help="smaller preset (about 30 s)")
-    p.add_argument("--n-train", type=flag_type(int, name="--n-train", ge=1),
-                   help="training documents (prefix of the pool)")
-    p.add_argument("--subsets", type=flag_type(int, name="--subsets", ge=1),
-                   help="random subsets retrained (S)")
-    p.add_argument("--seeds", type=flag_type(int, name="--seeds", ge=1),
-                   help="training seeds averaged per subset")
-    p.add_argument("--epochs", type=flag_type(int, name="--epochs", ge=1),
-                   help="epochs of every training run")
+    add_flag(p, "--n-train", int, ge=1,
+             help="training documents (prefix of the pool)")
+    add_flag(p, "--subsets", int, ge=1,
+             help="random subsets retrained (S)")
+    add_flag(p, "--seeds", int, ge=1,
+             help="training seeds averaged per subset")
+    add_flag(p, "--epochs", int, ge=1,
+             help="epochs of every training run")
     p.add_argument("--projections", help="comma-separated settings: exact or <kind>:<k> "
                    f"(k per layer), kind in {SETTING_KINDS}")
     p.add_argument("--methods", default=",".join(METHODS + BASELINES),
                    help="comma-separated methods")
-    p.add_argument("--fraction", type=flag_type(float, name="--fraction", gt=0, lt=1),
-                   default=0.5, help="subset size / N")
-    p.add_argument("--n-hamlet", type=flag_type(int, name="--n-hamlet", ge=0),
-                   default=8, help="Hamlet queries")
-    p.add_argument("--n-code", type=flag_type(int, name="--n-code", ge=0),
-                   default=2, help="code queries")
-    p.add_argument("--seq-len", type=flag_type(int, name="--seq-len", ge=1),
-                   default=64, help="tokens per document (T)")
-    p.add_argument("--vocab-size", type=flag_type(int, name="--vocab-size", ge=1),
-                   default=512, help="SentencePiece vocabulary")
-    p.add_argument("--batch-size", type=flag_type(int, name="--batch-size", ge=1),
-                   default=16, help="training batch size")
+    add_flag(p, "--fraction", float, gt=0, lt=1,
+             default=0.5, help="subset size / N")
+    add_flag(p, "--n-hamlet", int, ge=0,
+             default=8, help="Hamlet queries")
+    add_flag(p, "--n-code", int, ge=0,
+             default=2, help="code queries")
+    add_flag(p, "--seq-len", int, ge=1,
+             default=64, help="tokens per document (T)")
+    add_flag(p, "--vocab-size", int, ge=1,
+             default=512, help="SentencePiece vocabulary")
+    add_flag(p, "--batch-size", int, ge=1,
+             default=16, help="training batch size")
     p.add_argument("--optimizer", choices=("adam", "sgd"), default="adam",
                    help="Adam or SGD with momentum 0.9, constant learning rate")
-    p.add_argument("--lr", type=flag_type(float, name="--lr", gt=0),
-                   help="learning rate (default: adam 3e-3, sgd 0.1)")
-    p.add_argument("--checkpoints", type=flag_type(int, name="--checkpoints", ge=1), default=5,
-                   help="checkpoints of the trajectory methods")
+    add_flag(p, "--lr", float, gt=0,
+             help="learning rate (default: adam 3e-3, sgd 0.1)")
+    add_flag(p, "--checkpoints", int, ge=1, default=5,
+             help="checkpoints of the trajectory methods")
     p.add_argument("--dampings", default=None,
                    help="comma-separated relative dampings of the curvature methods, all "
                         "run on the exact setting; projected settings use the first "
                         "(default: the library default KFACConfig().damping)")
-    p.add_argument("--repeats", type=flag_type(int, name="--repeats", ge=1), default=1,
-                   help="run seeds --seed .. --seed+R-1 into <out>/seed<s>/ (a finished "
-                        "seed with the same settings is reused) and tabulate mean +- s.e.")
-    p.add_argument("--threads", type=flag_type(int, name="--threads", ge=1),
-                   default=1, help="torch CPU threads")
+    add_flag(p, "--repeats", int, ge=1, default=1,
+             help="run seeds --seed .. --seed+R-1 into <out>/seed<s>/ (a finished "
+             "seed with the same settings is reused) and tabulate mean +- s.e.")
+    add_flag(p, "--threads", int, ge=1,
+             default=1, help="torch CPU threads")
     p.add_argument("--cache-dir", default=None, help="tokenizer cache directory")
-    p.add_argument("--seed", type=flag_type(int, name="--seed", ge=0),
-                   default=0, help="init, data and subset seed")
+    add_flag(p, "--seed", int, ge=0,
+             default=0, help="init, data and subset seed")
     return p
 
 

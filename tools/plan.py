@@ -18,7 +18,7 @@ if __package__ in (None, ""):
 
 from dattri_ds.ops.projection import KINDS  # noqa: E402
 from dattri_ds.plan import DEVICES, ModelShape, RunSpec, plan  # noqa: E402
-from dattri_ds.schema import flag_type  # noqa: E402
+from dattri_ds.schema import add_flag, flag_type  # noqa: E402
 
 _CHOICES = {"zero_stage": [0, 1, 2, 3], "offload": ["none", "optimizer", "all"],
             "dtype": ["float32", "bfloat16"], "optimizer": ["adamw", "sgd", "sgd_momentum"],
@@ -35,11 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dattri-ds plan", description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True,
                    help="our JSON model config or a Hugging Face config.json")
-    p.add_argument("--vocab-size", type=flag_type(int, name="--vocab-size", ge=1), default=None,
-                   help="vocabulary size when the config has none (ours: the tokenizer's)")
+    add_flag(p, "--vocab-size", int, ge=1, default=None,
+             help="vocabulary size when the config has none (ours: the tokenizer's)")
     p.add_argument("--device", default="cpu", choices=sorted(DEVICES))
-    p.add_argument("--memory-gb", type=flag_type(float, name="--memory-gb", gt=0), default=None,
-                   help="override the device's memory (e.g. what is free on a shared host)")
+    add_flag(p, "--memory-gb", float, gt=0, default=None,
+             help="override the device's memory (e.g. what is free on a shared host)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     defaults = RunSpec()
     for f in fields(RunSpec):  # one flag per RunSpec field, defaults from the dataclass

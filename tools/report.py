@@ -20,7 +20,7 @@ if __package__ in (None, ""):
 
 import numpy as np  # noqa: E402
 
-from dattri_ds.schema import flag_type  # noqa: E402
+from dattri_ds.schema import add_flag  # noqa: E402
 from dattri_ds.tools.common import logger, setup_logging  # noqa: E402
 
 
@@ -29,9 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attribution", required=True, help="output folder of tools/attribute.py")
     p.add_argument("--train-data", default="data/corpus/train.jsonl",
                    help="jsonl holding the training texts (ids before '#' in store ids)")
-    p.add_argument("--top-k", type=flag_type(int, name="--top-k", ge=1), default=5)
-    p.add_argument("--chars", type=flag_type(int, name="--chars", ge=1),
-                   default=300, help="characters of text shown")
+    add_flag(p, "--top-k", int, ge=1, default=5)
+    add_flag(p, "--chars", int, ge=1,
+             default=300, help="characters of text shown")
     return p
 
 
