@@ -237,11 +237,21 @@ def main(argv: list[str] | None = None) -> None:
                    help="scoring documents of a shipped target (its first half, capped)")
     p.add_argument("--variants", nargs="+", default=["default", "random"])
     p.add_argument("--log", help="append per-seed results and summaries to this file")
+    p.add_argument("--results", help="append one JSON record per run to this jsonl file "
+                   "(target, multiple, seed, variant, curve, diagnostics), so a benchmark "
+                   "split over processes (--seed-offset, --targets) can be summarized at once")
+    p.add_argument("--summarize", nargs="+", metavar="JSONL",
+                   help="print the paired tables of these --results files and exit (every "
+                   "variant against random on the seeds both ran; nothing is trained)")
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
+    if args.summarize:
+        summarize(args.summarize)
+        return
     torch.set_num_threads(args.threads)
     variants = dict(parse_variant(v) for v in args.variants)
     log = open(args.log, "a", encoding="utf-8") if args.log else None
+    results = open(args.results, "a", encoding="utf-8") if args.results else None
 
     def out(line: str) -> None:
         print(line, flush=True)
@@ -262,6 +272,11 @@ def main(argv: list[str] | None = None) -> None:
                     r = run(setup, sc, seed, args.steps, args.eval_every)
                     r["cpu_s"] = time.process_time() - t0
                     runs[name].append(r)
+                    if results:
+                        results.write(json.dumps({"target": target, "multiple": mult,
+                                                  "seed": seed, "variant": name,
+                                                  "steps": args.steps, **r}) + "\n")
+                        results.flush()
                     c = r["curve"][-1]
                     out(f"{target} x{mult:g} seed {seed} {name:<12} target {c['target']:.4f} "
                         f"general {c['general']:.4f} cpu {r['cpu_s']:.0f}s | "
@@ -277,8 +292,40 @@ def main(argv: list[str] | None = None) -> None:
             for name in variants:
                 if name != "random" and "random" in runs:
                     out(fmt(name, compare(runs, name)))
-    if log:
-        log.close()
+    for f in (log, results):
+        if f:
+            f.close()
+
+
+def summarize(paths: list[str]) -> None:
+    """Paired tables from ``--results`` files: per target and multiple, every variant against
+    random over the seeds both ran (a later record of the same run replaces an earlier one)."""
+    recs: dict[tuple, dict] = {}
+    for path in paths:
+        for line in Path(path).read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                r = json.loads(line)
+                recs[(r["target"], r["multiple"], r["steps"], r["variant"], r["seed"])] = r
+    groups = sorted({k[:3] for k in recs}, key=str)
+    for target, mult, steps in groups:
+        names = sorted({k[3] for k in recs if k[:3] == (target, mult, steps)})
+        if "random" not in names:
+            print(f"== {target} x{mult:g}, {steps} steps: no random runs to pair with")
+            continue
+        rnd = {k[4] for k in recs if k[:4] == (target, mult, steps, "random")}
+        print(f"== {target} x{mult:g}, {steps} steps")
+        for name in names:
+            if name == "random":
+                continue
+            seeds = sorted(rnd & {k[4] for k in recs if k[:4] == (target, mult, steps, name)})
+            if not seeds:
+                continue
+            runs = {n: [recs[(target, mult, steps, n, s)] for s in seeds]
+                    for n in ("random", name)}
+            cpu = statistics.mean(r["cpu_s"] for r in runs[name])
+            rcpu = statistics.mean(r["cpu_s"] for r in runs["random"])
+            print(fmt(name, compare(runs, name)) + f" | seeds {seeds} | cpu {cpu:.0f}s "
+                  f"(random {rcpu:.0f}s)")
 
 
 if __name__ == "__main__":
