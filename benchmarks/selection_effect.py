@@ -105,6 +105,9 @@ class Setup:
         self.score = tokenize_documents(score, tok, seq_len)
         self.eval = tokenize_documents(evald, tok, seq_len)
         self.general = tokenize_documents(general, tok, seq_len)
+        self.general_by_source = {src: tokenize_documents(docs[-GENERAL_PER_SOURCE:], tok,
+                                                          seq_len)
+                                  for src, docs in by_src.items()}
         self.sources = [d.source for d in pool]
 
 
@@ -129,8 +132,41 @@ def mean_loss(model, data, bs: int = 32) -> float:
     return tot / max(n, 1)
 
 
+@torch.no_grad()
+def example_losses(model, batch) -> torch.Tensor:
+    """``[B]`` mean token loss of every example (no dropout in this model: no RNG used)."""
+    model.eval()
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
+    model.train()
+    labels = batch["labels"][:, 1:]
+    tok = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), labels,
+                                            ignore_index=-100, reduction="none")
+    valid = (labels != -100).sum(1).clamp_min(1)
+    return tok.sum(1) / valid
+
+
+def spearman(x: torch.Tensor, y: torch.Tensor) -> float:
+    rx, ry = x.argsort().argsort().double(), y.argsort().argsort().double()
+    return float(torch.corrcoef(torch.stack([rx, ry]))[0, 1])
+
+
+def diagnose(selector, model, batch, ids, step: int, chosen: torch.Tensor | None) -> dict:
+    """How this micro-batch's scores relate to the candidates' gradient norms and losses, and
+    how the chosen compare with all candidates (scored again: the training is unchanged)."""
+    from dattri_ds.ops import norms
+
+    grads, scores = selector.score(batch, step, ids)
+    gn, loss = norms(grads).cpu().double(), example_losses(model, batch).cpu().double()
+    out = {"norm_ratio": float(gn[chosen].mean() / gn.mean()),
+           "loss_ratio": float(loss[chosen].mean() / loss.mean())}
+    if selector.config.random:
+        return out
+    scores = scores.detach().cpu().double()
+    return {**out, "rho_norm": spearman(scores, gn), "rho_loss": spearman(scores, loss)}
+
+
 def run(setup: Setup, sc: SelectionConfig, seed: int, steps: int, eval_every: int,
-        micro: int = 8, gas: int = 2) -> dict:
+        micro: int = 8, gas: int = 2, diagnose_every: int = 0) -> dict:
     """Train once; return the eval curve and diagnostics."""
     model = build_model(str(ROOT / "configs/model_gpt2_tiny.json"), tokenizer=setup.tok,
                         seed=seed)
@@ -140,13 +176,15 @@ def run(setup: Setup, sc: SelectionConfig, seed: int, steps: int, eval_every: in
         model, sc, setup.score.batch(slice(None)), lr_fn=lambda: opt.param_groups[0]["lr"],
         optimizer=opt)
     n_cand = selector.num_candidates(micro)
-    curve, sources, repeats = [], Counter(), Counter()
+    curve, sources, repeats, diags = [], Counter(), Counter(), []
     norms, clipped = [], 0
 
     def evaluate(step: int) -> None:
         curve.append({"step": step, "examples": step * micro * gas,
                       "target": mean_loss(model, setup.eval),
-                      "general": mean_loss(model, setup.general)})
+                      "general": mean_loss(model, setup.general),
+                      "by_source": {src: round(mean_loss(model, d), 4)
+                                    for src, d in setup.general_by_source.items()}})
 
     evaluate(0)
     for step in range(steps):
@@ -155,6 +193,9 @@ def run(setup: Setup, sc: SelectionConfig, seed: int, steps: int, eval_every: in
             batch = setup.pool.batch(idx[mb])
             ids = [setup.pool.docs[i].id for i in idx[mb].tolist()]
             sel = selector.select(batch, micro, step, user_ids=ids)
+            if diagnose_every and mb == 0 and step % diagnose_every == 0:
+                diags.append({"step": step, **diagnose(selector, model, batch, ids, step,
+                                                       sel.indices)})
             for j in sel.indices.tolist():
                 sources[setup.sources[int(idx[mb][j])]] += 1
                 repeats[int(idx[mb][j])] += 1
@@ -175,7 +216,8 @@ def run(setup: Setup, sc: SelectionConfig, seed: int, steps: int, eval_every: in
             "sources": {s: round(c / total, 3) for s, c in sources.most_common()},
             "max_repeat": max(repeats.values()), "distinct": len(repeats),
             "grad_norm": statistics.mean(norms), "clip_frac": clipped / steps,
-            "adam_v": statistics.mean(v), "mean_chosen_score": summary["mean_chosen_score"],
+            "adam_v": statistics.mean(v), "diagnostics": diags,
+            "mean_chosen_score": summary["mean_chosen_score"],
             "mean_candidate_score": summary["mean_candidate_score"]}
 
 
@@ -244,6 +286,10 @@ def main(argv: list[str] | None = None) -> None:
                    help="print the paired tables of these --results files and exit (every "
                    "variant against random on the seeds both ran; nothing is trained)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--diagnose-every", type=int, default=0,
+                   help="every N steps, also record how the candidates' scores correlate "
+                   "with their gradient norms and losses, and the chosen/candidate mean "
+                   "gradient-norm and loss ratios (one extra probe; training unchanged)")
     args = p.parse_args(argv)
     if args.summarize:
         summarize(args.summarize)
@@ -269,7 +315,8 @@ def main(argv: list[str] | None = None) -> None:
                     sc = replace(SelectionConfig(enabled=True, target_data="<benchmark>"),
                                  candidate_multiple=mult, **over)
                     t0 = time.process_time()
-                    r = run(setup, sc, seed, args.steps, args.eval_every)
+                    r = run(setup, sc, seed, args.steps, args.eval_every,
+                            diagnose_every=args.diagnose_every)
                     r["cpu_s"] = time.process_time() - t0
                     runs[name].append(r)
                     if results:
@@ -295,6 +342,38 @@ def main(argv: list[str] | None = None) -> None:
     for f in (log, results):
         if f:
             f.close()
+
+
+def details(runs: dict[str, list[dict]], name: str) -> str:
+    """Diagnostics of ``name`` vs random: in-domain/source shares, per-source general loss
+    at the end (variant - random, mean over seeds), score correlations (--diagnose-every)."""
+    def mean_share(rs):
+        keys = {k for r in rs for k in r["sources"]}
+        return {k: statistics.mean(r["sources"].get(k, 0.0) for r in rs) for k in keys}
+
+    share, rshare = mean_share(runs[name]), mean_share(runs["random"])
+    top = sorted(share, key=lambda k: share[k] - rshare.get(k, 0.0), reverse=True)[:2]
+    parts = [f"most enriched: " + ", ".join(f"{k} {share[k]:.0%} (random {rshare.get(k, 0):.0%})"
+                                            for k in top)]
+    pairs = [(r["curve"][-1].get("by_source"), v["curve"][-1].get("by_source"))
+             for r, v in zip(runs["random"], runs[name])]
+    if all(a and b for a, b in pairs):
+        srcs = sorted(pairs[0][0])
+        d = {k: statistics.mean(b[k] - a[k] for a, b in pairs) for k in srcs}
+        parts.append("general loss by source vs random: " +
+                     " ".join(f"{k} {v:+.3f}" for k, v in d.items()))
+    diags = [x for r in runs[name] for x in r.get("diagnostics", [])]
+    if diags and "rho_norm" in diags[0]:
+        m = {k: statistics.mean(x[k] for x in diags)
+             for k in ("rho_norm", "rho_loss", "norm_ratio", "loss_ratio")}
+        parts.append(f"spearman(score, |g|) {m['rho_norm']:+.2f}, (score, loss) "
+                     f"{m['rho_loss']:+.2f}; chosen/candidates |g| {m['norm_ratio']:.2f}, "
+                     f"loss {m['loss_ratio']:.2f} ({len(diags)} micro-batches)")
+    parts.append(f"adam v {statistics.mean(r['adam_v'] for r in runs[name]):.2e} (random "
+                 f"{statistics.mean(r['adam_v'] for r in runs['random']):.2e}), clipped "
+                 f"{statistics.mean(r['clip_frac'] for r in runs[name]):.2f} (random "
+                 f"{statistics.mean(r['clip_frac'] for r in runs['random']):.2f})")
+    return " | ".join(parts)
 
 
 def summarize(paths: list[str]) -> None:
@@ -326,6 +405,7 @@ def summarize(paths: list[str]) -> None:
             rcpu = statistics.mean(r["cpu_s"] for r in runs["random"])
             print(fmt(name, compare(runs, name)) + f" | seeds {seeds} | cpu {cpu:.0f}s "
                   f"(random {rcpu:.0f}s)")
+            print("      " + details(runs, name))
 
 
 if __name__ == "__main__":

@@ -61,6 +61,16 @@ class SelectionConfig:
     ZeRO-3 each rank to its own partition). Needs an Adam-family optimizer and exact
     (unprojected) scoring."""
 
+    contrast: float = field(default=0.0, metadata=schema.bounds(ge=0))
+    """Score against ``g_t/|g_t| - contrast * g_pool/|g_pool|`` (selection/contrast.py):
+    with cosine scoring, ``cos(g_b, g_t) - contrast * cos(g_b, g_pool)``, where ``g_pool``
+    is the mean gradient of a sample of the candidate stream (``contrast_rows``), refreshed
+    with the target. Rewards what a candidate adds beyond the generic directions every
+    training example shares. 0: plain target."""
+
+    contrast_rows: int = field(default=64, metadata=schema.bounds(ge=1))
+    """Candidates (the first this rank sees) kept as the pool sample of ``contrast``."""
+
     fraction: float = field(default=0.5, metadata=schema.bounds(gt=0, le=1))
     """Kept fraction for ``policy="fraction"``."""
 

@@ -41,6 +41,7 @@ from dattri_ds.selection.blocks import probe_share, top_block_patterns
 from dattri_ds.selection.config import SelectionConfig
 from dattri_ds.selection.fallback import HeldOutCheck, split_rows
 from dattri_ds.selection.policy import cap_repeats, choose, fill_uniform
+from dattri_ds.selection.contrast import ContrastTarget, PoolSample
 from dattri_ds.selection.precondition import PreconditionedTarget, second_moments
 from dattri_ds.selection.scorer import alignment_scores, redundancy_gram
 from dattri_ds.selection.stepcost import StepCost, decide_reuse
@@ -165,13 +166,29 @@ class OnlineSelector:
                  probe: GradientCapture, ctx: ParallelContext | None = None,
                  lr_fn: Callable[[], float] | None = None, log_path: str | Path | None = None,
                  cost: CostModel | None = None, optimizer=None,
-                 held_out: TargetProvider | None = None) -> None:
+                 held_out: TargetProvider | None = None,
+                 reference: Callable[[Batch], TargetProvider] | None = None) -> None:
         self.model, self.config, self.target, self.held_out = model, config, target, held_out
+        make_reference = reference
         if config.precondition == "adam":
             moments = second_moments(optimizer, ctx)
             self.target = PreconditionedTarget(target, probe.layers, moments, ctx)
             if held_out is not None:
                 self.held_out = PreconditionedTarget(held_out, probe.layers, moments, ctx)
+            if reference is not None:
+                def make_reference(rows: Batch) -> TargetProvider:
+                    return PreconditionedTarget(reference(rows), probe.layers, moments, ctx)
+        self._pool: PoolSample | None = None
+        if config.contrast > 0:
+            if make_reference is None:
+                raise ConfigError(
+                    f"selection.contrast={config.contrast} scores against the pool's mean "
+                    f"gradient, which the selector computes from candidate rows: build it with "
+                    f"OnlineSelector.for_target_data (or pass reference=), or set "
+                    f"selection.contrast=0")
+            self._pool = PoolSample(config.contrast_rows)
+            self.target = ContrastTarget(self.target, self._pool, make_reference,
+                                         config.contrast)
         self.check = HeldOutCheck(config.fallback_every, ctx) if held_out is not None else None
         self.probe = probe
         self.ctx = ctx or ParallelContext()
@@ -220,10 +237,15 @@ class OnlineSelector:
 
         probe = cls.probe_capture(model, config, capture)
 
-        def validation_target(rows: Batch) -> ValidationTarget:
+        def validation_target(rows: Batch, own_rows: bool = False) -> ValidationTarget:
             return ValidationTarget(probe, lambda b: model(**b).loss, rows, ctx=ctx,
                                     refresh_every=config.refresh_every,
-                                    batch_size=config.target_batch_size, device=device)
+                                    batch_size=config.target_batch_size, device=device,
+                                    own_rows=own_rows)
+
+        def pool_reference(rows: Batch) -> ValidationTarget:
+            """The pool sample: this rank's own candidate rows, averaged over all ranks'."""
+            return validation_target(rows, own_rows=True)
 
         held_out = None
         if config.target_store:
@@ -236,7 +258,8 @@ class OnlineSelector:
         else:
             target = validation_target(target_data)
         return cls(model, config, target, probe=probe, ctx=ctx, lr_fn=lr_fn,
-                   log_path=log_path, optimizer=optimizer, held_out=held_out)
+                   log_path=log_path, optimizer=optimizer, held_out=held_out,
+                   reference=pool_reference)
 
     def num_candidates(self, k: int) -> int:
         """Candidates scored for ``k`` trained examples: ``ceil(candidate_multiple * k)``."""
@@ -297,7 +320,8 @@ class OnlineSelector:
             candidates=candidates,
             trained=trained,
             share=probe_share(self.model, layers), normalize=cfg.normalize,
-            target_examples=getattr(inner, "rows_per_rank", 0),
+            target_examples=getattr(inner, "rows_per_rank", 0)
+            + (cfg.contrast_rows if cfg.contrast > 0 else 0),  # the pool's refresh too
             refresh_every=cfg.refresh_every, reuse=reuse)
         scored = (f"top {cfg.top_blocks} block(s), {len(layers)} layers" if cfg.top_blocks
                   else f"{len(layers)} layers") + (
@@ -381,6 +405,8 @@ class OnlineSelector:
         """
         if self.config.random or (self.check is not None and self.check.decide(step)):
             return self._select_random(batch, k, step, user_ids)
+        if self._pool is not None:
+            self._pool.observe(batch)
         c, t = batch["input_ids"].shape[0], batch["input_ids"].shape[-1]
         reuse = train_loss and self._reusing(t, c, k)
         if self.plan is None:

@@ -48,11 +48,16 @@ class ValidationTarget(TargetProvider):
         refresh_every: steps between recomputations.
         batch_size: examples per probe pass.
         device: where the batches go.
+        own_rows: ``data`` differs between data-parallel ranks (e.g. each rank's own sample
+            of its candidates): every rank uses all of its rows and the mean is over the
+            union (every rank must hold the same number). Default: the rows are the same on
+            every rank and are split between them.
     """
 
     def __init__(self, probe: GradientCapture, forward: Callable[[Batch], torch.Tensor],
                  data: Batch, *, ctx: ParallelContext | None = None, refresh_every: int = 10,
-                 batch_size: int = 8, device: torch.device | str = "cpu") -> None:
+                 batch_size: int = 8, device: torch.device | str = "cpu",
+                 own_rows: bool = False) -> None:
         n = data["input_ids"].shape[0]
         if n == 0:
             raise ConfigError("The target set is empty: give selection.target_data at least "
@@ -60,7 +65,7 @@ class ValidationTarget(TargetProvider):
         self.probe, self.forward, self.data = probe, forward, data
         self.ctx = ctx or ParallelContext()
         self.refresh_every, self.batch_size, self.device = refresh_every, batch_size, device
-        self.n = n
+        self.n, self.own_rows = n, own_rows
         self._value: GradBatch | None = None
         self._at = -1
         self.refreshes = 0
@@ -79,7 +84,7 @@ class ValidationTarget(TargetProvider):
 
     def _rows(self) -> torch.Tensor:
         ctx = self.ctx
-        if self.n < ctx.dp_world:  # too few to split: every rank uses all, no reduction
+        if self.own_rows or self.n < ctx.dp_world:  # own rows, or too few to split: all
             return torch.arange(self.n)
         return torch.arange(ctx.dp_rank, self.n, ctx.dp_world)
 
@@ -92,7 +97,7 @@ class ValidationTarget(TargetProvider):
             got = self.probe.probe(lambda b=batch: self.forward(b))
             if got is not None:
                 acc.add(got)
-        split = self.n >= self.ctx.dp_world
+        split = self.own_rows or self.n >= self.ctx.dp_world  # reduce over ranks
         total = acc.total()
         count = torch.tensor(float(acc.count), device=self.device)
         if split:

@@ -155,3 +155,55 @@ def test_adam_preconditioned_scores_under_zero(need_deepspeed, stage):
     res = run(_preconditioned_scores, 2, stage=stage)
     for r in res:
         assert r["err"] <= 1e-5 and r["differs"] > 0.05, r
+
+
+def _contrast_scores(rank, world):
+    """Contrastive scores under ZeRO-3: the target rows split over ranks, the pool sample
+    made of each rank's own first candidates; the reference from gathered parameters."""
+    import deepspeed
+
+    from dattri_ds.distributed import ParallelContext
+    from reference import reference_grads
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = tiny_gpt2(seed=0)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=_sgd_config(1))
+    ctx = ParallelContext.from_default_group()
+    tgt = torch.randint(0, 97, (6, T), generator=torch.Generator().manual_seed(7))
+    firsts = [torch.randint(0, 97, (5, T), generator=torch.Generator().manual_seed(20 + r))
+              for r in range(world)]
+    later = torch.randint(0, 97, (4, T), generator=torch.Generator().manual_seed(30 + rank))
+    cfg = SelectionConfig(enabled=True, normalize=True, per_token=False, uniform_mix=0.0,
+                          contrast=0.8, contrast_rows=3, refresh_every=100)
+    selector = OnlineSelector.for_target_data(engine.module, cfg,
+                                              {"input_ids": tgt, "labels": tgt}, ctx=ctx)
+    selector.select({"input_ids": firsts[rank], "labels": firsts[rank]}, K, 0)
+    got = selector.score({"input_ids": later, "labels": later}, 1)[1]
+    selector.close()
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params):
+        ref = tiny_gpt2(seed=0)
+        ref.load_state_dict({n: p.detach().clone()
+                             for n, p in engine.module.named_parameters()}, strict=False)
+
+    def unit(ids):
+        g = {n: v.mean(0) for n, v in reference_grads(ref, ids).items()}
+        norm = torch.cat(list(g.values())).norm()
+        return {n: v / norm for n, v in g.items()}
+
+    ut, up = unit(tgt), unit(torch.cat([f[:3] for f in firsts]))
+    rc = reference_grads(ref, later)
+    want = sum(rc[n] @ (ut[n] - 0.8 * up[n]) for n in rc)
+    want = want / torch.cat([rc[n] for n in rc], 1).norm(dim=1)
+    own = unit(firsts[rank][:3])  # a rank-local pool would give other scores
+    local = sum(rc[n] @ (ut[n] - 0.8 * own[n]) for n in rc)
+    local = local / torch.cat([rc[n] for n in rc], 1).norm(dim=1)
+    return dict(err=rel_err(got, want), differs=rel_err(local, want))
+
+
+def test_contrast_scores_under_zero3(need_deepspeed):
+    """contrast under ZeRO-3 (2 gloo ranks) equals <g_b, u_t - w u_pool> / |g_b| with the
+    pool = both ranks' first candidates (<= 1e-5 fp32)."""
+    for r in run(_contrast_scores, 2):
+        assert r["err"] <= 1e-5 and r["differs"] > 1e-3, r
