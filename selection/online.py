@@ -141,6 +141,27 @@ def read_selection_log(log_path: str | Path) -> list[dict]:
     return sorted(records, key=lambda r: (r["step"], r.get("dp_rank", 0)))
 
 
+def _pool_reference(model: nn.Module, config: SelectionConfig, target: TargetProvider,
+                    probe: GradientCapture, ctx: ParallelContext | None
+                    ) -> Callable[[Batch], TargetProvider]:
+    """How ``contrast`` computes the pool's gradient from its sample rows: like the target
+    (its forward, device, batch size and refresh when it is a ``ValidationTarget``; else the
+    model's own loss), each rank on its own rows, averaged over all ranks'."""
+    from dattri_ds.selection.target import ValidationTarget
+
+    inner = getattr(target, "inner", target)
+    if isinstance(inner, ValidationTarget):
+        forward, device, bs = inner.forward, inner.device, inner.batch_size
+    else:
+        forward, bs = (lambda b: model(**b).loss), config.target_batch_size
+        device = next(model.parameters()).device
+
+    def make(rows: Batch) -> TargetProvider:
+        return ValidationTarget(probe, forward, rows, ctx=ctx, refresh_every=config.refresh_every,
+                                batch_size=bs, device=device, own_rows=True)
+    return make
+
+
 class OnlineSelector:
     """Chooses, each micro-batch, which candidates the engine trains on.
 
@@ -169,6 +190,8 @@ class OnlineSelector:
                  held_out: TargetProvider | None = None,
                  reference: Callable[[Batch], TargetProvider] | None = None) -> None:
         self.model, self.config, self.target, self.held_out = model, config, target, held_out
+        if reference is None and config.contrast > 0:
+            reference = _pool_reference(model, config, target, probe, ctx)
         make_reference = reference
         if config.precondition == "adam":
             moments = second_moments(optimizer, ctx)
@@ -180,12 +203,6 @@ class OnlineSelector:
                     return PreconditionedTarget(reference(rows), probe.layers, moments, ctx)
         self._pool: PoolSample | None = None
         if config.contrast > 0:
-            if make_reference is None:
-                raise ConfigError(
-                    f"selection.contrast={config.contrast} scores against the pool's mean "
-                    f"gradient, which the selector computes from candidate rows: build it with "
-                    f"OnlineSelector.for_target_data (or pass reference=), or set "
-                    f"selection.contrast=0")
             self._pool = PoolSample(config.contrast_rows)
             self.target = ContrastTarget(self.target, self._pool, make_reference,
                                          config.contrast)
@@ -237,15 +254,10 @@ class OnlineSelector:
 
         probe = cls.probe_capture(model, config, capture)
 
-        def validation_target(rows: Batch, own_rows: bool = False) -> ValidationTarget:
+        def validation_target(rows: Batch) -> ValidationTarget:
             return ValidationTarget(probe, lambda b: model(**b).loss, rows, ctx=ctx,
                                     refresh_every=config.refresh_every,
-                                    batch_size=config.target_batch_size, device=device,
-                                    own_rows=own_rows)
-
-        def pool_reference(rows: Batch) -> ValidationTarget:
-            """The pool sample: this rank's own candidate rows, averaged over all ranks'."""
-            return validation_target(rows, own_rows=True)
+                                    batch_size=config.target_batch_size, device=device)
 
         held_out = None
         if config.target_store:
@@ -258,8 +270,7 @@ class OnlineSelector:
         else:
             target = validation_target(target_data)
         return cls(model, config, target, probe=probe, ctx=ctx, lr_fn=lr_fn,
-                   log_path=log_path, optimizer=optimizer, held_out=held_out,
-                   reference=pool_reference)
+                   log_path=log_path, optimizer=optimizer, held_out=held_out)
 
     def num_candidates(self, k: int) -> int:
         """Candidates scored for ``k`` trained examples: ``ceil(candidate_multiple * k)``."""

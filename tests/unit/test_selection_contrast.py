@@ -93,16 +93,25 @@ def test_contrast_with_adam_preconditions_both_directions():
 
 
 def test_contrast_bad_settings_fail_at_start():
-    """A negative weight or pool size is refused by the config; a selector built without a
-    way to compute the pool's gradient is refused at construction."""
+    """A negative weight or pool size is refused by the config."""
     with pytest.raises(ConfigError, match="contrast"):
         SelectionConfig(contrast=-0.5)
     with pytest.raises(ConfigError, match="contrast_rows"):
         SelectionConfig(contrast=1.0, contrast_rows=0)
-    model = tiny_gpt2()
-    cfg = SelectionConfig(contrast=1.0)
+
+
+def test_selector_built_directly_computes_the_pool_like_its_target():
+    """OnlineSelector(model, cfg, ValidationTarget(...)) builds the pool's provider from the
+    target's forward and settings: the same scores as for_target_data."""
+    model = tiny_gpt2(seed=2)
+    tgt, first = _batch(_ids(4, 1)), _batch(_ids(6, 2))
+    cfg = SelectionConfig(**RAW, contrast=1.0, contrast_rows=5)
     probe = OnlineSelector.probe_capture(model, cfg)
-    target = ValidationTarget(probe, lambda b: model(**b).loss, _batch(_ids(3, 1)))
-    with pytest.raises(ConfigError, match="for_target_data"):
-        OnlineSelector(model, cfg, target, probe=probe)
-    probe.close()
+    target = ValidationTarget(probe, lambda b: model(**b).loss, tgt, batch_size=3)
+    direct = OnlineSelector(model, cfg, target, probe=probe)
+    a = direct.select(first, 2, 0).scores
+    assert direct.target.reference is not None and direct.target.reference.batch_size == 3
+    direct.close()
+    built = OnlineSelector.for_target_data(model, cfg, tgt)
+    assert rel_err(a, built.select(first, 2, 0).scores) <= 1e-6
+    built.close()
