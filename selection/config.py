@@ -61,6 +61,14 @@ class SelectionConfig:
     ZeRO-3 each rank to its own partition). Needs an Adam-family optimizer and exact
     (unprojected) scoring."""
 
+    score: Literal["alignment", "step"] = "alignment"
+    """``alignment``: ``<g_b, g_target>`` (a cosine when ``normalize``; ``contrast`` and
+    ``precondition`` shape the target). ``step``: the expected cosine of the training step's
+    summed gradient with the target when the candidate takes one of its slots and typical
+    examples (the pool sample's mean gradient, ``contrast_rows``) the others
+    (selection/stepscore.py): the pool's weight is measured, so ``contrast`` and
+    ``normalize`` do not apply."""
+
     contrast: float = field(default=0.0, metadata=schema.bounds(ge=0))
     """Score against ``g_t/|g_t| - contrast * g_pool/|g_pool|`` (selection/contrast.py):
     with cosine scoring, ``cos(g_b, g_t) - contrast * cos(g_b, g_pool)``, where ``g_pool``
@@ -70,6 +78,17 @@ class SelectionConfig:
 
     contrast_rows: int = field(default=64, metadata=schema.bounds(ge=1))
     """Candidates (the first this rank sees) kept as the pool sample of ``contrast``."""
+
+    smooth_neighbors: int | None = field(default=16, metadata=schema.bounds(ge=1))
+    """Before the policy, replace each candidate's score by the mean score of the N texts
+    nearest to it in content (hashed unigram/bigram bags; itself included) among this
+    batch and the last ``smooth_memory`` scored candidates (selection/smoothing.py): the
+    choice follows what a *kind* of text does for the target, not one text's own tokens.
+    The memory is per data-parallel rank, so the choice (not the update's exactness) depends
+    on how micro-batches are dealt to ranks. None: raw scores."""
+
+    smooth_memory: int = field(default=1024, metadata=schema.bounds(ge=1))
+    """Earlier scored candidates (this rank's) kept as neighbours for ``smooth_neighbors``."""
 
     fraction: float = field(default=0.5, metadata=schema.bounds(gt=0, le=1))
     """Kept fraction for ``policy="fraction"``."""
@@ -151,6 +170,11 @@ class SelectionConfig:
             raise ConfigError("selection.precondition='adam' scales the exact target gradient "
                               "by the optimizer's per-parameter second moments: it cannot be "
                               "combined with selection.projection or selection.target_store")
+        if self.score == "step" and self.precondition != "none":
+            raise ConfigError(f"selection.score='step' measures the step in the plain metric: "
+                              f"it cannot be combined with selection.precondition="
+                              f"'{self.precondition}'; set precondition='none' or "
+                              f"score='alignment'")
         if self.top_blocks is not None and self.include:
             raise ConfigError(f"selection.top_blocks={self.top_blocks} and selection.include="
                               f"{list(self.include)} both choose the scored layers; set only "

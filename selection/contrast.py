@@ -20,6 +20,7 @@ whole-model norms over the scored layers (shard-aware under tensor parallelism).
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Callable
 
 import torch
@@ -28,7 +29,7 @@ from dattri_ds.gradient import Dense, GradBatch
 from dattri_ds.ops import norms
 from dattri_ds.selection.target import TargetProvider
 
-__all__ = ["PoolSample", "ContrastTarget"]
+__all__ = ["PoolSample", "PooledTarget", "ContrastTarget"]
 
 Batch = dict[str, torch.Tensor]
 
@@ -57,21 +58,23 @@ class PoolSample:
         return {k: torch.cat([p[k] for p in self._parts]) for k in self._parts[0]}
 
 
-class ContrastTarget(TargetProvider):
-    """``g_t/|g_t| - weight * g_pool/|g_pool|`` (one dense row per layer).
+class PooledTarget(TargetProvider):
+    """A target made from the target gradient and the pool sample's mean gradient.
+
+    The pool's provider is built once, when the sample is full (``make_reference``: a
+    ``ValidationTarget`` on the sample's rows, preconditioned like the target); the combined
+    rows are recomputed only when either gradient was refreshed. Subclasses say how the two
+    combine (``combine``; ``reference`` is None until the sample is full).
 
     Args:
         target: the target provider (plain or preconditioned).
         pool: the pool sample, fed by the selector with every candidate batch before scoring.
-        make_reference: builds the pool's provider from the sample's rows (called once, when
-            the sample is full: a ``ValidationTarget`` on them, preconditioned like the target).
-        weight: ``w`` above; 0 is the plain (unit) target.
+        make_reference: builds the pool's provider from the sample's rows.
     """
 
     def __init__(self, target: TargetProvider, pool: PoolSample,
-                 make_reference: Callable[[Batch], TargetProvider], weight: float) -> None:
+                 make_reference: Callable[[Batch], TargetProvider]) -> None:
         self.target, self.pool, self.make_reference = target, pool, make_reference
-        self.weight = weight
         self.reference: TargetProvider | None = None
         self._key: tuple | None = None
         self._value: GradBatch | None = None
@@ -84,9 +87,6 @@ class ContrastTarget(TargetProvider):
     def inner(self):
         return getattr(self.target, "inner", self.target)
 
-    def observe(self, batch: Batch) -> None:
-        self.pool.observe(batch)
-
     def get(self, step: int) -> GradBatch:
         t = self.target.get(step)
         if self.reference is None and self.pool.full:
@@ -94,9 +94,26 @@ class ContrastTarget(TargetProvider):
         r = self.reference.get(step) if self.reference is not None else None
         key = (id(t), None if r is None else id(r))
         if self._value is None or key != self._key:
-            self._value = contrast(t, r, self.weight)
+            self._value = self.combine(t, r)
             self._key = key
         return self._value
+
+    @abstractmethod
+    def combine(self, target: GradBatch, reference: GradBatch | None) -> GradBatch:
+        """The rows candidates are scored against."""
+
+
+class ContrastTarget(PooledTarget):
+    """``g_t/|g_t| - weight * g_pool/|g_pool|`` (one dense row per layer); ``weight`` 0 is
+    the plain (unit) target. Other arguments: ``PooledTarget``."""
+
+    def __init__(self, target: TargetProvider, pool: PoolSample,
+                 make_reference: Callable[[Batch], TargetProvider], weight: float) -> None:
+        super().__init__(target, pool, make_reference)
+        self.weight = weight
+
+    def combine(self, target: GradBatch, reference: GradBatch | None) -> GradBatch:
+        return contrast(target, reference, self.weight)
 
 
 @torch.no_grad()

@@ -44,6 +44,8 @@ from dattri_ds.selection.policy import cap_repeats, choose, fill_uniform
 from dattri_ds.selection.contrast import ContrastTarget, PoolSample
 from dattri_ds.selection.precondition import PreconditionedTarget, second_moments
 from dattri_ds.selection.scorer import alignment_scores, redundancy_gram
+from dattri_ds.selection.smoothing import NeighborSmoother
+from dattri_ds.selection.stepscore import StepTarget, step_scores
 from dattri_ds.selection.stepcost import StepCost, decide_reuse
 from dattri_ds.selection.target import TargetProvider
 
@@ -188,9 +190,12 @@ class OnlineSelector:
                  lr_fn: Callable[[], float] | None = None, log_path: str | Path | None = None,
                  cost: CostModel | None = None, optimizer=None,
                  held_out: TargetProvider | None = None,
-                 reference: Callable[[Batch], TargetProvider] | None = None) -> None:
+                 reference: Callable[[Batch], TargetProvider] | None = None,
+                 step_examples: int | None = None) -> None:
         self.model, self.config, self.target, self.held_out = model, config, target, held_out
-        if reference is None and config.contrast > 0:
+        step_score = config.score == "step"  # takes the pool itself; contrast does not apply
+        uses_pool = config.contrast > 0 or step_score
+        if reference is None and uses_pool:
             reference = _pool_reference(model, config, target, probe, ctx)
         make_reference = reference
         if config.precondition == "adam":
@@ -202,10 +207,17 @@ class OnlineSelector:
                 def make_reference(rows: Batch) -> TargetProvider:
                     return PreconditionedTarget(reference(rows), probe.layers, moments, ctx)
         self._pool: PoolSample | None = None
-        if config.contrast > 0:
+        if uses_pool:
             self._pool = PoolSample(config.contrast_rows)
+        if step_score:
+            self.target = StepTarget(self.target, self._pool, make_reference)
+        elif config.contrast > 0:
             self.target = ContrastTarget(self.target, self._pool, make_reference,
                                          config.contrast)
+        self._smoother = NeighborSmoother(config.smooth_neighbors, config.smooth_memory) \
+            if config.smooth_neighbors else None
+        self.step_examples = step_examples
+        self._step_others = max(0, (step_examples or 1) - 1)  # set per select() from k
         self.check = HeldOutCheck(config.fallback_every, ctx) if held_out is not None else None
         self.probe = probe
         self.ctx = ctx or ParallelContext()
@@ -245,7 +257,8 @@ class OnlineSelector:
                         target_data: Batch | None, *, capture: CaptureConfig | None = None,
                         ctx: ParallelContext | None = None, device: torch.device | str = "cpu",
                         lr_fn: Callable[[], float] | None = None,
-                        log_path: str | Path | None = None, optimizer=None) -> OnlineSelector:
+                        log_path: str | Path | None = None, optimizer=None,
+                        step_examples: int | None = None) -> OnlineSelector:
         """The selector of ``config`` on ``model``: a probe capture, the target (a
         ``ValidationTarget`` on ``target_data`` model inputs, or the store's ``FixedTarget``),
         preconditioned by ``optimizer`` when ``config.precondition`` asks. Launch and the
@@ -270,7 +283,8 @@ class OnlineSelector:
         else:
             target = validation_target(target_data)
         return cls(model, config, target, probe=probe, ctx=ctx, lr_fn=lr_fn,
-                   log_path=log_path, optimizer=optimizer, held_out=held_out)
+                   log_path=log_path, optimizer=optimizer, held_out=held_out,
+                   step_examples=step_examples)
 
     def num_candidates(self, k: int) -> int:
         """Candidates scored for ``k`` trained examples: ``ceil(candidate_multiple * k)``."""
@@ -332,7 +346,7 @@ class OnlineSelector:
             trained=trained,
             share=probe_share(self.model, layers), normalize=cfg.normalize,
             target_examples=getattr(inner, "rows_per_rank", 0)
-            + (cfg.contrast_rows if cfg.contrast > 0 else 0),  # the pool's refresh too
+            + (cfg.contrast_rows if self._pool is not None else 0),  # the pool's refresh too
             refresh_every=cfg.refresh_every, reuse=reuse)
         scored = (f"top {cfg.top_blocks} block(s), {len(layers)} layers" if cfg.top_blocks
                   else f"{len(layers)} layers") + (
@@ -343,6 +357,12 @@ class OnlineSelector:
             logger.info(self.plan.explain(scored, why))
 
     def _against(self, grads: GradBatch, target: GradBatch) -> torch.Tensor:
+        if self.config.score == "step":
+            return step_scores(grads, target, self._step_others, self.cost, self.ctx)
+        return self._aligned(grads, target)
+
+    def _aligned(self, grads: GradBatch, target: GradBatch) -> torch.Tensor:
+        """``<g_b, target>`` (over ``|g_b|`` when normalized): the held-out check's measure."""
         scores = alignment_scores(grads, target, self.cost)
         if self.config.normalize:
             scores = scores / norms(grads, list(target.layers), self.cost).clamp_min(1e-12)
@@ -419,6 +439,7 @@ class OnlineSelector:
         if self._pool is not None:
             self._pool.observe(batch)
         c, t = batch["input_ids"].shape[0], batch["input_ids"].shape[-1]
+        self._step_others = max(0, (self.step_examples or k * self.ctx.dp_world) - 1)
         reuse = train_loss and self._reusing(t, c, k)
         if self.plan is None:
             self._explain(c, k, reuse)
@@ -428,10 +449,11 @@ class OnlineSelector:
         original = batch
         if kept is not None:
             batch = {n: v[kept.to(v.device)] for n, v in batch.items()}
+        ranked = self._smoothed(batch, scores)  # what the policy ranks (scores: logged)
         if self.config.scope == "global" and self.ctx.dp_world > 1:
-            sel = self._select_global(batch, grads, scores, k)
+            sel = self._select_global(batch, grads, ranked, k)
         else:
-            idx = self._choose(grads, self._capped(grads.sample_ids, scores), k, grads,
+            idx = self._choose(grads, self._capped(grads.sample_ids, ranked), k, grads,
                                self._generator(step, grads.sample_ids))
             positions = idx if kept is None else kept[idx]
             sel = Selection({n: v[idx.to(v.device)] for n, v in batch.items()},
@@ -440,10 +462,18 @@ class OnlineSelector:
                             self._reused_loss(positions, original))
             self._count(sel.chosen_ids)
             if self.check is not None:
-                val = self._against(grads, self.held_out.get(step)).detach().float().cpu()
+                val = self._aligned(grads, self.held_out.get(step)).detach().float().cpu()
                 self.check.add(val, idx)
         self._record(step, sel)
         return sel
+
+    def _smoothed(self, batch: Batch, scores: torch.Tensor) -> torch.Tensor:
+        """``scores`` after neighbour smoothing (``smooth_neighbors``), else themselves."""
+        if self._smoother is None:
+            return scores
+        ids = batch["input_ids"]
+        valid = batch.get("attention_mask", torch.ones_like(ids))
+        return self._smoother.smooth(ids, valid, scores)
 
     def _select_random(self, batch: Batch, k: int, step: int,
                        user_ids: list[str] | None) -> Selection:

@@ -120,7 +120,8 @@ def _preconditioned_scores(rank, world, stage):
     ctx = ParallelContext.from_default_group()
     tgt = torch.randint(0, 97, (6, T), generator=torch.Generator().manual_seed(7))
     cand = torch.randint(0, 97, (4, T), generator=torch.Generator().manual_seed(8))
-    cfg = SelectionConfig(enabled=True, precondition="adam", normalize=False, per_token=False)
+    cfg = SelectionConfig(enabled=True, precondition="adam", normalize=False, per_token=False,
+                          contrast=0.0)
     probe = OnlineSelector.probe_capture(engine.module, cfg)
     target = ValidationTarget(probe, lambda b: engine.module(**b).loss,
                               {"input_ids": tgt, "labels": tgt}, ctx=ctx)
@@ -157,19 +158,30 @@ def test_adam_preconditioned_scores_under_zero(need_deepspeed, stage):
         assert r["err"] <= 1e-5 and r["differs"] > 0.05, r
 
 
-def _contrast_scores(rank, world):
-    """Contrastive scores under ZeRO-3: the target rows split over ranks, the pool sample
-    made of each rank's own first candidates; the reference from gathered parameters."""
+def _zero3_engine():
+    """A ZeRO-3 engine on tiny GPT-2, its data-parallel context, and an unpartitioned copy
+    of its weights (gathered) for the per-example autograd reference."""
     import deepspeed
 
     from dattri_ds.distributed import ParallelContext
-    from reference import reference_grads
 
     deepspeed.init_distributed(dist_backend="gloo")
     model = tiny_gpt2(seed=0)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=_sgd_config(1))
-    ctx = ParallelContext.from_default_group()
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        ref = tiny_gpt2(seed=0)
+        ref.load_state_dict({n: p.detach().clone()
+                             for n, p in engine.module.named_parameters()}, strict=False)
+    return engine, ParallelContext.from_default_group(), ref
+
+
+def _contrast_scores(rank, world):
+    """Contrastive scores under ZeRO-3: the target rows split over ranks, the pool sample
+    made of each rank's own first candidates; the reference from gathered parameters."""
+    from reference import reference_grads
+
+    engine, ctx, ref = _zero3_engine()
     tgt = torch.randint(0, 97, (6, T), generator=torch.Generator().manual_seed(7))
     firsts = [torch.randint(0, 97, (5, T), generator=torch.Generator().manual_seed(20 + r))
               for r in range(world)]
@@ -181,11 +193,6 @@ def _contrast_scores(rank, world):
     selector.select({"input_ids": firsts[rank], "labels": firsts[rank]}, K, 0)
     got = selector.score({"input_ids": later, "labels": later}, 1)[1]
     selector.close()
-    params = list(engine.module.parameters())
-    with deepspeed.zero.GatheredParameters(params):
-        ref = tiny_gpt2(seed=0)
-        ref.load_state_dict({n: p.detach().clone()
-                             for n, p in engine.module.named_parameters()}, strict=False)
 
     def unit(ids):
         g = {n: v.mean(0) for n, v in reference_grads(ref, ids).items()}
@@ -206,4 +213,50 @@ def test_contrast_scores_under_zero3(need_deepspeed):
     """contrast under ZeRO-3 (2 gloo ranks) equals <g_b, u_t - w u_pool> / |g_b| with the
     pool = both ranks' first candidates (<= 1e-5 fp32)."""
     for r in run(_contrast_scores, 2):
+        assert r["err"] <= 1e-5 and r["differs"] > 1e-3, r
+
+
+def _step_scores(rank, world):
+    """Step-alignment scores under ZeRO-3: the target rows split over ranks, the pool sample
+    made of each rank's own first candidates, s the mean squared norm over both ranks'
+    candidates; the reference from gathered parameters and per-example autograd."""
+    from dattri_ds.selection.stepscore import expected_step_cosine
+    from reference import reference_grads
+
+    engine, ctx, ref = _zero3_engine()
+    tgt = torch.randint(0, 97, (6, T), generator=torch.Generator().manual_seed(7))
+    firsts = [torch.randint(0, 97, (5, T), generator=torch.Generator().manual_seed(20 + r))
+              for r in range(world)]
+    laters = [torch.randint(0, 97, (4, T), generator=torch.Generator().manual_seed(30 + r))
+              for r in range(world)]
+    cfg = SelectionConfig(enabled=True, per_token=False, uniform_mix=0.0, score="step",
+                          contrast_rows=3, refresh_every=100)
+    selector = OnlineSelector.for_target_data(engine.module, cfg,
+                                              {"input_ids": tgt, "labels": tgt}, ctx=ctx,
+                                              step_examples=8)
+    selector.select({"input_ids": firsts[rank], "labels": firsts[rank]}, K, 0)
+    got = selector.score({"input_ids": laters[rank], "labels": laters[rank]}, 1)[1]
+    selector.close()
+
+    def flat(ids):
+        return torch.cat(list(reference_grads(ref, ids).values()), 1).double()
+
+    t, p = flat(tgt).mean(0), flat(torch.cat([f[:3] for f in firsts])).mean(0)
+    rc = flat(laters[rank])
+    both = torch.cat([flat(x) for x in laters])
+    want = expected_step_cosine(rc @ t, rc @ p, (rc * rc).sum(1), tt=float(t @ t),
+                                tp=float(p @ t), pp=float(p @ p),
+                                mean_sq=float((both * both).sum(1).mean()), others=7)
+    own = flat(firsts[rank][:3]).mean(0)  # a rank-local pool would give other scores
+    local = expected_step_cosine(rc @ t, rc @ own, (rc * rc).sum(1), tt=float(t @ t),
+                                 tp=float(own @ t), pp=float(own @ own),
+                                 mean_sq=float((rc * rc).sum(1).mean()), others=7)
+    return dict(err=rel_err(got, want), differs=rel_err(local, want))
+
+
+def test_step_scores_under_zero3(need_deepspeed):
+    """score='step' under ZeRO-3 (2 gloo ranks) equals the closed form on per-example
+    autograd gradients with the pool = both ranks' first candidates and s over both ranks'
+    candidates (<= 1e-5 fp32)."""
+    for r in run(_step_scores, 2):
         assert r["err"] <= 1e-5 and r["differs"] > 1e-3, r
