@@ -55,7 +55,10 @@ def _launch(tmp: Path, name: str, world: int, tp: int, gas: int, *extra: str):
             "--train-data", str(ROOT / "data/tiny/train.jsonl"), "--max-docs", "32",
             "--seq-len", "32", "--vocab-size", "512", "--log-every", "1",
             "--save-every", str(STEPS), "--online-selection", "--target-data",
-            str(ROOT / "data/tiny/target.jsonl"), "--target-max-docs", "4", *extra]
+            str(ROOT / "data/tiny/target.jsonl"), "--target-max-docs", "4",
+            # neighbour smoothing keeps a per-rank memory of earlier candidates, so its choice
+            # depends on how micro-batches are dealt to DP ranks: compared without it
+            "--selection-smooth-neighbors", "null", *extra]
     summaries = run(_train, world, timeout=300, argv=argv)
     return out, summaries
 

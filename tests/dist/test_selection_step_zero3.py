@@ -37,7 +37,7 @@ def _scores_under_zero3(rank, world, top_blocks):
     ctx = ParallelContext.from_default_group()
     tgt = torch.randint(0, 97, (6, T), generator=torch.Generator().manual_seed(7))
     cand = torch.randint(0, 97, (4, T), generator=torch.Generator().manual_seed(20 + rank))
-    cfg = SelectionConfig(enabled=True, top_blocks=top_blocks)
+    cfg = SelectionConfig(enabled=True, top_blocks=top_blocks, contrast=0.0)
     probe = OnlineSelector.probe_capture(engine.module, cfg)
     target = ValidationTarget(probe, lambda b: engine.module(**b).loss,
                               {"input_ids": tgt, "labels": tgt}, ctx=ctx)

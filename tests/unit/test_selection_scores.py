@@ -18,7 +18,8 @@ from dattri_ds.selection.policy import cap_repeats, fill_uniform, soft_top_k, to
 from reference import reference_grads, rel_err, tiny_gpt2
 
 
-RAW = dict(normalize=False, per_token=False, uniform_mix=0.0)  # plain <g_b, g_target>, top-k
+RAW = dict(normalize=False, per_token=False, uniform_mix=0.0, contrast=0.0,
+           smooth_neighbors=None)  # plain <g_b, g_target>, top-k
 
 
 def _ids(n, seed, t=10):

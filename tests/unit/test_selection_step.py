@@ -44,12 +44,13 @@ def test_top_blocks_finds_the_block_list():
 
 @pytest.mark.parametrize("n", [1, 2])
 def test_top_block_scores_equal_exact_scores_of_those_layers(n):
-    """Default scoring (cosine, mean-token loss) on the top n of 3 blocks equals
-    <g_b, mean_q g_q> / ||g_b|| over exactly those layers, from per-example autograd."""
+    """Cosine scoring of mean-token loss gradients (no contrast) on the top n of 3 blocks
+    equals <g_b, mean_q g_q> / ||g_b|| over exactly those layers, from per-example
+    autograd."""
     model = tiny_gpt2(n_layer=3)
     tgt, cand = _ids(4, 1), _ids(6, 2)
     tgt, cand = {"input_ids": tgt, "labels": tgt}, {"input_ids": cand, "labels": cand}
-    sel = _selector(model, SelectionConfig(top_blocks=n), tgt)
+    sel = _selector(model, SelectionConfig(top_blocks=n, contrast=0.0), tgt)
     got = sel.score(cand, 0)[1]
     layers = _block_layers(model, 3 - n)
     rc = reference_grads(model, cand["input_ids"], per_example_loss="mean", layers=layers)

@@ -1,0 +1,75 @@
+"""Neighbour smoothing: a candidate's score shared with the texts most like it.
+
+One candidate's gradient alignment mixes what its *kind* of text does for the target (its
+domain, register, format: what a better mixture of the data is made of) with what this one
+text happens to do (its own tokens; most of a per-example score at the sequence lengths of
+language-model training). Top-k on raw scores chases the second part. Averaging the score
+over the ``K`` texts nearest in content keeps the first:
+
+    s~_b = mean of s_j over the K nearest of {b} + memory, by cosine of phi(b), phi(j)
+
+``phi`` is a hashed bag of unigrams and bigrams of the example's valid tokens (unit norm):
+no model, no gradient, the same on every rank and layout. The memory holds the last
+``memory`` scored candidates of this rank (features and scores); scores against older
+targets stay in it until pushed out (they are cosines of one scale). Per rank, no
+communication.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["ngram_features", "NeighborSmoother"]
+
+_P1, _P2, _P3 = 1_000_003, 998_244_353, 911_382_323
+
+
+def ngram_features(input_ids: torch.Tensor, valid: torch.Tensor, dim: int = 2048
+                   ) -> torch.Tensor:
+    """``[C, dim]`` unit-norm hashed counts of each row's valid unigrams and bigrams.
+
+    Args:
+        input_ids: ``[C, T]`` token ids.
+        valid: ``[C, T]`` bool, the positions that hold tokens (attention mask).
+        dim: hash buckets.
+    """
+    ids = input_ids.long().cpu()
+    ok = valid.bool().cpu()
+    c = ids.shape[0]
+    out = torch.zeros(c, dim, dtype=torch.float32)
+    uni = (ids * _P1) % dim
+    out.scatter_add_(1, uni, ok.float())
+    if ids.shape[1] > 1:
+        bi = (ids[:, :-1] * _P2 + ids[:, 1:] * _P3) % dim
+        out.scatter_add_(1, bi, (ok[:, :-1] & ok[:, 1:]).float())
+    return out / out.norm(dim=1, keepdim=True).clamp_min(1e-12)
+
+
+class NeighborSmoother:
+    """Replaces each score by the mean score of its ``k`` nearest texts (itself included).
+
+    Args:
+        k: neighbours averaged (``1``: no smoothing).
+        memory: earlier scored candidates kept as neighbours (FIFO).
+        dim: feature buckets of ``ngram_features``.
+    """
+
+    def __init__(self, k: int, memory: int, dim: int = 2048) -> None:
+        self.k, self.memory, self.dim = k, memory, dim
+        self._feats = torch.zeros(0, dim)
+        self._scores = torch.zeros(0)
+
+    def smooth(self, input_ids: torch.Tensor, valid: torch.Tensor,
+               scores: torch.Tensor) -> torch.Tensor:
+        """``[C]`` smoothed scores of this batch's candidates (``scores`` on CPU, float);
+        the batch then joins the memory."""
+        f = ngram_features(input_ids, valid, self.dim)
+        s = scores.detach().float().cpu()
+        feats, vals = torch.cat([f, self._feats]), torch.cat([s, self._scores])
+        sim = f @ feats.T  # [C, C + M]; a row's own column (similarity 1) comes first
+        k = min(self.k, feats.shape[0])
+        near = sim.topk(k, dim=1).indices
+        smoothed = vals[near].mean(1)
+        self._feats = feats[:self.memory]
+        self._scores = vals[:self.memory]
+        return smoothed.to(scores.dtype)
