@@ -20,7 +20,10 @@ documents per source never enter the pool: the *general* held-out
 set, which shows what selection costs on everything else.
 
 Variants: ``name=key:value,key:value`` overrides of the default SelectionConfig
-(``default`` = the shipped default, ``random`` = uniform choice from the same candidates).
+(``default`` = the shipped default, ``random`` = uniform choice from the same candidates,
+``domain`` = a label oracle, not a method: half of each micro-batch drawn uniformly from
+the candidates of the target's own corpus source, the rest uniformly; it shows what a
+perfect *domain-level* choice gains, blind to which examples of the domain).
 
 Prints, per target and candidate multiple, for every variant against random: the final
 gain (random's target loss - the variant's), the mean gain over evaluations after warm-up
@@ -55,6 +58,8 @@ from dattri_ds.selection import OnlineSelector, SelectionConfig  # noqa: E402
 
 SHIPPED = {"hamlet": "data/target/hamlet.jsonl", "trivia": "data/target/trivia.jsonl",
            "code": "data/target/code.jsonl"}
+#: the corpus source a shipped target comes from (the ``domain`` diagnostic variant)
+OWN_SOURCE = {"hamlet": "shakespeare", "code": "python_code"}
 GENERAL_PER_SOURCE = 20
 CARVED_DOCS = 64
 WARMUP_EVAL = 50
@@ -63,7 +68,7 @@ WARMUP_EVAL = 50
 def parse_variant(spec: str) -> tuple[str, dict]:
     """``name`` or ``name=key:value,...`` -> (name, SelectionConfig overrides)."""
     name, _, rest = spec.partition("=")
-    if name == "random":
+    if name in ("random", "domain"):
         return name, {"random": True}
     over = {}
     for kv in filter(None, rest.split(",")):
@@ -165,16 +170,31 @@ def diagnose(selector, model, batch, ids, step: int, chosen: torch.Tensor | None
     return {**out, "rho_norm": spearman(scores, gn), "rho_loss": spearman(scores, loss)}
 
 
+def domain_choice(sources: list[str], own: str, k: int, mix: float,
+                  gen: torch.Generator) -> torch.Tensor:
+    """Label oracle (diagnostic, not a method): ``k - round(mix * k)`` candidates drawn
+    uniformly from those of source ``own`` (as many as there are), the rest uniformly from
+    the others: a domain-level choice at selection's share, blind to which examples."""
+    c = len(sources)
+    inside = torch.tensor([i for i in range(c) if sources[i] == own], dtype=torch.long)
+    take = inside[torch.randperm(inside.numel(), generator=gen)[:k - round(mix * k)]]
+    rest = torch.tensor([i for i in range(c) if i not in set(take.tolist())], dtype=torch.long)
+    fill = rest[torch.randperm(rest.numel(), generator=gen)[:k - take.numel()]]
+    return torch.cat([take, fill]).sort().values
+
+
 def run(setup: Setup, sc: SelectionConfig, seed: int, steps: int, eval_every: int,
-        micro: int = 8, gas: int = 2, diagnose_every: int = 0) -> dict:
-    """Train once; return the eval curve and diagnostics."""
+        micro: int = 8, gas: int = 2, diagnose_every: int = 0,
+        domain: str | None = None) -> dict:
+    """Train once; return the eval curve and diagnostics. ``domain``: instead of the
+    selector's choice, the label oracle ``domain_choice`` for that corpus source."""
     model = build_model(str(ROOT / "configs/model_gpt2_tiny.json"), tokenizer=setup.tok,
                         seed=seed)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
     selector = OnlineSelector.for_target_data(
         model, sc, setup.score.batch(slice(None)), lr_fn=lambda: opt.param_groups[0]["lr"],
-        optimizer=opt)
+        optimizer=opt, step_examples=micro * gas)
     n_cand = selector.num_candidates(micro)
     curve, sources, repeats, diags = [], Counter(), Counter(), []
     norms, clipped = [], 0
@@ -193,6 +213,11 @@ def run(setup: Setup, sc: SelectionConfig, seed: int, steps: int, eval_every: in
             batch = setup.pool.batch(idx[mb])
             ids = [setup.pool.docs[i].id for i in idx[mb].tolist()]
             sel = selector.select(batch, micro, step, user_ids=ids)
+            if domain is not None:
+                pick = domain_choice([setup.sources[int(i)] for i in idx[mb]], domain, micro,
+                                     0.5, torch.Generator().manual_seed(seed * 100003 + step * 7 + mb))
+                sel = replace(sel, indices=pick,
+                              batch={n: v[pick] for n, v in batch.items()})
             if diagnose_every and mb == 0 and step % diagnose_every == 0:
                 diags.append({"step": step, **diagnose(selector, model, batch, ids, step,
                                                        sel.indices)})
@@ -315,8 +340,13 @@ def main(argv: list[str] | None = None) -> None:
                     sc = replace(SelectionConfig(enabled=True, target_data="<benchmark>"),
                                  candidate_multiple=mult, **over)
                     t0 = time.process_time()
+                    own = OWN_SOURCE.get(target, target.partition(":")[2] or None)
+                    if name == "domain" and own is None:
+                        raise SystemExit(f"the 'domain' variant needs a target with a corpus "
+                                         f"source (hamlet, code, carve:SOURCE), not {target}")
                     r = run(setup, sc, seed, args.steps, args.eval_every,
-                            diagnose_every=args.diagnose_every)
+                            diagnose_every=args.diagnose_every,
+                            domain=own if name == "domain" else None)
                     r["cpu_s"] = time.process_time() - t0
                     runs[name].append(r)
                     if results:
@@ -333,6 +363,8 @@ def main(argv: list[str] | None = None) -> None:
                         f"{r['mean_chosen_score']:.3g}/{r['mean_candidate_score']:.3g} | "
                         f"{json.dumps(r['sources'])} | curve "
                         f"{[round(x['target'], 3) for x in r['curve']]}")
+            if "random" not in runs:
+                continue  # nothing to pair with here (--summarize pairs across files)
             out(f"== {target} x{mult:g}, {args.seeds} paired seeds, {args.steps} steps "
                 f"(random final target loss "
                 f"{statistics.mean(r['curve'][-1]['target'] for r in runs['random']):.4f})")
