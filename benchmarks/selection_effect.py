@@ -55,6 +55,7 @@ from dattri_ds.data import (  # noqa: E402
 )
 from dattri_ds.launch.loop import micro_batch_indices  # noqa: E402
 from dattri_ds.selection import OnlineSelector, SelectionConfig  # noqa: E402
+from dattri_ds.selection.policy import fill_uniform  # noqa: E402
 
 SHIPPED = {"hamlet": "data/target/hamlet.jsonl", "trivia": "data/target/trivia.jsonl",
            "code": "data/target/code.jsonl"}
@@ -125,13 +126,17 @@ def lr_lambda(step: int, warmup: int = 20, total: int = 300, min_ratio: float = 
 
 
 @torch.no_grad()
-def mean_loss(model, data, bs: int = 32) -> float:
+def mean_loss(model, data, bs: int = 32, params: dict | None = None) -> float:
+    """Token-mean loss of ``model`` on ``data`` (with ``params`` in place of its own
+    parameters, by ``torch.func.functional_call``, when given)."""
+    forward = model if params is None else (
+        lambda **b: torch.func.functional_call(model, params, (), b))
     model.eval()
     tot = n = 0.0
     for i in range(0, len(data), bs):
         b = data.batch(slice(i, i + bs))
         cnt = float((b["labels"][:, 1:] != -100).sum())
-        tot += float(model(**b).loss) * cnt
+        tot += float(forward(**b).loss) * cnt
         n += cnt
     model.train()
     return tot / max(n, 1)
@@ -175,12 +180,9 @@ def domain_choice(sources: list[str], own: str, k: int, mix: float,
     """Label oracle (diagnostic, not a method): ``k - round(mix * k)`` candidates drawn
     uniformly from those of source ``own`` (as many as there are), the rest uniformly from
     the others: a domain-level choice at selection's share, blind to which examples."""
-    c = len(sources)
-    inside = torch.tensor([i for i in range(c) if sources[i] == own], dtype=torch.long)
+    inside = torch.tensor([i for i, s in enumerate(sources) if s == own], dtype=torch.long)
     take = inside[torch.randperm(inside.numel(), generator=gen)[:k - round(mix * k)]]
-    rest = torch.tensor([i for i in range(c) if i not in set(take.tolist())], dtype=torch.long)
-    fill = rest[torch.randperm(rest.numel(), generator=gen)[:k - take.numel()]]
-    return torch.cat([take, fill]).sort().values
+    return fill_uniform(take, len(sources), k, gen)
 
 
 def run(setup: Setup, sc: SelectionConfig, seed: int, steps: int, eval_every: int,
@@ -214,8 +216,9 @@ def run(setup: Setup, sc: SelectionConfig, seed: int, steps: int, eval_every: in
             ids = [setup.pool.docs[i].id for i in idx[mb].tolist()]
             sel = selector.select(batch, micro, step, user_ids=ids)
             if domain is not None:
+                gen = torch.Generator().manual_seed(seed * 100003 + step * 7 + mb)
                 pick = domain_choice([setup.sources[int(i)] for i in idx[mb]], domain, micro,
-                                     0.5, torch.Generator().manual_seed(seed * 100003 + step * 7 + mb))
+                                     sc.uniform_mix, gen)
                 sel = replace(sel, indices=pick,
                               batch={n: v[pick] for n, v in batch.items()})
             if diagnose_every and mb == 0 and step % diagnose_every == 0:

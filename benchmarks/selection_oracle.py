@@ -36,7 +36,6 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.func import functional_call
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -84,17 +83,6 @@ def adam_step_params(model, opt, grad: torch.Tensor, clip: float = 1.0) -> dict:
         mh, vh = m / (1 - b1 ** step), v / (1 - b2 ** step)
         new[name] = p.detach() * (1 - lr * wd) - lr * mh / (vh.sqrt() + eps)
     return new
-
-
-@torch.no_grad()
-def eval_loss(model, params: dict, data) -> float:
-    tot = n = 0.0
-    for i in range(0, len(data), 32):
-        b = data.batch(slice(i, i + 32))
-        cnt = float((b["labels"][:, 1:] != -100).sum())
-        tot += float(functional_call(model, params, (), b).loss) * cnt
-        n += cnt
-    return tot / n
 
 
 def persistent_after(model, opt, sched_step: int, first: dict, later: list[dict],
@@ -176,15 +164,17 @@ def checkpoint_report(setup: Setup, model, opt, step: int, seed: int, n_cand: in
     with torch.no_grad():
         for i in cand.tolist():
             losses.append(float(model(**setup.pool.batch([i])).loss))
-    after = torch.tensor([eval_loss(model, adam_step_params(model, opt, (base_sum + gsum[j])
-                                                            / (base_n + cnt[j])), setup.eval)
-                          for j in range(len(cand))])
     if horizon:  # the benefit that is still there ``horizon`` ordinary steps later
         later = [setup.pool.batch(perm[15 + n_cand + 16 * h:15 + n_cand + 16 * (h + 1)])
                  for h in range(horizon)]
         after = torch.tensor([
-            persistent_after(model, opt, step, setup.pool.batch(torch.cat([base, cand[j:j + 1]])),
-                             later, setup.eval) for j in range(len(cand))])
+            persistent_after(model, opt, step,
+                             setup.pool.batch(torch.cat([base, cand[j:j + 1]])), later,
+                             setup.eval) for j in range(len(cand))])
+    else:  # right after the candidate's step
+        after = torch.tensor([mean_loss(model, setup.eval, params=adam_step_params(
+                                  model, opt, (base_sum + gsum[j]) / (base_n + cnt[j])))
+                              for j in range(len(cand))])
     benefit = -(after - after.mean())
     scores = rules(g, t, p, sizes, torch.tensor(losses), preconditioner(model, opt))
     src = IN_DOMAIN.get(target, target.split(":", 1)[1] if target.startswith("carve:") else None)
