@@ -232,15 +232,16 @@ def ds_graddot_exact(wl: Workload, clock: Clock) -> torch.Tensor:
 
 
 def ds_ekfac(wl: Workload, clock: Clock) -> torch.Tensor:
-    from dattri_ds import GradBatch, KFACConfig, collect, fit_factors, make_attributor
+    """One capture of the training set (``Spill``): factor sums, EK-FAC pass and scoring
+    read it from disk (kronfluence runs forward + backward for each of the three)."""
+    from dattri_ds import GradBatch, KFACConfig, Spill, collect, fit_factors, make_attributor
 
     cfg = _ds_config(projected=False)
     with clock:
-        factors = fit_factors(collect(wl.model, _ds_batches(wl.train), cfg),
-                              config=KFACConfig(damping=DAMPING), spill_dir=wl.tmp)
-        query = GradBatch.cat(list(collect(wl.model, _ds_batches(wl.query), cfg)))
-        s = make_attributor("ekfac", factors=factors).scores(
-            collect(wl.model, _ds_batches(wl.train), cfg), query).values
+        with Spill(collect(wl.model, _ds_batches(wl.train), cfg), dir=wl.tmp) as train:
+            factors = fit_factors(train, config=KFACConfig(damping=DAMPING))
+            query = GradBatch.cat(list(collect(wl.model, _ds_batches(wl.query), cfg)))
+            s = make_attributor("ekfac", factors=factors).scores(train, query).values
     return s
 
 

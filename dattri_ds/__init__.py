@@ -18,6 +18,7 @@ from dattri_ds.ops import (
 
 from dattri_ds.ops.kronecker import KFACConfig, KFACFactors
 from dattri_ds.collect import collect
+from dattri_ds.spill import Spill
 from dattri_ds.methods import (
     Attributor, Checkpoint, Scores, fit_factors, get_attributor, make_attributor,
     registered_attributors,
@@ -26,7 +27,7 @@ from dattri_ds.methods import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "GradientCapture", "collect", "CaptureConfig", "ProjectionConfig", "TrainingCallback",
+    "GradientCapture", "collect", "Spill", "CaptureConfig", "ProjectionConfig", "TrainingCallback",
     "Factorized", "Dense", "LayerGrad", "GradBatch", "ShardInfo",
     "LayerKind", "kind_for", "registered_kinds",
     "CostModel", "Roofline", "Projector", "GradAccumulator",

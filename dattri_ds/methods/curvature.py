@@ -20,9 +20,7 @@ What is supported:
 
 from __future__ import annotations
 
-import tempfile
-from collections.abc import Callable, Iterable, Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -34,6 +32,7 @@ from dattri_ds.ops.cost import CostModel
 from dattri_ds.ops.inner import project_batch
 from dattri_ds.ops.kronecker import KFACConfig, KFACFactors
 from dattri_ds.ops.projection import Projector
+from dattri_ds.spill import Spill
 
 __all__ = ["KFAC", "EKFAC", "fit_factors"]
 
@@ -106,20 +105,6 @@ def _passes(batches: Batches) -> Callable[[], Iterable[GradBatch]] | None:
     return lambda: batches
 
 
-def _spilled(batches: Iterable[GradBatch], folder: str, add: Callable[[GradBatch], None]):
-    """Fold every batch into ``add`` while writing it to ``folder``; returns the re-reader."""
-    paths = []
-    for n, b in enumerate(batches):
-        add(b)
-        paths.append(Path(folder) / f"{n:08d}.pt")
-        torch.save(b, paths[-1])
-
-    def read() -> Iterator[GradBatch]:
-        for path in paths:  # our own files, written just above
-            yield torch.load(path, weights_only=False)
-    return read
-
-
 def fit_factors(batches: Batches, *, config: KFACConfig | None = None,
                 projector: Projector | None = None, ekfac: bool = True,
                 ctx: ParallelContext | None = None, spill_dir: str | None = None) -> KFACFactors:
@@ -129,7 +114,9 @@ def fit_factors(batches: Batches, *, config: KFACConfig | None = None,
     callable is read twice; a one-shot iterator (e.g. a generator capturing gradients) is
     read once: each batch is folded into the factor sums and spilled to a temporary folder
     (under ``spill_dir``, default the system's), which the second pass reads back and
-    deletes, so the data is neither held in memory nor captured twice.
+    deletes, so the data is neither held in memory nor captured twice. To score the same
+    data afterwards without capturing it again, pass a ``dattri_ds.Spill`` of the stream
+    (re-iterable: fit reads it twice, scoring a third time).
 
     Args:
         batches: factorized training GradBatches of this rank: a re-iterable, a callable
@@ -142,15 +129,23 @@ def fit_factors(batches: Batches, *, config: KFACConfig | None = None,
     """
     make = _passes(batches)
     factors = KFACFactors(config, projector)
-    with tempfile.TemporaryDirectory(prefix="dattri_ds_ekfac_", dir=spill_dir) as tmp:
-        if make is None and ekfac:
-            make = _spilled(batches, tmp, factors.update)
-        else:
-            for b in (make() if make is not None else batches):
-                factors.update(b)
-        factors.reduce(ctx).eigendecompose()
-        if ekfac:
-            for b in make():
-                factors.update_correction(b)
-            factors.reduce(ctx)
+    if make is None and ekfac:  # a one-shot stream: spill it on the first pass
+        with Spill(batches, dir=spill_dir) as spilled:
+            return _fit(factors, spilled, ekfac, ctx)
+    return _fit(factors, make() if make is not None else batches, ekfac, ctx,
+                again=make)
+
+
+def _fit(factors: KFACFactors, first: Iterable[GradBatch], ekfac: bool,
+         ctx: ParallelContext | None,
+         again: Callable[[], Iterable[GradBatch]] | None = None) -> KFACFactors:
+    """Factor sums over ``first``, reduce, eigendecompose; EK-FAC pass over ``again()``
+    (default: ``first`` itself, a re-iterable)."""
+    for b in first:
+        factors.update(b)
+    factors.reduce(ctx).eigendecompose()
+    if ekfac:
+        for b in (again() if again is not None else first):
+            factors.update_correction(b)
+        factors.reduce(ctx)
     return factors

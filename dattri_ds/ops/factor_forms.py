@@ -25,6 +25,7 @@ import torch
 from dattri_ds.errors import registered
 from dattri_ds.gradient import Factorized
 from dattri_ds.layers.base import get_kind
+from dattri_ds.ops.gram import add_gram_
 
 __all__ = ["FactorForm", "KronForm", "IndexForm", "DiagonalForm", "get_form", "LAM_KEYS"]
 
@@ -88,14 +89,13 @@ class KronForm(FactorForm, name="kron"):
     def shapes(self, o, i):
         return {"a": (i, i), "s": (o, o), "lam": (o, i)}
 
-    def _a_sum(self, f: Factorized, mask: torch.Tensor, dtype: torch.dtype, i: int):
-        a = f.a[mask].to(dtype)
-        return a.T @ a
+    def _add_a(self, sums: dict[str, torch.Tensor], f: Factorized, mask: torch.Tensor,
+               dtype: torch.dtype) -> None:
+        add_gram_(sums["a"], f.a[mask].to(dtype))
 
     def accumulate(self, sums, f, mask, dtype):
-        g = f.g.to(dtype).reshape(-1, f.g.shape[-1])
-        sums["a"] += self._a_sum(f, mask, dtype, sums["a"].shape[0])
-        sums["s"] += g.T @ g
+        self._add_a(sums, f, mask, dtype)
+        add_gram_(sums["s"], f.g.to(dtype).reshape(-1, f.g.shape[-1]))
         sums["tokens"] += mask.sum()
         sums["examples"] += f.g.shape[0]
 
@@ -129,8 +129,8 @@ class IndexForm(KronForm, name="kron_index"):
     def shapes(self, o, i):
         return {"a": (i,), "s": (o, o), "lam": (o, i)}
 
-    def _a_sum(self, f, mask, dtype, i):
-        return torch.bincount(f.a[mask], minlength=i).to(dtype)
+    def _add_a(self, sums, f, mask, dtype):
+        sums["a"] += torch.bincount(f.a[mask], minlength=sums["a"].shape[0]).to(dtype)
 
     def eigendecompose(self, sums):
         a, s = self._covariances(sums)

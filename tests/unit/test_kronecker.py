@@ -347,3 +347,18 @@ def test_default_damping_is_deterministic_and_spectrum_relative(setup, method):
     a1 = cross_gram(train, _fit([train], absolute).precondition(query, method))
     a2 = cross_gram(big_t, _fit([big_t], absolute).precondition(big_q, method))
     assert rel_err(a2, c * c * a1) <= 1e-2 and rel_err(a2, a1) > 1
+
+
+@pytest.mark.parametrize("d", [3, 256, 511, 700, 1030])
+def test_blocked_gram_equals_the_full_product(d):
+    """add_gram_ (upper block triangle, mirrored) == out + x^T x, for widths that split
+    unevenly into blocks and for one-block widths; exactly symmetric."""
+    from dattri_ds.ops.gram import add_gram_
+    gen = torch.Generator().manual_seed(d)
+    x = torch.randn(64, d, generator=gen)
+    out = torch.randn(d, d, generator=gen)
+    want = out + x.T @ x
+    got = add_gram_(out.clone(), x)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    sym = add_gram_(torch.zeros(d, d), x)
+    assert torch.equal(sym, sym.T)

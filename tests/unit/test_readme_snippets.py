@@ -32,3 +32,28 @@ def test_hf_trainer_snippet_runs(tmp_path, monkeypatch):
         exec(compile(_block("## Hugging Face Trainer, TRL and the collect API"), "README", "exec"),
              {"__name__": "readme"})
     assert "torch.Size([16, 6])" in out.getvalue()
+
+
+def test_headline_snippet_runs():
+    """The headline block ("What you can do with it") runs on a tiny GPT-2: grad-dot scores
+    [N, Q], EK-FAC influence through a Spill equals EK-FAC over a list of the batches, and
+    the hooks' GradBatch holds the micro-batch."""
+    require("transformers", "hf")
+    import torch
+    from reference import rel_err, tiny_gpt2
+
+    from dattri_ds import CaptureConfig, collect, fit_factors, make_attributor
+
+    model = tiny_gpt2(seed=0, n_layer=1, n_embd=8, vocab=31, n_positions=16)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 31, (6, 8), generator=gen)
+    batches = lambda rows: [{"input_ids": rows[i:i + 2], "labels": rows[i:i + 2]}  # noqa: E731
+                            for i in range(0, rows.shape[0], 2)]
+    ns = {"model": model, "train_batches": batches(ids[:4]), "query_batches": batches(ids[4:]),
+          "x": ids[:2], "y": ids[:2], "m": torch.ones_like(ids[:2])}
+    exec(compile(_block("## What you can do with it"), "README", "exec"), ns)
+    assert ns["scores"].shape == (4, 2)
+    listed = list(collect(model, batches(ids[:4]), CaptureConfig()))
+    want = make_attributor("ekfac", factors=fit_factors(listed)).scores(listed, ns["query"])
+    assert rel_err(ns["influence"], want.values) <= 1e-6
+    assert ns["grads"].batch_size == 2
