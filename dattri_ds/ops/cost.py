@@ -20,6 +20,7 @@ gradients (``B*T*O`` scatter-adds for index inputs, where ``A.A^T`` costs ``T*S`
 | project_dense| 2*B*T*P*O*I                         | M(B,T) + 2*B*P*I*O              |
 | project_sparse| (none: sparse JL materializes)     | M(B,T) + 2*B*s*I*O              |
 | sum          | 2*B*T*I*O                           | M(B,T) + B*I*O                  |
+| rotate       | 2*B*T*(O^2 + I^2) + M(B,T)          | M(B,T) + 2*B*O*I*(O + I)        |
 
 Bytes count the factors read, every intermediate written and read back, and the result.
 
@@ -196,6 +197,21 @@ def _sum(d: LayerDims) -> dict[str, PathCost]:
     return {"ghost": ghost, "dense": dense}
 
 
+def _rotate(d: LayerDims) -> dict[str, PathCost]:
+    """EK-FAC rotation ``Q_S^T G_b Q_A`` of factorized gradients: rotate the factors first
+    (``g Q_S``, ``a Q_A``: per token, so ``T (O^2 + I^2)``), then materialize in the
+    eigenbasis; or materialize, then two matrix products per example (``O I (O + I)``). The
+    factors win when ``T < O I (O + I) / (O^2 + I^2)`` (``T < d`` for square layers)."""
+    e = d.itemsize
+    m = _mat(d, d.B, d.T)
+    rows = d.B * d.T * (d.I + d.O)
+    ghost = PathCost(2 * d.B * d.T * (d.O ** 2 + d.I ** 2) + m.flops,
+                     e * (2 * rows + d.O ** 2 + d.I ** 2) + m.bytes)
+    dense = PathCost(m.flops + 2 * d.B * d.O * d.I * (d.O + d.I),
+                     m.bytes + e * (4 * d.B * d.I * d.O + d.O ** 2 + d.I ** 2))
+    return {"ghost": ghost, "dense": dense}
+
+
 #: Tokens per example of the projection-kind comparison (the ratio is the same for any T
 #: up to the per-example scatter term of sparse).
 REF_TOKENS = 512
@@ -247,6 +263,7 @@ OPS: dict[str, Callable[..., dict[str, PathCost]]] = {
     "project_dense": _project_dense,
     "project_sparse": _project_sparse,
     "sum": _sum,
+    "rotate": _rotate,
 }
 
 

@@ -48,6 +48,9 @@ class FactorForm(ABC):
     """EK-FAC (pass-2) sums; empty when the form has no eigenvalue correction."""
     factorized: ClassVar[bool] = True
     """Whether the form works on factors ``(a, g)`` (else on dense rows)."""
+    routed_rotation: ClassVar[bool] = False
+    """Whether ``rotate`` of factors may be routed by the cost model's ``rotate`` op
+    (materialize first when that is cheaper; the dense-row rotation is the same map)."""
 
     def __init_subclass__(cls, name: str | None = None, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -85,6 +88,8 @@ class FactorForm(ABC):
 
 class KronForm(FactorForm, name="kron"):
     """Dense Kronecker factors ``S (x) A`` (module docstring)."""
+
+    routed_rotation = True
 
     def shapes(self, o, i):
         return {"a": (i, i), "s": (o, o), "lam": (o, i)}
@@ -125,6 +130,8 @@ class KronForm(FactorForm, name="kron"):
 
 class IndexForm(KronForm, name="kron_index"):
     """Index inputs: ``A`` diagonal (token counts), kept as a vector; ``Q_A = I``."""
+
+    routed_rotation = False  # its rotation already materializes (Q_A = I)
 
     def shapes(self, o, i):
         return {"a": (i,), "s": (o, o), "lam": (o, i)}

@@ -62,10 +62,10 @@ import torch
 from dattri_ds.distributed import ParallelContext, all_gather_object, all_reduce_sum
 from dattri_ds.errors import ConfigError, DattriDSError, ShapeError, StoreMismatchError, UnsupportedLayerError
 from dattri_ds.gradient import Dense, Factorized, GradBatch, LayerGrad
-from dattri_ds.layers.base import get_kind
+from dattri_ds.layers.base import LayerDims, get_kind
 from dattri_ds.layers.outer import row_chunks
 from dattri_ds.ops.factor_forms import FactorForm, get_form
-from dattri_ds.ops.inner import COMPUTE_DTYPE, materialize, project
+from dattri_ds.ops.inner import COMPUTE_DTYPE, default_cost_model, materialize, project
 from dattri_ds.ops.projection import Projector, kron_dims
 from dattri_ds.schema import bounds, check
 
@@ -473,7 +473,18 @@ class KFACFactors:
         return v.to(dev)
 
     def _rotate(self, lf: LayerFactors, x: Factorized | torch.Tensor) -> torch.Tensor:
-        """``Q_S^T G_b Q_A`` ``[B, o, i]`` in ``KFACConfig.dtype`` (the form's rotation)."""
+        """``Q_S^T G_b Q_A`` ``[B, o, i]`` in ``KFACConfig.dtype`` (the form's rotation).
+
+        Factors are rotated first, or materialized first where the cost model's ``rotate``
+        op says that is cheaper (short sequences of wide layers: ``T`` above about the
+        layer width); both compute the same map."""
+        if isinstance(x, Factorized) and lf.strategy.routed_rotation:
+            o, i = lf.dims
+            dims = LayerDims(x.g.shape[0], x.g.shape[1], i, o,
+                             itemsize=torch.empty((), dtype=self._dtype).element_size())
+            if default_cost_model(x.g.device).choose("rotate", lf.name, dims).path == "dense":
+                x = get_kind(lf.kind).materialize(
+                    Factorized(x.a.to(self._dtype), x.g.to(self._dtype)), (o, i))
         return lf.strategy.rotate(lf.kind, lf.eig, x, lf.dims, self._dtype)
 
     def _unrotate(self, lf: LayerFactors, r: torch.Tensor) -> torch.Tensor:

@@ -362,3 +362,27 @@ def test_blocked_gram_equals_the_full_product(d):
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
     sym = add_gram_(torch.zeros(d, d), x)
     assert torch.equal(sym, sym.T)
+
+
+@pytest.mark.parametrize("seq", [5, 16])
+def test_rotation_route_by_cost_gives_the_reference(seq):
+    """EK-FAC with sequences short (T=5: factors rotated first) and long (T=16: the cost
+    model materializes first, T above the widths of this model's linears) == the explicit
+    [D, D] reference; the route taken is the cost model's decision."""
+    from dattri_ds.layers.base import LayerDims
+    from dattri_ds.ops.inner import default_cost_model
+    model = tiny_gpt2(seed=1, n_layer=1, n_embd=8, vocab=VOCAB, n_positions=16)
+    gen = torch.Generator().manual_seed(seq)
+    train, rtrain = _capture(model, torch.randint(1, VOCAB, (4, seq), generator=gen))
+    query, rquery = _capture(model, torch.randint(1, VOCAB, (2, seq), generator=gen))
+    f = _fit([train], KFACConfig(damping=0.1, dtype="float64"))
+    got = cross_gram(train, f.precondition(query, "ekfac"), per_layer=True)
+    want = _per_layer_reference(train, rtrain, rquery, "ekfac", 0.1)
+    routes = set()
+    for name, lf in f.layers.items():
+        assert rel_err(got[name], want[name].float()) <= TOL, name
+        if lf.strategy.routed_rotation:
+            o, i = lf.dims
+            routes.add(default_cost_model().choose("rotate", name,
+                                                   LayerDims(4, seq, i, o, itemsize=8)).path)
+    assert routes == ({"ghost"} if seq == 5 else {"dense"})

@@ -16,6 +16,7 @@ import torch
 from dattri_ds import GradientCapture, Spill
 from dattri_ds.errors import DattriDSError
 from dattri_ds.methods import EKFAC, fit_factors
+from dattri_ds.spill import _nbytes
 from reference import rel_err, tiny_gpt2
 
 VOCAB = 31
@@ -47,14 +48,17 @@ def _same(a, b):
                 assert torch.equal(getattr(fa, field), getattr(fb, field)), (name, field)
 
 
-def test_passes_replay_the_stream_exactly_once(setup, tmp_path):
+@pytest.mark.parametrize("in_memory", [0, 2, 6])
+def test_passes_replay_the_stream_exactly_once(setup, tmp_path, in_memory):
+    """All on disk, the first two batches in memory and the rest on disk, all in memory."""
     model, ids, _ = setup
     reads = []
     direct = list(_stream(model, ids, []))
-    with Spill(_stream(model, ids, reads), dir=str(tmp_path)) as s:
+    budget = sum(_nbytes(b) for b in direct[:in_memory])
+    with Spill(_stream(model, ids, reads), dir=str(tmp_path), memory_bytes=budget) as s:
         first, second, third = list(s), list(s), list(s)
         (folder,) = tmp_path.iterdir()
-        assert len(list(folder.iterdir())) == ids.shape[0]  # one file per batch
+        assert len(list(folder.iterdir())) == ids.shape[0] - in_memory  # a file per batch
     assert reads == list(range(ids.shape[0]))  # the model ran once per example
     for passes in (first, second, third):
         assert len(passes) == len(direct)
@@ -67,7 +71,7 @@ def test_ekfac_through_a_spill_equals_a_list(setup, tmp_path):
     model, ids, qids = setup
     query = next(iter(Spill(_stream(model, qids, []), dir=str(tmp_path))))
     reads = []
-    with Spill(_stream(model, ids, reads), dir=str(tmp_path)) as train:
+    with Spill(_stream(model, ids, reads), dir=str(tmp_path), memory_bytes=0) as train:
         factors = fit_factors(train)  # reads the stream once (writing), then the files
         spilled = EKFAC(factors=factors).scores(train, query).values
     listed = list(_stream(model, ids, []))
@@ -87,6 +91,8 @@ def test_misuse_raises(setup, tmp_path):
     s.close()
     with pytest.raises(DattriDSError, match="closed"):
         iter(s)
+    with pytest.raises(DattriDSError, match="memory_bytes=-1 must be >= 0"):
+        Spill([], dir=str(tmp_path), memory_bytes=-1)
     bad = Spill([torch.zeros(2)], dir=str(tmp_path))
     with pytest.raises(DattriDSError, match="not a GradBatch"):
         list(bad)
