@@ -23,7 +23,10 @@ Variants: ``name=key:value,key:value`` overrides of the default SelectionConfig
 (``default`` = the shipped default, ``random`` = uniform choice from the same candidates,
 ``domain`` = a label oracle, not a method: half of each micro-batch drawn uniformly from
 the candidates of the target's own corpus source, the rest uniformly; it shows what a
-perfect *domain-level* choice gains, blind to which examples of the domain).
+perfect *domain-level* choice gains, blind to which examples of the domain; ``ngram`` =
+a model-free content baseline in the manner of DSIR: half of each micro-batch the
+candidates with the highest mean log-ratio of hashed unigram/bigram frequencies, target
+scoring set vs every candidate seen so far, the rest uniformly).
 
 Prints, per target and candidate multiple, for every variant against random: the final
 gain (random's target loss - the variant's), the mean gain over evaluations after warm-up
@@ -56,6 +59,7 @@ from dattri_ds.data import (  # noqa: E402
 from dattri_ds.launch.loop import micro_batch_indices  # noqa: E402
 from dattri_ds.selection import OnlineSelector, SelectionConfig  # noqa: E402
 from dattri_ds.selection.policy import fill_uniform  # noqa: E402
+from dattri_ds.selection.smoothing import ngram_features  # noqa: E402
 
 SHIPPED = {"hamlet": "data/target/hamlet.jsonl", "trivia": "data/target/trivia.jsonl",
            "code": "data/target/code.jsonl"}
@@ -69,7 +73,7 @@ WARMUP_EVAL = 50
 def parse_variant(spec: str) -> tuple[str, dict]:
     """``name`` or ``name=key:value,...`` -> (name, SelectionConfig overrides)."""
     name, _, rest = spec.partition("=")
-    if name in ("random", "domain"):
+    if name in ("random", "domain", "ngram"):
         return name, {"random": True}
     over = {}
     for kv in filter(None, rest.split(",")):
@@ -185,11 +189,43 @@ def domain_choice(sources: list[str], own: str, k: int, mix: float,
     return fill_uniform(take, len(sources), k, gen)
 
 
+class NgramRatio:
+    """The ``ngram`` baseline's score (no model): mean over an example's hashed unigrams and
+    bigrams of ``log p_target - log p_pool``, add-one smoothed multinomials over ``dim``
+    buckets; ``p_pool`` counts every candidate seen so far (the current ones included)."""
+
+    def __init__(self, target: dict, dim: int = 2048) -> None:
+        self.dim = dim
+        t = self._counts(target).sum(0)
+        self.log_t = torch.log((t + 1) / (t.sum() + dim))
+        self.pool = torch.zeros(dim)
+
+    def _counts(self, batch: dict) -> torch.Tensor:
+        ids = batch["input_ids"]
+        return ngram_features(ids, batch.get("attention_mask", torch.ones_like(ids)),
+                              self.dim, normalize=False)
+
+    def scores(self, batch: dict) -> torch.Tensor:
+        c = self._counts(batch)
+        self.pool += c.sum(0)
+        ratio = self.log_t - torch.log((self.pool + 1) / (self.pool.sum() + self.dim))
+        return (c @ ratio) / c.sum(1).clamp_min(1)
+
+
+def ngram_choice(scorer: NgramRatio, batch: dict, k: int, mix: float,
+                 gen: torch.Generator) -> torch.Tensor:
+    """``k - round(mix * k)`` candidates of the highest ``NgramRatio`` score, the rest
+    uniformly (the same mix as selection's)."""
+    s = scorer.scores(batch)
+    return fill_uniform(s.topk(k - round(mix * k)).indices, s.numel(), k, gen)
+
+
 def run(setup: Setup, sc: SelectionConfig, seed: int, steps: int, eval_every: int,
         micro: int = 8, gas: int = 2, diagnose_every: int = 0,
-        domain: str | None = None) -> dict:
+        domain: str | None = None, ngram: bool = False) -> dict:
     """Train once; return the eval curve and diagnostics. ``domain``: instead of the
-    selector's choice, the label oracle ``domain_choice`` for that corpus source."""
+    selector's choice, the label oracle ``domain_choice`` for that corpus source;
+    ``ngram``: the content baseline ``ngram_choice``."""
     model = build_model(str(ROOT / "configs/model_gpt2_tiny.json"), tokenizer=setup.tok,
                         seed=seed)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
@@ -198,6 +234,7 @@ def run(setup: Setup, sc: SelectionConfig, seed: int, steps: int, eval_every: in
         model, sc, setup.score.batch(slice(None)), lr_fn=lambda: opt.param_groups[0]["lr"],
         optimizer=opt, step_examples=micro * gas)
     n_cand = selector.num_candidates(micro)
+    content = NgramRatio(setup.score.batch(slice(None))) if ngram else None
     curve, sources, repeats, diags = [], Counter(), Counter(), []
     norms, clipped = [], 0
 
@@ -219,6 +256,11 @@ def run(setup: Setup, sc: SelectionConfig, seed: int, steps: int, eval_every: in
                 gen = torch.Generator().manual_seed(seed * 100003 + step * 7 + mb)
                 pick = domain_choice([setup.sources[int(i)] for i in idx[mb]], domain, micro,
                                      sc.uniform_mix, gen)
+                sel = replace(sel, indices=pick,
+                              batch={n: v[pick] for n, v in batch.items()})
+            if content is not None:
+                gen = torch.Generator().manual_seed(seed * 100003 + step * 7 + mb)
+                pick = ngram_choice(content, batch, micro, sc.uniform_mix, gen)
                 sel = replace(sel, indices=pick,
                               batch={n: v[pick] for n, v in batch.items()})
             if diagnose_every and mb == 0 and step % diagnose_every == 0:
@@ -349,7 +391,8 @@ def main(argv: list[str] | None = None) -> None:
                                          f"source (hamlet, code, carve:SOURCE), not {target}")
                     r = run(setup, sc, seed, args.steps, args.eval_every,
                             diagnose_every=args.diagnose_every,
-                            domain=own if name == "domain" else None)
+                            domain=own if name == "domain" else None,
+                            ngram=name == "ngram")
                     r["cpu_s"] = time.process_time() - t0
                     runs[name].append(r)
                     if results:

@@ -24,14 +24,15 @@ __all__ = ["ngram_features", "NeighborSmoother"]
 _P1, _P2, _P3 = 1_000_003, 998_244_353, 911_382_323
 
 
-def ngram_features(input_ids: torch.Tensor, valid: torch.Tensor, dim: int = 2048
-                   ) -> torch.Tensor:
+def ngram_features(input_ids: torch.Tensor, valid: torch.Tensor, dim: int = 2048,
+                   normalize: bool = True) -> torch.Tensor:
     """``[C, dim]`` unit-norm hashed counts of each row's valid unigrams and bigrams.
 
     Args:
         input_ids: ``[C, T]`` token ids.
         valid: ``[C, T]`` bool, the positions that hold tokens (attention mask).
         dim: hash buckets.
+        normalize: unit-norm rows (False: the raw counts).
     """
     ids = input_ids.long().cpu()
     ok = valid.bool().cpu()
@@ -42,7 +43,7 @@ def ngram_features(input_ids: torch.Tensor, valid: torch.Tensor, dim: int = 2048
     if ids.shape[1] > 1:
         bi = (ids[:, :-1] * _P2 + ids[:, 1:] * _P3) % dim
         out.scatter_add_(1, bi, (ok[:, :-1] & ok[:, 1:]).float())
-    return out / out.norm(dim=1, keepdim=True).clamp_min(1e-12)
+    return out / out.norm(dim=1, keepdim=True).clamp_min(1e-12) if normalize else out
 
 
 class NeighborSmoother:
