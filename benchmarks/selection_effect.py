@@ -59,7 +59,7 @@ from dattri_ds.data import (  # noqa: E402
 from dattri_ds.launch.loop import micro_batch_indices  # noqa: E402
 from dattri_ds.selection import OnlineSelector, SelectionConfig  # noqa: E402
 from dattri_ds.selection.policy import fill_uniform  # noqa: E402
-from dattri_ds.selection.smoothing import ngram_features  # noqa: E402
+from dattri_ds.selection.content import ContentPrior  # noqa: E402
 
 SHIPPED = {"hamlet": "data/target/hamlet.jsonl", "trivia": "data/target/trivia.jsonl",
            "code": "data/target/code.jsonl"}
@@ -189,34 +189,11 @@ def domain_choice(sources: list[str], own: str, k: int, mix: float,
     return fill_uniform(take, len(sources), k, gen)
 
 
-class NgramRatio:
-    """The ``ngram`` baseline's score (no model): mean over an example's hashed unigrams and
-    bigrams of ``log p_target - log p_pool``, add-one smoothed multinomials over ``dim``
-    buckets; ``p_pool`` counts every candidate seen so far (the current ones included)."""
-
-    def __init__(self, target: dict, dim: int = 2048) -> None:
-        self.dim = dim
-        t = self._counts(target).sum(0)
-        self.log_t = torch.log((t + 1) / (t.sum() + dim))
-        self.pool = torch.zeros(dim)
-
-    def _counts(self, batch: dict) -> torch.Tensor:
-        ids = batch["input_ids"]
-        return ngram_features(ids, batch.get("attention_mask", torch.ones_like(ids)),
-                              self.dim, normalize=False)
-
-    def scores(self, batch: dict) -> torch.Tensor:
-        c = self._counts(batch)
-        self.pool += c.sum(0)
-        ratio = self.log_t - torch.log((self.pool + 1) / (self.pool.sum() + self.dim))
-        return (c @ ratio) / c.sum(1).clamp_min(1)
-
-
-def ngram_choice(scorer: NgramRatio, batch: dict, k: int, mix: float,
+def ngram_choice(prior: ContentPrior, batch: dict, k: int, mix: float,
                  gen: torch.Generator) -> torch.Tensor:
-    """``k - round(mix * k)`` candidates of the highest ``NgramRatio`` score, the rest
-    uniformly (the same mix as selection's)."""
-    s = scorer.scores(batch)
+    """``k - round(mix * k)`` candidates of the highest content score (the library's
+    ``ContentPrior``, alone: no gradient), the rest uniformly (selection's mix)."""
+    s = prior.scores(batch["input_ids"], batch.get("attention_mask"))
     return fill_uniform(s.topk(k - round(mix * k)).indices, s.numel(), k, gen)
 
 
@@ -234,7 +211,7 @@ def run(setup: Setup, sc: SelectionConfig, seed: int, steps: int, eval_every: in
         model, sc, setup.score.batch(slice(None)), lr_fn=lambda: opt.param_groups[0]["lr"],
         optimizer=opt, step_examples=micro * gas)
     n_cand = selector.num_candidates(micro)
-    content = NgramRatio(setup.score.batch(slice(None))) if ngram else None
+    content = ContentPrior(setup.score.batch(slice(None))) if ngram else None
     curve, sources, repeats, diags = [], Counter(), Counter(), []
     norms, clipped = [], 0
 

@@ -45,6 +45,7 @@ from dattri_ds.selection.contrast import ContrastTarget, PoolSample
 from dattri_ds.selection.precondition import PreconditionedTarget, second_moments
 from dattri_ds.selection.scorer import alignment_scores, redundancy_gram
 from dattri_ds.selection.smoothing import NeighborSmoother
+from dattri_ds.selection.content import ContentPrior, with_content
 from dattri_ds.selection.stepscore import StepTarget, step_scores
 from dattri_ds.selection.stepcost import StepCost, decide_reuse
 from dattri_ds.selection.target import TargetProvider
@@ -183,6 +184,8 @@ class OnlineSelector:
             ``precondition="adam"``.
         held_out: the held-out part of the target (``validation_fraction``): the chosen
             examples' advantage on it decides the fallback to uniform choice.
+        content_rows: the target documents' model inputs scored against (the content prior
+            of ``content_weight``; required when it is > 0).
     """
 
     def __init__(self, model: nn.Module, config: SelectionConfig, target: TargetProvider, *,
@@ -191,7 +194,8 @@ class OnlineSelector:
                  cost: CostModel | None = None, optimizer=None,
                  held_out: TargetProvider | None = None,
                  reference: Callable[[Batch], TargetProvider] | None = None,
-                 step_examples: int | None = None) -> None:
+                 step_examples: int | None = None,
+                 content_rows: Batch | None = None) -> None:
         self.model, self.config, self.target, self.held_out = model, config, target, held_out
         step_score = config.score == "step"  # takes the pool itself; contrast does not apply
         uses_pool = config.contrast > 0 or step_score
@@ -216,6 +220,14 @@ class OnlineSelector:
                                          config.contrast)
         self._smoother = NeighborSmoother(config.smooth_neighbors, config.smooth_memory) \
             if config.smooth_neighbors else None
+        self._content: ContentPrior | None = None
+        if config.content_weight > 0:
+            if content_rows is None:
+                raise ConfigError(
+                    f"selection.content_weight={config.content_weight} needs the target "
+                    f"documents' tokens (target_data), which a target_store does not have; "
+                    f"set content_weight to 0 or give target_data")
+            self._content = ContentPrior(content_rows)
         self.step_examples = step_examples
         self._step_others = max(0, (step_examples or 1) - 1)  # set per select() from k
         self.check = HeldOutCheck(config.fallback_every, ctx) if held_out is not None else None
@@ -272,19 +284,21 @@ class OnlineSelector:
                                     refresh_every=config.refresh_every,
                                     batch_size=config.target_batch_size, device=device)
 
-        held_out = None
+        held_out, scoring_rows = None, target_data
         if config.target_store:
-            target = FixedTarget(config.target_store)
+            target, scoring_rows = FixedTarget(config.target_store), None
         elif config.validation_fraction > 0:
             keep, held = split_rows(target_data["input_ids"].shape[0],
                                     config.validation_fraction)
-            target = validation_target({k: v[keep] for k, v in target_data.items()})
+            scoring_rows = {k: v[keep] for k, v in target_data.items()}
+            target = validation_target(scoring_rows)
             held_out = validation_target({k: v[held] for k, v in target_data.items()})
         else:
             target = validation_target(target_data)
         return cls(model, config, target, probe=probe, ctx=ctx, lr_fn=lr_fn,
                    log_path=log_path, optimizer=optimizer, held_out=held_out,
-                   step_examples=step_examples)
+                   step_examples=step_examples,
+                   content_rows=scoring_rows)
 
     def num_candidates(self, k: int) -> int:
         """Candidates scored for ``k`` trained examples: ``ceil(candidate_multiple * k)``."""
@@ -449,7 +463,7 @@ class OnlineSelector:
         original = batch
         if kept is not None:
             batch = {n: v[kept.to(v.device)] for n, v in batch.items()}
-        ranked = self._smoothed(batch, scores)  # what the policy ranks (scores: logged)
+        ranked = self._ranked(batch, scores)  # what the policy ranks (scores: logged)
         if self.config.scope == "global" and self.ctx.dp_world > 1:
             sel = self._select_global(batch, grads, ranked, k)
         else:
@@ -467,13 +481,16 @@ class OnlineSelector:
         self._record(step, sel)
         return sel
 
-    def _smoothed(self, batch: Batch, scores: torch.Tensor) -> torch.Tensor:
-        """``scores`` after neighbour smoothing (``smooth_neighbors``), else themselves."""
-        if self._smoother is None:
-            return scores
+    def _ranked(self, batch: Batch, scores: torch.Tensor) -> torch.Tensor:
+        """What the policy ranks: ``scores`` after neighbour smoothing
+        (``smooth_neighbors``), combined with the content prior (``content_weight``)."""
         ids = batch["input_ids"]
         valid = batch.get("attention_mask", torch.ones_like(ids))
-        return self._smoother.smooth(ids, valid, scores)
+        ranked = scores if self._smoother is None else self._smoother.smooth(ids, valid, scores)
+        if self._content is None:
+            return ranked
+        return with_content(ranked, self._content.scores(ids, valid),
+                            self.config.content_weight)
 
     def _select_random(self, batch: Batch, k: int, step: int,
                        user_ids: list[str] | None) -> Selection:

@@ -1,0 +1,63 @@
+"""Content prior: how much more likely a candidate's text is under the target than under the
+candidate stream (hashed n-gram multinomials, in the manner of DSIR's importance weights).
+
+    c_b = (1 / n_b) sum over b's valid unigrams and bigrams h of [log p_t(h) - log p_s(h)]
+
+``p_t``: add-one smoothed frequencies of the target documents' hashed unigrams and bigrams
+(``smoothing.ngram_features`` buckets); ``p_s``: the same over every candidate this rank has
+seen, the current ones included (it tracks the data as it streams, no pass over the
+corpus). No model, no gradient. It measures what the gradient scores measure poorly at one
+example at a time (selection's diagnosis: the lasting benefit is the *kind* of text; a
+label oracle choosing the target's domain beats per-example gradient choice), while the
+gradient score says what the current model still lacks. The selector ranks
+``z(score) + content_weight * z(c)``, ``z`` standardizing over the micro-batch's
+candidates, so the weight is scale-free. Counts are per data-parallel rank (the choice, not
+the update's exactness, depends on how micro-batches are dealt to ranks).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dattri_ds.selection.smoothing import ngram_features
+
+__all__ = ["ContentPrior", "standardize", "with_content"]
+
+
+def standardize(x: torch.Tensor) -> torch.Tensor:
+    """``(x - mean) / std`` over the candidates (0 where they are all equal)."""
+    x = x.float()
+    sd = x.std(unbiased=False) if x.numel() > 1 else x.new_zeros(())
+    return (x - x.mean()) / sd if float(sd) > 0 else torch.zeros_like(x)
+
+
+def with_content(scores: torch.Tensor, content: torch.Tensor, weight: float) -> torch.Tensor:
+    """What the policy ranks: ``z(scores) + weight * z(content)``."""
+    return standardize(scores) + weight * standardize(content)
+
+
+class ContentPrior:
+    """Target-vs-stream log-likelihood ratio of each candidate's hashed n-grams.
+
+    Args:
+        target: target documents' model inputs (``input_ids``, optional ``attention_mask``).
+        dim: hash buckets (``ngram_features``).
+    """
+
+    def __init__(self, target: dict[str, torch.Tensor], dim: int = 2048) -> None:
+        self.dim = dim
+        t = self._counts(target["input_ids"], target.get("attention_mask")).sum(0)
+        self._log_target = torch.log((t + 1) / (t.sum() + dim))
+        self._stream = torch.zeros(dim)
+
+    def _counts(self, ids: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        valid = torch.ones_like(ids) if valid is None else valid
+        return ngram_features(ids, valid, self.dim, normalize=False)
+
+    def scores(self, input_ids: torch.Tensor, valid: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """``[C]`` mean log-ratio per candidate; the candidates join the stream counts first."""
+        c = self._counts(input_ids, valid)
+        self._stream += c.sum(0)
+        log_stream = torch.log((self._stream + 1) / (self._stream.sum() + self.dim))
+        return (c @ (self._log_target - log_stream)) / c.sum(1).clamp_min(1)
