@@ -90,12 +90,13 @@ class SelectionConfig:
     smooth_memory: int = field(default=1024, metadata=schema.bounds(ge=1))
     """Earlier scored candidates (this rank's) kept as neighbours for ``smooth_neighbors``."""
 
-    content_weight: float = field(default=0.0, metadata=schema.bounds(ge=0))
+    content_weight: float | None = field(default=None, metadata=schema.bounds(ge=0))
     """Rank ``z(score) + content_weight * z(content)``, where ``content`` is the mean
     log-ratio of the candidate's hashed unigrams/bigrams under the target documents vs the
     candidate stream seen so far (selection/content.py; DSIR-style, no model) and ``z``
-    standardizes over the micro-batch's candidates. Needs target documents (``target_data``),
-    not a ``target_store``. 0: gradient scores only."""
+    standardizes over the micro-batch's candidates. None (default): 1.0 when the target is
+    documents (``target_data``), off for a ``target_store`` (it has no text); a value > 0
+    with a ``target_store`` is an error. 0: gradient scores only."""
 
     fraction: float = field(default=0.5, metadata=schema.bounds(gt=0, le=1))
     """Kept fraction for ``policy="fraction"``."""

@@ -21,7 +21,10 @@ import torch
 
 from dattri_ds.selection.smoothing import ngram_features
 
-__all__ = ["ContentPrior", "standardize", "with_content"]
+__all__ = ["ContentPrior", "DEFAULT_CONTENT_WEIGHT", "standardize", "with_content"]
+
+DEFAULT_CONTENT_WEIGHT = 1.0
+"""``selection.content_weight`` when unset and the target is documents (README evidence)."""
 
 
 def standardize(x: torch.Tensor) -> torch.Tensor:

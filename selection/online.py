@@ -45,7 +45,7 @@ from dattri_ds.selection.contrast import ContrastTarget, PoolSample
 from dattri_ds.selection.precondition import PreconditionedTarget, second_moments
 from dattri_ds.selection.scorer import alignment_scores, redundancy_gram
 from dattri_ds.selection.smoothing import NeighborSmoother
-from dattri_ds.selection.content import ContentPrior, with_content
+from dattri_ds.selection.content import DEFAULT_CONTENT_WEIGHT, ContentPrior, with_content
 from dattri_ds.selection.stepscore import StepTarget, step_scores
 from dattri_ds.selection.stepcost import StepCost, decide_reuse
 from dattri_ds.selection.target import TargetProvider
@@ -184,8 +184,8 @@ class OnlineSelector:
             ``precondition="adam"``.
         held_out: the held-out part of the target (``validation_fraction``): the chosen
             examples' advantage on it decides the fallback to uniform choice.
-        content_rows: the target documents' model inputs scored against (the content prior
-            of ``content_weight``; required when it is > 0).
+        content_rows: the target documents' model inputs for the content prior
+            (``content_weight``); default: a ``ValidationTarget``'s own documents.
     """
 
     def __init__(self, model: nn.Module, config: SelectionConfig, target: TargetProvider, *,
@@ -220,14 +220,7 @@ class OnlineSelector:
                                          config.contrast)
         self._smoother = NeighborSmoother(config.smooth_neighbors, config.smooth_memory) \
             if config.smooth_neighbors else None
-        self._content: ContentPrior | None = None
-        if config.content_weight > 0:
-            if content_rows is None:
-                raise ConfigError(
-                    f"selection.content_weight={config.content_weight} needs the target "
-                    f"documents' tokens (target_data), which a target_store does not have; "
-                    f"set content_weight to 0 or give target_data")
-            self._content = ContentPrior(content_rows)
+        self._content, self.content_weight = self._content_prior(config, target, content_rows)
         self.step_examples = step_examples
         self._step_others = max(0, (step_examples or 1) - 1)  # set per select() from k
         self.check = HeldOutCheck(config.fallback_every, ctx) if held_out is not None else None
@@ -250,6 +243,27 @@ class OnlineSelector:
         self._losses: list[torch.Tensor] | None = None  # reuse_forward: per-candidate losses
         self.reuse: bool | None = None  # decided at the first select (needs T)
         self._reuse_why = ""
+
+    @staticmethod
+    def _content_prior(config: SelectionConfig, target: TargetProvider,
+                       rows: Batch | None) -> tuple[ContentPrior | None, float]:
+        """The content prior and its weight: ``content_weight``, or when unset 1.0 if the
+        target's documents are known (``rows``, else a ValidationTarget's own), 0 if not."""
+        from dattri_ds.selection.target import ValidationTarget
+
+        if rows is None and isinstance(target, ValidationTarget):
+            rows = target.data
+        weight = config.content_weight
+        if weight is None:
+            weight = DEFAULT_CONTENT_WEIGHT if rows is not None else 0.0
+        if weight == 0:
+            return None, 0.0
+        if rows is None:
+            raise ConfigError(
+                f"selection.content_weight={weight} needs the target documents' tokens "
+                f"(target_data), which a target_store does not have; set content_weight "
+                f"to 0 (or leave it unset) or give target_data")
+        return ContentPrior(rows), weight
 
     @staticmethod
     def probe_capture(model: nn.Module, config: SelectionConfig,
@@ -489,8 +503,7 @@ class OnlineSelector:
         ranked = scores if self._smoother is None else self._smoother.smooth(ids, valid, scores)
         if self._content is None:
             return ranked
-        return with_content(ranked, self._content.scores(ids, valid),
-                            self.config.content_weight)
+        return with_content(ranked, self._content.scores(ids, valid), self.content_weight)
 
     def _select_random(self, batch: Batch, k: int, step: int,
                        user_ids: list[str] | None) -> Selection:

@@ -115,3 +115,11 @@ def test_bad_content_settings_fail_at_start(tmp_path):
     sc = SelectionConfig(content_weight=0.5, target_store=str(tmp_path), projection=proj)
     with pytest.raises(ConfigError, match="content_weight=0.5 needs the target documents"):
         OnlineSelector.for_target_data(model, sc, None)
+    unset = OnlineSelector.for_target_data(  # the default: off for a store (no text)
+        model, SelectionConfig(target_store=str(tmp_path), projection=proj), None)
+    assert unset.content_weight == 0.0
+    unset.close()
+    docs = OnlineSelector.for_target_data(model, SelectionConfig(), {"input_ids": ids,
+                                                                   "labels": ids})
+    assert docs.content_weight == 1.0  # the default with target documents
+    docs.close()

@@ -19,7 +19,7 @@ from reference import reference_grads, rel_err, tiny_gpt2
 
 
 RAW = dict(normalize=False, per_token=False, uniform_mix=0.0, contrast=0.0,
-           smooth_neighbors=None)  # plain <g_b, g_target>, top-k
+           smooth_neighbors=None, content_weight=0.0)  # plain <g_b, g_target>, top-k
 
 
 def _ids(n, seed, t=10):

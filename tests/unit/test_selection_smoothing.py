@@ -72,7 +72,8 @@ def test_selector_ranks_smoothed_scores():
     cand = torch.randint(0, 97, (8, 10), generator=g)
     cand[4:, :5] = cand[:4, :5]  # pairs of similar texts
     batch = {"input_ids": cand, "labels": cand}
-    cfg = SelectionConfig(per_token=False, uniform_mix=0.0, smooth_neighbors=2)
+    cfg = SelectionConfig(per_token=False, uniform_mix=0.0, smooth_neighbors=2,
+                          content_weight=0.0)
     sel = OnlineSelector.for_target_data(model, cfg, {"input_ids": tgt, "labels": tgt})
     out = sel.select(batch, 3, 0)
     want = NeighborSmoother(2, 1024).smooth(cand, torch.ones_like(cand), out.scores)

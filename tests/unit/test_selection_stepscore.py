@@ -17,7 +17,8 @@ from dattri_ds.selection import OnlineSelector, SelectionConfig
 from dattri_ds.selection.stepscore import expected_step_cosine
 from reference import reference_grads, rel_err, tiny_gpt2
 
-RAW = dict(per_token=False, uniform_mix=0.0, refresh_every=100, smooth_neighbors=None)
+RAW = dict(per_token=False, uniform_mix=0.0, refresh_every=100, smooth_neighbors=None,
+           content_weight=0.0)
 
 
 def _ids(n, seed, t=10):
