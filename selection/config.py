@@ -95,8 +95,9 @@ class SelectionConfig:
     log-ratio of the candidate's hashed unigrams/bigrams under the target documents vs the
     candidate stream seen so far (selection/content.py; DSIR-style, no model) and ``z``
     standardizes over the micro-batch's candidates. None (default): 1.0 when the target is
-    documents (``target_data``), off for a ``target_store`` (it has no text); a value > 0
-    with a ``target_store`` is an error. 0: gradient scores only."""
+    documents (``target_data``) and the policy ranks (topk, fraction, soft); off for a
+    ``target_store`` (it has no text) and for ``threshold``/``greats`` (they read the
+    scores' scale); a value > 0 there is an error. 0: gradient scores only."""
 
     fraction: float = field(default=0.5, metadata=schema.bounds(gt=0, le=1))
     """Kept fraction for ``policy="fraction"``."""

@@ -45,7 +45,9 @@ from dattri_ds.selection.contrast import ContrastTarget, PoolSample
 from dattri_ds.selection.precondition import PreconditionedTarget, second_moments
 from dattri_ds.selection.scorer import alignment_scores, redundancy_gram
 from dattri_ds.selection.smoothing import NeighborSmoother
-from dattri_ds.selection.content import DEFAULT_CONTENT_WEIGHT, ContentPrior, with_content
+from dattri_ds.selection.content import (
+    DEFAULT_CONTENT_WEIGHT, SCALED_POLICIES, ContentPrior, with_content,
+)
 from dattri_ds.selection.stepscore import StepTarget, step_scores
 from dattri_ds.selection.stepcost import StepCost, decide_reuse
 from dattri_ds.selection.target import TargetProvider
@@ -248,16 +250,24 @@ class OnlineSelector:
     def _content_prior(config: SelectionConfig, target: TargetProvider,
                        rows: Batch | None) -> tuple[ContentPrior | None, float]:
         """The content prior and its weight: ``content_weight``, or when unset 1.0 if the
-        target's documents are known (``rows``, else a ValidationTarget's own), 0 if not."""
+        target's documents are known (``rows``, else a ValidationTarget's own) and the
+        policy ranks (not ``SCALED_POLICIES``), 0 if not."""
         from dattri_ds.selection.target import ValidationTarget
 
         if rows is None and isinstance(target, ValidationTarget):
             rows = target.data
         weight = config.content_weight
+        scaled = config.policy in SCALED_POLICIES  # they read the scores' own scale
         if weight is None:
-            weight = DEFAULT_CONTENT_WEIGHT if rows is not None else 0.0
+            weight = DEFAULT_CONTENT_WEIGHT if rows is not None and not scaled else 0.0
         if weight == 0:
             return None, 0.0
+        if scaled:
+            raise ConfigError(
+                f"selection.content_weight={weight} ranks standardized scores, which "
+                f"policy='{config.policy}' cannot use (it reads the scores' own scale: a "
+                f"threshold, GREATS' learning-rate gain); use policy topk, fraction or soft, "
+                f"or set content_weight to 0")
         if rows is None:
             raise ConfigError(
                 f"selection.content_weight={weight} needs the target documents' tokens "

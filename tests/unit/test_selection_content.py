@@ -119,7 +119,14 @@ def test_bad_content_settings_fail_at_start(tmp_path):
         model, SelectionConfig(target_store=str(tmp_path), projection=proj), None)
     assert unset.content_weight == 0.0
     unset.close()
-    docs = OnlineSelector.for_target_data(model, SelectionConfig(), {"input_ids": ids,
-                                                                   "labels": ids})
+    target = {"input_ids": ids, "labels": ids}
+    docs = OnlineSelector.for_target_data(model, SelectionConfig(), target)
     assert docs.content_weight == 1.0  # the default with target documents
     docs.close()
+    for policy in ("threshold", "greats"):  # they read the scores' scale: off by default
+        sel = OnlineSelector.for_target_data(model, SelectionConfig(policy=policy), target)
+        assert sel.content_weight == 0.0
+        sel.close()
+        with pytest.raises(ConfigError, match=f"policy='{policy}' cannot use"):
+            OnlineSelector.for_target_data(
+                model, SelectionConfig(policy=policy, content_weight=1.0), target)
