@@ -51,7 +51,8 @@ class Spill:
     Args:
         batches: the stream (any iterable; read exactly once, lazily, on first iteration).
         dir: parent of the temporary folder (default: the system's temporary folder).
-        memory_bytes: gradient bytes kept in memory; later batches go to disk (0: all).
+        memory_bytes: gradient bytes kept in memory (on the device the batches come on);
+            later batches go to disk (0: every batch to disk).
     """
 
     def __init__(self, batches: Iterable[GradBatch], dir: str | None = None,
