@@ -229,15 +229,11 @@ def run(setup: Setup, sc: SelectionConfig, seed: int, steps: int, eval_every: in
             batch = setup.pool.batch(idx[mb])
             ids = [setup.pool.docs[i].id for i in idx[mb].tolist()]
             sel = selector.select(batch, micro, step, user_ids=ids)
-            if domain is not None:
+            if domain is not None or content is not None:  # a diagnostic replaces the choice
                 gen = torch.Generator().manual_seed(seed * 100003 + step * 7 + mb)
                 pick = domain_choice([setup.sources[int(i)] for i in idx[mb]], domain, micro,
-                                     sc.uniform_mix, gen)
-                sel = replace(sel, indices=pick,
-                              batch={n: v[pick] for n, v in batch.items()})
-            if content is not None:
-                gen = torch.Generator().manual_seed(seed * 100003 + step * 7 + mb)
-                pick = ngram_choice(content, batch, micro, sc.uniform_mix, gen)
+                                     sc.uniform_mix, gen) if domain is not None else \
+                    ngram_choice(content, batch, micro, sc.uniform_mix, gen)
                 sel = replace(sel, indices=pick,
                               batch={n: v[pick] for n, v in batch.items()})
             if diagnose_every and mb == 0 and step % diagnose_every == 0:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from dattri_ds.selection.smoothing import ngram_features
+from dattri_ds.selection.smoothing import NGRAM_DIM, ngram_features
 
 __all__ = ["ContentPrior", "DEFAULT_CONTENT_WEIGHT", "SCALED_POLICIES", "standardize",
            "with_content"]
@@ -52,7 +52,7 @@ class ContentPrior:
         dim: hash buckets (``ngram_features``).
     """
 
-    def __init__(self, target: dict[str, torch.Tensor], dim: int = 2048) -> None:
+    def __init__(self, target: dict[str, torch.Tensor], dim: int = NGRAM_DIM) -> None:
         self.dim = dim
         t = self._counts(target["input_ids"], target.get("attention_mask")).sum(0)
         self._log_target = torch.log((t + 1) / (t.sum() + dim))
@@ -65,7 +65,10 @@ class ContentPrior:
     def scores(self, input_ids: torch.Tensor, valid: torch.Tensor | None = None
                ) -> torch.Tensor:
         """``[C]`` mean log-ratio per candidate; the candidates join the stream counts first."""
-        c = self._counts(input_ids, valid)
+        return self.scores_of_counts(self._counts(input_ids, valid))
+
+    def scores_of_counts(self, c: torch.Tensor) -> torch.Tensor:
+        """``scores`` on the candidates' raw ``ngram_features`` counts ``c`` ``[C, dim]``."""
         self._stream += c.sum(0)
         log_stream = torch.log((self._stream + 1) / (self._stream.sum() + self.dim))
         return (c @ (self._log_target - log_stream)) / c.sum(1).clamp_min(1)

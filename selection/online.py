@@ -44,7 +44,7 @@ from dattri_ds.selection.policy import cap_repeats, choose, fill_uniform
 from dattri_ds.selection.contrast import ContrastTarget, PoolSample
 from dattri_ds.selection.precondition import PreconditionedTarget, second_moments
 from dattri_ds.selection.scorer import alignment_scores, redundancy_gram
-from dattri_ds.selection.smoothing import NeighborSmoother
+from dattri_ds.selection.smoothing import NGRAM_DIM, NeighborSmoother, ngram_features, unit_rows
 from dattri_ds.selection.content import (
     DEFAULT_CONTENT_WEIGHT, SCALED_POLICIES, ContentPrior, with_content,
 )
@@ -508,12 +508,16 @@ class OnlineSelector:
     def _ranked(self, batch: Batch, scores: torch.Tensor) -> torch.Tensor:
         """What the policy ranks: ``scores`` after neighbour smoothing
         (``smooth_neighbors``), combined with the content prior (``content_weight``)."""
+        if self._smoother is None and self._content is None:
+            return scores
         ids = batch["input_ids"]
-        valid = batch.get("attention_mask", torch.ones_like(ids))
-        ranked = scores if self._smoother is None else self._smoother.smooth(ids, valid, scores)
+        counts = ngram_features(ids, batch.get("attention_mask", torch.ones_like(ids)),
+                                NGRAM_DIM, normalize=False)  # hashed once for both
+        ranked = scores if self._smoother is None else \
+            self._smoother.smooth_features(unit_rows(counts), scores)
         if self._content is None:
             return ranked
-        return with_content(ranked, self._content.scores(ids, valid), self.content_weight)
+        return with_content(ranked, self._content.scores_of_counts(counts), self.content_weight)
 
     def _select_random(self, batch: Batch, k: int, step: int,
                        user_ids: list[str] | None) -> Selection:

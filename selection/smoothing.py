@@ -19,12 +19,20 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ngram_features", "NeighborSmoother"]
+__all__ = ["NGRAM_DIM", "ngram_features", "unit_rows", "NeighborSmoother"]
 
 _P1, _P2, _P3 = 1_000_003, 998_244_353, 911_382_323
 
+NGRAM_DIM = 2048
+"""Hash buckets of ``ngram_features`` (smoothing and the content prior share them)."""
 
-def ngram_features(input_ids: torch.Tensor, valid: torch.Tensor, dim: int = 2048,
+
+def unit_rows(x: torch.Tensor) -> torch.Tensor:
+    """Rows scaled to unit norm (zero rows stay zero)."""
+    return x / x.norm(dim=1, keepdim=True).clamp_min(1e-12)
+
+
+def ngram_features(input_ids: torch.Tensor, valid: torch.Tensor, dim: int = NGRAM_DIM,
                    normalize: bool = True) -> torch.Tensor:
     """``[C, dim]`` unit-norm hashed counts of each row's valid unigrams and bigrams.
 
@@ -43,7 +51,7 @@ def ngram_features(input_ids: torch.Tensor, valid: torch.Tensor, dim: int = 2048
     if ids.shape[1] > 1:
         bi = (ids[:, :-1] * _P2 + ids[:, 1:] * _P3) % dim
         out.scatter_add_(1, bi, (ok[:, :-1] & ok[:, 1:]).float())
-    return out / out.norm(dim=1, keepdim=True).clamp_min(1e-12) if normalize else out
+    return unit_rows(out) if normalize else out
 
 
 class NeighborSmoother:
@@ -55,7 +63,7 @@ class NeighborSmoother:
         dim: feature buckets of ``ngram_features``.
     """
 
-    def __init__(self, k: int, memory: int, dim: int = 2048) -> None:
+    def __init__(self, k: int, memory: int, dim: int = NGRAM_DIM) -> None:
         self.k, self.memory, self.dim = k, memory, dim
         self._feats = torch.zeros(0, dim)
         self._scores = torch.zeros(0)
@@ -64,7 +72,10 @@ class NeighborSmoother:
                scores: torch.Tensor) -> torch.Tensor:
         """``[C]`` smoothed scores of this batch's candidates (``scores`` on CPU, float);
         the batch then joins the memory."""
-        f = ngram_features(input_ids, valid, self.dim)
+        return self.smooth_features(ngram_features(input_ids, valid, self.dim), scores)
+
+    def smooth_features(self, f: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """``smooth`` on the candidates' unit-norm ``ngram_features`` ``f`` ``[C, dim]``."""
         s = scores.detach().float().cpu()
         feats, vals = torch.cat([f, self._feats]), torch.cat([s, self._scores])
         sim = f @ feats.T  # [C, C + M]; a row's own column (similarity 1) comes first
