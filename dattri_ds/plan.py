@@ -27,7 +27,8 @@ weight, ``s = R`` when the state is sharded by the ZeRO stage, else 1):
 | projections | per layer ``ProjectionKind.matrix_bytes``: Kronecker ``(ko O + ki I) 4``;   |
 |             | dense ``k I O 4``; sparse ``12 s I O`` (int64 row + fp32 value per non-zero); |
 |             | auto: the kind ``ops.cost.choose_projection`` picks for the layer          |
-| kfac        | ``(I^2 + O^2) 4`` per layer, twice with eigenvectors (EK-FAC adds ``I O 4``) |
+| kfac        | ``(I^2 + O^2) 4`` per layer, twice with eigenvectors (EK-FAC adds ``I O 4``); |
+|             | norms ``12 W^2`` (exact block, ``W <= KFACConfig.full_max``) or ``12 W``     |
 | runtime     | the framework's resident size (the device's ``runtime_bytes``)       |
 
 Offloading the optimizer moves master, grads' fp32 copy and optimizer states to the host;
@@ -54,6 +55,7 @@ from typing import Any, Literal
 from dattri_ds.errors import ConfigError
 from dattri_ds.layers.base import LayerDims
 from dattri_ds.ops.cost import CostModel, Roofline, choose_projection
+from dattri_ds.ops.kronecker import KFACConfig
 from dattri_ds.ops.projection import KINDS, kron_dims, projection_kind
 
 __all__ = ["DeviceSpec", "DEVICES", "ModelShape", "LayerShape", "RunSpec", "Plan", "plan",
@@ -517,7 +519,17 @@ def _capture_terms(m: ModelShape, s: RunSpec, rows: int) -> dict[str, float]:
             kfac += 2 * (L.I ** 2 + L.O ** 2) * 4 * L.count
             if s.method == "ekfac":
                 kfac += L.I * L.O * 4 * L.count
+        elif s.method in ("kfac", "ekfac") and L.kind == "norm":
+            kfac += _norm_factor_bytes(L.I * L.O) * L.count
     return {"factors": f["grads"] + f["dense"], "projections": proj, "kfac": kfac}
+
+
+def _norm_factor_bytes(width: int) -> int:
+    """A norm layer's curvature factors: its exact ``[W, W]`` Fisher block (fp32 sums and
+    the float64 eigenbasis) up to ``KFACConfig.full_max``, else the diagonal."""
+    if width <= KFACConfig().full_max:
+        return width * width * (4 + 8)
+    return width * (4 + 8)
 
 
 def _width(m: ModelShape, k: int, kind: str = "kronecker") -> int:

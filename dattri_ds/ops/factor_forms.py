@@ -8,8 +8,12 @@ looked up once per layer in the registry (``get_form(name)``):
   ``[o, o]``; rotation ``Q_S^T G Q_A``.
 * ``kron_index`` (embeddings with index inputs): ``A = diag(token counts) / M`` kept as a
   vector ``[i]``, ``Q_A = I``; rotation ``Q_S^T G``.
-* ``diagonal`` (dense-only kinds: layernorm/rmsnorm): ``F ~ diag((1/N) sum_b v_b^2)`` on the
-  captured row ``v_b`` ``[W]``; no rotation, K-FAC and EK-FAC coincide.
+* ``full`` (dense-only kinds, e.g. layernorm/rmsnorm, with ``W <= KFACConfig.full_max``):
+  the exact empirical Fisher block ``F = (1/N) sum_b v_b v_b^T`` ``[W, W]`` of the captured
+  row ``v_b``; rotation ``v Q``. In its own eigenbasis the EK-FAC correction equals the
+  eigenvalues, so K-FAC and EK-FAC coincide (and both are exact for the block).
+* ``diagonal`` (dense-only kinds wider than ``full_max``): ``F ~ diag((1/N) sum_b v_b^2)``;
+  no rotation, K-FAC and EK-FAC coincide.
 
 A new form is one subclass ``class MyForm(FactorForm, name="my_form")``; the factors
 object never branches on the form name.
@@ -27,7 +31,8 @@ from dattri_ds.gradient import Factorized
 from dattri_ds.layers.base import get_kind
 from dattri_ds.ops.gram import add_gram_
 
-__all__ = ["FactorForm", "KronForm", "IndexForm", "DiagonalForm", "get_form", "LAM_KEYS"]
+__all__ = ["FactorForm", "KronForm", "IndexForm", "FullForm", "DiagonalForm", "get_form",
+           "LAM_KEYS"]
 
 #: EK-FAC sums: corrected eigenvalue sums ``[o, i]`` and their example count.
 LAM_KEYS = ("lam", "lam_examples")
@@ -154,6 +159,39 @@ class IndexForm(KronForm, name="kron_index"):
 
     def unrotate(self, eig, r, dtype):
         return _cast(eig["q_s"], dtype) @ r
+
+
+class FullForm(FactorForm, name="full"):
+    """Dense-only kinds of small width: the exact Fisher block ``[W, W]`` (no correction).
+
+    On ``tools/lds.py`` (5 seeds, two query sets) the diagonal approximation of the norm
+    layers cost EK-FAC 0.009-0.016 LDS against dropping those layers; their exact block
+    recovers it (README, issue 14).
+    """
+
+    cov_keys = ("f", "examples")
+    lam_keys = ()
+    factorized = False
+
+    def shapes(self, o, i):
+        return {"f": (i, i)}
+
+    def accumulate(self, sums, v, mask, dtype):
+        add_gram_(sums["f"], v.to(dtype))
+        sums["examples"] += v.shape[0]
+
+    def eigendecompose(self, sums):
+        l, q = _eigh(sums["f"].double() / sums["examples"].clamp_min(1))
+        return {"l": l, "q": q}
+
+    def kfac_eigenvalues(self, eig):
+        return eig["l"].view(1, -1)
+
+    def rotate(self, kind, eig, x, dims, dtype):
+        return (_cast(x, dtype) @ _cast(eig["q"], dtype)).view(-1, *dims)
+
+    def unrotate(self, eig, r, dtype):
+        return r @ _cast(eig["q"], dtype).T
 
 
 class DiagonalForm(FactorForm, name="diagonal"):
