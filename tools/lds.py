@@ -12,7 +12,8 @@ layer to k, as a store holds them; curvature factors stay exact and the query is
 preconditioned exactly, then projected), ``logra:k`` (Kronecker projection with the factors
 fitted in the projected space), ``whitened-<kind>:k`` (rows whitened by the curvature
 factors, then projected: what ``collect --whiten`` stores). Curvature methods run at each
-``--dampings`` value on the exact setting (projected settings at the first). ``tfidf``
+``--dampings`` x ``--powers`` value on the exact setting (projected settings at the
+first of each). ``tfidf``
 (TF-IDF of character n-grams of the text each row holds, ``dattri_ds.eval.tfidf_scores``)
 is the model-free text-overlap baseline of the issue-14 benchmark.
 The same model is then retrained from the same initialization on S random half subsets,
@@ -24,7 +25,7 @@ Usage::
 
     python tools/lds.py [--quick] [--out runs/lds] [--seed 1] [--dampings 0.1,0.01] ...
 
-The fidelity-cost table (method, projection, damping, LDS mean +- std over queries,
+The fidelity-cost table (method, projection, damping, power, LDS mean +- std over queries,
 single-thread CPU seconds, fp32 bytes per stored training row, Pearson r of the scores with
 the same method's exact scores,
 ``*`` = best at its cost: no row has a higher LDS for fewer CPU
@@ -64,7 +65,7 @@ from dattri_ds import (
     collect, make_attributor,
 )
 from dattri_ds.data import (
-    Document, TokenizedDocuments, build_model, load_documents, source_counts,
+    Document, TokenizedDocuments, build_model, load_documents, load_model_config, source_counts,
     tokenize_documents, train_tokenizer,
 )
 from dattri_ds.eval import lds, predicted, retrain_losses, subset_masks, tfidf_scores
@@ -89,6 +90,8 @@ CURVATURE_ONLY = ("logra",) + tuple(f"whitened-{k}" for k in KINDS)
 MODEL = {"model_type": "gpt2", "n_layer": 2, "n_head": 4, "n_embd": 64, "n_positions": 64,
          "activation_function": "gelu_new", "resid_pdrop": 0.0, "embd_pdrop": 0.0,
          "attn_pdrop": 0.0, "tie_word_embeddings": False}
+#: Query sets of ``--queries`` (``load_data``).
+QUERY_SETS = ("target", "heldout")
 PRESETS = {
     "default": dict(n_train=128, subsets=32, seeds=2, epochs=6,
                     projections="exact,sparse:1024,whitened-sparse:4096,logra:1024"),
@@ -119,6 +122,17 @@ def build_parser() -> argparse.ArgumentParser:
              default=8, help="Hamlet queries")
     add_flag(p, "--n-code", int, ge=0,
              default=2, help="code queries")
+    p.add_argument("--queries", choices=QUERY_SETS, default="target",
+                   help="target: --n-hamlet Hamlet chunks and --n-code code functions (out "
+                   "of the training distribution); heldout: --n-heldout documents of the "
+                   "pool that are not trained on (in distribution, all sources)")
+    add_flag(p, "--n-heldout", int, ge=1,
+             default=10, help="held-out queries (--queries heldout)")
+    p.add_argument("--model-config", default=None,
+                   help="JSON model config (dattri_ds.data.build_model: gpt2 or llama, e.g. "
+                   "configs/model_llama_tiny.json) instead of the built-in 2 x 64 GPT-2")
+    p.add_argument("--tie-embeddings", action="store_true",
+                   help="tie the output projection to the token embedding (GPT-2's default)")
     add_flag(p, "--seq-len", int, ge=1,
              default=64, help="tokens per document (T)")
     add_flag(p, "--vocab-size", int, ge=1,
@@ -135,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated relative dampings of the curvature methods, all "
                         "run on the exact setting; projected settings use the first "
                         "(default: the library default KFACConfig().damping)")
+    p.add_argument("--powers", default=None,
+                   help="comma-separated exponents of the curvature inverse "
+                        "(KFACConfig.power), crossed with --dampings on the exact setting "
+                        "(default: the library default)")
     add_flag(p, "--repeats", int, ge=1, default=1,
              help="run seeds --seed .. --seed+R-1 into <out>/seed<s>/ (a finished "
              "seed with the same settings is reused) and tabulate mean +- s.e.")
@@ -161,6 +179,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(str(e))
     args.dampings = ([float(d) for d in args.dampings.split(",") if d.strip()]
                      if args.dampings else [None])
+    args.powers = ([float(d) for d in args.powers.split(",") if d.strip()]
+                   if args.powers else [None])
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for name in ("seeds", "epochs", "checkpoints", "n_train"):
         if getattr(args, name) < 1:
@@ -179,11 +199,26 @@ def evenly_spaced(docs: list[Document], k: int) -> list[Document]:
     return [docs[(2 * i + 1) * len(docs) // (2 * k)] for i in range(k)]
 
 
+def model_config(args: argparse.Namespace) -> dict:
+    """The benchmark's model: ``MODEL`` or ``--model-config``; ``--tie-embeddings`` ties."""
+    config = MODEL if args.model_config is None else load_model_config(args.model_config)
+    return {**config, **({"tie_word_embeddings": True} if args.tie_embeddings else {})}
+
+
 def load_data(args: argparse.Namespace):
     """Tokenizer, training documents ``[N, T]`` and queries ``[Q, T]``."""
     pool = load_documents(ROOT / "data/tiny/train.jsonl")
-    queries = (evenly_spaced(load_documents(ROOT / "data/tiny/target.jsonl"), args.n_hamlet)
-               + evenly_spaced(load_documents(ROOT / "data/target/code.jsonl"), args.n_code))
+    if args.queries == "heldout":
+        rest = pool[args.n_train:]
+        if not rest:
+            raise SystemExit(f"--queries heldout needs documents beyond --n-train "
+                             f"{args.n_train}: the pool holds {len(pool)}")
+        queries = evenly_spaced(rest, args.n_heldout)
+    else:
+        queries = (evenly_spaced(load_documents(ROOT / "data/tiny/target.jsonl"),
+                                 args.n_hamlet)
+                   + evenly_spaced(load_documents(ROOT / "data/target/code.jsonl"),
+                                   args.n_code))
     tok = train_tokenizer([d.text for d in pool], vocab_size=args.vocab_size,
                           cache_dir=args.cache_dir)
     ds = tokenize_documents(pool[:args.n_train], tok, args.seq_len)
@@ -260,7 +295,8 @@ def setting_name(setting: tuple[str | None, int]) -> str:
 
 
 def attribute(method: str, setting: tuple[str | None, int], grads: list[dict],
-              args: argparse.Namespace, damping: float | None = None) -> torch.Tensor:
+              args: argparse.Namespace, damping: float | None = None,
+              power: float | None = None) -> torch.Tensor:
     """``[N, Q]`` scores of one method and projection setting, from captures.
 
     ``grads`` holds one ``{"train", "query", "lr"}`` capture per checkpoint; the last is
@@ -279,7 +315,8 @@ def attribute(method: str, setting: tuple[str | None, int], grads: list[dict],
     inner = method.removesuffix("-trajectory")
     curvature = inner in ("kfac", "ekfac")
     used = grads if method == "tracin" or method.endswith("-trajectory") else grads[-1:]
-    config = KFACConfig() if damping is None else KFACConfig(damping=damping)
+    config = KFACConfig(**{k: v for k, v in (("damping", damping), ("power", power))
+                           if v is not None})
 
     def space(batches: list[GradBatch]) -> list[GradBatch]:
         return [project_batch(b, proj) for b in batches] if proj is not None else batches
@@ -337,7 +374,8 @@ def _opt(x: float | None, fmt: str) -> str:
 
 #: Columns every table shares before its statistics: (header, row -> cell).
 _KEY_COLUMNS = [("method", lambda r: r["method"]), ("projection", lambda r: r["projection"]),
-                ("damping", lambda r: _opt(r["damping"], "g"))]
+                ("damping", lambda r: _opt(r["damping"], "g")),
+                ("power", lambda r: _opt(r.get("power"), "g"))]
 _TAIL_COLUMNS = [("bytes/row", lambda r: str(r.get("bytes_per_row") or "-")),
                  ("r vs exact", lambda r: _opt(r["r_vs_exact"], ".3f")),
                  ("", lambda r: ("*" if r["best_at_cost"] else "")
@@ -409,11 +447,12 @@ def text_of(ds: TokenizedDocuments, tok) -> list[str]:
 
 def score_all(grads: list[dict], args: argparse.Namespace,
               texts: tuple[list[str], list[str]] | None = None) -> dict:
-    """``{(method, setting, damping): (scores [N, Q], CPU seconds)}``.
+    """``{(method, setting, damping, power): (scores [N, Q], CPU seconds)}``.
 
     CPU seconds (``time.process_time``, single-threaded with ``--threads 1``) include the
     captures the method reads. ``logra`` settings apply to curvature methods only; every
-    ``--dampings`` value runs on the exact setting, projected settings use the first.
+    ``--dampings`` x ``--powers`` value runs on the exact setting, projected settings use the
+    first of each.
     ``BASELINES`` (exact setting only) score ``texts = (train texts, query texts)``.
     """
     scores: dict[tuple[str, str, float | None], tuple[torch.Tensor, float]] = {}
@@ -423,23 +462,28 @@ def score_all(grads: list[dict], args: argparse.Namespace,
                 if setting[0] is None and texts is not None:
                     t0 = time.process_time()
                     values = tfidf_scores(*texts).float()
-                    scores[(method, "exact", None)] = (values, time.process_time() - t0)
+                    scores[(method, "exact", None, None)] = (values, time.process_time() - t0)
                 continue
             curvature = method in CURVATURE
             if setting[0] in CURVATURE_ONLY and not curvature:
                 continue
-            dampings = args.dampings if setting[0] is None else args.dampings[:1]
-            for damping in (dampings if curvature else [None]):
+            exact = setting[0] is None
+            combos = ([(d, p) for d in (args.dampings if exact else args.dampings[:1])
+                       for p in (args.powers if exact else args.powers[:1])]
+                      if curvature else [(None, None)])
+            for damping, power in combos:
                 t0 = time.process_time()
-                values = attribute(method, setting, grads, args, damping)
+                values = attribute(method, setting, grads, args, damping, power)
                 used = grads if method == "tracin" or method.endswith("-trajectory") \
                     else grads[-1:]
                 seconds = time.process_time() - t0 + sum(g["seconds"] for g in used)
-                if curvature and damping is None:
-                    damping = KFACConfig().damping
-                scores[(method, setting_name(setting), damping)] = (values, seconds)
-                logger.info("%-16s %-14s damping %-6s scores %s in %.2f CPU s", method,
-                            setting_name(setting), damping, list(values.shape), seconds)
+                if curvature:
+                    damping = KFACConfig().damping if damping is None else damping
+                    power = KFACConfig().power if power is None else power
+                scores[(method, setting_name(setting), damping, power)] = (values, seconds)
+                logger.info("%-16s %-14s damping %-6s power %-5s scores %s in %.2f CPU s",
+                            method, setting_name(setting), damping, power, list(values.shape),
+                            seconds)
     return scores
 
 
@@ -471,8 +515,9 @@ def main(argv: list[str] | None = None) -> dict:
 
 #: The arguments that define a benchmark run (a saved seed with equal values is reused).
 SETTINGS = ("n_train", "subsets", "seeds", "epochs", "projections", "methods", "fraction",
-            "n_hamlet", "n_code", "seq_len", "vocab_size", "batch_size", "optimizer", "lr",
-            "checkpoints", "dampings")
+            "n_hamlet", "n_code", "queries", "n_heldout", "model_config", "tie_embeddings",
+            "seq_len", "vocab_size", "batch_size", "optimizer", "lr", "checkpoints", "dampings",
+            "powers")
 
 
 def _settings(args: dict) -> str:
@@ -485,7 +530,7 @@ def summarize(reports: list[dict], out: Path) -> dict:
     """Mean +- standard error over seeds of every row's LDS, share of exact and CPU seconds.
 
     ``pct_exact`` is the ratio of a row's mean LDS to the mean LDS of the same method's
-    exact row at the same damping; ``best_at_cost`` compares the seed means.
+    exact row at the same damping and power; ``best_at_cost`` compares the seed means.
     Writes ``<out>/lds.md`` and ``<out>/lds.json``.
     """
     def mean_se(xs: list[float]) -> tuple[float, float]:
@@ -495,16 +540,18 @@ def summarize(reports: list[dict], out: Path) -> dict:
 
     groups: dict[tuple, list[dict]] = {}
     for rep in reports:
-        by_key = {(r["method"], r["projection"], r["damping"]): r for r in rep["results"]}
+        by_key = {(r["method"], r["projection"], r["damping"], r.get("power")): r
+                  for r in rep["results"]}
         for key, r in by_key.items():
             groups.setdefault(key, []).append(r)
     means = {key: mean_se([r["lds_mean"] for r in rs])[0] for key, rs in groups.items()}
     rows = []
-    for (method, setting, damping), rs in groups.items():
+    for (method, setting, damping, power), rs in groups.items():
         lm, ls = mean_se([r["lds_mean"] for r in rs])
         tm, ts = mean_se([r["time_s"] for r in rs])
-        exact = means.get((method, "exact", damping))
+        exact = means.get((method, "exact", damping, power))
         rows.append({"method": method, "projection": setting, "damping": damping,
+                     "power": power,
                      "lds_mean": lm, "lds_se": ls, "time_s": tm, "time_se": ts,
                      "pct_exact": None if not exact else lm / exact,
                      "bytes_per_row": rs[0].get("bytes_per_row"), "seeds": len(rs),
@@ -542,7 +589,7 @@ def run_one(args: argparse.Namespace) -> dict:
     logger.info("%d training documents %s, %d queries (%s); T=%d, vocab %d", len(ds),
                 source_counts(ds.docs), len(qds), ", ".join(qds.ids), args.seq_len,
                 tok.vocab_size)
-    init = build_model(MODEL, tokenizer=tok, seed=args.seed)
+    init = build_model(model_config(args), tokenizer=tok, seed=args.seed)
     train = make_trainer(init, ds, args)
     states, full_loss = full_run(train, init, ds, qds, args)
     grads = capture_checkpoints(states, copy.deepcopy(init), ds, qds)
@@ -560,18 +607,19 @@ def run_one(args: argparse.Namespace) -> dict:
     agree = lds(per_seed[0], per_seed[1]) if args.seeds > 1 else None
 
     rows = []
-    for (method, setting, damping), (values, seconds) in scores.items():
+    for (method, setting, damping, power), (values, seconds) in scores.items():
         res = lds(predicted(values, masks), actual)
-        exact = scores.get((method, "exact", damping))
+        exact = scores.get((method, "exact", damping, power))
         r_exact = None if exact is None else float(
             torch.corrcoef(torch.stack([values.flatten(), exact[0].flatten()]).double())[0, 1])
         rows.append({"method": method, "projection": setting, "damping": damping,
-                     "lds_mean": res.mean, "lds_std": res.std, "time_s": round(seconds, 3),
+                     "power": power, "lds_mean": res.mean, "lds_std": res.std, "time_s": round(seconds, 3),
                      "r_vs_exact": r_exact,
                      "bytes_per_row": None if method in BASELINES
                      else row_bytes(shapes, parse_setting(setting)),
                      "default": (method == DEFAULT_METHOD and setting == "exact"
-                                 and damping == KFACConfig().damping),
+                                 and damping == KFACConfig().damping
+                                 and power == KFACConfig().power),
                      "per_query": [round(float(r), 4) for r in res.per_query]})
     frontier(rows)
     md = table(rows)
@@ -582,7 +630,7 @@ def run_one(args: argparse.Namespace) -> dict:
                  f"{agree.std:.3f}")
     print(f"\n{head}\n{md}")
     report = {
-        "args": vars(args), "head": head, "model": MODEL, "tokenizer": tok.fingerprint,
+        "args": vars(args), "head": head, "model": model_config(args), "tokenizer": tok.fingerprint,
         "train_ids": ds.ids, "query_ids": qds.ids, "results": rows,
         "full_model_query_loss": full_loss.tolist(),
         "retrained_query_loss": actual.tolist(), "masks": masks.int().tolist(),

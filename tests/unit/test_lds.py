@@ -168,3 +168,24 @@ def test_summary_over_seeds_is_mean_and_standard_error(tmp_path):
     assert rows["sparse:4"]["pct_exact"] == pytest.approx(0.5 / 0.6)
     assert rows["exact"]["best_at_cost"] and rows["sparse:4"]["best_at_cost"]
     assert out["seeds"] == [0, 1] and (tmp_path / "lds.md").is_file()
+
+
+def test_query_sets_and_model_options():
+    """--queries heldout takes documents of the pool that are not trained on (all sources);
+    --model-config builds that architecture and --tie-embeddings ties its output layer.
+    Breaks if a held-out query leaks into the training prefix or the flags are ignored."""
+    mod = _tool()
+    args = mod.parse_args(["--queries", "heldout", "--n-heldout", "7", "--n-train", "64",
+                           "--vocab-size", "128"])
+    _, ds, qds = mod.load_data(args)
+    assert len(qds) == 7 and not set(qds.ids) & set(ds.ids) and len(ds) == 64
+    assert len({d.source for d in qds.docs}) > 1  # in distribution: several of the pool's sources
+    target = mod.parse_args(["--n-train", "64", "--vocab-size", "128"])
+    assert mod.model_config(target) == mod.MODEL and not mod.MODEL["tie_word_embeddings"]
+    llama = mod.parse_args(["--model-config", str(ROOT / "configs/model_llama_tiny.json"),
+                            "--tie-embeddings"])
+    cfg = mod.model_config(llama)
+    assert cfg["model_type"] == "llama" and cfg["tie_word_embeddings"] is True
+    assert mod._settings(vars(llama)) != mod._settings(vars(target))  # no stale seed reuse
+    with pytest.raises(SystemExit):
+        mod.parse_args(["--queries", "nope"])
