@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                    default=None,
                    help="relative or absolute damping (default: KFACConfig's)")
     p.add_argument("--damping-mode", choices=["relative", "absolute"], default=None)
+    p.add_argument("--power", type=field_flag(KFACConfig, "power", name="--power"),
+                   default=None, help="exponent of the curvature inverse (default: "
+                   "KFACConfig's)")
     p.add_argument("--kfac-only", action="store_true", help="skip the EK-FAC pass")
     add_flag(p, "--batch-size", int, ge=1, default=8)
     p.add_argument("--out", required=True, help="factors file (.pt, one checkpoint) or folder")
@@ -80,8 +83,8 @@ def _projection(args, tag: str):
 
 def _config(args):
     from dattri_ds import KFACConfig
-    given = {k: v for k, v in (("damping", args.damping), ("damping_mode", args.damping_mode))
-             if v is not None}
+    given = {k: v for k, v in (("damping", args.damping), ("damping_mode", args.damping_mode),
+                               ("power", args.power)) if v is not None}
     return KFACConfig(**given)
 
 

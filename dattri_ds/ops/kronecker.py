@@ -32,8 +32,10 @@ Forms, by layer kind (one strategy class each in ``ops/factor_forms.py``):
 * ``kron``: linear/conv1d (A dense ``[I', I']``).
 * ``kron_index``: embedding with index inputs: ``A = diag(token counts) / M`` kept as a
   vector ``[V]``, ``Q_A = I``.
-* ``diagonal``: dense-only kinds (layernorm/rmsnorm): ``F ~ diag((1/N) sum_b v_b^2)`` on the
-  captured row ``v_b`` (``[W]``, projected or not); K-FAC and EK-FAC coincide.
+* ``full``: dense-only kinds (layernorm/rmsnorm) with ``W <= KFACConfig.full_max``: the
+  exact Fisher block ``(1/N) sum_b v_b v_b^T`` of the captured row ``v_b`` (``[W]``,
+  projected or not); K-FAC and EK-FAC coincide.
+* ``diagonal``: wider dense-only kinds: ``F ~ diag((1/N) sum_b v_b^2)``; likewise.
 
 Projection (LoGra): with a Kronecker ``Projector``, ``a`` and ``g`` are projected per side
 before accumulation (``a' = P_in a``, ``g' = P_out g``), so the factors are exactly
@@ -95,12 +97,35 @@ class KFACConfig:
     """``relative``: ``lambda = damping * mean(eigenvalues)`` per layer; ``absolute``:
     ``lambda = damping``."""
 
+    power: float = field(default=0.8, metadata=bounds(gt=0, le=1))
+    """Exponent ``alpha`` of the curvature inverse: the query is preconditioned by
+    ``(F + lambda)^-alpha`` (whitened rows by ``(F + lambda)^-alpha/2``). 1 is the influence
+    function (the response of a model trained to convergence); below 1 the low-curvature
+    directions, in which a finite training run has not converged, are amplified less (0
+    would be grad-dot). Like the relative damping it depends on the fitted spectrum only
+    (deterministic, invariant to the loss scale).
+
+    The default 0.8 was chosen on ``tools/lds.py`` over four benchmarks (5 seeds each: out-
+    and in-distribution queries, GPT-2 and Llama, Adam and SGD; README, issue 14): against
+    1, the EK-FAC trajectory gains +0.017 to +0.021 LDS under Adam (>= 2.4 s.e. each) and
+    +0.082 under SGD; single-checkpoint EK-FAC stays within one s.e. under Adam (-0.011 to
+    +0.003) and gains +0.056 under SGD. 0.75 and 0.875 were each worse on two of the four."""
+
     dtype: Literal["float64", "float32"] = "float32"
     """Dtype of the factor and EK-FAC sums and of the eigenbasis rotations
     ``Q_S^T G Q_A`` (pass 2 and preconditioning). float32 halves memory and runs the
     rotations at float32 matmul speed; its scores equal float64's to float32 rounding
     (relative error ~1e-5, correlation 1 - 1e-10 on the tests' models). Eigendecompositions
     always run in float64; counts are always float64."""
+
+    full_max: int = field(default=1024, metadata=bounds(ge=0))
+    """Dense-only layers (layernorm/rmsnorm rows) of at most this many values get their
+    exact empirical Fisher block ``[W, W]`` (form ``full``: one float64 eigenbasis of
+    ``8 W^2`` bytes, 8 MiB at 1024); wider ones the diagonal (form ``diagonal``); 0 = always
+    diagonal. The diagonal ignores the strong correlations between a norm's gains and
+    biases; on ``tools/lds.py`` it cost EK-FAC 0.009-0.016 LDS that the exact block
+    recovers (README, issue 14). Large models' norms (W = hidden size, >= 2048) stay
+    diagonal: they hold a negligible share of the parameters."""
 
     def __post_init__(self) -> None:
         check(self, "kfac")  # types, choices and the damping range (dattri_ds/schema.py)
@@ -113,9 +138,9 @@ class LayerFactors:
     Attributes:
         name, kind, shape: as in LayerGrad (``shape`` is the canonical ``(O, I')``).
         projection: projection tag of the vectors these factors act on (None = unprojected).
-        form: ``kron``, ``kron_index`` or ``diagonal`` (module docstring).
+        form: ``kron``, ``kron_index``, ``full`` or ``diagonal`` (module docstring).
         dims: ``(o, i)`` of the working space: ``shape``, ``(ko, ki)`` when Kronecker
-            projected, ``(1, W)`` for ``diagonal``.
+            projected, ``(1, W)`` for ``full`` and ``diagonal``.
         sums: ``a`` (``[i, i]`` or ``[i]``), ``s`` ``[o, o]``, ``d`` ``[W]``, ``lam`` ``[o, i]``
             and the float64 counts ``tokens``, ``examples``, ``lam_examples``.
         eig: ``q_a``, ``l_a``, ``q_s``, ``l_s`` once eigendecomposed (float64).
@@ -197,8 +222,10 @@ class KFACFactors:
         p = self.projector
         if kind.dense_only:
             rows = self._dense_rows(lg)
-            return LayerFactors(lg.name, lg.kind, lg.shape, rows.projection, "diagonal",
-                                (1, rows.data.values.shape[1]))
+            width = rows.data.values.shape[1]
+            return LayerFactors(lg.name, lg.kind, lg.shape, rows.projection,
+                                "full" if width <= self.config.full_max else "diagonal",
+                                (1, width))
         if not lg.is_factorized:
             state = f"projected ({lg.projection})" if lg.projection else "unprojected dense"
             raise ShapeError(
@@ -367,13 +394,15 @@ class KFACFactors:
 
     # ---- preconditioning --------------------------------------------------------------
     def precondition(self, batch: GradBatch, method: str = "ekfac") -> GradBatch:
-        """``H^-1 g`` for every layer of a (query) batch: dense LayerGrads ``[Q, o*i]``."""
+        """``(H + lambda)^-alpha g`` (``KFACConfig.power``) for every layer of a (query) batch:
+        dense LayerGrads ``[Q, o*i]``."""
         layers = {n: self.precondition_layer(lg, method) for n, lg in batch.layers.items()}
         return GradBatch(batch.step, batch.sample_ids, layers, batch.micro_batch,
                          batch.token_counts)
 
     def precondition_layer(self, lg: LayerGrad, method: str = "ekfac") -> LayerGrad:
-        """One layer: ``Q_S [(Q_S^T G Q_A) / (eigenvalues + lambda)] Q_A^T`` -> Dense float32.
+        """One layer: ``Q_S [(Q_S^T G Q_A) / (eigenvalues + lambda)^alpha] Q_A^T`` -> Dense
+        float32 (``alpha = KFACConfig.power``).
 
         Args:
             lg: factorized or dense (projected as the factors are) query gradients.
@@ -391,10 +420,10 @@ class KFACFactors:
                          batch.token_counts)
 
     def whiten_layer(self, lg: LayerGrad, method: str = "ekfac") -> LayerGrad:
-        """``r = (Q_S^T G Q_A) / sqrt(eigenvalues + lambda)``: Dense ``[B, o*i]`` float32.
+        """``r = (Q_S^T G Q_A) / (eigenvalues + lambda)^(alpha/2)``: Dense ``[B, o*i]`` float32.
 
-        ``r`` is ``(F + lambda)^-1/2 vec(G)`` in the Kronecker eigenbasis (an orthogonal
-        change of coordinates), so ``<r_n, r_q> = <g_n, (F + lambda)^-1 g_q>``: influence as a
+        ``r`` is ``(F + lambda)^-alpha/2 vec(G)`` in the Kronecker eigenbasis (an orthogonal
+        change of coordinates), so ``<r_n, r_q> = <g_n, (F + lambda)^-alpha g_q>``: influence as a
         plain dot product of whitened rows. Random projections of whitened rows keep
         their JL error relative to ``|r_n| |r_q|`` (balanced), whereas projecting
         ``g_n`` against a preconditioned ``H^-1 g_q`` (dominated by low-curvature
@@ -412,8 +441,9 @@ class KFACFactors:
         ev = self._eigenvalues(lf, method)
         mean = ev.mean()
         lam = self.config.damping * (mean if self.config.damping_mode == "relative" else 1.0)
-        inv = torch.where(ev + lam > 0, 1.0 / (ev + lam).clamp_min(1e-300), 0.0)
-        inv = (inv.sqrt() if whiten else inv).to(self._dtype)
+        power = self.config.power / 2 if whiten else self.config.power
+        inv = torch.where(ev + lam > 0, (ev + lam).clamp_min(1e-300).pow(-power), 0.0)
+        inv = inv.to(self._dtype)
         x = self._prepare(lf, lg)
         o, i = lf.dims
         out = torch.empty(lg.batch_size, o * i, dtype=COMPUTE_DTYPE, device=inv.device)

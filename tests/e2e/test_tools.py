@@ -158,7 +158,7 @@ def test_tracin_and_ekfac_match_independent_references(run_dir, tmp_path):
     damping = 1e9
     fit.main(["--run", str(run_dir), "--data", TINY, "--max-docs", "6", "--store",
               str(grads / "step4"), "--damping", str(damping), "--damping-mode", "absolute",
-              "--out", str(tmp_path / "f.pt")])
+              "--power", "1", "--out", str(tmp_path / "f.pt")])
     attribute.main([*base, "--method", "ekfac", "--factors", str(tmp_path / "f.pt"), "--out",
                     str(tmp_path / "ekfac")])
     ek = np.load(tmp_path / "ekfac/scores.npy")

@@ -163,7 +163,9 @@ def _rows(batch) -> list[torch.Tensor]:
 
 
 def _assert_nested_close(x, y, path="factors"):
-    if torch.is_tensor(x):
+    if isinstance(x, dict) and any(k.startswith("q") and "l" + k[1:] in x for k in x):
+        _assert_eigenbasis_close(x, y, path)
+    elif torch.is_tensor(x):
         assert torch.allclose(x.double(), y.double(), rtol=1e-4, atol=1e-6), path
     elif isinstance(x, dict):
         assert set(x) == set(y), path
@@ -174,6 +176,21 @@ def _assert_nested_close(x, y, path="factors"):
             _assert_nested_close(a, b, f"{path}[{i}]")
     else:
         assert x == y, path
+
+
+def _assert_eigenbasis_close(x, y, path):
+    """An eigendecomposition ``{"l<s>": values, "q<s>": vectors}``: equal values and equal
+    ``Q diag(l) Q^T`` (eigenvectors of a repeated eigenvalue, e.g. the null space of a
+    rank-deficient Fisher block, are any basis of their space)."""
+    assert set(x) == set(y), path
+    for k in x:
+        if not (k.startswith("q") and "l" + k[1:] in x):
+            _assert_nested_close(x[k], y[k], f"{path}.{k}")
+            continue
+        lk = "l" + k[1:]
+        rx, ry = ((d[k].double() * d[lk].double()) @ d[k].double().T for d in (x, y))
+        assert torch.allclose(rx, ry, rtol=1e-4, atol=1e-6 * float(rx.abs().max())), \
+            f"{path}.{k}"
 
 
 def test_attribute_per_token_and_report_colours(tmp_path):
