@@ -1,6 +1,7 @@
 """K-FAC / EK-FAC influence: the query is preconditioned by the inverse layer curvature.
 
-``score[n, q] = <g_n, (F + lambda)^-1 g_q>`` per layer, summed over layers (block-diagonal
+``score[n, q] = <g_n, (F + lambda)^-p g_q>`` per layer (``p = KFACConfig.power``, 1 = the
+classical influence function, default 0.8), summed over layers (block-diagonal
 over layers), with ``F`` the Kronecker-factored empirical Fisher of ``ops/kronecker.py``
 (``kfac``: eigenvalues ``l_S l_A^T``; ``ekfac``: corrected eigenvalues). Positive = training
 on n lowers q's loss (``-d loss_q / d eps`` of upweighting n; ``methods.base``).
@@ -72,7 +73,7 @@ class KFAC(Attributor, name="kfac"):
     def train_rows(self, batch: GradBatch) -> GradBatch:
         """Training rows for ``whitened=True``: whitened, then projected with ``projector``.
 
-        ``score = <P r_n, P r_q>`` with ``r = (F + lambda)^-1/2 g`` in the eigenbasis
+        ``score = <P r_n, P r_q>`` with ``r = (F + lambda)^-p/2 g`` in the eigenbasis
         (``KFACFactors.whiten_layer``): the projection error stays at the JL level of the
         whitened rows. These rows are what a store for this method should hold.
         """

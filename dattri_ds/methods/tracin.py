@@ -12,7 +12,7 @@ Registered trajectories (one implementation, ``Trajectory``, differing in defaul
 
 * ``tracin``: inner ``graddot`` (``M_c = I``), lr-weighted.
 * ``ekfac-trajectory`` / ``kfac-trajectory``: inner ``ekfac`` / ``kfac`` with curvature
-  factors fitted at every checkpoint (``Checkpoint.factors``, ``M_c = (F_c + lambda_c)^-1``),
+  factors fitted at every checkpoint (``Checkpoint.factors``, ``M_c = (F_c + lambda_c)^-p``),
   normalized weights by default. Curvature fitted along the trajectory sees the directions the
   model moved in early, which the final checkpoint's (nearly converged) Fisher underweights;
   on the LDS benchmarks it is the most faithful method of the library (``tools/lds.py``).

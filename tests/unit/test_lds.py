@@ -189,3 +189,25 @@ def test_query_sets_and_model_options():
     assert mod._settings(vars(llama)) != mod._settings(vars(target))  # no stale seed reuse
     with pytest.raises(SystemExit):
         mod.parse_args(["--queries", "nope"])
+
+
+def test_frontier_ignores_ties_within_paired_noise(tmp_path):
+    """Over seeds, a row no slower that is higher by less than the paired standard error
+    does not push another row off the frontier; one higher by more does. Breaks if the
+    best-at-cost mark compares noisy means only."""
+    mod = _tool()
+
+    def rep(seed, a, b):
+        row = {"damping": 0.003, "default": False, "r_vs_exact": None, "bytes_per_row": 8,
+               "projection": "exact"}
+        return {"args": {"seed": seed}, "head": "h", "seed_agreement": None, "results": [
+            {**row, "method": "ekfac", "lds_mean": a, "time_s": 2.0},
+            {**row, "method": "kfac", "lds_mean": b, "time_s": 1.0}]}
+    tie = mod.summarize([rep(0, 0.50, 0.52), rep(1, 0.60, 0.59), rep(2, 0.55, 0.56)], tmp_path)
+    rows = {r["method"]: r for r in tie["results"]}
+    assert rows["kfac"]["lds_mean"] > rows["ekfac"]["lds_mean"]  # higher mean, cheaper ...
+    assert rows["ekfac"]["best_at_cost"]  # ... but within its paired s.e.: both on it
+    clear = mod.summarize([rep(0, 0.50, 0.56), rep(1, 0.60, 0.65), rep(2, 0.55, 0.61)],
+                          tmp_path)
+    rows = {r["method"]: r for r in clear["results"]}
+    assert rows["kfac"]["best_at_cost"] and not rows["ekfac"]["best_at_cost"]
