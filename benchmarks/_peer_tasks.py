@@ -239,7 +239,8 @@ def ds_ekfac(wl: Workload, clock: Clock) -> torch.Tensor:
     cfg = _ds_config(projected=False)
     with clock:
         with Spill(collect(wl.model, _ds_batches(wl.train), cfg), dir=wl.tmp) as train:
-            factors = fit_factors(train, config=KFACConfig(damping=DAMPING))
+            # kronfluence's estimator: the exact damped inverse (power 1, not our default)
+            factors = fit_factors(train, config=KFACConfig(damping=DAMPING, power=1.0))
             query = GradBatch.cat(list(collect(wl.model, _ds_batches(wl.query), cfg)))
             s = make_attributor("ekfac", factors=factors).scores(train, query).values
     return s

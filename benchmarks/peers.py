@@ -8,7 +8,8 @@ library's own Kronecker/LoGra projection) and three tasks:
 * ``graddot``: grad-dot scores ``[256, 16]`` end to end (collect train and query, score);
   ``dattri-ds exact`` is the unprojected (ghost-routed) path;
 * ``ekfac``: EK-FAC fit on the train set + scores (unprojected, damping 0.1 x mean
-  eigenvalue, empirical Fisher) for dattri-ds and kronfluence.
+  eigenvalue, power 1 = the exact damped inverse, empirical Fisher) for dattri-ds and
+  kronfluence.
 
 Every (library, task, width, threads) runs in a FRESH process (``--worker``) and reports
 CPU seconds (``time.process_time``, all threads) and wall seconds of its timed region and
