@@ -65,7 +65,8 @@ class CaptureConfig:
 
     whiten: Literal["kfac", "ekfac"] | None = None
     """Whiten every example by a checkpoint's curvature factors before projecting:
-    ``r = (F + lambda)^-p/2 g`` (``p = KFACConfig.power``) in the Kronecker eigenbasis (``KFACFactors.whiten``), so
+    ``r = (F + lambda)^-p/2 g`` (``p = KFACConfig.power``) in the Kronecker eigenbasis
+    (``KFACFactors.whiten``), so
     ``<P r_n, P r_q>`` is the K-FAC/EK-FAC influence up to the projection's JL error. The
     rows a projected store for ``kfac``/``ekfac`` (and their trajectories) should hold:
     they keep >= 90% of the exact LDS where projecting raw gradients keeps ~10%. Needs the

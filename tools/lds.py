@@ -626,7 +626,8 @@ def run_one(args: argparse.Namespace) -> dict:
         r_exact = None if exact is None else float(
             torch.corrcoef(torch.stack([values.flatten(), exact[0].flatten()]).double())[0, 1])
         rows.append({"method": method, "projection": setting, "damping": damping,
-                     "power": power, "lds_mean": res.mean, "lds_std": res.std, "time_s": round(seconds, 3),
+                     "power": power, "lds_mean": res.mean, "lds_std": res.std,
+                     "time_s": round(seconds, 3),
                      "r_vs_exact": r_exact,
                      "bytes_per_row": None if method in BASELINES
                      else row_bytes(shapes, parse_setting(setting)),

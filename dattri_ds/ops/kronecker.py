@@ -100,8 +100,8 @@ class KFACConfig:
     ``lambda = damping``."""
 
     power: float = field(default=0.8, metadata=bounds(gt=0, le=1))
-    """Exponent ``alpha`` of the curvature inverse: the query is preconditioned by
-    ``(F + lambda)^-alpha`` (whitened rows by ``(F + lambda)^-alpha/2``). 1 is the influence
+    """Exponent ``p`` of the curvature inverse: the query is preconditioned by
+    ``(F + lambda)^-p`` (whitened rows by ``(F + lambda)^-p/2``). 1 is the influence
     function (the response of a model trained to convergence); below 1 the low-curvature
     directions, in which a finite training run has not converged, are amplified less (0
     would be grad-dot). Like the relative damping it depends on the fitted spectrum only
@@ -110,8 +110,10 @@ class KFACConfig:
     The default 0.8 was chosen on ``tools/lds.py`` over four benchmarks (5 seeds each: out-
     and in-distribution queries, GPT-2 and Llama, Adam and SGD; README, issue 14): against
     1, the EK-FAC trajectory gains +0.017 to +0.021 LDS under Adam (>= 2.4 s.e. each) and
-    +0.082 under SGD; single-checkpoint EK-FAC stays within one s.e. under Adam (-0.011 to
-    +0.003) and gains +0.056 under SGD. 0.75 and 0.875 were each worse on two of the four."""
+    +0.082 under SGD; single-checkpoint EK-FAC / K-FAC stay within 1.5 s.e. under Adam
+    (-0.015 to +0.003) and gain about +0.05 under SGD. 0.75 gains more under SGD but costs
+    single-checkpoint curvature 0.014-0.028 under Adam; 0.875 keeps less of the
+    trajectory's gains (+0.013 to +0.044)."""
 
     dtype: Literal["float64", "float32"] = "float32"
     """Dtype of the factor and EK-FAC sums and of the eigenbasis rotations
@@ -125,8 +127,9 @@ class KFACConfig:
     exact empirical Fisher block ``[W, W]`` (form ``full``: one float64 eigenbasis of
     ``8 W^2`` bytes, 8 MiB at 1024); wider ones the diagonal (form ``diagonal``); 0 = always
     diagonal. The diagonal ignores the strong correlations between a norm's gains and
-    biases; on ``tools/lds.py`` it cost EK-FAC 0.009-0.016 LDS that the exact block
-    recovers (README, issue 14). Large models' norms (W = hidden size, >= 2048) stay
+    biases; on ``tools/lds.py`` the exact block scored +0.014 (A) and +0.004 (B) LDS over
+    it for EK-FAC, as much as dropping the norms did (5 seeds each; README, issue 14).
+    Large models' norms (W = hidden size, >= 2048) stay
     diagonal: they hold a negligible share of the parameters."""
 
     def __post_init__(self) -> None:
@@ -143,7 +146,8 @@ class LayerFactors:
         form: ``kron``, ``kron_index``, ``full`` or ``diagonal`` (module docstring).
         dims: ``(o, i)`` of the working space: ``shape``, ``(ko, ki)`` when Kronecker
             projected, ``(1, W)`` for ``full`` and ``diagonal``.
-        sums: ``a`` (``[i, i]`` or ``[i]``), ``s`` ``[o, o]``, ``d`` ``[W]``, ``lam`` ``[o, i]``
+        sums: ``a`` (``[i, i]`` or ``[i]``), ``s`` ``[o, o]``, ``f`` ``[W, W]``, ``d`` ``[W]``,
+            ``lam`` ``[o, i]``
             and the float64 counts ``tokens``, ``examples``, ``lam_examples``.
         eig: ``q_a``, ``l_a``, ``q_s``, ``l_s`` once eigendecomposed (float64).
     """
@@ -396,15 +400,15 @@ class KFACFactors:
 
     # ---- preconditioning --------------------------------------------------------------
     def precondition(self, batch: GradBatch, method: str = "ekfac") -> GradBatch:
-        """``(H + lambda)^-alpha g`` (``KFACConfig.power``) for every layer of a (query) batch:
-        dense LayerGrads ``[Q, o*i]``."""
+        """``(H + lambda)^-p g`` (``p = KFACConfig.power``) for every layer of a (query)
+        batch: dense LayerGrads ``[Q, o*i]``."""
         layers = {n: self.precondition_layer(lg, method) for n, lg in batch.layers.items()}
         return GradBatch(batch.step, batch.sample_ids, layers, batch.micro_batch,
                          batch.token_counts)
 
     def precondition_layer(self, lg: LayerGrad, method: str = "ekfac") -> LayerGrad:
-        """One layer: ``Q_S [(Q_S^T G Q_A) / (eigenvalues + lambda)^alpha] Q_A^T`` -> Dense
-        float32 (``alpha = KFACConfig.power``).
+        """One layer: ``Q_S [(Q_S^T G Q_A) / (eigenvalues + lambda)^p] Q_A^T`` -> Dense
+        float32 (``p = KFACConfig.power``).
 
         Args:
             lg: factorized or dense (projected as the factors are) query gradients.
@@ -422,10 +426,10 @@ class KFACFactors:
                          batch.token_counts)
 
     def whiten_layer(self, lg: LayerGrad, method: str = "ekfac") -> LayerGrad:
-        """``r = (Q_S^T G Q_A) / (eigenvalues + lambda)^(alpha/2)``: Dense ``[B, o*i]`` float32.
+        """``r = (Q_S^T G Q_A) / (eigenvalues + lambda)^(p/2)``: Dense ``[B, o*i]`` float32.
 
-        ``r`` is ``(F + lambda)^-alpha/2 vec(G)`` in the Kronecker eigenbasis (an orthogonal
-        change of coordinates), so ``<r_n, r_q> = <g_n, (F + lambda)^-alpha g_q>``: influence as a
+        ``r`` is ``(F + lambda)^-p/2 vec(G)`` in the Kronecker eigenbasis (an orthogonal
+        change of coordinates), so ``<r_n, r_q> = <g_n, (F + lambda)^-p g_q>``: influence as a
         plain dot product of whitened rows. Random projections of whitened rows keep
         their JL error relative to ``|r_n| |r_q|`` (balanced), whereas projecting
         ``g_n`` against a preconditioned ``H^-1 g_q`` (dominated by low-curvature
@@ -542,7 +546,10 @@ class KFACFactors:
         if state.get("format") != _FORMAT:
             raise StoreMismatchError(f"{path} is not a K-FAC factor file ({_FORMAT}), got "
                                      f"format {state.get('format')!r}")
-        out = cls(KFACConfig(**json.loads(state["config"])), projector)
+        config = json.loads(state["config"])
+        # Files written before KFACConfig.power existed used the exact inverse: keep it.
+        config.setdefault("power", 1.0)
+        out = cls(KFACConfig(**config), projector)
         out._reduced = set(json.loads(state["reduced"]))
         for m in json.loads(state["layers"]):
             lf = out.layers[m["name"]] = LayerFactors.from_meta(m)

@@ -10,6 +10,7 @@ change nothing; bad inputs raise errors naming the layer.
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -181,6 +182,25 @@ def test_parts_merged_equal_one_pass_and_save_load(setup, tmp_path):
     assert back.has_correction and back.config == merged.config
     for name, lg in back.precondition(query).layers.items():
         assert torch.equal(lg.data.values, merged.precondition(query).layers[name].data.values)
+
+
+def test_factor_files_keep_their_power(setup, tmp_path):
+    """A factor file keeps the power it was fitted with; one written before
+    ``KFACConfig.power`` existed (no key) loads with the exact inverse it was used with.
+    Breaks if loading silently applies today's default to an old file."""
+    _, train, _, query, _ = setup
+    f = _fit([train], KFACConfig(power=0.6))
+    f.save(tmp_path / "f.pt")
+    assert KFACFactors.load(tmp_path / "f.pt").config.power == 0.6
+    state = torch.load(tmp_path / "f.pt", weights_only=True)
+    old = json.loads(state["config"])
+    del old["power"]
+    state["config"] = json.dumps(old)
+    torch.save(state, tmp_path / "old.pt")
+    back = KFACFactors.load(tmp_path / "old.pt")
+    assert back.config.power == 1.0
+    want = cross_gram(train, _fit([train], KFACConfig(power=1.0)).precondition(query))
+    assert rel_err(cross_gram(train, back.precondition(query)), want) <= TOL
 
 
 def test_padding_tokens_change_nothing(setup):
