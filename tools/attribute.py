@@ -249,6 +249,14 @@ def _checkpoints(args, run: Run, available: dict[str, Path], tags: list[str], qu
             token_where[:] = [where]
         # whitened rows: exact factors (the query is whitened, then projected)
         factors = _factors(args, tag, None if whitened else proj) if curvature else None
+        stored_by = store.spec.whitened_by
+        if whitened and stored_by is not None and stored_by != factors.fingerprint():
+            store.close()
+            raise StoreMismatchError(
+                f"Store '{available[tag]}' was whitened by other factors (fingerprint "
+                f"{stored_by}) than --factors gives for '{tag}' ({factors.fingerprint()}: "
+                f"another fit, damping or power): the query would be whitened differently "
+                f"from the rows; pass the factors collect used, or collect again with these")
         try:
             yield Checkpoint(store.iter_batches(args.block_rows), q,
                              float(run.checkpoint(tag)["lr"]), factors)

@@ -104,7 +104,9 @@ def collect_checkpoint(run: Run, tag: str, data, args, rank: int, world: int) ->
     for batch in gradients(model, data, rows, capture=capture, factors=factors,
                            batch_size=args.batch_size, progress=f"collect {tag}"):
         if writer is None:
-            spec = StoreSpec.from_batch(batch, projection=proj, capture=capture, **origin)
+            spec = StoreSpec.from_batch(
+                batch, projection=proj, capture=capture, **origin,
+                whitened_by=None if factors is None else factors.fingerprint())
             if rank == 0 and proj.kind == "auto":
                 from dattri_ds.ops.cost import explain_projection
 

@@ -53,6 +53,7 @@ factors up to float rounding. ``save``/``load`` use ``torch.save`` of plain tens
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -525,6 +526,23 @@ class KFACFactors:
 
     def _unrotate(self, lf: LayerFactors, r: torch.Tensor) -> torch.Tensor:
         return lf.strategy.unrotate(lf.eig, r, self._dtype)
+
+    def fingerprint(self) -> str:
+        """Digest of what preconditioning depends on: the config (damping, power, ...), the
+        layers, their projections and eigenvalues (K-FAC and EK-FAC). Equal fingerprints =
+        the same whitening; a whitened store records it (``StoreSpec.whitened_by``)."""
+        if not self.eigendecomposed:
+            raise DattriDSError("KFACFactors.fingerprint() needs eigendecompose() first")
+        h = hashlib.blake2b(digest_size=12)
+        h.update(json.dumps(asdict(self.config), sort_keys=True).encode())
+        for name in sorted(self.layers):
+            lf = self.layers[name]
+            h.update(json.dumps(lf.meta(), sort_keys=True).encode())
+            parts = [lf.eig[k] for k in sorted(lf.eig) if k.startswith("l")]
+            parts += [lf.sums[k] for k in lf.strategy.lam_keys if k in lf.sums]
+            for t in parts:
+                h.update(t.detach().double().cpu().contiguous().numpy().tobytes())
+        return h.hexdigest()
 
     # ---- persistence --------------------------------------------------------------------
     def save(self, path: str | Path) -> None:

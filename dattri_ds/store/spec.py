@@ -145,6 +145,11 @@ class StoreSpec:
     before projection (``CaptureConfig.whiten``); scoring them needs the same factors and
     ``whitened=True``. None: plain projected gradients."""
 
+    whitened_by: str | None = None
+    """``KFACFactors.fingerprint()`` of the factors that whitened the rows (their config,
+    damping and power included): scoring needs the query whitened by the same factors.
+    None: not whitened, or not recorded."""
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
         if not self.layers:
@@ -156,11 +161,13 @@ class StoreSpec:
     @classmethod
     def from_batch(cls, batch: GradBatch, *, projection: ProjectionConfig, fingerprint: str,
                    capture: Any = None, run_id: str | None = None,
-                   checkpoint: str | None = None, weights_hash: str | None = None) -> StoreSpec:
+                   checkpoint: str | None = None, weights_hash: str | None = None,
+                   whitened_by: str | None = None) -> StoreSpec:
         """The spec of a projected batch (layer order = the batch's layer order).
 
-        ``capture`` (the CaptureConfig that produced the batch), ``run_id``, ``checkpoint``
-        and ``weights_hash`` are recorded in the manifest and checked by readers that ask.
+        ``capture`` (the CaptureConfig that produced the batch), ``run_id``, ``checkpoint``,
+        ``weights_hash`` and ``whitened_by`` (the whitening factors' fingerprint) are
+        recorded in the manifest and checked by readers that ask.
 
         Raises:
             ConfigError: a layer is factorized, unprojected, TP-sharded or projected with
@@ -180,7 +187,7 @@ class StoreSpec:
                    fingerprint=fingerprint, projection_config=_projection_dict(projection),
                    semantics=None if capture is None else capture_semantics(capture),
                    run_id=run_id, checkpoint=checkpoint, weights_hash=weights_hash,
-                   whitened=whitened)
+                   whitened=whitened, whitened_by=whitened_by)
 
     def origin(self) -> dict[str, str | None]:
         """The provenance fields (``ORIGIN_FIELDS``) of this spec."""
@@ -241,6 +248,10 @@ class StoreSpec:
             lines.append(f"whitened: stored {self.whitened!r}, requested "
                          f"{requested.whitened!r}; fix: collect with the same capture.whiten "
                          f"(and factors), or point store.path at a new directory")
+        if self.whitened_by != requested.whitened_by:
+            lines.append(f"whitened_by: stored factors {self.whitened_by!r}, requested "
+                         f"{requested.whitened_by!r}; fix: collect with the factors the store "
+                         f"was whitened by, or point store.path at a new directory")
         if requested.semantics is not None and self.semantics != requested.semantics:
             lines.append(f"capture semantics: stored {self.semantics}, requested "
                          f"{requested.semantics}; fix: {_FIX_SEMANTICS}")
@@ -265,6 +276,7 @@ class StoreSpec:
                 "run_id": self.run_id, "checkpoint": self.checkpoint,
                 "weights_hash": self.weights_hash,
                 **({} if self.whitened is None else {"whitened": self.whitened}),
+                **({} if self.whitened_by is None else {"whitened_by": self.whitened_by}),
                 "layers": [ls.to_json() for ls in self.layers]}
 
     @classmethod
@@ -273,7 +285,8 @@ class StoreSpec:
                    projection=d["projection"], seed=int(d["seed"]), fingerprint=d["fingerprint"],
                    projection_config=d.get("projection_config"), semantics=d.get("semantics"),
                    run_id=d.get("run_id"), checkpoint=d.get("checkpoint"),
-                   weights_hash=d.get("weights_hash"), whitened=d.get("whitened"))
+                   weights_hash=d.get("weights_hash"), whitened=d.get("whitened"),
+                   whitened_by=d.get("whitened_by"))
 
     def digest(self, dtype: str) -> str:
         """blake2b of the canonical JSON of (spec, dtype): equal digests = same row layout."""

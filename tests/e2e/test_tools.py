@@ -195,6 +195,14 @@ def test_whitened_store_scores_equal_the_exact_store(run_dir, tmp_path):
                                atol=1e-5 * float(abs(got["exact"]).max()))
     with pytest.raises(ConfigError, match="whitened"):
         attribute.main([*base, "--method", "tracin", "--out", str(tmp_path / "bad")])
+    # factors refitted at another power whiten differently: the whitened store refuses them
+    other = tmp_path / "factors-p05"
+    fit.main(["--run", str(run_dir), "--data", TINY, "--max-docs", "6", "--checkpoint", "all",
+              "--power", "0.5", "--out", str(other)])
+    white = ["--run", str(run_dir), "--store", str(stores["white"]), "--queries", QUERIES,
+             "--query-max-docs", "2", "--truncate"]
+    with pytest.raises(StoreMismatchError, match="whitened by other factors"):
+        attribute.main([*white, "--factors", str(other), "--out", str(tmp_path / "bad2")])
 
 
 def test_collect_resumes_without_duplicates(run_dir, tmp_path):

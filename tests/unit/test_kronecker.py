@@ -185,13 +185,18 @@ def test_parts_merged_equal_one_pass_and_save_load(setup, tmp_path):
 
 
 def test_factor_files_keep_their_power(setup, tmp_path):
-    """A factor file keeps the power it was fitted with; one written before
-    ``KFACConfig.power`` existed (no key) loads with the exact inverse it was used with.
-    Breaks if loading silently applies today's default to an old file."""
+    """A factor file keeps the power it was fitted with (and its fingerprint); one written
+    before ``KFACConfig.power`` existed (no key) loads with the exact inverse it was used
+    with. Breaks if loading silently applies today's default to an old file."""
     _, train, _, query, _ = setup
     f = _fit([train], KFACConfig(power=0.6))
     f.save(tmp_path / "f.pt")
-    assert KFACFactors.load(tmp_path / "f.pt").config.power == 0.6
+    loaded = KFACFactors.load(tmp_path / "f.pt")
+    assert loaded.config.power == 0.6
+    # the fingerprint a whitened store records: same factors, same print; another power not
+    again = _fit([train], KFACConfig(power=0.6))
+    assert loaded.fingerprint() == f.fingerprint() == again.fingerprint()
+    assert _fit([train], KFACConfig(power=1.0)).fingerprint() != f.fingerprint()
     state = torch.load(tmp_path / "f.pt", weights_only=True)
     old = json.loads(state["config"])
     del old["power"]
