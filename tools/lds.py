@@ -69,6 +69,7 @@ from dattri_ds.data import (
     Document, TokenizedDocuments, build_model, load_documents, load_model_config, source_counts,
     tokenize_documents, train_tokenizer,
 )
+from dattri_ds.errors import ConfigError
 from dattri_ds.eval import lds, predicted, retrain_losses, subset_masks, tfidf_scores
 from dattri_ds.ops.inner import project_batch
 from dattri_ds.ops.projection import KINDS, Projector, projection_kind
@@ -178,10 +179,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                             if t.strip()]
     except ValueError as e:
         p.error(str(e))
-    args.dampings = ([float(d) for d in args.dampings.split(",") if d.strip()]
-                     if args.dampings else [None])
-    args.powers = ([float(d) for d in args.powers.split(",") if d.strip()]
-                   if args.powers else [None])
+    args.dampings, args.powers = _floats(args.dampings), _floats(args.powers)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for name in ("seeds", "epochs", "checkpoints", "n_train"):
         if getattr(args, name) < 1:
@@ -190,6 +188,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown method(s) {unknown}; choose from {list(METHODS + BASELINES)}")
     return args
+
+
+def _floats(text: str | None) -> list[float | None]:
+    """A comma-separated list of floats; ``[None]`` (the library default) when not given."""
+    return [float(d) for d in text.split(",") if d.strip()] if text else [None]
 
 
 # ---- data and training -----------------------------------------------------------------
@@ -212,8 +215,8 @@ def load_data(args: argparse.Namespace):
     if args.queries == "heldout":
         rest = pool[args.n_train:]
         if not rest:
-            raise SystemExit(f"--queries heldout needs documents beyond --n-train "
-                             f"{args.n_train}: the pool holds {len(pool)}")
+            raise ConfigError(f"--queries heldout needs documents beyond --n-train "
+                              f"{args.n_train}: the pool holds {len(pool)}; lower --n-train")
         queries = evenly_spaced(rest, args.n_heldout)
     else:
         queries = (evenly_spaced(load_documents(ROOT / "data/tiny/target.jsonl"),
