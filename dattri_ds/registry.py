@@ -1,0 +1,93 @@
+"""Registry: the one name -> strategy table every extension point of dattri-ds uses.
+
+Layer kinds, curvature factor forms, projection kinds, attribution methods and the selection
+stages each keep one ``Registry``; a subclass registers itself from ``__init_subclass__``::
+
+    KINDS = Registry("projection kind", hint="register one with class X(ProjectionKind, name='x')")
+    KINDS.register("sparse", SparseKind())
+    KINDS.lookup("sparse")      # the entry
+    KINDS.lookup("spares")      # ConfigError: projection kind 'spares' is not registered; ...
+
+A failed lookup raises ``error`` (``ConfigError`` unless the registry says otherwise) naming
+what was looked up, the offending value and every registered name. Later registrations win,
+so a user's class overrides a built-in one of the same name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Generic, TypeVar
+
+from dattri_ds.errors import ConfigError, DattriDSError
+
+__all__ = ["Registry"]
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    """A named table of strategies with one lookup and one error message.
+
+    Args:
+        what: what an entry is, for messages ("layer kind", "attribution method").
+        error: the DattriDSError subclass a failed lookup raises (default ConfigError).
+        hint: the fix appended to the message (e.g. how to register a new entry).
+    """
+
+    def __init__(self, what: str, *, error: type[DattriDSError] = ConfigError,
+                 hint: str = "") -> None:
+        self.what = what
+        self.error = error
+        self.hint = hint
+        self._table: dict[str, T] = {}
+
+    def register(self, name: str, entry: T) -> T:
+        """Add (or replace) ``name``; returns ``entry`` so it can be used as an expression."""
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"{self.what} name must be a non-empty string, got {name!r}")
+        self._table[name] = entry
+        return entry
+
+    def lookup(self, name: str) -> T:
+        """The entry called ``name``; ``self.error`` naming the value and the known names."""
+        try:
+            return self._table[name]
+        except (KeyError, TypeError):
+            hint = f" ({self.hint})" if self.hint else ""
+            raise self.error(f"{self.what} '{name}' is not registered; registered: "
+                             f"{self.names()}{hint}") from None
+
+    def names(self) -> list[str]:
+        """Registered names, sorted."""
+        return sorted(self._table)
+
+    def items(self):
+        """``(name, entry)`` pairs in registration order."""
+        return self._table.items()
+
+    def keys(self):
+        """Registered names in registration order."""
+        return self._table.keys()
+
+    def values(self):
+        """Entries in registration order."""
+        return self._table.values()
+
+    def as_dict(self) -> dict[str, T]:
+        """A copy of the table (name -> entry)."""
+        return dict(self._table)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._table
+
+    def __getitem__(self, name: str) -> T:
+        return self.lookup(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._table)
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def __repr__(self) -> str:
+        return f"Registry({self.what!r}, {self.names()})"
