@@ -66,29 +66,6 @@ def capture_variant(name: str, model, ids, cap: GradientCapture, out: dict) -> V
     return Variant(name, fn, setup=cap.attach, teardown=cap.detach)
 
 
-def proposal_variants(model, ids, config: CaptureConfig, out: dict) -> list[Variant]:
-    """Prototype variants of the proposed capture change (see _proposal_fused_capture.py)."""
-    from _proposal_fused_capture import FusedProjectCapture, cheap_nonfinite
-
-    fused = capture_variant("proposal: fused proj", model, ids,
-                            FusedProjectCapture(model, config), out)
-    cheap = capture_variant("proposal: factors, sum-check", model, ids,
-                            GradientCapture(model), out)
-    orig = getattr(capture_mod, "_nonfinite", None)
-    attach, detach = cheap.setup, cheap.teardown
-
-    def setup():
-        attach()
-        capture_mod._nonfinite = cheap_nonfinite
-
-    def teardown():
-        detach()
-        capture_mod._nonfinite = orig
-
-    cheap.setup, cheap.teardown = setup, teardown
-    return [fused, cheap]
-
-
 def breakdown(model, ids, config: CaptureConfig, reps: int) -> list[tuple[str, float]]:
     """Mean ms per step in the capture's finalize stages (instrumented, best effort)."""
     acc: dict[str, float] = collections.defaultdict(float)
@@ -161,8 +138,6 @@ def main() -> None:
     model_args(p)
     p.add_argument("--profile", action="store_true", help="print torch.profiler op tables")
     p.add_argument("--no-diagnostic", action="store_true", help="skip the hooks-only variant")
-    p.add_argument("--proposal", action="store_true",
-                   help="also time the prototypes of _proposal_fused_capture.py")
     args = p.parse_args()
     if args.quick:
         args.B, args.T = min(args.B, 4), min(args.T, 64)
@@ -182,8 +157,6 @@ def main() -> None:
     if not args.no_diagnostic:
         variants.append(capture_variant("hooks only (diag)", model, ids,
                                         HooksOnlyCapture(model), out))
-    if args.proposal:
-        variants += proposal_variants(model, ids, proj_cfg, out)
 
     print(f"capture_overhead: GPT-2 {args.layers}L d={args.embd} V={args.vocab} "
           f"({n_params(model) / 1e6:.2f}M params), B={args.B} T={args.T}, k={args.k}")
@@ -197,12 +170,6 @@ def main() -> None:
     finite = all(bool(torch.isfinite(v).all()) for v in vals)
     print(f"projected batch: {len(vals)} layers, {sum(v.shape[1] for v in vals)} dims/example, "
           f"finite={finite}; {reps} rounds in {wall:.1f}s\n")
-
-    if "proposal: fused proj" in out:
-        lib, new = out["capture+proj"].layers, out["proposal: fused proj"].layers
-        err = max(float((new[n].data.values - lg.data.values).norm()
-                        / lg.data.values.norm().clamp_min(1e-30)) for n, lg in lib.items())
-        print(f"proposal: fused proj vs library capture+proj, max rel err per layer {err:.1e}")
 
     rows = []
     for v in variants:
