@@ -16,7 +16,7 @@ and ``finalize_model_grads``: replicas averaged over the DP group, sequence-para
 parameters (the norms) summed over the TP group. It runs on CPU too (gloo, with the
 ``cpu_workarounds``). The optimizer: on CUDA Megatron's own (``get_megatron_optimizer``,
 fp32, with its global-norm clipping); on CPU, where Megatron's optimizer needs CUDA
-(SETUP.md s.5), the torch optimizer of the DeepSpeed JSON on ``main_grad`` with a global-
+(docs/cpu_setup.md), the torch optimizer of the DeepSpeed JSON on ``main_grad`` with a global-
 norm clip summed over the TP group.
 
 The model is ``MegatronLM`` (dattri_ds/models/megatron_gpt.py): a ``GPTModel`` called like a

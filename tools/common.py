@@ -256,7 +256,7 @@ def _megatron_single_process() -> None:
                               f"{ps.get_tensor_model_parallel_world_size()}")
         return
     ps.initialize_model_parallel(tensor_model_parallel_size=1)
-    if not torch.cuda.is_available():  # SETUP.md s.5
+    if not torch.cuda.is_available():  # docs/cpu_setup.md
         cpu_workarounds()
 
 

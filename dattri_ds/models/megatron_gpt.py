@@ -69,7 +69,7 @@ class MegatronLM(nn.Module):
 
 
 def cpu_workarounds() -> None:
-    """SETUP.md s.5: a no-op RNG tracker and a CPU attention scratch buffer (after init).
+    """docs/cpu_setup.md: a no-op RNG tracker and a CPU attention scratch buffer (after init).
 
     Without CUDA, ``torch.cuda.current_device`` also answers ``"cpu"``: Megatron's
     sequence-parallel gathers allocate their buffers on it. Call only in a CPU-only process.

@@ -1,4 +1,4 @@
-"""Heavy imports once in the pytest parent so forked workers start in ~1 s (SETUP.md s.8)."""
+"""Heavy imports once in the pytest parent so forked workers start in ~1 s (docs/cpu_setup.md)."""
 
 import importlib
 import os

@@ -51,7 +51,7 @@ TOL = 1e-5
 
 
 def init_parallel(tp: int, pp: int = 1) -> None:
-    """(Re)build Megatron's groups on this worker; CPU workarounds of SETUP.md s.5."""
+    """(Re)build Megatron's groups on this worker; CPU workarounds of docs/cpu_setup.md."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -59,7 +59,7 @@ def init_parallel(tp: int, pp: int = 1) -> None:
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    cpu_workarounds()  # the library's own (SETUP.md s.5), also for sequence-parallel buffers
+    cpu_workarounds()  # the library's own (docs/cpu_setup.md), also for sequence-parallel buffers
 
 
 def tconfig(tp: int, sp: bool = False, **kw) -> TransformerConfig:
