@@ -6,12 +6,23 @@ __all__ = [
     "DattriDSError",
     "ConfigError",
     "UsageError",
+    "InputFileError",
     "UnsupportedLayerError",
     "ShapeError",
     "StoreMismatchError",
     "CaptureError",
     "StoreCorruptError",
     "DuplicateSampleError",
+    "FactorFileError",
+    "FactorStateError",
+    "ClosedError",
+    "StreamStateError",
+    "StreamItemError",
+    "UnsupportedEngineError",
+    "CheckpointMismatchError",
+    "OutputError",
+    "WriteError",
+    "DoesNotFitError",
     "registered",
 ]
 
@@ -22,6 +33,10 @@ class DattriDSError(Exception):
 
 class ConfigError(DattriDSError, ValueError):
     """A configuration value is invalid, unknown or inconsistent."""
+
+
+class InputFileError(ConfigError):
+    """An input file or folder is missing, unreadable or malformed (path, line and fix named)."""
 
 
 class UsageError(ConfigError):
@@ -50,6 +65,51 @@ class StoreCorruptError(DattriDSError, OSError):
 
 class DuplicateSampleError(DattriDSError, ValueError):
     """The same sample id is stored more than once across the shards of a store."""
+
+
+class FactorFileError(DattriDSError, ValueError):
+    """A K-FAC/EK-FAC factor file is not one, or its factors disagree with what they are
+    combined with (another projection, another layer layout)."""
+
+
+class FactorStateError(DattriDSError, RuntimeError):
+    """K-FAC/EK-FAC factors were used out of order: a phase skipped (precondition before
+    eigendecompose), repeated (reduce twice) or mixed (merging parts of different phases)."""
+
+
+class ClosedError(DattriDSError, ValueError):
+    """A gradient store or spill was read after ``close()``: its maps or files are gone."""
+
+
+class StreamStateError(DattriDSError, RuntimeError):
+    """A one-shot gradient stream was consumed out of order (a second pass before the first
+    one finished)."""
+
+
+class StreamItemError(DattriDSError, TypeError):
+    """An item of a gradient stream is not a ``GradBatch``."""
+
+
+class UnsupportedEngineError(DattriDSError, TypeError):
+    """No engine adapter handles the object passed as the training engine."""
+
+
+class CheckpointMismatchError(DattriDSError, RuntimeError):
+    """A checkpoint read back differs from the model state it was written from."""
+
+
+class OutputError(ConfigError):
+    """An output path cannot be written: a file where a folder is expected, not creatable, or
+    it would overwrite an earlier result without ``--force`` (checked at start)."""
+
+
+class WriteError(DattriDSError, OSError):
+    """A write failed halfway (disk full, quota, permission): names the path, the bytes
+    needed and what stays committed."""
+
+
+class DoesNotFitError(ConfigError):
+    """The planner predicts the requested run needs more memory than this machine has."""
 
 
 def registered(table, name, what: str):

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from dattri_ds.errors import DattriDSError
+from dattri_ds.errors import ClosedError, ConfigError, StreamItemError, StreamStateError
 from dattri_ds.gradient import GradBatch
 
 __all__ = ["Spill", "DEFAULT_MEMORY_BYTES"]
@@ -58,7 +58,7 @@ class Spill:
     def __init__(self, batches: Iterable[GradBatch], dir: str | None = None,
                  memory_bytes: int = DEFAULT_MEMORY_BYTES) -> None:
         if memory_bytes < 0:
-            raise DattriDSError(f"Spill: memory_bytes={memory_bytes} must be >= 0 "
+            raise ConfigError(f"Spill: memory_bytes={memory_bytes} must be >= 0 "
                                 f"(0 keeps nothing in memory)")
         self._source: Iterable[GradBatch] | None = batches
         self._folder = Path(tempfile.mkdtemp(prefix="dattri_ds_spill_", dir=dir))
@@ -75,13 +75,13 @@ class Spill:
     def __iter__(self) -> Iterator[GradBatch]:
         """A pass: the state is checked when the pass starts (its first ``next``)."""
         if self._state == "closed":
-            raise DattriDSError("Spill was closed: its files are gone; iterate inside the "
+            raise ClosedError("Spill was closed: its files are gone; iterate inside the "
                                 "'with Spill(...)' block")
         return self._pass()
 
     def _pass(self) -> Iterator[GradBatch]:
         if self._state == "writing":
-            raise DattriDSError("Spill: a second pass started before the first one finished "
+            raise StreamStateError("Spill: a second pass started before the first one finished "
                                 "(the capture stream is still being written, or its first "
                                 "pass was abandoned); finish the first pass (e.g. "
                                 "fit_factors) before the next")
@@ -95,7 +95,7 @@ class Spill:
         source, self._source = self._source, None
         for n, b in enumerate(source):
             if not isinstance(b, GradBatch):
-                raise DattriDSError(f"Spill: item {n} of the stream is a {type(b).__name__}, "
+                raise StreamItemError(f"Spill: item {n} of the stream is a {type(b).__name__}, "
                                     f"not a GradBatch (pass what collect() or a capture yields)")
             size = _nbytes(b)
             if size <= self._budget:

@@ -289,8 +289,8 @@ def parse_setting(text: str) -> tuple[str | None, int]:
         return None, 0
     kind, _, k = text.partition(":")
     if kind not in SETTING_KINDS or not k.isdigit() or int(k) < 1:
-        raise ValueError(f"projection setting '{text}': use exact or <kind>:<k> with kind in "
-                         f"{SETTING_KINDS} and k >= 1")
+        raise ConfigError(f"projection setting '{text}' (--projections): use exact or "
+                          f"<kind>:<k> with kind in {SETTING_KINDS} and k >= 1")
     return kind, int(k)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from dattri_ds.errors import UnsupportedEngineError
 from dattri_ds.integrations.base import EngineAdapter, PlainAdapter
 
 __all__ = ["EngineAdapter", "PlainAdapter", "adapter_for"]
@@ -18,5 +19,5 @@ def adapter_for(engine: object, optimizer=None) -> EngineAdapter:
         return DeepSpeedAdapter(engine)
     if isinstance(engine, nn.Module):
         return PlainAdapter(engine, optimizer)
-    raise TypeError(f"No dattri-ds adapter for {type(engine).__name__}: pass an nn.Module or a "
-                    f"DeepSpeedEngine")
+    raise UnsupportedEngineError(f"No dattri-ds adapter for {type(engine).__name__}: pass an "
+                                 f"nn.Module or a DeepSpeedEngine")

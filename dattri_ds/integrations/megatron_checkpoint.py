@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dattri_ds.errors import ConfigError
+from dattri_ds.errors import CheckpointMismatchError, ConfigError
 
 __all__ = ["CONSOLIDATED", "CONSOLIDATED_META", "FORMAT", "is_consolidated",
            "consolidated_state", "load_consolidated", "read_consolidated", "read_meta",
@@ -173,8 +173,10 @@ def _verify(gpt: nn.Module, saved: dict[str, torch.Tensor], path: Path) -> None:
         full = saved[name]
         mine = full.chunk(tp, dim=p.partition_dim)[rank] if is_tp(p) and tp > 1 else full
         if not torch.equal(mine, p.detach().cpu()):
-            raise RuntimeError(f"Consolidated checkpoint {path} differs from the live TP rank "
-                               f"{rank} shard of '{name}'")
+            raise CheckpointMismatchError(
+                f"Consolidated checkpoint {path} differs from the live TP rank {rank} shard of "
+                f"'{name}' right after it was written: another run wrote the same folder, or "
+                f"the write was incomplete (disk full?); rerun with a fresh output folder")
 
 
 def save_optimizer_state(path: Path, rank: int, layout: dict[str, int], optimizer,

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from dattri_ds.distributed import ParallelContext
-from dattri_ds.errors import DattriDSError
+from dattri_ds.errors import FactorStateError
 from dattri_ds.gradient import GradBatch
 from dattri_ds.methods.base import Attributor
 from dattri_ds.ops.cost import CostModel
@@ -60,7 +60,7 @@ class KFAC(Attributor, name="kfac"):
                  whitened: bool = False) -> None:
         super().__init__(layers=layers, cost=cost, projector=projector)
         if not factors.eigendecomposed:
-            raise DattriDSError(f"{type(self).__name__} needs eigendecomposed factors; call "
+            raise FactorStateError(f"{type(self).__name__} needs eigendecomposed factors; call "
                                 f"factors.eigendecompose() (fit_factors does)")
         self.factors = factors
         self.whitened = whitened
@@ -92,7 +92,7 @@ class EKFAC(KFAC, name="ekfac"):
         super().__init__(factors=factors, layers=layers, cost=cost, projector=projector,
                          whitened=whitened)
         if not factors.has_correction:
-            raise DattriDSError("EKFAC needs corrected eigenvalues: run "
+            raise FactorStateError("EKFAC needs corrected eigenvalues: run "
                                 "factors.update_correction() over the training data and "
                                 "reduce() (fit_factors(..., ekfac=True) does), or use 'kfac'")
 

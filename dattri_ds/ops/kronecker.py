@@ -63,7 +63,7 @@ from typing import Literal
 import torch
 
 from dattri_ds.distributed import ParallelContext, all_gather_object, all_reduce_sum
-from dattri_ds.errors import ConfigError, DattriDSError, ShapeError, StoreMismatchError, UnsupportedLayerError
+from dattri_ds.errors import ConfigError, FactorFileError, FactorStateError, ShapeError, UnsupportedLayerError
 from dattri_ds.gradient import Dense, Factorized, GradBatch, LayerGrad
 from dattri_ds.layers.base import LayerDims, get_kind
 from dattri_ds.layers.outer import row_chunks
@@ -276,7 +276,7 @@ class KFACFactors:
     def update(self, batch: GradBatch) -> None:
         """Fold a batch's factors into the sums (pass 1); new layers are added as they come."""
         if self.eigendecomposed or "cov" in self._reduced:
-            raise DattriDSError("KFACFactors.update() after reduce()/eigendecompose(): factor "
+            raise FactorStateError("KFACFactors.update() after reduce()/eigendecompose(): factor "
                                 "sums are final; start a new KFACFactors for new data")
         for name, lg in batch.layers.items():
             lf = self.layers.get(name)
@@ -322,7 +322,7 @@ class KFACFactors:
         ctx = ctx or ParallelContext.from_default_group()
         phase = self._phase()
         if phase in self._reduced:
-            raise DattriDSError(f"KFACFactors.reduce() called twice in the '{phase}' phase: the "
+            raise FactorStateError(f"KFACFactors.reduce() called twice in the '{phase}' phase: the "
                                 f"sums would be counted world-size times")
         self._reduced.add(phase)
         if ctx.dp_world == 1:
@@ -344,7 +344,7 @@ class KFACFactors:
     def _adopt(self, other: LayerFactors) -> LayerFactors:
         mine = self.layers.setdefault(other.name, LayerFactors.from_meta(other.meta()))
         if mine.meta() != other.meta():
-            raise StoreMismatchError(
+            raise FactorFileError(
                 f"Layer '{other.name}': factors disagree between the parts being merged: "
                 f"{mine.meta()} vs {other.meta()}; fit every part with the same capture and "
                 f"projection configuration")
@@ -358,12 +358,12 @@ class KFACFactors:
         """
         phase = self._phase()
         if other._phase() != phase:
-            raise DattriDSError("KFACFactors.merge(): one part is eigendecomposed, the other "
+            raise FactorStateError("KFACFactors.merge(): one part is eigendecomposed, the other "
                                 "is not; merge factor sums before eigendecompose()")
         for name, olf in other.layers.items():
             lf = self._adopt(olf)
             if phase == "lam" and any(not torch.equal(lf.eig[k], olf.eig[k]) for k in lf.eig):
-                raise DattriDSError(f"Layer '{name}': EK-FAC sums of different eigenbases "
+                raise FactorStateError(f"Layer '{name}': EK-FAC sums of different eigenbases "
                                     f"cannot be merged; copy() one eigendecomposed object")
             for k in self._phase_keys(olf, phase):
                 if k in olf.sums:
@@ -379,7 +379,7 @@ class KFACFactors:
     def eigendecompose(self) -> KFACFactors:
         """``eigh`` of A and S per layer in float64 (eigenvalues clamped at 0)."""
         if not self.layers:
-            raise DattriDSError("KFACFactors.eigendecompose(): no batch was added (update())")
+            raise FactorStateError("KFACFactors.eigendecompose(): no batch was added (update())")
         for lf in self.layers.values():
             lf.eig.update(lf.strategy.eigendecompose(lf.sums))
             lf.zero_sums(lf.strategy.lam_keys, self._dtype,
@@ -389,9 +389,9 @@ class KFACFactors:
     def update_correction(self, batch: GradBatch) -> None:
         """EK-FAC pass: ``lam += sum_b (Q_S^T G_b Q_A)^2`` (factorized or matching dense rows)."""
         if not self.eigendecomposed:
-            raise DattriDSError("KFACFactors.update_correction() needs eigendecompose() first")
+            raise FactorStateError("KFACFactors.update_correction() needs eigendecompose() first")
         if "lam" in self._reduced:
-            raise DattriDSError("KFACFactors.update_correction() after the EK-FAC reduce()")
+            raise FactorStateError("KFACFactors.update_correction() after the EK-FAC reduce()")
         for name, lg in batch.layers.items():
             lf = self._get(name)
             if not lf.strategy.lam_keys:
@@ -447,7 +447,7 @@ class KFACFactors:
             raise ConfigError(f"method must be one of {METHODS}, got '{method}'")
         lf = self._get(lg.name)
         if not lf.eig:
-            raise DattriDSError("KFACFactors.precondition() needs eigendecompose() first")
+            raise FactorStateError("KFACFactors.precondition() needs eigendecompose() first")
         ev = self._eigenvalues(lf, method)
         mean = ev.mean()
         lam = self.config.damping * (mean if self.config.damping_mode == "relative" else 1.0)
@@ -471,7 +471,7 @@ class KFACFactors:
             return lf.strategy.kfac_eigenvalues(lf.eig)
         n = float(lf.sums["lam_examples"])
         if n == 0:
-            raise DattriDSError(
+            raise FactorStateError(
                 f"Layer '{lf.name}': EK-FAC eigenvalues were not accumulated; run "
                 f"update_correction() over the training data (and reduce()), or use method='kfac'")
         return lf.sums["lam"].double() / n
@@ -535,7 +535,7 @@ class KFACFactors:
         layers, their projections and eigenvalues (K-FAC and EK-FAC). Equal fingerprints =
         the same whitening; a whitened store records it (``StoreSpec.whitened_by``)."""
         if not self.eigendecomposed:
-            raise DattriDSError("KFACFactors.fingerprint() needs eigendecompose() first")
+            raise FactorStateError("KFACFactors.fingerprint() needs eigendecompose() first")
         h = hashlib.blake2b(digest_size=12)
         h.update(json.dumps(asdict(self.config), sort_keys=True).encode())
         for name in sorted(self.layers):
@@ -565,7 +565,7 @@ class KFACFactors:
         """Read factors written by ``save`` (``weights_only``: no pickled objects)."""
         state = torch.load(Path(path), map_location=map_location, weights_only=True)
         if state.get("format") != _FORMAT:
-            raise StoreMismatchError(f"{path} is not a K-FAC factor file ({_FORMAT}), got "
+            raise FactorFileError(f"{path} is not a K-FAC factor file ({_FORMAT}), got "
                                      f"format {state.get('format')!r}")
         config = json.loads(state["config"])
         # Files written before KFACConfig.power existed used the exact inverse: keep it.
@@ -579,7 +579,7 @@ class KFACFactors:
             tags = {lf.projection.removeprefix("identity:") for lf in out.layers.values()
                     if lf.projection is not None}
             if tags - {projector.config.tag}:
-                raise StoreMismatchError(f"{path}: factors were fitted under projection "
+                raise FactorFileError(f"{path}: factors were fitted under projection "
                                          f"{sorted(tags)}, the projector is "
                                          f"{projector.config.tag!r}")
         return out

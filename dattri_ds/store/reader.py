@@ -20,7 +20,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from dattri_ds.errors import ConfigError, DattriDSError, StoreCorruptError
+from dattri_ds.errors import ClosedError, ConfigError, StoreCorruptError
 from dattri_ds.gradient import Dense, GradBatch, LayerGrad
 from dattri_ds.store.format import (
     INFO_NAME, DuplicateSampleError, ShardIndex, ShardPaths, check_sizes, from_storage,
@@ -270,7 +270,7 @@ class GradientStore:
             loc = local[sel]
             shard = self._shards[s]
             if shard.rows is None:
-                raise DattriDSError(f"Gradient store '{self.path}' was closed")
+                raise ClosedError(f"Gradient store '{self.path}' was closed: read it before close()")
             if self._lazy:
                 shard.verify(loc)
             lo = int(loc[0])
@@ -286,7 +286,7 @@ class GradientStore:
             return None
         shard = self._shards[s]
         if shard.rows is None:
-            raise DattriDSError(f"Gradient store '{self.path}' was closed")
+            raise ClosedError(f"Gradient store '{self.path}' was closed: read it before close()")
         if self._lazy:
             shard.verify(loc)
         view = shard.rows[lo:lo + loc.size]
