@@ -82,7 +82,7 @@ METHODS = ("graddot", "gradcos", "tracin", "kfac", "ekfac", "kfac-trajectory", "
 #: Model-free reference rows (exact setting only): TF-IDF of character n-grams
 #: (``dattri_ds.eval.tfidf_scores``), the text-overlap baseline of the issue-14 benchmark.
 BASELINES = ("tfidf",)
-#: What ``tools/attribute.py`` runs by default (chosen by this table, see the README).
+#: What ``tools/attribute.py`` runs by default (chosen by this table: docs/attribution_fidelity.md).
 DEFAULT_METHOD = "ekfac-trajectory"
 CURVATURE = ("kfac", "ekfac", "kfac-trajectory", "ekfac-trajectory")
 #: Projection settings: every kind of the projection registry, LoGra, and whitened rows.

@@ -84,7 +84,7 @@ class OuterProductKind(LayerKind):
         for sl in row_chunks(b, t * q * o):
             z = (x.a[sl].reshape(-1, i) @ y3.T).view(-1, t, q, o)
             # a broadcast product + sum: einsum("btqo,bto->bq") permuted z into a copy
-            # first, which doubled the time of this op (issue 11's selection step)
+            # first, which doubled the time of this op (in the selection step)
             out[sl] = (z * x.g[sl].unsqueeze(2)).sum(dim=(1, 3))
         return out
 
