@@ -62,7 +62,7 @@ class _Counter:
     """Bytes passed to the shard reductions of dattri_ds.ops.inner (per rank)."""
 
     def __init__(self):
-        import dattri_ds.ops.inner as inner
+        import dattri_ds.ops.space as inner
 
         self.inner, self.bytes, self.calls = inner, 0, 0
         self._orig = inner.all_reduce_sum

@@ -404,7 +404,7 @@ class GradientCapture:
             parts = [kind.build(module, a, g if post else
                                 self._scaled(g, scale, _batch_dim(kind, module)))
                      for a, g in pairs]
-            layers[name] = LayerGrad(name, kind.name, _merge(parts), kind.layer_shape(module),
+            layers[name] = LayerGrad(name, kind, _merge(parts), kind.layer_shape(module),
                                      shard=kind.shard_info(module))
         merge_tied(layers, self._tied)
         batch = GradBatch(rec.step, info.sample_ids, layers, rec.index, info.token_counts)

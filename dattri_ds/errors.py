@@ -23,7 +23,6 @@ __all__ = [
     "OutputError",
     "WriteError",
     "DoesNotFitError",
-    "registered",
 ]
 
 
@@ -110,13 +109,3 @@ class WriteError(DattriDSError, OSError):
 
 class DoesNotFitError(ConfigError):
     """The planner predicts the requested run needs more memory than this machine has."""
-
-
-def registered(table, name, what: str):
-    """``table[name]`` from a registry; otherwise a ConfigError naming ``what``, the value and
-    every registered name (the one lookup every strategy registry shares)."""
-    try:
-        return table[name]
-    except KeyError:
-        raise ConfigError(f"{what} '{name}' is not registered; registered: "
-                          f"{sorted(table)}") from None

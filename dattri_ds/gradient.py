@@ -14,11 +14,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dattri_ds.errors import ShapeError
+
+if TYPE_CHECKING:
+    from dattri_ds.layers.base import LayerKind
 
 __all__ = ["Factorized", "Dense", "ShardInfo", "LayerGrad", "GradBatch"]
 
@@ -150,7 +153,8 @@ class LayerGrad:
 
     Attributes:
         name: fully qualified module name, e.g. ``"transformer.h.0.attn.c_attn"``.
-        kind: registered LayerKind name (``"linear"``, ``"conv1d"``, ``"embedding"``, ...).
+        kind: the layer's ``LayerKind`` (a registered name such as ``"linear"`` is accepted
+            and resolved once here); it does the per-layer maths. ``kind_name`` is its name.
         data: the factorized or dense form.
         shape: canonical ``(O, I')`` shape of this layer's (local) parameter gradient.
         projection: identifier of the projection that produced ``data`` (None = unprojected).
@@ -158,13 +162,17 @@ class LayerGrad:
     """
 
     name: str
-    kind: str
+    kind: LayerKind
     data: Factorized | Dense
     shape: tuple[int, int]
     projection: str | None = None
     shard: ShardInfo | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.kind, str):
+            from dattri_ds.layers.base import get_kind  # layers import this module
+
+            object.__setattr__(self, "kind", get_kind(self.kind))
         if isinstance(self.data, Dense) and self.projection is None:
             d = self.shape[0] * self.shape[1]
             if self.data.values.shape[1] != d:
@@ -178,6 +186,11 @@ class LayerGrad:
                 f"Layer '{self.name}': output-grad has O = {self.data.g.shape[2]} but the "
                 f"layer shape is {self.shape}"
             )
+
+    @property
+    def kind_name(self) -> str:
+        """The registered name of ``kind`` (what stores and factor files record)."""
+        return self.kind.name
 
     @property
     def batch_size(self) -> int:

@@ -60,7 +60,7 @@ def find_tied(layers: dict[str, tuple[nn.Module, LayerKind]]
 
 def _as_primary(member: LayerGrad, primary: LayerGrad) -> Factorized:
     f = member.data
-    if member.kind != "embedding" or primary.kind == "embedding":
+    if member.kind_name != "embedding" or primary.kind_name == "embedding":
         return f
     vocab, width = primary.shape
     a = f.g

@@ -5,18 +5,21 @@ A kind knows three things about its module type, and nothing else in the library
 1. *Capture*: which tensor is the layer input to save and which output tensor to hook,
    batch-first (``[B, T, I]`` and ``[B, T, O]``); the canonical shape ``(O, I')`` read from
    module attributes, never from ``weight.shape`` (an empty placeholder under ZeRO-3).
-2. *Maths on its factorized form*: materialize, ghost cross-gram, Kronecker projection,
-   and the dimensions the cost model needs.
+2. *Per-layer maths*, both paths side by side: on factors (ghost) ``materialize``,
+   ``cross_gram``, ``sq_norms``, ``cross_dense``, ``project_kron``; on any ``LayerGrad``
+   data (factorized or dense) ``rows``, ``gram``, ``sq_norms_of``, ``sum_rows``,
+   ``project_factors``; and ``dims()`` for the cost model. Ops ask the kind and never
+   test the data's form themselves.
 3. *Reference layout*: how the module's parameter gradients map onto the canonical
    ``[O, I']`` layout (used by tests and by consumers that write gradients back).
 
-Adding a layer type is one new file with ``class MyKind(LayerKind, name="my", modules=(M,))``.
+A new layer type is one class ``class MyKind(LayerKind, name="my", modules=(M,))`` (in its
+own module or the user's code): subclassing registers it, and the ops dispatch through it.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -25,8 +28,13 @@ from torch import nn
 
 from dattri_ds.errors import UnsupportedLayerError
 from dattri_ds.gradient import Dense, Factorized, ShardInfo
+from dattri_ds.registry import Registry
 
-__all__ = ["LayerDims", "LayerKind", "kind_for", "get_kind", "param_shape", "registered_kinds"]
+__all__ = ["LayerDims", "LayerKind", "KINDS", "kind_for", "get_kind", "param_shape",
+           "registered_kinds", "COMPUTE_DTYPE"]
+
+#: Dtype of every inner product and materialized row, whatever the capture dtype.
+COMPUTE_DTYPE = torch.float32
 
 
 @dataclass(frozen=True)
@@ -48,7 +56,9 @@ class LayerDims:
     itemsize: int = 4
 
 
-_REGISTRY: dict[str, LayerKind] = {}
+KINDS: Registry[LayerKind] = Registry(
+    "layer kind", error=UnsupportedLayerError,
+    hint="define class MyKind(LayerKind, name='my', modules=(MyModule,)) before using it")
 _MATCH_ORDER: list[LayerKind] = []
 
 
@@ -59,6 +69,8 @@ class LayerKind(ABC):
     modules: ClassVar[tuple[type, ...]] = ()
     #: True when the kind produces ``Dense`` directly (materializing is as cheap as reading).
     dense_only: ClassVar[bool] = False
+    #: True when the input factor ``a`` is a token index ``[B, T]`` (one-hot input side).
+    index_input: ClassVar[bool] = False
 
     def __init_subclass__(cls, name: str | None = None,
                           modules: tuple[type, ...] = (), **kwargs) -> None:
@@ -67,9 +79,26 @@ class LayerKind(ABC):
             return
         cls.name = name
         cls.modules = tuple(modules)
-        inst = cls()
-        _REGISTRY[name] = inst
+        inst = KINDS.register(name, cls())
         _MATCH_ORDER.insert(0, inst)  # later registrations win (user kinds override ours)
+
+    def __reduce__(self):  # pickles / deep copies resolve to the registered instance
+        return get_kind, (self.name,)
+
+    def __eq__(self, other: object) -> bool:
+        """A kind is itself, and equals its registered name (code that held names)."""
+        if isinstance(other, str):
+            return other == self.name
+        return self is other
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    def __str__(self) -> str:
+        return self.name
+
+    def __repr__(self) -> str:
+        return f"<LayerKind {self.name!r}>"
 
     # ---- matching -------------------------------------------------------------------
     def matches(self, module: nn.Module) -> bool:
@@ -116,7 +145,7 @@ class LayerKind(ABC):
     def dims(self, f: Factorized, shape: tuple[int, int]) -> LayerDims:
         """Cost-model dimensions of ``f`` for a layer of canonical ``shape = (O, I')``."""
         return LayerDims(B=f.g.shape[0], T=f.g.shape[1], I=shape[1], O=shape[0],
-                         index_input=not f.a.is_floating_point(), itemsize=f.g.element_size())
+                         index_input=self.index_input, itemsize=f.g.element_size())
 
     @abstractmethod
     def materialize(self, f: Factorized, shape: tuple[int, int]) -> torch.Tensor:
@@ -143,23 +172,130 @@ class LayerKind(ABC):
         Equals ``materialize(f) @ kron(P_out, P_in)^T`` (row-major vec).
         """
 
-    def input_width(self, module: nn.Module) -> int:
-        """I' of the canonical layout (what a Kronecker input projection multiplies)."""
-        return self.layer_shape(module)[1]
+    # ---- maths on LayerGrad data: both forms side by side ------------------------------
+    def factor_form(self, width: int, full_max: int, side_projected: bool = False) -> str:
+        """Name of the curvature factor form (``ops/factor_forms.py``) for this kind's
+        gradients; ``width`` = values per example row, ``full_max`` = ``KFACConfig.full_max``,
+        ``side_projected``: the factors are Kronecker side-projected (an index input becomes
+        a dense ``P_in`` column, so the index form no longer applies)."""
+        if self.dense_only:
+            return "full" if width <= full_max else "diagonal"
+        return "kron_index" if self.index_input and not side_projected else "kron"
+
+    def rows(self, data: Factorized | Dense, shape: tuple[int, int]) -> torch.Tensor:
+        """``[B, D]`` rows in ``COMPUTE_DTYPE``: dense values, or materialized factors."""
+        if isinstance(data, Dense):
+            return data.values.to(COMPUTE_DTYPE)
+        return self.materialize(self.f32(data), shape)
+
+    def gram(self, layer: str, x: Factorized | Dense, y: Factorized | Dense,
+             shape: tuple[int, int], cost, path: str | None = None) -> torch.Tensor:
+        """``[B1, B2]`` inner products ``<G_b, G_q>`` of two data of this layer (same space).
+
+        Both factorized: op ``cross_gram`` (ghost ``sum_{t,s} (a.a)(g.g)`` vs materialize
+        both); one factorized: op ``cross_dense`` (ghost ``sum_t g_t . (Y a_t)`` vs
+        materialize); both dense: a matmul. ``cost`` is the ``CostModel`` that routes.
+        """
+        if isinstance(x, Dense):
+            if isinstance(y, Dense):
+                return x.values.to(COMPUTE_DTYPE) @ y.values.to(COMPUTE_DTYPE).T
+            return self.gram(layer, y, x, shape, cost, path).T
+        fx = self.f32(x)
+        if isinstance(y, Factorized):
+            fy = self.f32(y)
+            return cost.route("cross_gram", layer, self, fx, shape, {
+                "ghost": lambda: self.cross_gram(fx, fy),
+                "dense": lambda: self.materialize(fx, shape) @ self.materialize(fy, shape).T,
+            }, path=path, B2=fy.g.shape[0], S=fy.g.shape[1])
+        yv = y.values.to(COMPUTE_DTYPE)
+        return cost.route("cross_dense", layer, self, fx, shape, {
+            "ghost": lambda: self.cross_dense(fx, yv, shape),
+            "dense": lambda: self.materialize(fx, shape) @ yv.T,
+        }, path=path, Q=yv.shape[0])
+
+    def sq_norms_of(self, layer: str, data: Factorized | Dense, shape: tuple[int, int],
+                    cost, path: str | None = None) -> torch.Tensor:
+        """``[B]`` squared norms ``||G_b||^2``: op ``norm`` (ghost ``sum_{t,s} (a_t.a_s)
+        (g_t.g_s)`` vs materialize), a row sum of squares when dense."""
+        if isinstance(data, Dense):
+            return data.values.to(COMPUTE_DTYPE).pow(2).sum(1)
+        f = self.f32(data)
+        return cost.route("norm", layer, self, f, shape, {
+            "ghost": lambda: self.sq_norms(f),
+            "dense": lambda: torch.linalg.vector_norm(self.materialize(f, shape), dim=1).square(),
+        }, path=path)
+
+    def sum_rows(self, layer: str, data: Factorized | Dense, shape: tuple[int, int],
+                 cost, path: str | None = None) -> torch.Tensor:
+        """``[1, D]`` sum over examples: op ``sum`` (ghost: batch and tokens flattened into
+        one example, ``G = g^T a`` in one product; dense: materialize, then sum)."""
+        if isinstance(data, Dense):
+            return data.values.to(COMPUTE_DTYPE).sum(0, keepdim=True)
+        f = self.f32(data)
+        flat = Factorized(f.a.reshape(1, -1, *f.a.shape[2:]), f.g.reshape(1, -1, f.g.shape[-1]))
+        return cost.route("sum", layer, self, f, shape, {
+            "ghost": lambda: self.materialize(flat, shape),
+            "dense": lambda: self.materialize(f, shape).sum(0, keepdim=True),
+        }, path=path)
+
+    def project_factors(self, layer: str, data: Factorized | Dense, shape: tuple[int, int],
+                        p_out: torch.Tensor, p_in: torch.Tensor, cost,
+                        path: str | None = None) -> torch.Tensor:
+        """``vec(P_out G_b P_in^T)`` ``[B, ko*ki]``: op ``project_kron`` on factors (ghost
+        ``project_kron`` vs materialize, then two products); dense rows (e.g. a
+        preconditioned query) take the product directly, so both land in one space."""
+        o, i = shape
+        if isinstance(data, Dense):
+            g = data.values.to(COMPUTE_DTYPE).view(-1, o, i)
+            return (p_out @ g @ p_in.T).reshape(g.shape[0], -1)
+        f = self.f32(data)
+
+        def dense() -> torch.Tensor:
+            g = self.materialize(f, shape).view(-1, o, i)
+            return (p_out @ g @ p_in.T).reshape(g.shape[0], -1)
+        return cost.route("project_kron", layer, self, f, shape, {
+            "ghost": lambda: self.project_kron(f, p_out, p_in), "dense": dense,
+        }, path=path, ko=p_out.shape[0], ki=p_in.shape[0])
+
+    def project_rows(self, layer: str, data: Factorized | Dense, shape: tuple[int, int],
+                     projector, cost, path: str | None = None) -> torch.Tensor:
+        """``[B, P]`` dense or sparse random projection of the flattened gradient.
+
+        Sparse JL always materializes (its product is ``B*D*s``); dense JL is routed (op
+        ``project_dense``): the ghost path ``sum_t g_t^T P_p a_t`` only wins when T is 1;
+        an index input always materializes."""
+        k = projector.config.dim
+        if isinstance(data, Dense):
+            return projector.apply(layer, data.values.to(COMPUTE_DTYPE), k)
+        f = self.f32(data)
+
+        def dense() -> torch.Tensor:
+            return projector.apply(layer, self.materialize(f, shape), k)
+        if projector.sparse or self.index_input:
+            return dense()
+
+        def ghost() -> torch.Tensor:
+            m = projector.dense_matrix(layer, shape[0] * shape[1], k).to(f.g.device)
+            return self.cross_dense(f, m, shape)
+        return cost.route("project_dense", layer, self, f, shape,
+                          {"ghost": ghost, "dense": dense}, path=path, P=k)
+
+    @staticmethod
+    def f32(f: Factorized) -> Factorized:
+        """Factors in ``COMPUTE_DTYPE`` (index factors keep int64)."""
+        return f if f.g.dtype == COMPUTE_DTYPE else f.to(dtype=COMPUTE_DTYPE)
+
+    def side_project(self, f: Factorized, p_out: torch.Tensor, p_in: torch.Tensor) -> Factorized:
+        """Factors projected per side, ``(P_in a, P_out g)``: the working space of LoGra
+        curvature factors (an index input gathers columns of ``P_in``)."""
+        dt = p_out.dtype
+        a = p_in.T[f.a] if self.index_input else f.a.to(dt) @ p_in.T
+        return Factorized(a, f.g.to(dt) @ p_out.T)
 
     # ---- reference layout -----------------------------------------------------------
     @abstractmethod
     def canonical(self, module: nn.Module, grads: dict[str, torch.Tensor]) -> torch.Tensor:
         """Map parameter gradients ``{param_name: [..., *param.shape]}`` to ``[..., O*I']``."""
-
-
-class PredicateKind(LayerKind):
-    """A kind matched by a predicate instead of a type (e.g. any ``*RMSNorm`` class)."""
-
-    predicate: ClassVar[Callable[[nn.Module], bool]]
-
-    def matches(self, module: nn.Module) -> bool:
-        return type(self).predicate(module)
 
 
 def param_shape(p: torch.Tensor) -> tuple[int, ...]:
@@ -176,14 +312,15 @@ def kind_for(module: nn.Module) -> LayerKind | None:
     return None
 
 
-def get_kind(name: str) -> LayerKind:
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise UnsupportedLayerError(
-            f"No LayerKind named '{name}'; registered kinds: {sorted(_REGISTRY)}"
-        ) from None
+def get_kind(name: str | LayerKind) -> LayerKind:
+    """The registered kind called ``name`` (a LayerKind is returned as is).
+
+    Raises:
+        UnsupportedLayerError: no kind of that name is registered (message lists them).
+    """
+    return name if isinstance(name, LayerKind) else KINDS.lookup(name)
 
 
 def registered_kinds() -> dict[str, LayerKind]:
-    return dict(_REGISTRY)
+    """Name -> kind of every registered layer kind."""
+    return KINDS.as_dict()

@@ -18,7 +18,10 @@ __all__ = ["EmbeddingKind"]
 
 
 class EmbeddingKind(LayerKind, name="embedding", modules=(nn.Embedding,)):
-    """Per-example embedding gradients from indices and output-grads."""
+    """Per-example embedding gradients from indices and output-grads (the index case of
+    every op lives here: the input side is a one-hot column, never a matrix)."""
+
+    index_input = True
 
     def check(self, module: nn.Module, name: str) -> None:
         if module.max_norm is not None:

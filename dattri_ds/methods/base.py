@@ -26,18 +26,19 @@ from typing import ClassVar, NamedTuple
 import torch
 
 from dattri_ds.errors import ConfigError, ShapeError
-from dattri_ds.gradient import Dense, GradBatch
-from dattri_ds.layers.base import get_kind
+from dattri_ds.gradient import Dense, Factorized, GradBatch
 from dattri_ds.ops.cost import CostModel
 from dattri_ds.ops.inner import (
     cross_gram, default_cost_model, is_whitened, materialize, project,
 )
 from dattri_ds.ops.projection import Projector
+from dattri_ds.registry import Registry
 
 __all__ = ["Scores", "Attributor", "get_attributor", "registered_attributors",
            "make_attributor"]
 
-_REGISTRY: dict[str, type[Attributor]] = {}
+METHODS: Registry[type[Attributor]] = Registry(
+    "attribution method", hint="define class M(Attributor, name='m') before using it")
 
 
 class Scores(NamedTuple):
@@ -70,7 +71,7 @@ class Attributor(ABC):
         super().__init_subclass__(**kwargs)
         if name is not None:
             cls.name = name
-            _REGISTRY[name] = cls  # later registrations win, as for LayerKind
+            METHODS.register(name, cls)  # later registrations win, as for LayerKind
 
     def __init__(self, *, layers: Iterable[str] | None = None,
                  cost: CostModel | None = None, projector: Projector | None = None) -> None:
@@ -170,29 +171,25 @@ def _materialize_once(train: GradBatch, pq: GradBatch, names: tuple[str, ...],
     layers = dict(pq.layers)
     for n in names:
         x, y = train.layers[n], layers[n]
-        if not (x.is_factorized and y.is_factorized) or x.shard is not None or \
-                y.shard is not None:
+        if not (isinstance(x.data, Factorized) and isinstance(y.data, Factorized)) or \
+                x.shard is not None or y.shard is not None:
             continue
-        kind = get_kind(x.kind)
         fy = y.data
-        dec = (cost or default_cost_model(x.device)).choose(
-            "cross_gram", n, kind.dims(x.data, x.shape), B2=fy.g.shape[0], S=fy.g.shape[1])
+        dec = (cost or default_cost_model(x.device)).decide(
+            "cross_gram", n, x.kind, x.data, x.shape, B2=fy.g.shape[0], S=fy.g.shape[1])
         if dec.path == "dense":
             layers[n] = y.replace(data=Dense(materialize(y)))
     return GradBatch(pq.step, pq.sample_ids, layers, pq.micro_batch, pq.token_counts)
 
 
 def get_attributor(name: str) -> type[Attributor]:
-    """The registered Attributor class called ``name``."""
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ConfigError(f"No attribution method named '{name}'; registered methods: "
-                          f"{sorted(_REGISTRY)}") from None
+    """The registered Attributor class called ``name`` (ConfigError listing them otherwise)."""
+    return METHODS.lookup(name)
 
 
 def registered_attributors() -> dict[str, type[Attributor]]:
-    return dict(_REGISTRY)
+    """Name -> class of every registered attribution method."""
+    return METHODS.as_dict()
 
 
 def make_attributor(name: str, **kwargs) -> Attributor:

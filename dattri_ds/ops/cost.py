@@ -24,7 +24,8 @@ gradients (``B*T*O`` scatter-adds for index inputs, where ``A.A^T`` costs ``T*S`
 
 Bytes count the factors read, every intermediate written and read back, and the result.
 
-Projection kind per layer (``choose_projection``, the ``auto`` projection): a layer with
+Projection kind per layer (``ops.projection.choose_projection``, re-exported here; the
+``auto`` projection): a layer with
 ``O*I' <= k`` is kept exactly (error 0); otherwise sparse JL (dense-JL error
 ``sqrt(2/k)``) unless its flops per example, ``2*T*O*I' + 2*s*O*I'`` (materialize, then
 scatter), exceed ``kron_speedup`` times the factorized Kronecker path's
@@ -46,10 +47,13 @@ import torch
 
 from dattri_ds.errors import ConfigError
 from dattri_ds.layers.base import LayerDims
-from dattri_ds.ops.projection import PROJECTION_KINDS, SPARSE_NNZ
+from dattri_ds.ops.projection import (  # re-exported: the projection choice lives there
+    REF_TOKENS, SPARSE_NNZ, ProjectionChoice, choose_projection, explain_projection,
+)
 
 __all__ = ["PathCost", "Roofline", "Decision", "CostModel", "OPS", "PATHS", "estimate",
-           "ProjectionChoice", "choose_projection", "explain_projection", "REF_TOKENS"]
+           "ProjectionChoice", "choose_projection", "explain_projection", "REF_TOKENS",
+           "default_cost_model"]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -212,48 +216,6 @@ def _rotate(d: LayerDims) -> dict[str, PathCost]:
     return {"ghost": ghost, "dense": dense}
 
 
-#: Tokens per example of the projection-kind comparison (the ratio is the same for any T
-#: up to the per-example scatter term of sparse).
-REF_TOKENS = 512
-
-
-@dataclass(frozen=True)
-class ProjectionChoice:
-    """The projection kind one layer gets, and why.
-
-    Attributes:
-        kind: ``identity`` (kept exactly), ``sparse`` or ``kronecker``.
-        width: values stored per example. error: expected relative inner-product error.
-        speedup: flops of the sparse path / flops of the Kronecker path (``REF_TOKENS``).
-    """
-
-    kind: str
-    width: int
-    error: float
-    speedup: float
-
-
-def choose_projection(o: int, i: int, k: int, kron_speedup: float = 8.0) -> ProjectionChoice:
-    """Identity, sparse or Kronecker for a layer ``[O, I']`` at size k (module docstring)."""
-    if o * i <= k:
-        return ProjectionChoice("identity", o * i, 0.0, 1.0)
-    sparse, kron = PROJECTION_KINDS["sparse"], PROJECTION_KINDS["kronecker"]
-    ratio = sparse.flops(k, o, i, REF_TOKENS) / kron.flops(k, o, i, REF_TOKENS)
-    pick = kron if ratio > kron_speedup else sparse
-    return ProjectionChoice(pick.name, pick.width(k, o, i), pick.error(k, o, i), ratio)
-
-
-def explain_projection(shapes: Mapping[str, tuple[int, int]], k: int,
-                       kron_speedup: float = 8.0) -> str:
-    """One line per layer: its ``auto`` projection kind, width, error and the flops ratio."""
-    lines = []
-    for name, (o, i) in shapes.items():
-        c = choose_projection(o, i, k, kron_speedup)
-        lines.append(f"{name} [{o}x{i}] k={k} -> {c.kind} (width {c.width}, relative error "
-                     f"~{c.error:.3f}, sparse/kronecker flops {c.speedup:.1f})")
-    return "\n".join(lines)
-
-
 #: op name -> estimator(dims, **op args) -> {path: PathCost}; a flat routing table.
 OPS: dict[str, Callable[..., dict[str, PathCost]]] = {
     "cross_gram": _cross_gram,
@@ -349,6 +311,29 @@ class CostModel:
         logger.debug(dec.explain())
         return dec
 
+    def route(self, op: str, layer: str, kind, data, shape: tuple[int, int],
+              paths: Mapping[str, Callable[[], T]], *, path: str | None = None,
+              itemsize: int | None = None, **kwargs: int) -> T:
+        """THE router: choose ghost vs dense for ``op`` on one layer's factors and run it.
+
+        The one place a path is chosen and the one place ``LayerDims`` is built: ``B, T``
+        from ``data.g [B, T, O]``, ``(O, I')`` from ``shape``, the index case from
+        ``kind.index_input``, bytes per element from ``itemsize`` (default: the factors').
+
+        Args:
+            kind: the layer's LayerKind. data: its ``Factorized`` gradients.
+            paths: ``{"ghost": fn, "dense": fn}`` (an op with one path may give one).
+            path: force a path for this call. kwargs: the op's extra sizes (``B2``, ``Q``...).
+        """
+        dims = _dims(kind, data, shape, itemsize)
+        return self.run(op, layer, dims, paths, path=path, **kwargs)
+
+    def decide(self, op: str, layer: str, kind, data, shape: tuple[int, int], *,
+               path: str | None = None, itemsize: int | None = None, **kwargs: int) -> Decision:
+        """The decision ``route`` would take, without running a path (for a caller that
+        prepares data ahead of the op, e.g. a query materialized once for many batches)."""
+        return self.choose(op, layer, _dims(kind, data, shape, itemsize), path=path, **kwargs)
+
     def run(self, op: str, layer: str, dims: LayerDims, paths: Mapping[str, Callable[[], T]], *,
             path: str | None = None, **kwargs: int) -> T:
         """Choose a path for ``op`` and run it: ``paths = {"ghost": fn, "dense": fn}``.
@@ -365,9 +350,7 @@ class CostModel:
             return paths[dec.path]()
         timed, result = {}, None
         for name, fn in paths.items():
-            t0 = time.perf_counter()
-            result = fn()
-            timed[name] = time.perf_counter() - t0
+            result, timed[name] = _timed(fn)
         best = min(timed, key=timed.__getitem__)
         key = (op, layer, dims, path, tuple(sorted(kwargs.items())))
         self._cache[key] = Decision(op, layer, best, dec.costs, dec.seconds, False,
@@ -381,3 +364,36 @@ class CostModel:
     def explain(self) -> str:
         """One line per decision: layer, op, shapes, chosen path and both estimates."""
         return "\n".join(d.explain() for d in self._cache.values())
+
+
+def _dims(kind, data, shape: tuple[int, int], itemsize: int | None) -> LayerDims:
+    """``LayerDims`` of factors ``data.g [B, T, O]`` of a layer of canonical ``shape``."""
+    g = data.g
+    return LayerDims(B=g.shape[0], T=g.shape[1], I=shape[1], O=shape[0],
+                     index_input=kind.index_input,
+                     itemsize=g.element_size() if itemsize is None else itemsize)
+
+
+def _timed(fn: Callable[[], T]) -> tuple[T, float]:
+    """``fn()`` and its wall time; CUDA work is synchronized before and after (kernels run
+    asynchronously: without it the time is the launch, not the work)."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - t0
+
+
+_DEFAULT_MODELS: dict[str, CostModel] = {}
+
+
+def default_cost_model(device: torch.device | str = "cpu") -> CostModel:
+    """The shared per-device-type cost model used when an op is given none."""
+    key = device.type if isinstance(device, torch.device) else torch.device(device).type
+    model = _DEFAULT_MODELS.get(key)
+    if model is None:
+        model = _DEFAULT_MODELS[key] = CostModel(Roofline.default(key))
+    return model

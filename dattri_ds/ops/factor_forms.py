@@ -2,7 +2,7 @@
 
 ``KFACFactors`` (``ops/kronecker.py``) keeps per-layer sums and an eigenbasis; what those
 are, how they accumulate, decompose and rotate a gradient depends on the layer's *form*,
-looked up once per layer in the registry (``get_form(name)``):
+resolved once per layer from the registry (``FORMS``; ``LayerFactors`` holds the object):
 
 * ``kron`` (linear/conv1d): ``A = E_tok[a a^T]`` ``[i, i]``, ``S = (1/N) sum g g^T``
   ``[o, o]``; rotation ``Q_S^T G Q_A``.
@@ -26,17 +26,50 @@ from typing import ClassVar
 
 import torch
 
-from dattri_ds.errors import registered
 from dattri_ds.gradient import Factorized
-from dattri_ds.layers.base import get_kind
-from dattri_ds.ops.gram import add_gram_
+from dattri_ds.layers.base import LayerKind
+from dattri_ds.registry import Registry
 
 __all__ = ["FactorForm", "KronForm", "IndexForm", "FullForm", "DiagonalForm", "get_form",
-           "LAM_KEYS"]
+           "FORMS", "LAM_KEYS", "MIN_BLOCK", "add_gram_"]
 
 #: EK-FAC sums: corrected eigenvalue sums ``[o, i]`` and their example count.
 LAM_KEYS = ("lam", "lam_examples")
-_FORMS: dict[str, FactorForm] = {}
+FORMS: Registry[FactorForm] = Registry(
+    "curvature factor form", hint="define class MyForm(FactorForm, name='my_form')")
+
+
+# ---- the symmetric Gram update every form's factor sums use ----------------------------
+# ``out += x^T x`` on the upper block triangle: the symmetric Gram at ~5/8 of a GEMM.
+# K-FAC factor sums are Gram matrices of activations and output gradients (``[N, d]`` rows,
+# ``d`` up to the layer width), and on a CPU they are the largest GEMMs of a curvature fit.
+# ``x^T x`` is symmetric, but ``torch.mm`` computes both triangles. Splitting the columns into
+# ``nb`` blocks and computing only the blocks on and above the diagonal (mirroring the rest)
+# costs ``nb (nb + 1) / 2`` of ``nb^2`` block products: 10/16 at ``nb = 4``. Blocks narrower
+# than ``MIN_BLOCK`` columns run slower per flop than one large GEMM, so small ``d`` is one
+# product. Every output entry is the same dot product over the same rows as in ``x.T @ x``.
+
+MIN_BLOCK = 256
+"""Narrowest column block (measured on one AVX2 core, N = 2048 rows: 0.72-0.82x the time of
+``x.T @ x`` at d = 512-1024, 0.65x at 3072; at d = 256 a split does not pay)."""
+
+
+def add_gram_(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``out += x^T x`` in place for ``x`` ``[N, d]``, ``out`` ``[d, d]`` (same dtype);
+    returns ``out``."""
+    d = x.shape[1]
+    nb = max(1, d // MIN_BLOCK)
+    if nb == 1:
+        return out.addmm_(x.T, x)
+    w = -(-d // nb)
+    for i in range(0, d, w):
+        xi = x[:, i:i + w]
+        for j in range(i, d, w):
+            blk = xi.T @ x[:, j:j + w]
+            out[i:i + w, j:j + w] += blk
+            if j != i:
+                out[j:j + w, i:i + w] += blk.T
+    return out
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -61,11 +94,43 @@ class FactorForm(ABC):
         super().__init_subclass__(**kwargs)
         if name is not None:
             cls.name = name
-            _FORMS[name] = cls()
+            FORMS.register(name, cls())
+
+    def __reduce__(self):  # pickles / deep copies resolve to the registered instance
+        return get_form, (self.name,)
+
+    def __str__(self) -> str:
+        return self.name
+
+    def __repr__(self) -> str:
+        return f"<FactorForm {self.name!r}>"
 
     @abstractmethod
     def shapes(self, o: int, i: int) -> dict[str, tuple[int, ...]]:
         """Shapes of the tensor sums in a working space of ``(o, i)``."""
+
+    def zero_sums(self, sums: dict[str, torch.Tensor], keys: tuple[str, ...],
+                  dims: tuple[int, int], dtype: torch.dtype, device) -> None:
+        """Create the missing ``keys`` of ``sums`` as zeros (tensor sums in ``dtype``, counts
+        in float64) for a working space of ``dims``."""
+        shapes = self.shapes(*dims)
+        for k in keys:
+            if k not in sums:
+                dt = dtype if k in shapes else torch.float64
+                sums[k] = torch.zeros(shapes.get(k, ()), dtype=dt, device=device)
+
+    def update(self, sums: dict[str, torch.Tensor], x: Factorized | torch.Tensor,
+               dims: tuple[int, int], dtype: torch.dtype) -> None:
+        """Pass 1 for one batch of one layer: open the sums, then ``accumulate``.
+
+        Args:
+            x: factors in the working space (``factorized`` forms; contributing tokens are
+                those whose output-grad row is not all zero) or rows ``[B, W]``.
+        """
+        dev = x.g.device if isinstance(x, Factorized) else x.device
+        self.zero_sums(sums, self.cov_keys, dims, dtype, dev)
+        mask = (x.g != 0).any(-1) if isinstance(x, Factorized) else None
+        self.accumulate(sums, x, mask, dtype)
 
     @abstractmethod
     def accumulate(self, sums: dict[str, torch.Tensor], x, mask: torch.Tensor | None,
@@ -76,14 +141,25 @@ class FactorForm(ABC):
     def eigendecompose(self, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Eigenvalues and bases (float64) from the reduced pass-1 sums."""
 
+    def decompose(self, sums: dict[str, torch.Tensor], dims: tuple[int, int],
+                  dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """``eigendecompose``, then open the (zero) EK-FAC sums of pass 2."""
+        eig = self.eigendecompose(sums)
+        self.zero_sums(sums, self.lam_keys, dims, dtype, next(iter(sums.values())).device)
+        return eig
+
     @abstractmethod
     def kfac_eigenvalues(self, eig: dict[str, torch.Tensor]) -> torch.Tensor:
         """``[o, i]`` K-FAC eigenvalues (or ``[1, W]``)."""
 
     @abstractmethod
-    def rotate(self, kind: str, eig: dict[str, torch.Tensor], x: Factorized | torch.Tensor,
-               dims: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
-        """``[B, o, i]`` gradients in the eigenbasis, in ``dtype``."""
+    def rotate(self, kind: LayerKind, eig: dict[str, torch.Tensor], x: Factorized | torch.Tensor,
+               dims: tuple[int, int], dtype: torch.dtype,
+               materialize_first: bool = False) -> torch.Tensor:
+        """``[B, o, i]`` gradients in the eigenbasis, in ``dtype``.
+
+        ``materialize_first``: factors are materialized (by ``kind``) and the rows rotated,
+        the cost model's ``rotate`` dense path; the same map as rotating the factors."""
 
     @abstractmethod
     def unrotate(self, eig: dict[str, torch.Tensor], r: torch.Tensor,
@@ -109,20 +185,23 @@ class KronForm(FactorForm, name="kron"):
         sums["tokens"] += mask.sum()
         sums["examples"] += f.g.shape[0]
 
-    def _covariances(self, sums):
+    def covariances(self, sums: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(A, S)`` normalized as in the module docstring (``A`` a vector for kron_index)."""
         return (sums["a"].double() / sums["tokens"].clamp_min(1),
                 sums["s"].double() / sums["examples"].clamp_min(1))
 
     def eigendecompose(self, sums):
-        a, s = self._covariances(sums)
+        a, s = self.covariances(sums)
         (l_s, q_s), (l_a, q_a) = _eigh(s), _eigh(a)
         return {"l_s": l_s, "q_s": q_s, "l_a": l_a, "q_a": q_a}
 
     def kfac_eigenvalues(self, eig):
         return torch.outer(eig["l_s"], eig["l_a"])
 
-    def rotate(self, kind, eig, x, dims, dtype):
+    def rotate(self, kind, eig, x, dims, dtype, materialize_first=False):
         o, i = dims
+        if materialize_first and isinstance(x, Factorized):
+            x = kind.materialize(Factorized(_cast(x.a, dtype), _cast(x.g, dtype)), dims)
         if isinstance(x, torch.Tensor):
             return _cast(eig["q_s"], dtype).T @ _cast(x, dtype).view(-1, o, i) \
                 @ _cast(eig["q_a"], dtype)
@@ -145,17 +224,17 @@ class IndexForm(KronForm, name="kron_index"):
         sums["a"] += torch.bincount(f.a[mask], minlength=sums["a"].shape[0]).to(dtype)
 
     def eigendecompose(self, sums):
-        a, s = self._covariances(sums)
+        a, s = self.covariances(sums)
         l_s, q_s = _eigh(s)
         return {"l_s": l_s, "q_s": q_s, "l_a": a}
 
-    def rotate(self, kind, eig, x, dims, dtype):
+    def rotate(self, kind, eig, x, dims, dtype, materialize_first=False):
         o, i = dims
         q_s = _cast(eig["q_s"], dtype)
         if isinstance(x, torch.Tensor):
             return q_s.T @ _cast(x, dtype).view(-1, o, i)
         gs = Factorized(x.a, _cast(x.g, dtype) @ q_s)
-        return get_kind(kind).materialize(gs, (o, i)).view(-1, o, i)
+        return kind.materialize(gs, (o, i)).view(-1, o, i)
 
     def unrotate(self, eig, r, dtype):
         return _cast(eig["q_s"], dtype) @ r
@@ -166,7 +245,7 @@ class FullForm(FactorForm, name="full"):
 
     On ``tools/lds.py`` (5 seeds, two query sets) the exact block of the norm layers scored
     +0.014 and +0.004 LDS over their diagonal for EK-FAC, as much as dropping them did
-    (README, issue 14).
+    (docs/attribution_fidelity.md).
     """
 
     cov_keys = ("f", "examples")
@@ -187,7 +266,7 @@ class FullForm(FactorForm, name="full"):
     def kfac_eigenvalues(self, eig):
         return eig["l"].view(1, -1)
 
-    def rotate(self, kind, eig, x, dims, dtype):
+    def rotate(self, kind, eig, x, dims, dtype, materialize_first=False):
         return (_cast(x, dtype) @ _cast(eig["q"], dtype)).view(-1, *dims)
 
     def unrotate(self, eig, r, dtype):
@@ -215,16 +294,16 @@ class DiagonalForm(FactorForm, name="diagonal"):
     def kfac_eigenvalues(self, eig):
         return eig["l"].view(1, -1)
 
-    def rotate(self, kind, eig, x, dims, dtype):
+    def rotate(self, kind, eig, x, dims, dtype, materialize_first=False):
         return _cast(x, dtype).view(-1, *dims)
 
     def unrotate(self, eig, r, dtype):
         return r
 
 
-def get_form(name: str) -> FactorForm:
-    """The registered FactorForm called ``name``."""
-    return registered(_FORMS, name, "curvature factor form")
+def get_form(name: str | FactorForm) -> FactorForm:
+    """The registered FactorForm called ``name`` (a FactorForm is returned as is)."""
+    return name if isinstance(name, FactorForm) else FORMS.lookup(name)
 
 
 def _eigh(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

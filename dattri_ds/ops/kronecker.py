@@ -27,7 +27,8 @@ a second pass from factors without building ``G_b``:
 relative: ``damping * mean(eigenvalues)`` of the layer (``mean(l_S) mean(l_A)`` or
 ``mean(L)``). Larger damping makes ``H^-1 -> I / lambda``, i.e. plain gradient dot products.
 
-Forms, by layer kind (one strategy class each in ``ops/factor_forms.py``):
+Forms, by layer kind (``LayerKind.factor_form`` picks; one ``FactorForm`` class each in
+``ops/factor_forms.py``, held by ``LayerFactors.form``):
 
 * ``kron``: linear/conv1d (A dense ``[I', I']``).
 * ``kron_index``: embedding with index inputs: ``A = diag(token counts) / M`` kept as a
@@ -57,6 +58,7 @@ import hashlib
 import json
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Literal
 
@@ -65,11 +67,12 @@ import torch
 from dattri_ds.distributed import ParallelContext, all_gather_object, all_reduce_sum
 from dattri_ds.errors import ConfigError, FactorFileError, FactorStateError, ShapeError, UnsupportedLayerError
 from dattri_ds.gradient import Dense, Factorized, GradBatch, LayerGrad
-from dattri_ds.layers.base import LayerDims, get_kind
+from dattri_ds.layers.base import COMPUTE_DTYPE, LayerKind, get_kind
 from dattri_ds.layers.outer import row_chunks
+from dattri_ds.ops.cost import default_cost_model
 from dattri_ds.ops.factor_forms import FactorForm, get_form
-from dattri_ds.ops.inner import COMPUTE_DTYPE, default_cost_model, materialize, project
 from dattri_ds.ops.projection import Projector, kron_dims
+from dattri_ds.ops.space import kron_sides, project
 from dattri_ds.schema import bounds, check
 
 __all__ = ["KFACConfig", "LayerFactors", "KFACFactors", "METHODS"]
@@ -91,7 +94,7 @@ class KFACConfig:
     sets (128 documents x 6 epochs, 96 x 8; 5 checkpoints): LDS rises monotonically from
     0.3 to 0.01 for K-FAC, EK-FAC and their trajectories, and from 0.01 to 0.003 it still
     gains 0.000-0.015 (0.001 is within +-0.01 of 0.003); 0.003 keeps a 3x margin above the
-    smallest value measured stable. On the unseen benchmark of issue 14, 0.01 beat 0.1
+    smallest value measured stable. On the unseen benchmark (docs), 0.01 beat 0.1
     (EK-FAC 0.364 vs 0.353; EK-FAC trajectory 0.440 vs 0.426). Re-checked with the default
     ``power`` 0.8 and exact norm blocks (5 seeds): 0.003 beats 0.03 by +0.005 to +0.009
     and 0.3 by +0.016 to +0.035 for all four curvature methods."""
@@ -109,7 +112,7 @@ class KFACConfig:
     (deterministic, invariant to the loss scale).
 
     The default 0.8 was chosen on ``tools/lds.py`` over four benchmarks (5 seeds each: out-
-    and in-distribution queries, GPT-2 and Llama, Adam and SGD; README, issue 14): against
+    and in-distribution queries, GPT-2 and Llama, Adam and SGD; docs/attribution_fidelity.md): against
     1, the EK-FAC trajectory gains +0.017 to +0.021 LDS under Adam (>= 2.4 s.e. each) and
     +0.082 under SGD; single-checkpoint EK-FAC / K-FAC stay within 1.5 s.e. under Adam
     (-0.015 to +0.003) and gain about +0.05 under SGD. 0.75 gains more under SGD but costs
@@ -132,7 +135,7 @@ class KFACConfig:
     ``8 W^2`` bytes, 8 MiB at 1024); wider ones the diagonal (form ``diagonal``); 0 = always
     diagonal. The diagonal ignores the strong correlations between a norm's gains and
     biases; on ``tools/lds.py`` the exact block scored +0.014 (A) and +0.004 (B) LDS over
-    it for EK-FAC, as much as dropping the norms did (5 seeds each; README, issue 14).
+    it for EK-FAC, as much as dropping the norms did (5 seeds each; docs/attribution_fidelity.md).
     Large models' norms (W = hidden size, >= 2048) stay
     diagonal: they hold a negligible share of the parameters."""
 
@@ -145,9 +148,12 @@ class LayerFactors:
     """One layer's factor sums and eigenbasis.
 
     Attributes:
-        name, kind, shape: as in LayerGrad (``shape`` is the canonical ``(O, I')``).
+        name, kind, shape: as in LayerGrad (``kind`` the LayerKind object, ``shape`` the
+            canonical ``(O, I')``); a kind name is resolved once in ``__post_init__``.
         projection: projection tag of the vectors these factors act on (None = unprojected).
-        form: ``kron``, ``kron_index``, ``full`` or ``diagonal`` (module docstring).
+        form: the ``FactorForm`` (``kron``, ``kron_index``, ``full`` or ``diagonal``, module
+            docstring) doing this layer's sums, eigenbasis and rotations; a form name is
+            resolved once in ``__post_init__``. Factor files record the names.
         dims: ``(o, i)`` of the working space: ``shape``, ``(ko, ki)`` when Kronecker
             projected, ``(1, W)`` for ``full`` and ``diagonal``.
         sums: ``a`` (``[i, i]`` or ``[i]``), ``s`` ``[o, o]``, ``f`` ``[W, W]``, ``d`` ``[W]``,
@@ -157,40 +163,33 @@ class LayerFactors:
     """
 
     name: str
-    kind: str
+    kind: LayerKind
     shape: tuple[int, int]
     projection: str | None
-    form: str
+    form: FactorForm
     dims: tuple[int, int]
     sums: dict[str, torch.Tensor] = field(default_factory=dict)
     eig: dict[str, torch.Tensor] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if isinstance(self.kind, str):
+            self.kind = get_kind(self.kind)
+        if isinstance(self.form, str):
+            self.form = get_form(self.form)
+        self.shape, self.dims = tuple(self.shape), tuple(self.dims)
+
     def meta(self) -> dict:
-        return {"name": self.name, "kind": self.kind, "shape": list(self.shape),
-                "projection": self.projection, "form": self.form, "dims": list(self.dims)}
+        return {"name": self.name, "kind": self.kind.name, "shape": list(self.shape),
+                "projection": self.projection, "form": self.form.name, "dims": list(self.dims)}
 
     @classmethod
     def from_meta(cls, m: dict) -> LayerFactors:
         return cls(m["name"], m["kind"], tuple(m["shape"]), m["projection"], m["form"],
                    tuple(m["dims"]))
 
-    @property
-    def strategy(self) -> FactorForm:
-        """The form's strategy (``ops.factor_forms``): sums, eigenbasis, rotations."""
-        return get_form(self.form)
-
     def zero_sums(self, keys: Iterable[str], dtype: torch.dtype, device) -> None:
-        shapes = self.strategy.shapes(*self.dims)
-        for k in keys:
-            if k not in self.sums:
-                dt = dtype if k in shapes else torch.float64
-                self.sums[k] = torch.zeros(shapes.get(k, ()), dtype=dt, device=device)
-
-    def covariances(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(A, S)`` normalized as in the module docstring (``A`` a vector for kron_index)."""
-        s = self.sums
-        return (s["a"].double() / s["tokens"].clamp_min(1),
-                s["s"].double() / s["examples"].clamp_min(1))
+        """Create the missing sums ``keys`` as zeros (``FactorForm.zero_sums``)."""
+        self.form.zero_sums(self.sums, tuple(keys), self.dims, dtype, device)
 
 
 class KFACFactors:
@@ -208,6 +207,7 @@ class KFACFactors:
         self.layers: dict[str, LayerFactors] = {}
         self._reduced: set[str] = set()
         self._dtype = getattr(torch, self.config.dtype)
+        self._itemsize = torch.empty((), dtype=self._dtype).element_size()
 
     @property
     def eigendecomposed(self) -> bool:
@@ -218,60 +218,56 @@ class KFACFactors:
         """Whether EK-FAC eigenvalues were accumulated for every Kronecker layer."""
         return self.eigendecomposed and all(
             float(lf.sums["lam_examples"]) > 0 for lf in self.layers.values()
-            if lf.strategy.lam_keys)
+            if lf.form.lam_keys)
 
     # ---- pass 1: factor sums --------------------------------------------------------
     def _layout(self, lg: LayerGrad) -> LayerFactors:
         if lg.shard is not None:
             raise UnsupportedLayerError(
                 f"Layer '{lg.name}' is a tensor-parallel shard: K-FAC factors need the whole "
-                f"layer; pass dattri_ds.ops.inner.unshard_batch(batch) (all-gathers the "
+                f"layer; pass dattri_ds.ops.space.unshard_batch(batch) (all-gathers the "
                 f"sharded factor)")
-        kind = get_kind(lg.kind)
+        kind = lg.kind
         o, i = lg.shape
         p = self.projector
         if kind.dense_only:
-            rows = self._dense_rows(lg)
-            width = rows.data.values.shape[1]
-            return LayerFactors(lg.name, lg.kind, lg.shape, rows.projection,
-                                "full" if width <= self.config.full_max else "diagonal",
-                                (1, width))
-        if not lg.is_factorized:
+            tag, rows = self._dense_rows(lg)
+            width = rows.shape[1]
+            return LayerFactors(lg.name, kind, lg.shape, tag,
+                                kind.factor_form(width, self.config.full_max), (1, width))
+        if not isinstance(lg.data, Factorized):
             state = f"projected ({lg.projection})" if lg.projection else "unprojected dense"
             raise ShapeError(
                 f"Layer '{lg.name}' ({lg.kind}) holds {state} gradients: K-FAC factors need the "
                 f"factorized form (a, g). Fit factors from a capture without "
                 f"capture.projection and pass KFACFactors(projector=Projector(<store config>)) "
                 f"to precondition projected stores")
-        index = not lg.data.a.is_floating_point()
+        form = kind.factor_form(o * i, self.config.full_max)
         if p is None or o * i <= p.config.dim:
             tag = None if p is None else f"identity:{p.config.tag}"
-            return LayerFactors(lg.name, lg.kind, lg.shape, tag,
-                                "kron_index" if index else "kron", (o, i))
+            return LayerFactors(lg.name, kind, lg.shape, tag, form, (o, i))
         if p.config.kind != "kronecker":
             raise ConfigError(
                 f"Layer '{lg.name}': K-FAC on a '{p.config.kind}' projection has no Kronecker "
                 f"structure; use ProjectionConfig(kind='kronecker') (LoGra) or unprojected data")
-        return LayerFactors(lg.name, lg.kind, lg.shape, p.config.tag, "kron",
+        return LayerFactors(lg.name, kind, lg.shape, p.config.tag,
+                            kind.factor_form(o * i, self.config.full_max, side_projected=True),
                             kron_dims(p.config.dim, o, i))
 
-    def _dense_rows(self, lg: LayerGrad) -> LayerGrad:
+    def _dense_rows(self, lg: LayerGrad) -> tuple[str | None, torch.Tensor]:
+        """``(projection tag, rows [B, W])`` of a layer fitted on dense rows."""
         if lg.projection is not None or self.projector is None:
-            return lg.replace(data=Dense(materialize(lg)))
-        return project(lg, self.projector)
+            return lg.projection, lg.kind.rows(lg.data, lg.shape)
+        done = project(lg, self.projector)
+        return done.projection, done.data.values
 
     def _factors(self, lf: LayerFactors, lg: LayerGrad) -> Factorized:
         """Factors in ``lf``'s working space (side-projected when Kronecker projected)."""
         f = lg.data
         if lf.projection is None or lf.projection.startswith("identity:"):
             return f
-        o, i = lf.shape
-        ko, ki = lf.dims
-        dev = f.g.device
-        p_out = self.projector.side(lf.name, "out", ko, o, dev, self._dtype)
-        p_in = self.projector.side(lf.name, "in", ki, i, dev, self._dtype)
-        a = p_in.T[f.a] if not f.a.is_floating_point() else f.a.to(self._dtype) @ p_in.T
-        return Factorized(a, f.g.to(self._dtype) @ p_out.T)
+        p_out, p_in = kron_sides(self.projector, lf.name, *lf.shape, f.g.device, self._dtype)
+        return lf.kind.side_project(f, p_out, p_in)
 
     def update(self, batch: GradBatch) -> None:
         """Fold a batch's factors into the sums (pass 1); new layers are added as they come."""
@@ -283,28 +279,22 @@ class KFACFactors:
             if lf is None:
                 lf = self.layers[name] = self._layout(lg)
             self._check(lf, lg, allow_projection_change=True)
-            st = lf.strategy
-            if st.factorized:
-                if not lg.is_factorized:
+            if lf.form.factorized:
+                if not isinstance(lg.data, Factorized):
                     self._layout(lg)  # raises the explanatory error
-                mask = (lg.data.g != 0).any(-1)  # [B, T] tokens that contribute to some G_b
-                x = self._factors(lf, lg)
-                dev = x.g.device
+                x = self._factors(lf, lg)  # tokens with a zero output-grad row add nothing
             else:
-                rows = self._dense_rows(lg)
-                self._check(lf, rows)
-                x, mask = rows.data.values, None
+                tag, x = self._dense_rows(lg)
+                self._check(lf, lg, projection=tag)
                 self._width(lf, x)
-                dev = x.device
-            lf.zero_sums(st.cov_keys, self._dtype, dev)
-            st.accumulate(lf.sums, x, mask, self._dtype)
+            lf.form.update(lf.sums, x, lf.dims, self._dtype)
 
     # ---- distributed / merging --------------------------------------------------------
     def _phase(self) -> str:
         return "lam" if self.eigendecomposed else "cov"
 
     def _phase_keys(self, lf: LayerFactors, phase: str) -> tuple[str, ...]:
-        return lf.strategy.cov_keys if phase == "cov" else lf.strategy.lam_keys
+        return lf.form.cov_keys if phase == "cov" else lf.form.lam_keys
 
     def _device(self):
         for lf in self.layers.values():
@@ -381,9 +371,7 @@ class KFACFactors:
         if not self.layers:
             raise FactorStateError("KFACFactors.eigendecompose(): no batch was added (update())")
         for lf in self.layers.values():
-            lf.eig.update(lf.strategy.eigendecompose(lf.sums))
-            lf.zero_sums(lf.strategy.lam_keys, self._dtype,
-                         next(iter(lf.sums.values())).device)
+            lf.eig.update(lf.form.decompose(lf.sums, lf.dims, self._dtype))
         return self
 
     def update_correction(self, batch: GradBatch) -> None:
@@ -394,13 +382,14 @@ class KFACFactors:
             raise FactorStateError("KFACFactors.update_correction() after the EK-FAC reduce()")
         for name, lg in batch.layers.items():
             lf = self._get(name)
-            if not lf.strategy.lam_keys:
+            if not lf.form.lam_keys:
                 continue
             x = self._prepare(lf, lg)
-            for sl in row_chunks(lg.batch_size, lf.dims[0] * lf.dims[1]):
-                rot = self._rotate(lf, x.index(sl) if isinstance(x, Factorized) else x[sl])
+            b = x.g.shape[0] if isinstance(x, Factorized) else x.shape[0]
+            for sl in _chunks(b, lf.dims[0] * lf.dims[1]):
+                rot = self._rotate(lf, _rows(x, sl, b))
                 lf.sums["lam"] += rot.pow(2).sum(0).to(self._dtype)
-            lf.sums["lam_examples"] += lg.batch_size
+            lf.sums["lam_examples"] += b
 
     # ---- preconditioning --------------------------------------------------------------
     def precondition(self, batch: GradBatch, method: str = "ekfac") -> GradBatch:
@@ -456,10 +445,10 @@ class KFACFactors:
         inv = inv.to(self._dtype)
         x = self._prepare(lf, lg)
         o, i = lf.dims
-        out = torch.empty(lg.batch_size, o * i, dtype=COMPUTE_DTYPE, device=inv.device)
-        for sl in row_chunks(lg.batch_size, o * i):  # bounds the float64 intermediates
-            part = x.index(sl) if isinstance(x, Factorized) else x[sl]
-            r = self._rotate(lf, part) * inv
+        b = x.g.shape[0] if isinstance(x, Factorized) else x.shape[0]
+        out = torch.empty(b, o * i, dtype=COMPUTE_DTYPE, device=inv.device)
+        for sl in _chunks(b, o * i):  # bounds the float64 intermediates
+            r = self._rotate(lf, _rows(x, sl, b)) * inv
             out[sl] = (r if whiten else self._unrotate(lf, r)).reshape(-1, o * i)
         if not whiten:
             return lg.replace(data=Dense(out), projection=lf.projection)
@@ -467,8 +456,8 @@ class KFACFactors:
         return lg.replace(data=Dense(out), projection=tag)
 
     def _eigenvalues(self, lf: LayerFactors, method: str) -> torch.Tensor:
-        if method == "kfac" or not lf.strategy.lam_keys:
-            return lf.strategy.kfac_eigenvalues(lf.eig)
+        if method == "kfac" or not lf.form.lam_keys:
+            return lf.form.kfac_eigenvalues(lf.eig)
         n = float(lf.sums["lam_examples"])
         if n == 0:
             raise FactorStateError(
@@ -484,13 +473,17 @@ class KFACFactors:
                              f"exclude as the query, or restrict the query to fitted layers")
         return lf
 
-    def _check(self, lf: LayerFactors, lg: LayerGrad, allow_projection_change: bool = False):
-        if lg.kind != lf.kind or tuple(lg.shape) != tuple(lf.shape):
+    def _check(self, lf: LayerFactors, lg: LayerGrad, allow_projection_change: bool = False,
+               projection: str | None | bool = False):
+        """Kind and shape match the factors; and the projection (``lg``'s, or the given
+        ``projection`` tag of rows derived from it) unless ``allow_projection_change``."""
+        if lg.kind is not lf.kind or tuple(lg.shape) != lf.shape:
             raise ShapeError(f"Layer '{lf.name}': factors are for kind '{lf.kind}' shape "
                              f"{lf.shape}, got kind '{lg.kind}' shape {lg.shape}")
-        if not allow_projection_change and lg.projection != lf.projection:
+        tag = lg.projection if projection is False else projection
+        if not allow_projection_change and tag != lf.projection:
             raise ShapeError(
-                f"Layer '{lf.name}': gradients have projection {lg.projection!r} but the "
+                f"Layer '{lf.name}': gradients have projection {tag!r} but the "
                 f"factors act on {lf.projection!r}; project queries with the store's "
                 f"ProjectionConfig (or build KFACFactors with that projector)")
 
@@ -503,12 +496,13 @@ class KFACFactors:
     def _prepare(self, lf: LayerFactors, lg: LayerGrad) -> Factorized | torch.Tensor:
         """Query/train data in the factors' working space: factors (unprojected) or rows."""
         if lg.projection is None and lf.projection is not None and self.projector is not None:
-            lg = project(lg, self.projector) if lf.strategy.factorized else self._dense_rows(lg)
+            lg = project(lg, self.projector)
         self._check(lf, lg)
         dev = next(iter(lf.sums.values())).device  # compute where the factors live
-        if isinstance(lg.data, Factorized) and lf.strategy.factorized:
-            return lg.data.to(dev)
-        v = materialize(lg)
+        if isinstance(lg.data, Factorized) and lf.form.factorized:
+            f = lg.data
+            return f if f.g.device == dev else f.to(dev)
+        v = lg.kind.rows(lg.data, lg.shape)
         self._width(lf, v)
         return v.to(dev)
 
@@ -518,17 +512,17 @@ class KFACFactors:
         Factors are rotated first, or materialized first where the cost model's ``rotate``
         op says that is cheaper (short sequences of wide layers: ``T`` above about the
         layer width); both compute the same map."""
-        if isinstance(x, Factorized) and lf.strategy.routed_rotation:
-            o, i = lf.dims
-            dims = LayerDims(x.g.shape[0], x.g.shape[1], i, o,
-                             itemsize=torch.empty((), dtype=self._dtype).element_size())
-            if default_cost_model(x.g.device).choose("rotate", lf.name, dims).path == "dense":
-                x = get_kind(lf.kind).materialize(
-                    Factorized(x.a.to(self._dtype), x.g.to(self._dtype)), (o, i))
-        return lf.strategy.rotate(lf.kind, lf.eig, x, lf.dims, self._dtype)
+        form, args = lf.form, (lf.kind, lf.eig, x, lf.dims, self._dtype)
+        if not (isinstance(x, Factorized) and form.routed_rotation):
+            return form.rotate(*args)
+        return default_cost_model(x.g.device).route(
+            "rotate", lf.name, lf.kind, x, lf.dims,
+            {"ghost": partial(form.rotate, *args),
+             "dense": partial(form.rotate, *args, materialize_first=True)},
+            itemsize=self._itemsize)
 
     def _unrotate(self, lf: LayerFactors, r: torch.Tensor) -> torch.Tensor:
-        return lf.strategy.unrotate(lf.eig, r, self._dtype)
+        return lf.form.unrotate(lf.eig, r, self._dtype)
 
     def fingerprint(self) -> str:
         """Digest of what preconditioning depends on: the config (damping, power, ...), the
@@ -542,7 +536,7 @@ class KFACFactors:
             lf = self.layers[name]
             h.update(json.dumps(lf.meta(), sort_keys=True).encode())
             parts = [lf.eig[k] for k in sorted(lf.eig) if k.startswith("l")]
-            parts += [lf.sums[k] for k in lf.strategy.lam_keys if k in lf.sums]
+            parts += [lf.sums[k] for k in lf.form.lam_keys if k in lf.sums]
             for t in parts:
                 h.update(t.detach().double().cpu().contiguous().numpy().tobytes())
         return h.hexdigest()
@@ -563,7 +557,9 @@ class KFACFactors:
     def load(cls, path: str | Path, projector: Projector | None = None,
              map_location: str | torch.device = "cpu") -> KFACFactors:
         """Read factors written by ``save`` (``weights_only``: no pickled objects)."""
-        state = torch.load(Path(path), map_location=map_location, weights_only=True)
+        from dattri_ds.files import load_torch
+        state = load_torch(path, "K-FAC factor file", map_location=map_location,
+                           fix="pass a factors file written by tools/fit.py")
         if state.get("format") != _FORMAT:
             raise FactorFileError(f"{path} is not a K-FAC factor file ({_FORMAT}), got "
                                      f"format {state.get('format')!r}")
@@ -584,3 +580,15 @@ class KFACFactors:
                                          f"{projector.config.tag!r}")
         return out
 
+
+
+def _chunks(n_rows: int, row_elems: int) -> list[slice]:
+    """Row slices bounding the ``[c, o, i]`` intermediates (``layers.outer.row_chunks``)."""
+    return list(row_chunks(n_rows, row_elems))
+
+
+def _rows(x: Factorized | torch.Tensor, sl: slice, b: int) -> Factorized | torch.Tensor:
+    """Examples ``sl`` of factors or rows (all of them without a copy or a new object)."""
+    if sl.start == 0 and sl.stop == b:
+        return x
+    return Factorized(x.a[sl], x.g[sl]) if isinstance(x, Factorized) else x[sl]

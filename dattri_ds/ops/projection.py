@@ -18,7 +18,8 @@ Three families, all unbiased for inner products (``E[<Px, Py>] = <x, y>``):
   relative error of an inner product scales like ``sqrt(2/ko) + sqrt(2/ki)``, not
   ``sqrt(2/(ko*ki))`` (the price of never materializing ``G``).
 
-* auto: per layer, the cost model (``ops.cost.choose_projection``) picks sparse, or
+* auto: per layer, ``choose_projection`` (here; the flop counts of the cost model) picks
+  sparse, or
   Kronecker where the sparse path costs more than ``ProjectionConfig.kron_speedup`` times
   the factorized Kronecker path (large layers), and reports the choice and its error.
 
@@ -36,24 +37,27 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 import torch
 
-from dattri_ds.errors import ConfigError, registered
+from dattri_ds.errors import ConfigError
+from dattri_ds.registry import Registry
 from dattri_ds.schema import bounds, check
 
 __all__ = ["ProjectionConfig", "Projector", "stable_seed", "random_matrix", "kron_dims",
            "sparse_columns", "KINDS", "SPARSE_NNZ", "ProjectionKind", "PROJECTION_KINDS",
-           "projection_kind"]
+           "projection_kind", "ProjectionChoice", "choose_projection", "explain_projection",
+           "REF_TOKENS"]
 
 #: Columns per independently seeded block of a dense or sparse projection matrix.
 BLOCK = 1 << 14
 #: Non-zeros per column of a sparse projection. 16: relative error of train x query dot
 #: products of real LM gradients 0.34 / 0.17 / 0.10 at k = 256 / 1024 / 4096 vs dense
 #: 0.33 / 0.17 / 0.08 (4 non-zeros: 0.35 / 0.20 / 0.13), at 1/3.5 (k=1024) to 1/20
-#: (k=4096) of the dense CPU time (README, "Attribution fidelity").
+#: (k=4096) of the dense CPU time (docs/attribution_fidelity.md).
 SPARSE_NNZ = 16
 #: Bytes of one stored non-zero of a sparse matrix: an int64 row index and a float32 value.
 _SPARSE_ENTRY_BYTES = 12
@@ -74,7 +78,7 @@ class ProjectionKind:
     def __init_subclass__(cls, *, name: str, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
         cls.name = name
-        PROJECTION_KINDS[name] = cls()
+        PROJECTION_KINDS.register(name, cls())
 
     def width(self, k: int, o: int, i: int) -> int:
         """Values stored per example."""
@@ -95,7 +99,8 @@ class ProjectionKind:
 
 
 #: name -> ProjectionKind strategy (filled by the subclasses below).
-PROJECTION_KINDS: dict[str, ProjectionKind] = {}
+PROJECTION_KINDS: Registry[ProjectionKind] = Registry(
+    "projection kind", hint="define class X(ProjectionKind, name='x')")
 
 
 class KroneckerKind(ProjectionKind, name="kronecker"):
@@ -145,11 +150,9 @@ class AutoKind(ProjectionKind, name="auto"):
     """Per layer the cheaper-where-it-pays of sparse and Kronecker (``resolve``)."""
 
     def resolve(self, config: ProjectionConfig, o: int, i: int) -> ProjectionKind:
-        """The kind a layer ``[O, I']`` gets (``ops.cost.choose_projection``)."""
-        from dattri_ds.ops.cost import choose_projection  # cost reads this registry
-
-        return PROJECTION_KINDS[choose_projection(o, i, config.dim,
-                                                  config.kron_speedup).kind]
+        """The kind a layer ``[O, I']`` gets (``choose_projection``)."""
+        return PROJECTION_KINDS.lookup(choose_projection(o, i, config.dim,
+                                                         config.kron_speedup).kind)
 
     def width(self, k: int, o: int, i: int) -> int:
         raise ConfigError("the 'auto' projection has no width of its own: resolve it per "
@@ -164,7 +167,49 @@ KINDS = tuple(PROJECTION_KINDS)
 
 def projection_kind(name: str) -> ProjectionKind:
     """The registered kind ``name``; ConfigError naming the known kinds otherwise."""
-    return registered(PROJECTION_KINDS, name, "projection kind")
+    return PROJECTION_KINDS.lookup(name)
+
+
+#: Tokens per example of the projection-kind comparison (the ratio is the same for any T
+#: up to the per-example scatter term of sparse).
+REF_TOKENS = 512
+
+
+@dataclass(frozen=True)
+class ProjectionChoice:
+    """The projection kind one layer gets, and why.
+
+    Attributes:
+        kind: ``identity`` (kept exactly), ``sparse`` or ``kronecker``.
+        width: values stored per example. error: expected relative inner-product error.
+        speedup: flops of the sparse path / flops of the Kronecker path (``REF_TOKENS``).
+    """
+
+    kind: str
+    width: int
+    error: float
+    speedup: float
+
+
+def choose_projection(o: int, i: int, k: int, kron_speedup: float = 8.0) -> ProjectionChoice:
+    """Identity, sparse or Kronecker for a layer ``[O, I']`` at size k (module docstring)."""
+    if o * i <= k:
+        return ProjectionChoice("identity", o * i, 0.0, 1.0)
+    sparse, kron = PROJECTION_KINDS.lookup("sparse"), PROJECTION_KINDS.lookup("kronecker")
+    ratio = sparse.flops(k, o, i, REF_TOKENS) / kron.flops(k, o, i, REF_TOKENS)
+    pick = kron if ratio > kron_speedup else sparse
+    return ProjectionChoice(pick.name, pick.width(k, o, i), pick.error(k, o, i), ratio)
+
+
+def explain_projection(shapes: Mapping[str, tuple[int, int]], k: int,
+                       kron_speedup: float = 8.0) -> str:
+    """One line per layer: its ``auto`` projection kind, width, error and the flops ratio."""
+    lines = []
+    for name, (o, i) in shapes.items():
+        c = choose_projection(o, i, k, kron_speedup)
+        lines.append(f"{name} [{o}x{i}] k={k} -> {c.kind} (width {c.width}, relative error "
+                     f"~{c.error:.3f}, sparse/kronecker flops {c.speedup:.1f})")
+    return "\n".join(lines)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -177,12 +222,12 @@ class ProjectionConfig:
     ``sparse``: a sparse JL matrix with ``SPARSE_NNZ`` non-zeros per column on the
     materialized gradient (dense-JL error at a fraction of its cost); ``auto`` (default):
     sparse, or Kronecker per layer where it pays (``kron_speedup``), small layers exact.
-    Chosen by fidelity per byte on ``tools/lds.py`` (README, "Attribution fidelity"): at
+    Chosen by fidelity per byte on ``tools/lds.py`` (docs/attribution_fidelity.md): at
     equal bytes (k = 4096) whitened sparse rows keep 94% of the default method's exact
     LDS where Kronecker with LoGra factors keeps 79% (5 seeds). The LoGra fit
     (``KFACFactors(projector=...)``) needs ``kronecker``."""
 
-    dim: int = field(default=4096, metadata=bounds(ge=1))
+    dim: int = field(default=4096, metadata=bounds(ge=1, le=2**26))
     """Target size per layer (``ko * ki`` for kronecker, about ``dim``). 4096: the smallest
     of 256 / 1024 / 4096 at which the default method's projected recipe (whitened rows,
     ``CaptureConfig.whiten``) keeps >= 90% of its exact LDS on ``tools/lds.py`` (mean of
@@ -201,7 +246,7 @@ class ProjectionConfig:
     seed: int = 0
     """Base seed; the matrix of a layer depends only on (seed, layer name, role)."""
 
-    cache_bytes: int = field(default=1 << 29, metadata=bounds(ge=0))
+    cache_bytes: int = field(default=1 << 29, metadata=bounds(ge=0, le=2**38))
     """Cache at most this many bytes of matrices per process (larger ones are regenerated)."""
 
     def __post_init__(self) -> None:

@@ -102,7 +102,7 @@ def _layer_spec(key: str, lg: LayerGrad) -> LayerSpec:
             f"Layer '{key}' holds tensor-parallel shard {lg.shard.rank}/{lg.shard.world}; the "
             f"store keeps whole-layer projections: reduce across the tensor-parallel group first"
         )
-    return LayerSpec(name=key, kind=lg.kind, shape=lg.shape, width=int(lg.data.values.shape[1]),
+    return LayerSpec(name=key, kind=lg.kind_name, shape=lg.shape, width=int(lg.data.values.shape[1]),
                      projection=lg.projection)
 
 

@@ -140,7 +140,7 @@ def test_influence_equals_dense_kron_reference(setup, method, damping, mode, ful
     white = cross_gram(f.whiten(train, method), f.whiten(query, method), per_layer=True)
     want = _per_layer_reference(train, rtrain, rquery, method, damping, mode,
                                 full=norm_form == "full", power=power)
-    assert {lf.form for lf in f.layers.values()} == {"kron", "kron_index", norm_form}
+    assert {lf.form.name for lf in f.layers.values()} == {"kron", "kron_index", norm_form}
     for name in want:
         assert rel_err(got[name], want[name].float()) <= TOL, name
         assert rel_err(white[name], want[name].float()) <= TOL, name
@@ -242,7 +242,7 @@ def test_kronecker_projected_factors(setup):
         sides[name] = (proj.side(name, "out", ko, o, torch.device("cpu")),
                        proj.side(name, "in", ki, i, torch.device("cpu")))
         A, S = _ref_factors(lg)
-        fa, fs = f.layers[name].covariances()
+        fa, fs = f.layers[name].form.covariances(f.layers[name].sums)
         p_out, p_in = (s.double() for s in sides[name])
         assert rel_err(fa, p_in @ A @ p_in.T) <= 1e-6 and rel_err(fs, p_out @ S @ p_out.T) <= 1e-6
     assert len(sides) >= 4
@@ -255,18 +255,18 @@ def test_kronecker_projected_factors(setup):
         for name in want:
             # A full Fisher block of 6 examples is rank-deficient: the preconditioned query's
             # null-space part (amplified 1/lambda) cancels against float32 train rows.
-            tol = 5 * TOL if f.layers[name].form == "full" else TOL
+            tol = 5 * TOL if f.layers[name].form.name == "full" else TOL
             assert rel_err(got[name], want[name].float()) <= tol, (method, name)
             assert rel_err(got_f[name], got[name]) <= tol, (method, name)
     from_rows = f.copy()
     from_rows._reduced.discard("lam")
     for lf in from_rows.layers.values():
-        if lf.strategy.lam_keys:
+        if lf.form.lam_keys:
             lf.sums["lam"].zero_()
             lf.sums["lam_examples"].zero_()
     from_rows.update_correction(store_train)
     for name, lf in f.layers.items():
-        if lf.strategy.lam_keys:
+        if lf.form.lam_keys:
             assert rel_err(from_rows.layers[name].sums["lam"], lf.sums["lam"]) <= 1e-5, name
 
 
@@ -402,7 +402,7 @@ def test_default_damping_is_deterministic_and_spectrum_relative(setup, method):
 def test_blocked_gram_equals_the_full_product(d):
     """add_gram_ (upper block triangle, mirrored) == out + x^T x, for widths that split
     unevenly into blocks and for one-block widths; exactly symmetric."""
-    from dattri_ds.ops.gram import add_gram_
+    from dattri_ds.ops.factor_forms import add_gram_
     gen = torch.Generator().manual_seed(d)
     x = torch.randn(64, d, generator=gen)
     out = torch.randn(d, d, generator=gen)
@@ -430,7 +430,7 @@ def test_rotation_route_by_cost_gives_the_reference(seq):
     routes = set()
     for name, lf in f.layers.items():
         assert rel_err(got[name], want[name].float()) <= TOL, name
-        if lf.strategy.routed_rotation:
+        if lf.form.routed_rotation:
             o, i = lf.dims
             routes.add(default_cost_model().choose("rotate", name,
                                                    LayerDims(4, seq, i, o, itemsize=8)).path)

@@ -27,7 +27,7 @@ from dattri_ds.ops import (
     ProjectionConfig, Projector, cross_gram, grad_sum, layer_cross_gram, layer_sq_norms,
     materialize, project, project_batch, sq_norms,
 )
-from dattri_ds.ops import inner, projection
+from dattri_ds.ops import inner, projection, space
 from reference import rel_err
 
 TOL = 1e-5
@@ -42,7 +42,7 @@ def collect(monkeypatch):
     def fake(t, group=None, world=1):
         calls.append(world)
         return t
-    monkeypatch.setattr(inner, "all_reduce_sum", fake)
+    monkeypatch.setattr(space, "all_reduce_sum", fake)
     return calls
 
 

@@ -1,0 +1,326 @@
+"""Space: THE place a LayerGrad changes space (identity, projected, whitened, TP shards).
+
+A layer's per-example gradients live in one *space*, named by ``LayerGrad.projection`` (a
+tag, parsed by ``Space.parse``): the canonical ``[O, I']`` layout (None), kept exactly by a
+projection (``identity:<projection>``), randomly projected (``<projection>``), whitened by
+curvature factors (``whitened:<method>[:<projection>]``) or whitened then projected
+(``<projection>+whitened:<method>``). Inner products need both sides in one space.
+
+* ``project(lg, projector)``: ``Dense [B, P]``. Layers with ``O*I' <= dim`` are kept exactly;
+  Kronecker-structured kinds under a Kronecker projection get ``vec(P_out G P_in^T)``
+  (``LayerKind.project_factors``: factors or dense rows, one implementation, float32);
+  others a dense or sparse JL of the flattened rows (``LayerKind.project_rows``).
+* ``project_batch``: every layer; sharded layers' partial projections reduced together.
+* Tensor-parallel shards: a shard is projected with its slice of the full layer's seeded
+  matrix and its ``[B, P]`` partial all-reduced over ``shard.group``: Kronecker
+  ``P vec(G) = sum_r vec(P_out[:, R_r] G_r P_in^T)`` (row blocks, column-parallel; likewise
+  ``P_in[:, C_r]`` for row-parallel), dense ``sum_r P[:, idx_r] vec(G_r)``. ``gather_shards``
+  (full rows) and ``unshard`` (full factors) all-gather along the feature dimension.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dattri_ds.distributed import all_gather_object, all_reduce_sum
+from dattri_ds.errors import ConfigError, ShapeError, UnsupportedLayerError
+from dattri_ds.gradient import Dense, Factorized, GradBatch, LayerGrad, ShardInfo
+from dattri_ds.ops.cost import CostModel, default_cost_model
+from dattri_ds.ops.projection import Projector, kron_dims
+
+__all__ = ["Space", "project", "project_batch", "kron_sides", "is_whitened", "gather_shards",
+           "unshard", "unshard_batch"]
+
+
+@dataclass(frozen=True)
+class Space:
+    """The typed space of a layer's gradient rows; ``tag`` / ``parse`` is the one tag grammar
+    (the strings stores and factor files record; ``Space.parse(t).tag == t`` for each).
+
+    Attributes:
+        projection: the projection tag (``ProjectionConfig.tag``), or None (not projected).
+        identity: the layer was small enough to keep exactly under ``projection``.
+        whitened: curvature whitening method (``kfac``/``ekfac``) or None.
+        whitened_first: whitened, then projected (``<projection>+whitened:<method>``);
+            otherwise whitened rows of an already projected space (``whitened:m:<proj>``).
+    """
+
+    projection: str | None = None
+    identity: bool = False
+    whitened: str | None = None
+    whitened_first: bool = False
+
+    @property
+    def tag(self) -> str | None:
+        """The tag string of this space (None = canonical, unprojected, not whitened)."""
+        base = self.projection
+        if self.identity:
+            base = f"identity:{base}"
+        if self.whitened is None:
+            return base
+        if self.whitened_first:
+            return f"{base}+whitened:{self.whitened}"
+        return f"whitened:{self.whitened}" + ("" if base is None else f":{base}")
+
+    @classmethod
+    def parse(cls, tag: str | None) -> Space:
+        """The space a tag names (inverse of ``tag``).
+
+        Raises:
+            ConfigError: an empty tag or a malformed whitening part.
+        """
+        if tag is None:
+            return cls()
+        if not isinstance(tag, str) or not tag:
+            raise ConfigError(f"projection tag must be a non-empty string or None, got {tag!r}")
+        whitened, first = None, False
+        if "+whitened:" in tag:
+            tag, whitened = tag.split("+whitened:", 1)
+            first = True
+        elif tag.startswith("whitened:"):
+            whitened, _, rest = tag[len("whitened:"):].partition(":")
+            tag = rest or None
+        if whitened is not None and not whitened:
+            raise ConfigError(f"projection tag {tag!r}: 'whitened:' needs a method name")
+        identity = tag is not None and tag.startswith("identity:")
+        if identity:
+            tag = tag[len("identity:"):]
+        return cls(tag, identity, whitened, first)
+
+    @property
+    def projected(self) -> bool:
+        """Whether the rows were randomly projected (or kept exactly by a projection)."""
+        return self.projection is not None
+
+    @property
+    def base(self) -> str | None:
+        """The projection tag without the ``identity:`` marker (what a projector names)."""
+        return self.projection
+
+
+def project(lg: LayerGrad, projector: Projector, cost: CostModel | None = None,
+            path: str | None = None) -> LayerGrad:
+    """Project one layer's per-example gradients to ``Dense [B, P]``.
+
+    Layers with ``O*I' <= dim`` are kept exactly (projection tag ``identity:<tag>``). The
+    kind does the maths (module docstring): ``project_factors`` for a Kronecker projection
+    of a Kronecker-structured kind (factors or dense rows land in the same space),
+    ``project_rows`` otherwise; each routed by the cost model.
+    """
+    cfg = projector.config
+    if lg.projection is not None and not is_whitened(lg.projection):
+        raise ShapeError(f"Layer '{lg.name}' is already projected ({lg.projection})")
+    if lg.shard is not None:
+        return _project_shard(lg, projector, cost, path)
+    if lg.projection is not None:  # whitened rows (KFACFactors.whiten): project them too
+        done = project(lg.replace(projection=None), projector, cost, path)
+        return done.replace(projection=f"{done.projection}+{lg.projection}")
+    o, i = lg.shape
+    kind = lg.kind
+    if o * i <= cfg.dim:
+        return lg.replace(data=Dense(kind.rows(lg.data, lg.shape)),
+                          projection=f"identity:{cfg.tag}")
+    cost = cost or default_cost_model(lg.device)
+    if projector.kind_of(o, i) == "kronecker" and not kind.dense_only:
+        p_out, p_in = kron_sides(projector, lg.name, o, i, lg.device)
+        vals = kind.project_factors(lg.name, lg.data, lg.shape, p_out, p_in, cost, path)
+    else:
+        vals = kind.project_rows(lg.name, lg.data, lg.shape, projector, cost, path)
+    return lg.replace(data=Dense(vals), projection=cfg.tag)
+
+
+def kron_sides(projector: Projector, name: str, o: int, i: int, device,
+               dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The seeded Kronecker sides ``(P_out [ko, O], P_in [ki, I'])`` of layer ``name``: the
+    one place they are built (stores, queries, shards and curvature factors share them)."""
+    ko, ki = kron_dims(projector.config.dim, o, i)
+    extra = () if dtype is None else (dtype,)
+    return (projector.side(name, "out", ko, o, device, *extra),
+            projector.side(name, "in", ki, i, device, *extra))
+
+
+def is_whitened(tag: str | None) -> bool:
+    """Whether a projection tag marks curvature-whitened rows not yet randomly projected."""
+    return tag is not None and tag.startswith("whitened:")
+
+
+def project_batch(batch: GradBatch, projector: Projector, cost: CostModel | None = None,
+                  path: str | None = None) -> GradBatch:
+    """Project every layer of a batch (same ids, step and token counts).
+
+    Sharded layers' partial projections are reduced together: one all-reduce per group.
+    """
+    layers: dict[str, LayerGrad] = {}
+    deferred: list[tuple[str, ShardInfo]] = []
+    for n, lg in batch.layers.items():
+        shard = lg.shard
+        if (shard is not None and lg.projection is None
+                and shard.full_shape[0] * shard.full_shape[1] > projector.config.dim):
+            layers[n] = _project_shard(lg, projector, cost, path, reduce=False)
+            deferred.append((n, shard))
+        else:
+            layers[n] = project(lg, projector, cost, path)
+    _reduce_layers(layers, deferred)
+    return GradBatch(batch.step, batch.sample_ids, layers, batch.micro_batch, batch.token_counts)
+
+
+def _reduce_shard(t: torch.Tensor, shard: ShardInfo | None) -> torch.Tensor:
+    """All-reduce a partial result over the shard group (nothing unsharded or at world 1)."""
+    if shard is not None and shard.world > 1:
+        t = all_reduce_sum(t.contiguous(), shard.group, shard.world)
+    return t
+
+
+def _to_local(lg: LayerGrad, shard: ShardInfo, local_shape: tuple[int, int]) -> LayerGrad:
+    """``lg`` as an unsharded LayerGrad of the local block described by ``shard``.
+
+    A shard must match ``shard`` exactly; an unsharded, unprojected side of the full shape
+    is sliced (dense rows by ``ShardInfo.local_of``, float factors along the sharded side).
+    """
+    if lg.shard is not None:
+        if lg.shard != shard or tuple(lg.shape) != tuple(local_shape):
+            raise ShapeError(
+                f"Layer '{lg.name}': cannot combine tensor-parallel shard {lg.shard} shape "
+                f"{lg.shape} with shard {shard} shape {local_shape}; both sides must come from "
+                f"the same rank of the same tensor-parallel layout")
+        return lg.replace(shard=None)
+    if lg.projection is not None or tuple(lg.shape) != tuple(shard.full_shape):
+        raise ShapeError(
+            f"Layer '{lg.name}': a tensor-parallel shard of full shape {shard.full_shape} can "
+            f"only be paired with the same shard or an unprojected full layer, got projection "
+            f"{lg.projection!r} shape {lg.shape}; project both sides with the same "
+            f"ProjectionConfig (projected layers are whole)")
+    if isinstance(lg.data, Dense):
+        return lg.replace(data=Dense(shard.local_of(lg.data.values, local_shape)),
+                          shape=tuple(local_shape))
+    f = lg.data
+    n = local_shape[shard.dim]
+    if shard.dim == 1 and lg.kind.index_input:
+        raise UnsupportedLayerError(
+            f"Layer '{lg.name}' ({lg.kind}): index-input factors cannot be sliced to a "
+            f"vocabulary shard; materialize the full layer first")
+    sliced = (Factorized(f.a, f.g.narrow(-1, shard.start, n)) if shard.dim == 0
+              else Factorized(f.a.narrow(-1, shard.start, n), f.g))
+    return lg.replace(data=sliced, shape=tuple(local_shape))
+
+
+def _project_shard(lg: LayerGrad, projector: Projector, cost: CostModel | None,
+                   path: str | None, reduce: bool = True) -> LayerGrad:
+    """Project a shard with its slice of the full layer's seeded matrix; reduce ``[B, P]``.
+
+    Kronecker: ``P vec(G) = vec(P_out G P_in^T) = sum_r vec(P_out[:, R_r] G_r P_in^T)`` for
+    row blocks ``R_r`` (column-parallel), and likewise with ``P_in[:, C_r]`` for column
+    blocks (row-parallel). Dense: ``P vec(G) = sum_r P[:, idx_r] vec(G_r)`` from the
+    materialized local rows; each rank generates the seeded column blocks its entries touch
+    (for a row-parallel shard every block, as an unsharded layer would) and does 1/R of the
+    matmul. ``reduce=False`` leaves the partial ``[B, P]`` for a batched reduction.
+    """
+    shard, cfg = lg.shard, projector.config
+    o, i = shard.full_shape
+    if o * i <= cfg.dim:
+        return lg.replace(data=Dense(gather_shards(lg)), shape=tuple(shard.full_shape),
+                          shard=None, projection=f"identity:{cfg.tag}")
+    local = lg.replace(shard=None)
+    if projector.kind_of(o, i) == "kronecker" and isinstance(lg.data, Factorized):
+        p_out, p_in = kron_sides(projector, lg.name, o, i, lg.device)
+        n = lg.shape[shard.dim]
+        if shard.dim == 0:
+            p_out = p_out.narrow(1, shard.start, n)
+        else:
+            p_in = p_in.narrow(1, shard.start, n)
+        vals = lg.kind.project_factors(lg.name, lg.data, lg.shape, p_out, p_in,
+                                       cost or default_cost_model(lg.device), path)
+    else:
+        x = local.kind.rows(local.data, local.shape)
+        vals = projector.apply_at(lg.name, x, cfg.dim, shard.flat_index(lg.shape, x.device),
+                                  o * i)
+    if reduce:
+        vals = _reduce_shard(vals, shard)
+    return lg.replace(data=Dense(vals), shape=tuple(shard.full_shape), shard=None,
+                      projection=cfg.tag)
+
+
+def _reduce_layers(layers: dict[str, LayerGrad], deferred: list[tuple[str, ShardInfo]]) -> None:
+    """All-reduce the partial dense values of ``deferred`` layers, one flat buffer per group."""
+    groups: dict[tuple[int, int], list[tuple[str, ShardInfo]]] = {}
+    for n, shard in deferred:
+        groups.setdefault((id(shard.group), shard.world), []).append((n, shard))
+    for members in groups.values():  # insertion (layer) order: the same on every rank
+        vals = [layers[n].data.values for n, _ in members]
+        flat = _reduce_shard(torch.cat([v.reshape(-1) for v in vals]), members[0][1])
+        for (n, _), part in zip(members, flat.split([v.numel() for v in vals])):
+            layers[n] = layers[n].replace(data=Dense(part.view_as(layers[n].data.values)))
+
+
+def _all_gather_cat(t: torch.Tensor, dim: int, shard: ShardInfo, name: str) -> torch.Tensor:
+    """Concatenate every shard's ``t`` along ``dim`` in rank order (sizes may differ)."""
+    sizes = all_gather_object(int(t.shape[dim]), shard.group, shard.world)
+    starts = [sum(sizes[:r]) for r in range(len(sizes))]
+    if starts[shard.rank] != shard.start or sum(sizes) != shard.full_shape[shard.dim]:
+        raise ShapeError(
+            f"Layer '{name}': shard sizes {sizes} along dim {shard.dim} do not tile the full "
+            f"shape {shard.full_shape} in rank order (rank {shard.rank} starts at "
+            f"{shard.start})")
+    if shard.world == 1:
+        return t
+    import torch.distributed as dist
+
+    pad = max(sizes) - t.shape[dim]
+    widths = [0, 0] * (t.dim() - 1 - dim) + [0, pad]
+    padded = torch.nn.functional.pad(t, widths).contiguous()
+    bufs = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(bufs, padded, group=shard.group)
+    return torch.cat([b.narrow(dim, 0, n) for b, n in zip(bufs, sizes)], dim)
+
+
+def gather_shards(lg: LayerGrad) -> torch.Tensor:
+    """Full canonical per-example rows ``[B, O*I']`` of a sharded layer (all-gather).
+
+    Communicates the whole per-example gradient: meant for tests, checks and layers no
+    larger than a projection. Unsharded layers are simply materialized.
+    """
+    if lg.shard is None:
+        return lg.kind.rows(lg.data, lg.shape)
+    local = lg.kind.rows(lg.data, lg.shape)
+    b = local.shape[0]
+    full = _all_gather_cat(local.view(b, *lg.shape), lg.shard.dim + 1, lg.shard, lg.name)
+    return full.reshape(b, -1)
+
+
+def unshard(lg: LayerGrad) -> LayerGrad:
+    """The unsharded layer's factorized gradient on every rank of the shard group.
+
+    All-gathers the sharded factor along its feature dimension (``g [B, T, o]`` for
+    column-parallel, ``a [B, T, i']`` for row-parallel): activation-sized communication,
+    after which every op (K-FAC included) sees exactly the layer of a TP=1 run.
+    Vocabulary shards (index inputs, a token's output-grad non-zero on its owner only)
+    all-reduce ``g [B, T, H]`` and the owners' global indices.
+
+    Raises:
+        UnsupportedLayerError: dense shards.
+    """
+    shard = lg.shard
+    if shard is None:
+        return lg
+    f = lg.data
+    if not isinstance(f, Factorized):
+        raise UnsupportedLayerError(
+            f"Layer '{lg.name}' ({lg.kind}): a dense shard has no factors to unshard; use "
+            f"gather_shards() for its full rows, or exclude the layer")
+    if lg.kind.index_input:
+        own = (f.g != 0).any(-1)
+        idx = torch.where(own, f.a + shard.start, torch.zeros_like(f.a))
+        f = Factorized(_reduce_shard(idx, shard), _reduce_shard(f.g.clone(), shard))
+    elif shard.dim == 0:
+        f = Factorized(f.a, _all_gather_cat(f.g.contiguous(), 2, shard, lg.name))
+    else:
+        f = Factorized(_all_gather_cat(f.a.contiguous(), 2, shard, lg.name), f.g)
+    return lg.replace(data=f, shape=tuple(shard.full_shape), shard=None)
+
+
+def unshard_batch(batch: GradBatch) -> GradBatch:
+    """``unshard`` every sharded layer of a batch (same ids, step and token counts)."""
+    layers = {n: unshard(lg) for n, lg in batch.layers.items()}
+    return GradBatch(batch.step, batch.sample_ids, layers, batch.micro_batch, batch.token_counts)
