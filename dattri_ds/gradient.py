@@ -188,6 +188,13 @@ class LayerGrad:
             )
 
     @property
+    def space(self):
+        """The typed ``ops.space.Space`` of ``projection`` (the one tag grammar)."""
+        from dattri_ds.ops.space import Space  # ops import this module
+
+        return Space.parse(self.projection)
+
+    @property
     def kind_name(self) -> str:
         """The registered name of ``kind`` (what stores and factor files record)."""
         return self.kind.name

@@ -67,12 +67,12 @@ import torch
 from dattri_ds.distributed import ParallelContext, all_gather_object, all_reduce_sum
 from dattri_ds.errors import ConfigError, FactorFileError, FactorStateError, ShapeError, UnsupportedLayerError
 from dattri_ds.gradient import Dense, Factorized, GradBatch, LayerGrad
-from dattri_ds.layers.base import COMPUTE_DTYPE, LayerKind, get_kind
+from dattri_ds.layers.base import COMPUTE_DTYPE, KINDS, LayerKind
 from dattri_ds.layers.outer import row_chunks
 from dattri_ds.ops.cost import default_cost_model
-from dattri_ds.ops.factor_forms import FactorForm, get_form
+from dattri_ds.ops.factor_forms import FORMS, FactorForm
 from dattri_ds.ops.projection import Projector, kron_dims
-from dattri_ds.ops.space import kron_sides, project
+from dattri_ds.ops.space import Space, kron_sides, project
 from dattri_ds.schema import bounds, check
 
 __all__ = ["KFACConfig", "LayerFactors", "KFACFactors", "METHODS"]
@@ -173,9 +173,9 @@ class LayerFactors:
 
     def __post_init__(self) -> None:
         if isinstance(self.kind, str):
-            self.kind = get_kind(self.kind)
+            self.kind = KINDS.lookup(self.kind)
         if isinstance(self.form, str):
-            self.form = get_form(self.form)
+            self.form = FORMS.lookup(self.form)
         self.shape, self.dims = tuple(self.shape), tuple(self.dims)
 
     def meta(self) -> dict:
@@ -186,6 +186,11 @@ class LayerFactors:
     def from_meta(cls, m: dict) -> LayerFactors:
         return cls(m["name"], m["kind"], tuple(m["shape"]), m["projection"], m["form"],
                    tuple(m["dims"]))
+
+    @property
+    def space(self) -> Space:
+        """The typed space of ``projection`` (``Space.parse``)."""
+        return Space.parse(self.projection)
 
     def zero_sums(self, keys: Iterable[str], dtype: torch.dtype, device) -> None:
         """Create the missing sums ``keys`` as zeros (``FactorForm.zero_sums``)."""
@@ -244,7 +249,7 @@ class KFACFactors:
                 f"to precondition projected stores")
         form = kind.factor_form(o * i, self.config.full_max)
         if p is None or o * i <= p.config.dim:
-            tag = None if p is None else f"identity:{p.config.tag}"
+            tag = None if p is None else Space(p.config.tag, identity=True).tag
             return LayerFactors(lg.name, kind, lg.shape, tag, form, (o, i))
         if p.config.kind != "kronecker":
             raise ConfigError(
@@ -264,7 +269,7 @@ class KFACFactors:
     def _factors(self, lf: LayerFactors, lg: LayerGrad) -> Factorized:
         """Factors in ``lf``'s working space (side-projected when Kronecker projected)."""
         f = lg.data
-        if lf.projection is None or lf.projection.startswith("identity:"):
+        if lf.projection is None or lf.space.identity:
             return f
         p_out, p_in = kron_sides(self.projector, lf.name, *lf.shape, f.g.device, self._dtype)
         return lf.kind.side_project(f, p_out, p_in)
@@ -452,8 +457,7 @@ class KFACFactors:
             out[sl] = (r if whiten else self._unrotate(lf, r)).reshape(-1, o * i)
         if not whiten:
             return lg.replace(data=Dense(out), projection=lf.projection)
-        tag = f"whitened:{method}" + ("" if lf.projection is None else f":{lf.projection}")
-        return lg.replace(data=Dense(out), projection=tag)
+        return lg.replace(data=Dense(out), projection=lf.space.replace(whitened=method).tag)
 
     def _eigenvalues(self, lf: LayerFactors, method: str) -> torch.Tensor:
         if method == "kfac" or not lf.form.lam_keys:
@@ -572,7 +576,7 @@ class KFACFactors:
             lf = out.layers[m["name"]] = LayerFactors.from_meta(m)
             lf.sums, lf.eig = dict(state["sums"][lf.name]), dict(state["eig"][lf.name])
         if projector is not None:
-            tags = {lf.projection.removeprefix("identity:") for lf in out.layers.values()
+            tags = {lf.space.projection for lf in out.layers.values()
                     if lf.projection is not None}
             if tags - {projector.config.tag}:
                 raise FactorFileError(f"{path}: factors were fitted under projection "

@@ -94,10 +94,41 @@ class Space:
         """Whether the rows were randomly projected (or kept exactly by a projection)."""
         return self.projection is not None
 
+    def _fields(self) -> list[str]:
+        """``ProjectionConfig.tag`` fields: kind, distribution, ``k<dim>``, ``s<seed>``[, x..]."""
+        parts = (self.projection or "").split(":")
+        if len(parts) < 4 or not parts[2].startswith("k") or not parts[3].startswith("s"):
+            raise ConfigError(f"projection tag {self.projection!r} is not a ProjectionConfig "
+                              f"tag '<kind>:<distribution>:k<dim>:s<seed>[:x<speedup>]'")
+        return parts
+
     @property
-    def base(self) -> str | None:
-        """The projection tag without the ``identity:`` marker (what a projector names)."""
-        return self.projection
+    def kind(self) -> str:
+        """The projection kind (``kronecker``, ``sparse``, ``auto``, ...)."""
+        return self._fields()[0]
+
+    @property
+    def k(self) -> int:
+        """The projection size ``ProjectionConfig.dim``."""
+        return int(self._fields()[2][1:])
+
+    @property
+    def seed(self) -> int:
+        """The projection seed."""
+        return int(self._fields()[3][1:])
+
+    def config(self):
+        """The ``ProjectionConfig`` whose ``tag`` is ``projection`` (raises for none)."""
+        from dattri_ds.ops.projection import ProjectionConfig
+
+        f = self._fields()
+        extra = {"kron_speedup": float(f[4][1:])} if len(f) > 4 else {}
+        return ProjectionConfig(kind=f[0], distribution=f[1], dim=int(f[2][1:]),
+                                seed=int(f[3][1:]), **extra)
+
+    def replace(self, **changes) -> Space:
+        """A copy with ``changes`` applied (e.g. ``whitened="ekfac"``)."""
+        return Space(**{**self.__dict__, **changes})
 
 
 def project(lg: LayerGrad, projector: Projector, cost: CostModel | None = None,
@@ -116,12 +147,14 @@ def project(lg: LayerGrad, projector: Projector, cost: CostModel | None = None,
         return _project_shard(lg, projector, cost, path)
     if lg.projection is not None:  # whitened rows (KFACFactors.whiten): project them too
         done = project(lg.replace(projection=None), projector, cost, path)
-        return done.replace(projection=f"{done.projection}+{lg.projection}")
+        whitened = Space.parse(lg.projection).tag.removeprefix("whitened:")
+        return done.replace(projection=Space.parse(done.projection).replace(
+            whitened=whitened, whitened_first=True).tag)
     o, i = lg.shape
     kind = lg.kind
     if o * i <= cfg.dim:
         return lg.replace(data=Dense(kind.rows(lg.data, lg.shape)),
-                          projection=f"identity:{cfg.tag}")
+                          projection=Space(cfg.tag, identity=True).tag)
     cost = cost or default_cost_model(lg.device)
     if projector.kind_of(o, i) == "kronecker" and not kind.dense_only:
         p_out, p_in = kron_sides(projector, lg.name, o, i, lg.device)
@@ -143,7 +176,8 @@ def kron_sides(projector: Projector, name: str, o: int, i: int, device,
 
 def is_whitened(tag: str | None) -> bool:
     """Whether a projection tag marks curvature-whitened rows not yet randomly projected."""
-    return tag is not None and tag.startswith("whitened:")
+    return tag is not None and Space.parse(tag).whitened is not None and not \
+        Space.parse(tag).whitened_first
 
 
 def project_batch(batch: GradBatch, projector: Projector, cost: CostModel | None = None,
@@ -221,7 +255,7 @@ def _project_shard(lg: LayerGrad, projector: Projector, cost: CostModel | None,
     o, i = shard.full_shape
     if o * i <= cfg.dim:
         return lg.replace(data=Dense(gather_shards(lg)), shape=tuple(shard.full_shape),
-                          shard=None, projection=f"identity:{cfg.tag}")
+                          shard=None, projection=Space(cfg.tag, identity=True).tag)
     local = lg.replace(shard=None)
     if projector.kind_of(o, i) == "kronecker" and isinstance(lg.data, Factorized):
         p_out, p_in = kron_sides(projector, lg.name, o, i, lg.device)
