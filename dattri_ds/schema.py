@@ -447,37 +447,9 @@ def leaves(cls: type, prefix: tuple[str, ...] = ()) -> Iterator[Leaf]:
 # ---- JSON files ---------------------------------------------------------------------------
 
 def read_json(path: str | os.PathLike, flag: str) -> Any:
-    """A JSON file's content; every failure is a ConfigError naming the file (and line and
-    column for syntax errors, the flag that supplies the file when it is missing)."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"{path} does not exist (or is not a file). Fix: pass an existing "
-                          f"file to {flag}")
-    raw = path.read_bytes()
-    for bom, enc in ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"),
-                     (b"\xff\xfe", "UTF-16"), (b"\xfe\xff", "UTF-16")):
-        if raw.startswith(bom):
-            raise ConfigError(f"{path} is {enc} encoded; JSON configs must be UTF-8. Fix: save "
-                              f"it as UTF-8")
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        line = raw[:e.start].count(b"\n") + 1
-        raise ConfigError(f"{path}:{line}: byte 0x{raw[e.start]:02x} is not UTF-8; JSON configs "
-                          f"must be UTF-8. Fix: save it as UTF-8") from None
-    try:
-        return json.loads(text, object_pairs_hook=functools.partial(_no_duplicates, path))
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}. Fix: correct "
-                          f"the syntax there (JSON has no comments or trailing commas, strings "
-                          f"use double quotes)") from None
+    """A JSON file's content through the one file reader (:func:`dattri_ds.files.read_json`):
+    every failure is an InputFileError naming the file (and line and column for syntax
+    errors, the flag that supplies the file when it is missing)."""
+    from dattri_ds.files import read_json as read
 
-
-def _no_duplicates(path: Path, pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ConfigError(f"{path}: key '{k}' appears twice in one object (JSON keeps only "
-                              f"the last). Fix: keep one '{k}'")
-        out[k] = v
-    return out
+    return read(path, "JSON config", flag=flag)

@@ -46,7 +46,10 @@ def build(cfg: RunConfig, tok):
 
     if cfg.train.model_path:
         from transformers import AutoModelForCausalLM
-        return AutoModelForCausalLM.from_pretrained(cfg.train.model_path, local_files_only=True)
+        from dattri_ds.files import model_dir
+        return AutoModelForCausalLM.from_pretrained(model_dir(cfg.train.model_path,
+                                                              "train.model_path"),
+                                                    local_files_only=True)
     return build_model(cfg.train.model_config, tokenizer=tok, seed=cfg.train.seed)
 
 

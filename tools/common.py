@@ -141,7 +141,8 @@ class Run:
     def run_id(self) -> str | None:
         """The id launch/train.py gave this run (``trajectory.json``), None for older runs."""
         path = self.root / "trajectory.json"
-        return json.loads(path.read_text()).get("run_id") if path.exists() else None
+        data = read_json(path, "--run") if path.exists() else None
+        return data.get("run_id") if isinstance(data, dict) else None
 
     def fingerprint(self) -> str:
         """Identity of the model family: model config + tokenizer (stores record it)."""
@@ -173,9 +174,13 @@ class Run:
 
         folder = self.root / "checkpoints" / tag
         if is_hf_model_dir(folder):  # save_pretrained checkpoints (ties restored there)
-            model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+            from dattri_ds.files import model_dir
+            model = AutoModelForCausalLM.from_pretrained(str(model_dir(folder, "--run")),
+                                                         dtype=torch.float32)
             return model.to(device).eval()
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.root / "model"))
+        from dattri_ds.files import model_dir
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(
+            model_dir(self.root / "model", "--run", weights=False)))
         state = load_state_dict(self.root / "checkpoints", tag)
         missing, unexpected = model.load_state_dict(state, strict=False)
         tied = _tied_to_loaded(model, set(state))
@@ -379,13 +384,12 @@ def load_texts(path: str, tokenizer, seq_len: int, max_docs: int | None = None,
     or None for token-id files. Errors name the file and the fix.
     """
     from dattri_ds.data import load_documents, tokenize_documents
-    from dattri_ds.tools.sources import is_token_file, load_token_ids
+    from dattri_ds.files import check_file
+    from dattri_ds.tools.sources import is_token_file, load_token_ids, vocab_size_of
 
-    p = Path(path)
-    if not p.exists():
-        raise ConfigError(f"Data file '{p}' does not exist")
+    p = check_file(path, "data file", "pass an existing jsonl file of documents or token ids")
     if is_token_file(p):
-        data = load_token_ids(p, seq_len, max_docs)
+        data = load_token_ids(p, seq_len, max_docs, vocab_size_of(tokenizer))
         _check_truncation(data, p, seq_len, context, truncate)
         return data
     if callable(tokenizer) and not hasattr(tokenizer, "encode_batch"):

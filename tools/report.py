@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import html
-import json
 import sys
 from pathlib import Path
 
@@ -20,6 +19,8 @@ if __package__ in (None, ""):
 
 import numpy as np  # noqa: E402
 
+from dattri_ds import files  # noqa: E402
+from dattri_ds.errors import InputFileError  # noqa: E402
 from dattri_ds.schema import add_flag  # noqa: E402
 from dattri_ds.tools.common import logger, setup_logging  # noqa: E402
 
@@ -35,13 +36,64 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+_FIX = "pass --attribution the --out folder of tools/attribute.py"
+
+
 def _docs(path: str) -> dict[str, dict]:
+    """``--train-data`` documents by id (any JSON object with an ``id`` per line)."""
     out = {}
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            d = json.loads(line)
-            out[d["id"]] = d
+    fix = "pass --train-data the jsonl of documents the store was collected from"
+    for n, d in files.iter_json_lines(path, "--train-data file",
+                                      "one JSON object with an 'id' per line", fix):
+        if not isinstance(d, dict) or not isinstance(d.get("id"), str):
+            raise InputFileError(f"--train-data file {path}:{n}: expected a JSON object with "
+                                 f"a string 'id', got {str(d)[:60]}. Fix: {fix}")
+        out[d["id"]] = d
+    if not out:
+        raise InputFileError(f"--train-data file '{path}' holds no documents (it is empty or "
+                             f"blank). Fix: {fix}")
     return out
+
+
+def _json(att: Path, name: str, ok, expected: str):
+    """One JSON file of the attribution folder, checked to be what attribute wrote."""
+    path = att / name
+    value = files.read_json(path, f"attribution file {name}", fix=_FIX)
+    if not ok(value):
+        raise InputFileError(f"attribution file '{path}' is not what tools/attribute.py "
+                             f"writes: expected {expected}, got {str(value)[:60]}. Fix: {_FIX}")
+    return value
+
+
+def _is_list_of(kind, keys=()):
+    return lambda v: isinstance(v, list) and all(
+        isinstance(x, kind) and all(k in x for k in keys) for x in v)
+
+
+def read_attribution(att: Path):
+    """(summary, queries, top-k, train ids, scores [N, Q]) of an attribution folder, each file
+    read through :mod:`dattri_ds.files` and checked against the others' sizes."""
+    att = files.check_dir(att, "--attribution folder", _FIX)
+    if not ((att / "summary.json").exists() or (att / "summary.json").is_symlink()):
+        have = sorted(p.name for p in att.iterdir())[:8]
+        raise InputFileError(f"attribution summary '{att / 'summary.json'}' does not exist "
+                             f"(the folder holds {have}): it is not the output of "
+                             f"tools/attribute.py, or that run did not finish. Fix: {_FIX}")
+    summary = _json(att, "summary.json", lambda v: isinstance(v, dict) and isinstance(
+        v.get("method"), str) and isinstance(v.get("checkpoints"), list),
+        "an object with 'method', 'train', 'queries' and 'checkpoints'")
+    queries = _json(att, "queries.json", _is_list_of(dict, ("id", "text")),
+                    "a list of {id, source, text} objects")
+    top = _json(att, "topk.json", _is_list_of(dict, ("proponents", "opponents")),
+                "a list of {proponents, opponents} objects")
+    train_ids = _json(att, "train_ids.json", _is_list_of(str), "a list of training ids")
+    scores = files.load_array(att / "scores.npy", "attribution scores", _FIX)
+    want = (len(train_ids), len(queries))
+    if scores.shape != want or scores.dtype.kind != "f":
+        raise InputFileError(f"attribution scores '{att / 'scores.npy'}' are {scores.dtype} "
+                             f"{list(scores.shape)}; expected floats [N={want[0]}, Q={want[1]}] "
+                             f"(train_ids.json x queries.json). Fix: {_FIX}")
+    return summary, queries, top, train_ids, scores
 
 
 def _plots(att: Path, scores: np.ndarray, queries: list[dict], top: list[dict],
@@ -64,8 +116,8 @@ def _plots(att: Path, scores: np.ndarray, queries: list[dict], top: list[dict],
     made.append("scores_hist.png")
     per = att / "per_checkpoint.npy"
     if per.exists():
-        contrib = np.load(per)  # [C, N, Q]
-        summary = json.loads((att / "summary.json").read_text())
+        contrib = files.load_array(per, "attribution file", _FIX)  # [C, N, Q]
+        summary = files.read_json(att / "summary.json", "attribution summary", fix=_FIX)
         index = {t: i for i, t in enumerate(train_ids)}
         fig, ax = plt.subplots(figsize=(6, 3.5), dpi=110)
         rows = [index[p["id"]] for p in top[0]["proponents"][:5]]
@@ -97,7 +149,8 @@ def _token_view(att: Path, train_ids: list[str]):
     """(per-token scores [N, Q, T], query tokens, train id -> row), or None without them."""
     if not (att / "per_token.npy").exists():
         return None
-    return (np.load(att / "per_token.npy"), json.loads((att / "query_tokens.json").read_text()),
+    return (files.load_array(att / "per_token.npy", "attribution file", _FIX),
+            files.read_json(att / "query_tokens.json", "attribution file", fix=_FIX),
             {i: n for n, i in enumerate(train_ids)})
 
 
@@ -121,11 +174,9 @@ def main(argv: list[str] | None = None) -> Path:
     args = build_parser().parse_args(argv)
     setup_logging()
     att = Path(args.attribution)
-    summary = json.loads((att / "summary.json").read_text())
-    queries = json.loads((att / "queries.json").read_text())
-    top = json.loads((att / "topk.json").read_text())
-    train_ids = json.loads((att / "train_ids.json").read_text())
-    scores = np.load(att / "scores.npy")
+    summary, queries, top, train_ids, scores = read_attribution(att)
+    from dattri_ds.outputs import check_dir
+    check_dir(att, flag="--attribution", force=True, overwrites=("report.md", "report.html"))
     docs = _docs(args.train_data)
     plots = _plots(att, scores, queries, top, train_ids)
     md = [f"# Attribution report ({summary['method']})", "",

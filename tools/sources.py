@@ -15,19 +15,20 @@ Errors name the folder, the file that is missing and the flag that fixes it.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from dattri_ds.errors import ConfigError
+from dattri_ds import files
+from dattri_ds.errors import ConfigError, InputFileError
+from dattri_ds.files import HF_WEIGHTS
 
 __all__ = ["HFModelDir", "HFTokenizer", "is_hf_model_dir", "hf_tokenizer_dir", "load_token_ids",
-           "is_token_file", "model_context", "required_context", "HF_WEIGHTS", "HF_TOKENIZER_FILES"]
+           "is_token_file", "model_context", "required_context", "vocab_size_of", "HF_WEIGHTS",
+           "HF_TOKENIZER_FILES"]
 
-HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json")
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                       "vocab.json")
 
@@ -47,7 +48,10 @@ def hf_tokenizer_dir(*candidates: Path | None) -> Path | None:
 
 def model_context(config_json: Path) -> int | None:
     """The context length in a model config (``n_positions`` / ``max_position_embeddings``)."""
-    cfg = json.loads(config_json.read_text())
+    cfg = files.read_json(config_json, "model config")
+    if not isinstance(cfg, dict):
+        raise InputFileError(f"model config '{config_json}' is a JSON {type(cfg).__name__}, "
+                             f"expected an object. Fix: save the model with save_pretrained")
     got = cfg.get("n_positions") or cfg.get("max_position_embeddings") or cfg.get("n_ctx")
     return int(got) if got else None
 
@@ -118,15 +122,8 @@ class HFModelDir:
     @staticmethod
     def open(path: str | os.PathLike,
              tokenizer: str | os.PathLike | None = None) -> HFModelDir:
-        root = Path(path)
-        if not root.is_dir():
-            raise ConfigError(f"Model folder '{root}' does not exist")
-        if not is_hf_model_dir(root):
-            have = sorted(p.name for p in root.iterdir())[:10]
-            raise ConfigError(
-                f"'{root}' is not a Hugging Face model folder: it needs config.json and one of "
-                f"{list(HF_WEIGHTS)} (it holds {have}); save one with "
-                f"model.save_pretrained(path), or pass --run with a launch/train.py run")
+        root = files.model_dir(path, "--model", "pass a folder written by "
+                               "model.save_pretrained(path), or --run with a launch/train.py run")
         tok = Path(tokenizer) if tokenizer else hf_tokenizer_dir(root)
         return HFModelDir(root, tok)
 
@@ -186,44 +183,78 @@ class HFModelDir:
         return model.to(device).eval()
 
 
+_TOKEN_EXPECTED = 'one {"id"?, "input_ids": [int, ...]} object per line'
+_TOKEN_FIX = 'write one {"id": ..., "input_ids": [token ids]} object per line'
+
+
 def is_token_file(path: str | os.PathLike) -> bool:
-    """Whether a jsonl file holds token ids (its first record has ``input_ids``)."""
-    with open(path, encoding="utf-8") as fh:
-        for line in fh:
-            if line.strip():
-                return "input_ids" in json.loads(line)
-    return False
+    """Whether a jsonl file holds token ids (its first record has ``input_ids``); read
+    through :mod:`dattri_ds.files`, so a file that is not JSON lines is an InputFileError
+    naming the file and line."""
+    first = files.first_json_line(path, "data file", "one JSON object per line (documents "
+                                  "with 'text', or token ids with 'input_ids')",
+                                  "give a jsonl file of documents or of token ids")
+    return isinstance(first, dict) and "input_ids" in first
 
 
-def load_token_ids(path: str | os.PathLike, seq_len: int, max_docs: int | None = None):
+def vocab_size_of(source) -> int | None:
+    """``vocab_size`` in the model config of a Run or HFModelDir (or of its bound
+    ``tokenizer`` method, which the tools pass around); None when unknown."""
+    owner = getattr(source, "__self__", source)
+    if type(getattr(owner, "vocab_size", None)) is int:  # a tokenizer
+        return owner.vocab_size
+    root = getattr(owner, "root", None)
+    if root is None:
+        return None
+    for cfg_path in (Path(root) / "config.json", Path(root) / "model/config.json"):
+        if cfg_path.is_file():
+            cfg = files.read_json(cfg_path, "model config")
+            got = cfg.get("vocab_size") if isinstance(cfg, dict) else None
+            return got if type(got) is int and got > 0 else None
+    return None
+
+
+def _token_row(rec, p: Path, n: int, vocab_size: int | None) -> list[int]:
+    ids = rec.get("input_ids") if isinstance(rec, dict) else None
+    if not isinstance(ids, list) or not ids or not all(type(i) is int for i in ids):
+        raise InputFileError(f"token-id file {p}:{n}: expected \"input_ids\": a non-empty list "
+                             f"of integer token ids, got {str(ids)[:60]}. Fix: {_TOKEN_FIX}")
+    high = vocab_size if vocab_size is not None else float("inf")
+    bad = next(((j, i) for j, i in enumerate(ids) if i < 0 or i >= high), None)
+    if bad is not None:
+        rng = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+        raise InputFileError(
+            f"token-id file {p}:{n}: token id {bad[1]} at position {bad[0]} is out of range "
+            f"(expected {rng}{', the model vocab_size' if vocab_size is not None else ''}). "
+            f"Fix: tokenize with the model's own tokenizer")
+    return ids
+
+
+def load_token_ids(path: str | os.PathLike, seq_len: int, max_docs: int | None = None,
+                   vocab_size: int | None = None):
     """TokenizedDocuments from token-id jsonl: ``{"id"?, "input_ids": [int, ...]}`` per line.
 
     Rows longer than ``seq_len`` are truncated (``truncated`` is set); shorter ones are
     right-padded with 0 (masked). Ids default to ``tokens-<line>``.
 
     Raises:
-        ConfigError: a line without an ``input_ids`` list of ints, or no rows.
+        InputFileError: the file is unreadable or not JSON lines, a line without an
+            ``input_ids`` list of ints, an id outside ``[0, vocab_size)`` (``>= 0`` when the
+            vocabulary size is unknown), or no rows.
     """
     from dattri_ds.data import Document, TokenizedDocuments
 
     p = Path(path)
     rows, docs = [], []
-    with open(p, encoding="utf-8") as fh:
-        for n, line in enumerate(fh):
-            if not line.strip():
-                continue
-            rec = json.loads(line)
-            ids = rec.get("input_ids")
-            if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
-                raise ConfigError(f"{p}:{n + 1}: expected \"input_ids\": a non-empty list of "
-                                  f"token ids, got {str(ids)[:60]}")
-            rows.append(ids)
-            docs.append(Document(str(rec.get("id", f"tokens-{n}")), str(rec.get("source", "")),
-                                 str(rec.get("title", "")), str(rec.get("text", ""))))
-            if max_docs and len(rows) >= max_docs:
-                break
+    for n, rec in files.iter_json_lines(p, "token-id file", _TOKEN_EXPECTED, _TOKEN_FIX):
+        rows.append(_token_row(rec, p, n, vocab_size))
+        docs.append(Document(str(rec.get("id", f"tokens-{n - 1}")), str(rec.get("source", "")),
+                             str(rec.get("title", "")), str(rec.get("text", ""))))
+        if max_docs and len(rows) >= max_docs:
+            break
     if not rows:
-        raise ConfigError(f"'{p}' holds no token rows")
+        raise InputFileError(f"token-id file '{p}' holds no token rows (it is empty or blank). "
+                             f"Fix: {_TOKEN_FIX}")
     input_ids = torch.zeros(len(rows), seq_len, dtype=torch.long)
     mask = torch.zeros_like(input_ids)
     truncated = torch.tensor([len(r) > seq_len for r in rows])

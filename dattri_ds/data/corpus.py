@@ -11,19 +11,21 @@ the file and line. Two backends give identical results:
 
 from __future__ import annotations
 
-import json
 import os
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dattri_ds.errors import ConfigError
+from dattri_ds.errors import ConfigError, InputFileError
+from dattri_ds.files import check_file, iter_json_lines
 
 __all__ = ["Document", "FIELDS", "load_documents", "iter_jsonl", "source_counts", "take_per_source"]
 
 #: Keys every document must have, all strings.
 FIELDS = ("id", "source", "title", "text")
+_EXPECTED = f"one JSON object per line with string keys {list(FIELDS)}"
+_FIX = 'write one {"id", "source", "title", "text"} object per line (see data/README.md)'
 
 
 @dataclass(frozen=True)
@@ -67,23 +69,17 @@ def _document(row: dict, where: str) -> Document:
     return Document(row["id"], row["source"], row["title"], row["text"])
 
 
-def iter_jsonl(path: str | os.PathLike) -> Iterator[Document]:
-    """Documents of one JSONL file in file order (blank lines are skipped).
+def iter_jsonl(path: str | os.PathLike, what: str = "document file") -> Iterator[Document]:
+    """Documents of one JSONL file in file order (blank lines are skipped), read through
+    :mod:`dattri_ds.files` (UTF-8, BOM stripped, line cap).
 
     Raises:
-        FileNotFoundError: the file does not exist.
-        ConfigError: a line is not valid JSON or not a valid document.
+        InputFileError: the file is missing, not UTF-8, or a line is not valid JSON (file,
+            line and fix named).
+        ConfigError: a line is not a valid document.
     """
-    path = Path(path)
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            yield _document(row, f"{path}:{lineno}")
+    for lineno, row in iter_json_lines(path, what, expected=_EXPECTED, fix=_FIX):
+        yield _document(row, f"{Path(path)}:{lineno}")
 
 
 def _load_datasets(path: Path, cache_dir: str | None) -> list[Document]:
@@ -117,8 +113,9 @@ def load_documents(paths: str | os.PathLike | Sequence[str | os.PathLike], *,
         The documents, ids unique across all files.
 
     Raises:
-        ConfigError: an unknown backend, a malformed line, or a repeated id.
-        FileNotFoundError: a path does not exist.
+        InputFileError: a path is missing (or a folder, a dangling symlink, ...), a file
+            holds no document, or a line is not UTF-8 JSON (file and line named).
+        ConfigError: an unknown backend, a malformed document, or a repeated id.
     """
     if backend not in ("json", "datasets"):
         raise ConfigError(f"load_documents backend must be 'json' or 'datasets', got '{backend}'")
@@ -129,10 +126,11 @@ def load_documents(paths: str | os.PathLike | Sequence[str | os.PathLike], *,
     docs: list[Document] = []
     seen: dict[str, Path] = {}
     for p in map(Path, path_list):
-        if not p.is_file():
-            raise FileNotFoundError(f"No such document file: '{p}' (expected a .jsonl file)")
+        check_file(p, "document file", "pass an existing .jsonl file of documents")
         items = iter_jsonl(p) if backend == "json" else _load_datasets(p, cache_dir)
+        n_file = 0
         for doc in items:
+            n_file += 1
             if keep is not None and doc.source not in keep:
                 continue
             if doc.id in seen:
@@ -142,6 +140,9 @@ def load_documents(paths: str | os.PathLike | Sequence[str | os.PathLike], *,
             docs.append(doc)
             if limit is not None and len(docs) >= limit:
                 return docs
+        if n_file == 0:
+            raise InputFileError(f"document file '{p}' holds no documents (it is empty or "
+                                 f"blank); expected {_EXPECTED}. Fix: {_FIX}")
     return docs
 
 

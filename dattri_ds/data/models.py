@@ -11,7 +11,6 @@ Unknown keys are an error (Hugging Face would silently keep a misspelt ``n_layer
 from __future__ import annotations
 
 import difflib
-import json
 import logging
 import os
 import warnings
@@ -23,6 +22,7 @@ import torch
 
 from dattri_ds.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 from dattri_ds.errors import ConfigError
+from dattri_ds.files import read_json
 
 __all__ = ["ARCHITECTURES", "load_model_config", "build_model"]
 
@@ -42,19 +42,15 @@ def load_model_config(config: str | os.PathLike | Mapping[str, Any]) -> dict[str
     """Read a model config (JSON file or mapping) and check ``model_type``.
 
     Raises:
-        FileNotFoundError: the file does not exist.
+        InputFileError: the file is missing or not UTF-8 JSON (file and line named).
         ConfigError: not a JSON object, or ``model_type`` missing or unsupported.
     """
     if isinstance(config, Mapping):
         d, where = dict(config), "model config"
     else:
         path = Path(config)
-        if not path.is_file():
-            raise FileNotFoundError(f"No such model config: '{path}' (see configs/model_*.json)")
-        try:
-            d = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        d = read_json(path, "model config", fix="pass a JSON model config such as "
+                      "configs/model_gpt2_tiny.json")
         where = str(path)
         if not isinstance(d, dict):
             raise ConfigError(f"{where}: expected a JSON object, got {type(d).__name__}")

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from dattri_ds.data.corpus import Document
-from dattri_ds.errors import ConfigError
+from dattri_ds.errors import ConfigError, InputFileError
 
 __all__ = ["Tokenizer", "TokenizedDocuments", "train_tokenizer", "tokenize_documents",
            "default_cache_dir", "PAD_ID", "UNK_ID", "BOS_ID", "EOS_ID", "IGNORE_INDEX"]
@@ -91,8 +91,20 @@ class Tokenizer:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Tokenizer:
-        """Load a ``.model`` file written by ``train_tokenizer`` or ``save``."""
-        return cls(Path(path).read_bytes(), path)
+        """Load a ``.model`` file written by ``train_tokenizer`` or ``save``.
+
+        Raises:
+            InputFileError: the file is missing, a folder, or not a SentencePiece model.
+        """
+        from dattri_ds.files import check_file
+
+        p = check_file(path, "tokenizer", "pass the tokenizer.model a dattri-ds run wrote")
+        try:
+            return cls(p.read_bytes(), p)
+        except RuntimeError as e:  # SentencePiece's parse error: the bytes are not a model
+            raise InputFileError(f"tokenizer '{p}' is not a SentencePiece model (damaged or "
+                                 f"another format: {' '.join(str(e).split())[:80]}). Fix: pass "
+                                 f"the tokenizer.model a dattri-ds run wrote") from None
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the ``.model`` bytes (atomically) and return the path."""

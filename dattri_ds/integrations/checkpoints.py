@@ -1,8 +1,8 @@
 """Full weights from saved checkpoints: DeepSpeed ZeRO-0/1/2/3 directories and HF model dirs.
 
 ZeRO checkpoints written by any number of ranks are consolidated to fp32 on the CPU with
-DeepSpeed's own ``zero_to_fp32`` (no GPU, no process group). Errors name the path and say
-what was expected.
+DeepSpeed's own ``zero_to_fp32`` (no GPU, no process group). Files are read through
+:mod:`dattri_ds.files`; errors name the path and say what was expected.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from dattri_ds import files
 from dattri_ds.errors import ConfigError
 
 __all__ = ["load_state_dict", "checkpoint_tags"]
@@ -31,9 +32,9 @@ def checkpoint_tags(root: str | Path) -> list[str]:
 def _hf_state(path: Path) -> dict[str, torch.Tensor]:
     st = path / "model.safetensors"
     if st.exists():
-        from safetensors.torch import load_file
-        return load_file(str(st))
-    return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        return files.load_safetensors(st, "checkpoint weights")
+    return files.load_torch(path / "pytorch_model.bin", "checkpoint weights",
+                            fix="pass a folder written by model.save_pretrained(path)")
 
 
 def load_state_dict(path: str | Path, tag: str | None = None) -> dict[str, torch.Tensor]:
@@ -60,7 +61,8 @@ def load_state_dict(path: str | Path, tag: str | None = None) -> dict[str, torch
         latest = p / "latest"
         tags = checkpoint_tags(p) if p.is_dir() else []
         if latest.exists():
-            tag = latest.read_text().strip()
+            tag = files.read_text(latest, "DeepSpeed 'latest' file",
+                                  "pass the checkpoints/ folder of a launch/train.py run").strip()
         elif tags:
             tag = tags[-1]
         else:
@@ -76,8 +78,15 @@ def load_state_dict(path: str | Path, tag: str | None = None) -> dict[str, torch
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
         state = get_fp32_state_dict_from_zero_checkpoint(str(p), tag=tag)
     else:  # ZeRO-0: the full module state sits in the model-states file
-        files = sorted(folder.glob("mp_rank_*_model_states.pt"))
-        if not files:
+        states = sorted(folder.glob("mp_rank_*_model_states.pt"))
+        if not states:
             raise ConfigError(f"No model states in '{folder}'")
-        state = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
+        state = files.load_torch(
+            states[0], "DeepSpeed model states", fix="pass the checkpoints/ folder of a "
+            "launch/train.py run", trusted="a DeepSpeed checkpoint tag folder")
+        if not isinstance(state, dict) or "module" not in state:
+            raise ConfigError(f"DeepSpeed model states '{states[0]}' hold no 'module' state "
+                              f"dict: not a DeepSpeed checkpoint. Fix: pass the checkpoints/ "
+                              f"folder of a launch/train.py run")
+        state = state["module"]
     return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}

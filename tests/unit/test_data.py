@@ -25,7 +25,7 @@ from dattri_ds.data import (  # noqa: E402
     BOS_ID, EOS_ID, IGNORE_INDEX, PAD_ID, Document, Tokenizer, build_model, load_documents,
     load_model_config, source_counts, tokenize_documents, train_tokenizer,
 )
-from dattri_ds.errors import ConfigError  # noqa: E402
+from dattri_ds.errors import ConfigError, InputFileError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "data" / "tiny" / "train.jsonl"
@@ -70,8 +70,45 @@ def test_load_documents_errors(tmp_path):
     dup.write_text('{"id": "a", "source": "s", "title": "t", "text": "x"}\n', encoding="utf-8")
     with pytest.raises(ConfigError, match="appears twice"):
         load_documents([dup, dup])
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(InputFileError, match=r"missing.jsonl' does not exist"):
         load_documents(tmp_path / "missing.jsonl")
+
+
+def test_file_door_names_line_byte_and_cause(tmp_path, monkeypatch):
+    """dattri_ds.files: a non-UTF-8 byte is named with its line and byte offset, a UTF-8 BOM
+    is stripped (same documents), CSV and a cut-off last line are called so, an empty file
+    holds no documents, and a line over the cap fails after reading about the cap, not the
+    whole line (breaks if a reader goes back to open()/json.loads)."""
+    import tracemalloc
+
+    from dattri_ds.files import MAX_LINE_ENV
+    line = '{"id": "a", "source": "s", "title": "t", "text": "x"}\n'
+    f = tmp_path / "d.jsonl"
+    f.write_bytes(line.encode() + b'{"id": "b", "source": "s", "title": "t", "text": "caf\xe9"}\n')
+    at = f.read_bytes().index(b"\xe9")
+    with pytest.raises(InputFileError, match=rf"d.jsonl:2: byte 0xe9 at byte offset {at} is "
+                                             rf"not UTF-8"):
+        load_documents(f)
+    f.write_bytes(b"\xef\xbb\xbf" + line.encode())
+    assert load_documents(f)[0].id == "a"
+    f.write_text("id,source,title,text\na,s,t,x\n")
+    with pytest.raises(InputFileError, match="d.jsonl:1: not valid JSON.*looks like CSV"):
+        load_documents(f)
+    f.write_text(line + line[:20])
+    with pytest.raises(InputFileError, match="d.jsonl:2: not valid JSON.*looks truncated"):
+        load_documents(f)
+    f.write_text("\n\n")
+    with pytest.raises(InputFileError, match="d.jsonl' holds no documents"):
+        load_documents(f)
+    cap = 1 << 16
+    monkeypatch.setenv(MAX_LINE_ENV, str(cap))
+    f.write_text('{"id": "a", "source": "s", "title": "t", "text": "' + "x" * (40 * cap) + '"}')
+    tracemalloc.start()
+    with pytest.raises(InputFileError, match=rf"d.jsonl:1: the line is longer than {cap} bytes"):
+        load_documents(f)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 8 * cap, peak
 
 
 def test_datasets_backend_matches_json(tmp_path, monkeypatch):
@@ -199,7 +236,7 @@ def test_model_config_errors(tmp_path):
         build_model({**d, "model_type": "bert"}, vocab_size=64)
     with pytest.raises(ConfigError, match="vocabulary size"):
         build_model({k: v for k, v in d.items()})
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(InputFileError, match=r"nope.json' does not exist"):
         build_model(tmp_path / "nope.json")
 
 

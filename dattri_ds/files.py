@@ -1,0 +1,414 @@
+"""The one door for every file dattri-ds reads: each failure names the file, the line and the fix.
+
+Every reader below checks the path first (:func:`check_file` / :func:`check_dir`: missing,
+dangling symlink, symlink loop, a directory where a file is expected, not readable), then the
+content, and raises :class:`~dattri_ds.errors.InputFileError` (a ConfigError: exit code 2)
+with a one-line message ``<what> '<path>'[:line]: <what is wrong>; expected <...>. Fix: <...>``.
+
+* text lines (:func:`iter_lines`): UTF-8, a leading UTF-8 BOM is stripped, UTF-16/32 and
+  binary (NUL) content refused, an invalid byte named with its line and byte offset, lines
+  longer than :func:`max_line_bytes` refused before they are read whole (``readline`` is
+  capped, so a multi-GB line never sits in memory);
+* JSON lines (:func:`iter_json_lines`) and JSON files (:func:`read_json`): syntax errors name
+  line and column, CSV and truncated files are recognised as such, repeated keys refused;
+* NumPy arrays (:func:`load_array`): ``allow_pickle=False`` always;
+* torch files (:func:`load_torch`): ``weights_only=True`` unless the caller names the
+  manifest that makes the file ours (``trusted=``);
+* Hugging Face model folders (:func:`model_dir`): ``config.json`` readable, ``model_type``
+  known to the installed transformers (checked before transformers is called), weights
+  present with a readable safetensors header.
+"""
+
+from __future__ import annotations
+
+import difflib
+import errno
+import functools
+import json
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from dattri_ds.errors import InputFileError
+
+__all__ = ["MAX_LINE_ENV", "max_line_bytes", "check_file", "check_dir", "iter_lines",
+           "iter_json_lines", "first_json_line", "read_json", "read_text", "load_array",
+           "load_torch", "load_safetensors", "model_dir", "HF_WEIGHTS"]
+
+#: Environment variable capping the bytes of one text line (and of one JSON file).
+MAX_LINE_ENV = "DATTRI_DS_MAX_LINE_BYTES"
+_DEFAULT_MAX_LINE = 256 << 20
+_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"),
+         (b"\xff\xfe", "UTF-16"), (b"\xfe\xff", "UTF-16"))
+_UTF8_BOM = b"\xef\xbb\xbf"
+HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json")
+
+
+def max_line_bytes() -> int:
+    """The longest text line (and JSON file) read, in bytes: ``$DATTRI_DS_MAX_LINE_BYTES``,
+    default 256 MiB."""
+    raw = os.environ.get(MAX_LINE_ENV, "")
+    try:
+        value = int(raw) if raw else _DEFAULT_MAX_LINE
+    except ValueError:
+        value = -1
+    if value < 1:
+        raise InputFileError(f"{MAX_LINE_ENV}={raw!r} is not allowed: expected a positive "
+                             f"number of bytes. Fix: unset it or set e.g. {_DEFAULT_MAX_LINE}")
+    return value
+
+
+def _fail(what: str, path: Path, problem: str, fix: str) -> InputFileError:
+    return InputFileError(f"{what} '{path}' {problem}. Fix: {fix}")
+
+
+def _check_path(path: str | os.PathLike, what: str, fix: str, want_dir: bool) -> Path:
+    p = Path(path)
+    kind = "folder" if want_dir else "file"
+    try:
+        st = p.stat()
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise _fail(what, p, "is a symlink loop (it resolves to itself)", fix) from None
+        if p.is_symlink():
+            raise _fail(what, p, f"is a dangling symlink (to '{os.readlink(p)}', which does "
+                        f"not exist)", fix) from None
+        if e.errno == errno.EACCES:
+            raise _fail(what, p, "cannot be read (permission denied)", fix) from None
+        if e.errno == errno.ENOTDIR:
+            raise _fail(what, p, "does not exist (a parent of it is a file, not a folder)",
+                        fix) from None
+        raise _fail(what, p, f"does not exist (expected a {kind})", fix) from None
+    if want_dir and not stat.S_ISDIR(st.st_mode):
+        raise _fail(what, p, "is a file, not a folder", fix)
+    if not want_dir and stat.S_ISDIR(st.st_mode):
+        raise _fail(what, p, "is a folder, not a file", fix)
+    if not want_dir and not stat.S_ISREG(st.st_mode):
+        raise _fail(what, p, "is not a regular file (a device, socket or pipe)", fix)
+    if not os.access(p, os.R_OK | (os.X_OK if want_dir else 0)):
+        raise _fail(what, p, "cannot be read (permission denied)", fix)
+    return p
+
+
+def check_file(path: str | os.PathLike, what: str = "file",
+               fix: str = "pass an existing, readable file") -> Path:
+    """``path`` as a Path if it is a readable regular file (symlinks followed).
+
+    Raises:
+        InputFileError: missing, a dangling symlink, a symlink loop, a folder, not a regular
+            file, or not readable; the message names ``what`` and ``path`` and says ``fix``.
+    """
+    return _check_path(path, what, fix, want_dir=False)
+
+
+def check_dir(path: str | os.PathLike, what: str = "folder",
+              fix: str = "pass an existing folder") -> Path:
+    """``path`` as a Path if it is a readable folder (the checks of :func:`check_file`)."""
+    return _check_path(path, what, fix, want_dir=True)
+
+
+def _open(p: Path, what: str, fix: str):
+    try:
+        return open(p, "rb")
+    except OSError as e:
+        raise _fail(what, p, f"cannot be opened ({e.strerror})", fix) from None
+
+
+def _decode(raw: bytes, p: Path, lineno: int, offset: int, what: str, fix: str) -> str:
+    if b"\x00" in raw:
+        at = offset + raw.index(b"\x00")
+        raise InputFileError(f"{what} {p}:{lineno}: a NUL byte at byte offset {at}: this is "
+                             f"a binary file, not UTF-8 text. Fix: {fix}")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputFileError(
+            f"{what} {p}:{lineno}: byte 0x{raw[e.start]:02x} at byte offset "
+            f"{offset + e.start} is not UTF-8 (the file is in another encoding, e.g. latin-1, "
+            f"or binary). Fix: save it as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+
+
+def iter_lines(path: str | os.PathLike, what: str = "text file",
+               fix: str = "pass a UTF-8 text file") -> Iterator[tuple[int, str]]:
+    """``(line number, text)`` of a UTF-8 file, 1-based, newlines kept; a UTF-8 BOM is
+    stripped.
+
+    Raises:
+        InputFileError: a path problem (:func:`check_file`), UTF-16/32 or binary content, a
+            byte that is not UTF-8 (line and byte offset named), or a line longer than
+            :func:`max_line_bytes` (refused after reading at most that many bytes).
+    """
+    p = check_file(path, what, fix)
+    cap = max_line_bytes()
+    with _open(p, what, fix) as fh:
+        offset = 0
+        lineno = 0
+        while True:
+            raw = fh.readline(cap + 1)
+            if not raw:
+                return
+            lineno += 1
+            if len(raw) > cap and not (len(raw) == cap + 1 and raw.endswith(b"\n")):
+                raise InputFileError(
+                    f"{what} {p}:{lineno}: the line is longer than {cap} bytes (the line cap); "
+                    f"expected one record per line. Fix: split the record, or raise "
+                    f"{MAX_LINE_ENV} if the line is meant to be that long")
+            if lineno == 1:
+                for bom, enc in _BOMS:
+                    if raw.startswith(bom):
+                        raise InputFileError(f"{what} '{p}' is {enc} encoded; expected UTF-8. "
+                                             f"Fix: save it as UTF-8")
+                if raw.startswith(_UTF8_BOM):
+                    raw, offset = raw[len(_UTF8_BOM):], len(_UTF8_BOM)
+            yield lineno, _decode(raw, p, lineno, offset, what, fix)
+            offset += len(raw)
+
+
+def _looks_like(text: str, last: bool) -> str:
+    """A hint for a line that is not JSON: CSV, truncated, or plain text."""
+    s = text.strip()
+    if last and not text.endswith("\n") and s.startswith(("{", "[")):
+        return " (the last line is cut off: the file looks truncated)"
+    if not s.startswith(("{", "[")) and ("," in s or "\t" in s):
+        return " (it looks like CSV/TSV: dattri-ds reads JSON lines, one object per line)"
+    return ""
+
+
+def iter_json_lines(path: str | os.PathLike, what: str = "jsonl file",
+                    expected: str = "one JSON object per line",
+                    fix: str = "one JSON object per line (see data/README.md)"
+                    ) -> Iterator[tuple[int, Any]]:
+    """``(line number, value)`` of every non-blank line of a JSON-lines file.
+
+    Raises:
+        InputFileError: any :func:`iter_lines` failure, or a line that is not JSON (its
+            line and column named; CSV and truncated files are said to be so).
+    """
+    p = Path(path)
+    lines = iter_lines(p, what, fix)
+    nxt = next(lines, None)
+    while nxt is not None:
+        lineno, text = nxt
+        nxt = next(lines, None)
+        if not text.strip():
+            continue
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise InputFileError(
+                f"{what} {p}:{lineno}: not valid JSON ({e.msg} at column {e.colno})"
+                f"{_looks_like(text, nxt is None)}; expected {expected}. Fix: {fix}") from None
+        yield lineno, value
+
+
+def first_json_line(path: str | os.PathLike, what: str = "jsonl file",
+                    expected: str = "one JSON object per line",
+                    fix: str = "one JSON object per line (see data/README.md)") -> Any:
+    """The first non-blank line's value (None for a file without one); errors as
+    :func:`iter_json_lines`."""
+    for _, value in iter_json_lines(path, what, expected, fix):
+        return value
+    return None
+
+
+def _no_duplicates(what: str, path: Path, pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise InputFileError(f"{path}: key '{k}' appears twice in one object (JSON keeps "
+                                 f"only the last). Fix: keep one '{k}'")
+        out[k] = v
+    return out
+
+
+def read_json(path: str | os.PathLike, what: str = "JSON file", *, flag: str | None = None,
+              fix: str | None = None) -> Any:
+    """A UTF-8 JSON file's value (a UTF-8 BOM is stripped).
+
+    Args:
+        path: the file.
+        what: what the file is, for messages (``"attribution summary"``).
+        flag: the flag or key that supplies the file (named in the fix when it is missing).
+        fix: what to do instead (default: from ``flag``).
+
+    Raises:
+        InputFileError: a path problem, a file over :func:`max_line_bytes`, UTF-16/32 or
+            non-UTF-8 bytes (line named), invalid JSON (``path:line:col``; truncation
+            recognised), or a key repeated in one object.
+    """
+    fix = fix or (f"pass an existing JSON file to {flag}" if flag else "pass a UTF-8 JSON file")
+    p = check_file(path, what, fix)
+    cap = max_line_bytes()
+    with _open(p, what, fix) as fh:
+        raw = fh.read(cap + 1)
+    if len(raw) > cap:
+        raise _fail(what, p, f"is larger than {cap} bytes ({MAX_LINE_ENV})",
+                    f"raise {MAX_LINE_ENV} if it is meant to be that large")
+    for bom, enc in _BOMS:
+        if raw.startswith(bom):
+            raise InputFileError(f"{p} is {enc} encoded; JSON files must be UTF-8. Fix: save "
+                                 f"it as UTF-8")
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise InputFileError(f"{p}:{line}: byte 0x{raw[e.start]:02x} at byte offset {e.start} "
+                             f"is not UTF-8; JSON files must be UTF-8. Fix: save it as UTF-8"
+                             ) from None
+    try:
+        return json.loads(text, object_pairs_hook=functools.partial(_no_duplicates, what, p))
+    except json.JSONDecodeError as e:
+        cut = " (the file ends early: it looks truncated)" if e.pos >= len(text.rstrip()) \
+            and text.strip() else ""
+        raise InputFileError(
+            f"{p}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}{cut}; expected {what} as JSON. "
+            f"Fix: correct the syntax there (JSON has no comments or trailing commas, strings "
+            f"use double quotes)") from None
+
+
+def load_array(path: str | os.PathLike, what: str = "array file",
+               fix: str = "pass a .npy file written by dattri-ds (numpy.save)"):
+    """A NumPy ``.npy`` array, never unpickled (``allow_pickle=False``).
+
+    Raises:
+        InputFileError: a path problem, no ``.npy`` magic, pickled (object) content, or a
+            truncated or damaged file.
+    """
+    import numpy as np
+
+    p = check_file(path, what, fix)
+    with _open(p, what, fix) as fh:
+        magic = fh.read(6)
+    if magic != b"\x93NUMPY":
+        raise _fail(what, p, "is not a NumPy .npy file (empty, or it lacks the .npy magic "
+                    "bytes)", fix)
+    try:
+        return np.load(p, allow_pickle=False)
+    except ValueError as e:
+        if "pickle" in str(e) or "Object arrays" in str(e):
+            raise _fail(what, p, "holds pickled Python objects (a numpy object array); "
+                        "dattri-ds reads only numeric arrays from .npy files", fix) from None
+        raise _fail(what, p, f"is truncated or damaged ({e})", fix) from None
+    except (OSError, EOFError) as e:
+        raise _fail(what, p, f"is truncated or damaged ({e or 'no data'})", fix) from None
+
+
+def load_torch(path: str | os.PathLike, what: str = "torch file", *,
+               fix: str = "pass a file written by dattri-ds", map_location: Any = "cpu",
+               trusted: str | None = None) -> Any:
+    """A ``torch.save`` file: tensors and plain containers only (``weights_only=True``).
+
+    Args:
+        trusted: the manifest that marks this file as written by us or our training run (e.g.
+            ``"DeepSpeed checkpoint tag folder"``); only then are pickled objects loaded.
+
+    Raises:
+        InputFileError: a path problem, an empty, truncated or damaged file, or (untrusted)
+            pickled objects other than tensors.
+    """
+    import pickle
+
+    import torch
+
+    p = check_file(path, what, fix)
+    if p.stat().st_size == 0:
+        raise _fail(what, p, "is empty", fix)
+    try:
+        return torch.load(p, map_location=map_location, weights_only=trusted is None)
+    except pickle.UnpicklingError:
+        raise _fail(what, p, "holds pickled Python objects that are not tensors (refused: "
+                    "only files dattri-ds wrote are read)", fix) from None
+    except (RuntimeError, EOFError, OSError, ValueError, KeyError, AttributeError) as e:
+        first = " ".join(str(e).split())[:80] or "no data"
+        raise _fail(what, p, f"is truncated or damaged (not a readable torch.save archive: "
+                    f"{first})", fix) from None
+
+
+def _safetensors_header(p: Path, what: str, fix: str) -> None:
+    """The 8-byte length and JSON header of a safetensors file."""
+    size = p.stat().st_size
+    with _open(p, what, fix) as fh:
+        head = fh.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        ok = 0 < n <= size - 8
+        if ok:
+            try:
+                ok = isinstance(json.loads(fh.read(n)), dict)
+            except (ValueError, UnicodeDecodeError):
+                ok = False
+    if not ok:
+        raise _fail(what, p, "is not a safetensors file (truncated or damaged header)", fix)
+
+
+def load_safetensors(path: str | os.PathLike, what: str = "weights file",
+                     fix: str = "pass a folder written by model.save_pretrained(path)"):
+    """The tensors of a ``.safetensors`` file (header checked first).
+
+    Raises:
+        InputFileError: a path problem, or a truncated or damaged file.
+    """
+    from safetensors.torch import load_file
+
+    p = check_file(path, what, fix)
+    _safetensors_header(p, what, fix)
+    try:
+        return load_file(str(p))
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError
+        first = " ".join(str(e).split())[:80]
+        raise _fail(what, p, f"is truncated or damaged ({first})", fix) from None
+
+
+def read_text(path: str | os.PathLike, what: str = "text file",
+              fix: str = "pass a UTF-8 text file") -> str:
+    """A small UTF-8 text file (e.g. DeepSpeed's ``latest``), read through
+    :func:`iter_lines`."""
+    return "".join(text for _, text in iter_lines(path, what, fix))
+
+
+def model_dir(path: str | os.PathLike, what: str = "--model",
+              fix: str = "pass a folder written by model.save_pretrained(path)", *,
+              weights: bool = True) -> Path:
+    """A Hugging Face model folder, checked before transformers is called.
+
+    ``config.json`` must be a UTF-8 JSON object without BOM (transformers cannot read one)
+    whose ``model_type`` the installed transformers knows (``CONFIG_MAPPING``); with
+    ``weights``, one of :data:`HF_WEIGHTS` must be present (a safetensors header readable).
+
+    Raises:
+        InputFileError: any of these checks, naming the folder or file.
+    """
+    p = check_dir(path, f"{what} model folder", fix)
+    cfg_path = p / "config.json"
+    if not cfg_path.exists() and not cfg_path.is_symlink():
+        have = sorted(q.name for q in p.iterdir())[:8]
+        raise _fail(f"{what} model folder", p, f"has no config.json (it holds {have}); "
+                    f"expected a Hugging Face model folder", fix)
+    cfg = read_json(cfg_path, f"{what} model config", fix=fix)
+    with _open(cfg_path, what, fix) as fh:
+        if fh.read(len(_UTF8_BOM)) == _UTF8_BOM:
+            raise _fail(f"{what} model config", cfg_path, "starts with a UTF-8 BOM, which "
+                        "transformers cannot read", "save it as UTF-8 without a BOM")
+    if not isinstance(cfg, dict):
+        raise _fail(f"{what} model config", cfg_path, f"is a JSON {type(cfg).__name__}, "
+                    f"expected an object", fix)
+    from transformers import CONFIG_MAPPING, __version__
+
+    mt = cfg.get("model_type")
+    if not isinstance(mt, str) or mt not in CONFIG_MAPPING:
+        near = difflib.get_close_matches(str(mt), list(CONFIG_MAPPING.keys()), n=3)
+        raise _fail(f"{what} model config", cfg_path, f"has model_type {mt!r}, which the "
+                    f"installed transformers {__version__} does not know"
+                    f"{f' (close: {near})' if near else ''}",
+                    "set model_type to a known architecture (e.g. 'gpt2', 'llama'), or "
+                    "upgrade transformers")
+    if weights:
+        found = [w for w in HF_WEIGHTS if (p / w).exists()]
+        if not found:
+            raise _fail(f"{what} model folder", p, f"holds no weights (one of "
+                        f"{list(HF_WEIGHTS)})", fix)
+        if found[0] == "model.safetensors":
+            _safetensors_header(check_file(p / found[0], f"{what} weights", fix),
+                                f"{what} weights", fix)
+    return p

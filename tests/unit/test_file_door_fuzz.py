@@ -1,0 +1,460 @@
+"""Fuzz every door through which the system reads a file: each damaged input is one clear line.
+
+Doors (what a user hands the system, and the code path that reads it):
+
+* ``collect-data``: ``dattri-ds collect --model DIR --data FILE`` (text or token-id jsonl), run
+  in-process through the CLI's error path;
+* ``queries``: ``load_texts`` as ``attribute --queries`` calls it (context-checked);
+* ``target-data``: launch/train.py's target documents (``selection.target_data``);
+* ``report-*``: ``dattri-ds report --attribution DIR`` with one damaged file in DIR (summary,
+  scores, train data) or a missing/empty folder;
+* ``factors``: ``KFACFactors.load`` (``attribute --factors``);
+* ``hf-model``: ``dattri-ds collect --model DIR`` with a damaged Hugging Face folder;
+* ``model-path``: launch's ``train.model_path`` (``deepspeed_backend.build``);
+* ``run-config`` / ``model-config``: launch's DeepSpeed JSON and a ``configs/model_*.json``.
+
+Cases: garbage bytes, a truncated file, latin-1 bytes, a UTF-8 BOM (accepted: the run goes on),
+CSV, an empty file, a directory, a symlink loop, a dangling symlink, a line over the line cap,
+token ids out of range / negative, an unknown ``model_type``, a missing file or folder.
+
+Invariant: with the debug switch off, every case exits 2 (or 1) with exactly one
+``dattri-ds: error:`` line that names the file, and the line holds no exception class name
+from outside dattri_ds (``JSONDecodeError``, ``UnicodeDecodeError``, ...). BOM cases exit 0.
+
+``python tests/unit/test_file_door_fuzz.py`` prints the count: cases, clear, raw, unclear
+(one line, but the file is not named), silent (exit 0 on a broken input).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import pickle
+import re
+import shutil
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _deps import require  # noqa: E402
+
+require("transformers", "hf")
+require("tokenizers", "hf")
+
+import dattri_ds.errors as dd_errors  # noqa: E402
+from dattri_ds.cli import DEBUG_ENV, run  # noqa: E402
+
+MARK = b"w9"            # a word of the tiny tokenizer's vocabulary, inside a JSON string
+LATIN1 = b"caf\xe9"     # latin-1 bytes where UTF-8 is expected
+BOM = b"\xef\xbb\xbf"
+LINE_CAP = 1 << 16      # DATTRI_DS_MAX_LINE_BYTES under this test (the default is much larger)
+VOCAB = 64
+OURS = {n for n in dir(dd_errors) if n.endswith("Error")}
+FOREIGN = re.compile(r"\b([A-Z][A-Za-z]*Error)\b")
+
+
+# ---- fixtures built in code --------------------------------------------------------------
+def _doc(i: int, text: bytes = b"w4 w5 w6") -> bytes:
+    return (b'{"id": "d%d", "source": "s", "title": "", "text": "' % i + text + b'"}\n')
+
+
+DOCS = _doc(0) + _doc(1, b"w7 w8 " + MARK) + _doc(2)
+TOKENS = (b'{"id": "t0", "input_ids": [4, 5, 6, 7]}\n'
+          b'{"id": "t1-' + MARK + b'", "input_ids": [8, 9, 10]}\n')
+
+
+def hf_folder(path: Path) -> Path:
+    """A tiny GPT-2 (vocab 64, context 24) and a word-level tokenizer, saved_pretrained."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=24, n_embd=16, n_layer=1,
+                               n_head=2, bos_token_id=2, eos_token_id=3)).save_pretrained(path)
+    tk = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w1"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="w0", bos_token="w2",
+                            eos_token="w3").save_pretrained(path)
+    return path
+
+
+def spm_tokenizer(cache: Path):
+    from dattri_ds.data import train_tokenizer
+    texts = [f"w{i} w{i + 1} w{i + 2} caf\u00e9" for i in range(60)]
+    return train_tokenizer(texts, vocab_size=40, cache_dir=cache)
+
+
+def factors_bytes() -> bytes:
+    from dattri_ds import KFACConfig, KFACFactors
+
+    buf = Path(tempfile.mkdtemp()) / "f.pt"
+    KFACFactors(KFACConfig()).save(buf)
+    return buf.read_bytes()
+
+
+def attribution_folder(att: Path) -> Path:
+    """What tools/attribute.py writes, for 3 training documents and 1 query."""
+    att.mkdir(parents=True, exist_ok=True)
+    ids = ["d0#a", "d1#b", "d2#c"]
+    (att / "summary.json").write_text(json.dumps(
+        {"method": "grad-dot", "train": 3, "queries": 1, "checkpoints": ["m"], "note": "w9"}))
+    (att / "queries.json").write_text(json.dumps([{"id": "q0", "source": "s", "text": "w4"}]))
+    (att / "train_ids.json").write_text(json.dumps(ids))
+    (att / "topk.json").write_text(json.dumps([{
+        "proponents": [{"id": ids[0], "score": 1.0}], "opponents": [{"id": ids[2],
+                                                                      "score": -1.0}]}]))
+    np.save(att / "scores.npy", np.array([[1.0], [0.0], [-1.0]], dtype=np.float32))
+    (att / "train.jsonl").write_bytes(DOCS)
+    return att
+
+
+# ---- cases: how one file is damaged ---------------------------------------------------------
+def _symlink_loop(p: Path) -> None:
+    other = p.with_name(p.name + ".loop")
+    p.symlink_to(other)
+    other.symlink_to(p)
+
+
+def _huge_line(valid: bytes) -> bytes:
+    return _doc(0, b"w4 " * (LINE_CAP // 3 + 10)) if valid is DOCS else (
+        b'{"id": "t0", "input_ids": [' + b"4, " * (LINE_CAP // 3 + 10) + b"4]}\n")
+
+
+CASES = {
+    "garbage": lambda p, v: p.write_bytes(b"\x00\x9c\xfe\x80" + bytes(range(256)) * 4),
+    "truncated": lambda p, v: p.write_bytes(v[:len(v) // 2 + 3]),
+    "latin1": lambda p, v: p.write_bytes(v.replace(MARK, LATIN1) if MARK in v else
+                                         v.replace(b"{", b'{"note": "' + LATIN1 + b'", ', 1)),
+    "bom": lambda p, v: p.write_bytes(BOM + v),
+    "csv": lambda p, v: p.write_bytes(b"id,source,title,text\nd0,s,,w4 w5\nd1,s,,w6 w7\n"),
+    "empty": lambda p, v: p.write_bytes(b""),
+    "directory": lambda p, v: p.mkdir(),
+    "symlink-loop": lambda p, v: _symlink_loop(p),
+    "dangling-symlink": lambda p, v: p.symlink_to(p.with_name("nowhere")),
+    "missing": lambda p, v: None,
+    "huge-line": lambda p, v: p.write_bytes(_huge_line(v)),
+    "token-out-of-range": lambda p, v: p.write_bytes(b'{"input_ids": [4, 5, 999999]}\n'),
+    "token-negative": lambda p, v: p.write_bytes(b'{"input_ids": [4, -1, 5]}\n'),
+    "pickled-object": lambda p, v: p.write_bytes(_pickled(p)),
+    "unknown-model-type": lambda p, v: p.write_bytes(v.replace(b'"gpt2"', b'"no-such-arch"')),
+    "no-weights": lambda p, v: None,
+}
+TEXT = ["garbage", "truncated", "latin1", "bom", "csv", "empty", "directory", "symlink-loop",
+        "dangling-symlink", "missing"]
+FILE = ["garbage", "truncated", "empty", "directory", "symlink-loop", "dangling-symlink",
+        "missing"]
+
+
+def _pickled(p: Path) -> bytes:
+    buf = io.BytesIO()
+    if p.suffix == ".npy":
+        np.save(buf, np.array([{"a": 1}, None], dtype=object), allow_pickle=True)
+    else:
+        torch.save({"format": "x", "obj": Counter("ab")}, buf)
+    return buf.getvalue()
+
+
+# ---- doors: where the damaged file goes and what reads it ------------------------------------
+class Env:
+    """Shared, built once: the tiny HF folder, a SentencePiece tokenizer, factor bytes."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.model = hf_folder(root / "hf")
+        self.tok = spm_tokenizer(root / "spm")
+        self.factors = factors_bytes()
+        self.n = 0
+
+    def fresh(self) -> Path:
+        self.n += 1
+        d = self.root / f"case{self.n}"
+        d.mkdir()
+        return d
+
+
+def door_collect_data(env: Env, case: str, tmp: Path):
+    from dattri_ds.tools import collect
+    valid = TOKENS if case.startswith("token") else DOCS
+    path = tmp / "data.jsonl"
+    CASES[case](path, valid)
+    return path, lambda: collect.main(["--model", str(env.model), "--data", str(path),
+                                       "--out", str(tmp / "out"), "--projection-dim", "8",
+                                       "--batch-size", "4"])
+
+
+def door_collect_tokens(env: Env, case: str, tmp: Path):
+    from dattri_ds.tools import collect
+    path = tmp / "tokens.jsonl"
+    CASES[case](path, TOKENS)
+    return path, lambda: collect.main(["--model", str(env.model), "--data", str(path),
+                                       "--out", str(tmp / "out"), "--projection-dim", "8",
+                                       "--batch-size", "4"])
+
+
+def door_queries(env: Env, case: str, tmp: Path):
+    from dattri_ds.tools.common import load_texts
+    from dattri_ds.tools.sources import HFModelDir
+    path = tmp / "queries.jsonl"
+    CASES[case](path, TOKENS if case.startswith("token") else DOCS)
+    src = HFModelDir.open(env.model)
+    return path, lambda: load_texts(str(path), src.tokenizer, src.context, None,
+                                    context=src.context, truncate=False)
+
+
+def door_target_data(env: Env, case: str, tmp: Path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from launch.train import _target_docs
+    path = tmp / "target.jsonl"
+    CASES[case](path, DOCS)
+    return path, lambda: _target_docs(str(path), env.tok, 16, 0, None)
+
+
+def _report(env: Env, case: str, tmp: Path, name: str, valid: bytes | None):
+    from dattri_ds.tools import report
+    att = attribution_folder(tmp / "attr")
+    path = att / name
+    if valid is None:
+        valid = path.read_bytes()
+    path.unlink()
+    CASES[case](path, valid)
+    return path, lambda: report.main(["--attribution", str(att), "--train-data",
+                                      str(att / "train.jsonl")])
+
+
+def door_report_summary(env, case, tmp):
+    return _report(env, case, tmp, "summary.json", None)
+
+
+def door_report_scores(env, case, tmp):
+    return _report(env, case, tmp, "scores.npy", None)
+
+
+def door_report_train_data(env, case, tmp):
+    return _report(env, case, tmp, "train.jsonl", DOCS)
+
+
+def door_report_folder(env: Env, case: str, tmp: Path):
+    from dattri_ds.tools import report
+    att = tmp / "attr"
+    if case == "empty":
+        att.mkdir()
+    else:
+        CASES[case](att, b"")
+    return att, lambda: report.main(["--attribution", str(att)])
+
+
+def door_factors(env: Env, case: str, tmp: Path):
+    from dattri_ds import KFACFactors
+    path = tmp / "factors.pt"
+    CASES[case](path, env.factors)
+    return path, lambda: KFACFactors.load(path)
+
+
+def door_hf_model(env: Env, case: str, tmp: Path):
+    """Cases on the folder itself (missing, empty, ...) or on its config.json."""
+    from dattri_ds.tools import collect
+    folder = tmp / "model"
+    data = tmp / "data.jsonl"
+    data.write_bytes(DOCS)
+    if case in ("missing", "dangling-symlink", "symlink-loop", "empty-folder", "not-a-folder"):
+        path = folder
+        if case == "empty-folder":
+            folder.mkdir()
+        elif case == "not-a-folder":
+            folder.write_bytes(b"not a folder")
+        else:
+            CASES[case](folder, b"")
+    else:
+        shutil.copytree(env.model, folder)
+        path = folder / "config.json"
+        if case == "no-weights":
+            (folder / "model.safetensors").unlink()
+            path = folder
+        elif case == "garbage-weights":
+            path = folder / "model.safetensors"
+            path.write_bytes(b"\xff" * 64)
+        else:
+            valid = path.read_bytes()
+            path.unlink()
+            CASES[case](path, valid)
+    return path, lambda: collect.main(["--model", str(folder), "--data", str(data), "--out",
+                                       str(tmp / "out"), "--projection-dim", "8"])
+
+
+CASES["empty-folder"] = CASES["not-a-folder"] = CASES["garbage-weights"] = lambda p, v: None
+
+
+def door_model_path(env: Env, case: str, tmp: Path):
+    """launch's ``train.model_path``: a Hugging Face folder loaded at start."""
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    path, call = door_hf_model(env, case, tmp)
+    folder = path if path.name == "model" else path.parent
+
+    def build():
+        from launch.deepspeed_backend import build as build_model
+        cfg = SimpleNamespace(train=SimpleNamespace(model_path=str(folder), model_config=None,
+                                                    seed=0))
+        build_model(cfg, env.tok)
+    return path, build
+
+
+def door_tokenizer(env: Env, case: str, tmp: Path):
+    """A run's SentencePiece ``tokenizer.model`` (``Run.tokenizer``)."""
+    from dattri_ds.data import Tokenizer
+    path = tmp / "tokenizer.model"
+    CASES[case](path, env.tok.path.read_bytes())
+    return path, lambda: Tokenizer.load(path)
+
+
+RUN_CONFIG = (b'{"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2, '
+              b'"dattri_ds": {"train": {"model_config": "configs/' + MARK + b'.json"}}}\n')
+MODEL_CONFIG = (b'{"model_type": "gpt2", "n_embd": 16, "n_layer": 1, "n_head": 2, '
+                b'"attn_implementation": "eager", "dattri_note_' + MARK + b'": null}\n')
+
+
+def door_run_config(env: Env, case: str, tmp: Path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from launch.config import load_run_config
+    path = tmp / "ds.json"
+    CASES[case](path, RUN_CONFIG)
+    return path, lambda: load_run_config(path, {})
+
+
+def door_model_config(env: Env, case: str, tmp: Path):
+    from dattri_ds.data import load_model_config
+    path = tmp / "model_gpt2.json"
+    CASES[case](path, MODEL_CONFIG.replace(b', "dattri_note_' + MARK + b'": null', b""
+                                           ) if case != "latin1" else MODEL_CONFIG)
+    return path, lambda: load_model_config(path)
+
+
+MODEL_CASES = ["missing", "dangling-symlink", "symlink-loop", "empty-folder", "not-a-folder",
+               "garbage", "truncated", "latin1", "bom", "empty", "directory",
+               "unknown-model-type", "no-weights", "garbage-weights"]
+DOORS = {
+    "collect-data": (door_collect_data, TEXT + ["huge-line"]),
+    "collect-tokens": (door_collect_tokens, ["garbage", "truncated", "latin1", "bom", "csv",
+                                             "huge-line", "token-out-of-range",
+                                             "token-negative"]),
+    "queries": (door_queries, TEXT + ["huge-line", "token-out-of-range", "token-negative"]),
+    "target-data": (door_target_data, TEXT + ["huge-line"]),
+    "report-summary": (door_report_summary, TEXT),
+    "report-scores": (door_report_scores, FILE + ["pickled-object"]),
+    "report-train-data": (door_report_train_data, TEXT + ["huge-line"]),
+    "report-folder": (door_report_folder, ["missing", "empty", "dangling-symlink",
+                                           "symlink-loop"]),
+    "factors": (door_factors, FILE + ["pickled-object"]),
+    "hf-model": (door_hf_model, MODEL_CASES),
+    "model-path": (door_model_path, MODEL_CASES),
+    "tokenizer": (door_tokenizer, FILE),
+    "run-config": (door_run_config, TEXT),
+    "model-config": (door_model_config, TEXT + ["unknown-model-type"]),
+}
+PAIRS = [(d, c) for d, (_, cases) in DOORS.items() for c in cases]
+#: A UTF-8 BOM is stripped: the input is valid (not in a Hugging Face config.json, which
+#: transformers itself reads: there it is a clear error).
+ACCEPTED = {"bom"}
+HF_DOORS = ("hf-model", "model-path")
+
+
+def accepted(door: str, case: str) -> bool:
+    return case in ACCEPTED and door not in HF_DOORS
+
+
+def classify(rc: int, err: str, path: Path) -> tuple[str, str]:
+    """(outcome, the error text): clear / raw / unclear / silent (or ok for an accepted input).
+
+    clear: exit 1 or 2, one ``dattri-ds: error:`` line naming the file, no foreign class name.
+    """
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    if rc == 0:
+        return "silent", ""
+    text = "\n".join(lines)
+    foreign = [n for n in FOREIGN.findall(text) if n not in OURS]
+    if len(lines) != 1 or not lines[0].startswith("dattri-ds: error: ") or foreign:
+        return "raw", text[-400:]
+    if str(path) not in lines[0]:
+        return "unclear", lines[0]
+    return "clear", lines[0]
+
+
+@contextlib.contextmanager
+def _environment():
+    old = {k: os.environ.get(k) for k in (DEBUG_ENV, "DATTRI_DS_MAX_LINE_BYTES")}
+    os.environ.pop(DEBUG_ENV, None)
+    os.environ["DATTRI_DS_MAX_LINE_BYTES"] = str(LINE_CAP)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def run_case(env: Env, door: str, case: str) -> tuple[str, str, Path]:
+    """Build the damaged input, run the door through the CLI's error path (debug off)."""
+    tmp = env.fresh()
+    path, call = DOORS[door][0](env, case, tmp)
+    err = io.StringIO()
+    with _environment(), contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        import logging
+        logging.disable(logging.CRITICAL)
+        try:
+            rc = run(lambda argv: call(), [])
+        finally:
+            logging.disable(logging.NOTSET)
+    outcome, text = classify(rc, err.getvalue(), path)
+    return outcome, text, path
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    return Env(tmp_path_factory.mktemp("doors"))
+
+
+@pytest.mark.parametrize("door,case", PAIRS, ids=[f"{d}:{c}" for d, c in PAIRS])
+def test_damaged_file_is_one_clear_line(env, door, case):
+    """A damaged input file ends in exit 1/2 and one line naming the file, no foreign error
+    type (a UTF-8 BOM is accepted: the door reads the file as if it had none)."""
+    outcome, text, path = run_case(env, door, case)
+    if accepted(door, case):
+        assert outcome == "silent", (door, case, text)
+    else:
+        assert outcome == "clear", (door, case, outcome, text)
+
+
+def measure() -> Counter:
+    """Every door x case; prints the outcome of each and the totals."""
+    with tempfile.TemporaryDirectory() as d:
+        env = Env(Path(d))
+        counts: Counter = Counter()
+        for door, case in PAIRS:
+            try:
+                outcome, text, _ = run_case(env, door, case)
+            except BaseException as e:  # noqa: BLE001 - a door that escapes the CLI path
+                outcome, text = "raw", f"escaped: {type(e).__name__}: {e}"
+            if accepted(door, case):
+                outcome = "accepted" if outcome == "silent" else f"refused-valid({outcome})"
+            counts[outcome] += 1
+            print(f"{door:18s} {case:20s} {outcome:8s} {text[:150]}")
+    return counts
+
+
+if __name__ == "__main__":
+    c = measure()
+    n = sum(v for k, v in c.items() if k != "accepted" and not k.startswith("refused"))
+    print(f"{n} cases, {c['clear']} clear, {c['raw']} raw, {c['unclear']} unclear, "
+          f"{c['silent']} silent; BOM: {c['accepted']} accepted, "
+          f"{sum(v for k, v in c.items() if k.startswith('refused'))} refused")
