@@ -9,6 +9,8 @@ from dattri_ds import schema
 from dattri_ds.config import from_dict
 from dattri_ds.errors import ConfigError
 from dattri_ds.ops.projection import ProjectionConfig
+from dattri_ds.selection.policy import POLICIES
+from dattri_ds.selection.scores import SCORES
 
 __all__ = ["SelectionConfig"]
 
@@ -24,13 +26,13 @@ class SelectionConfig:
     """jsonl file with the target texts (e.g. a validation set of the task you care about);
     launch/train.py requires it (``--target-data``) unless ``target_store`` is given."""
 
-    target_max_docs: int | None = field(default=64, metadata=schema.bounds(ge=1))
+    target_max_docs: int | None = field(default=64, metadata=schema.bounds(ge=1, le=10**9))
     """Use at most this many target documents (None = all)."""
 
     target_store: str | None = None
     """A gradient store whose mean vector is a fixed target (needs ``projection``)."""
 
-    candidate_multiple: float = field(default=2.0, metadata=schema.bounds(ge=1))
+    candidate_multiple: float = field(default=2.0, metadata=schema.bounds(ge=1, le=1024))
     """Candidates scored per trained example (>= 1): 2 scores 2x the micro-batch."""
 
     policy: Literal["topk", "fraction", "threshold", "greats", "soft"] = "topk"
@@ -46,7 +48,7 @@ class SelectionConfig:
     """Share of every micro-batch drawn uniformly from the candidates the policy did not
     pick (0: all by the policy, 1: all uniform)."""
 
-    max_repeats: int | None = field(default=None, metadata=schema.bounds(ge=1))
+    max_repeats: int | None = field(default=None, metadata=schema.bounds(ge=1, le=10**9))
     """Train one example (by content id) at most this many times by score; candidates over
     the cap are picked only when too few others remain. None: no cap."""
 
@@ -62,8 +64,9 @@ class SelectionConfig:
     (unprojected) scoring."""
 
     score: Literal["alignment", "step"] = "alignment"
-    """``alignment``: ``<g_b, g_target>`` (a cosine when ``normalize``; ``contrast`` and
-    ``precondition`` shape the target). ``step``: the expected cosine of the training step's
+    """The scoring rule, a registered ``Score`` (selection/scores.py; a new rule is one class
+    there and its name here). ``alignment``: ``<g_b, g_target>`` (a cosine when
+    ``normalize``; ``contrast`` and ``precondition`` shape the target). ``step``: the expected cosine of the training step's
     summed gradient with the target when the candidate takes one of its slots and typical
     examples (the pool sample's mean gradient, ``contrast_rows``) the others
     (selection/stepscore.py): the pool's weight is measured, so ``contrast`` and
@@ -76,10 +79,10 @@ class SelectionConfig:
     with the target. Rewards what a candidate adds beyond the generic directions every
     training example shares. 0: plain target."""
 
-    contrast_rows: int = field(default=64, metadata=schema.bounds(ge=1))
+    contrast_rows: int = field(default=64, metadata=schema.bounds(ge=1, le=2**20))
     """Candidates (the first this rank sees) kept as the pool sample of ``contrast``."""
 
-    smooth_neighbors: int | None = field(default=16, metadata=schema.bounds(ge=1))
+    smooth_neighbors: int | None = field(default=16, metadata=schema.bounds(ge=1, le=2**20))
     """Before the policy, replace each candidate's score by the mean score of the N texts
     nearest to it in content (hashed unigram/bigram bags; itself included) among this
     batch and the last ``smooth_memory`` scored candidates (selection/smoothing.py): the
@@ -87,7 +90,7 @@ class SelectionConfig:
     The memory is per data-parallel rank, so the choice (not the update's exactness) depends
     on how micro-batches are dealt to ranks. None: raw scores."""
 
-    smooth_memory: int = field(default=1024, metadata=schema.bounds(ge=1))
+    smooth_memory: int = field(default=1024, metadata=schema.bounds(ge=1, le=2**24))
     """Earlier scored candidates (this rank's) kept as neighbours for ``smooth_neighbors``."""
 
     content_weight: float | None = field(default=None, metadata=schema.bounds(ge=0))
@@ -113,10 +116,10 @@ class SelectionConfig:
     best across ranks, then deal the chosen examples back so every rank trains the same
     number."""
 
-    refresh_every: int = field(default=10, metadata=schema.bounds(ge=1))
+    refresh_every: int = field(default=10, metadata=schema.bounds(ge=1, le=10**9))
     """Recompute the target gradient every N optimizer steps (it moves with the model)."""
 
-    target_batch_size: int = field(default=8, metadata=schema.bounds(ge=1))
+    target_batch_size: int = field(default=8, metadata=schema.bounds(ge=1, le=2**20))
     """Micro-batch size of the target-gradient passes."""
 
     projection: ProjectionConfig | None = None
@@ -137,13 +140,13 @@ class SelectionConfig:
     part better than the average candidate; if not, fall back to uniform choice for the
     rest of the run (reported in the summary's ``held_out_check``). 0: no check."""
 
-    fallback_every: int = field(default=25, metadata=schema.bounds(ge=1))
+    fallback_every: int = field(default=25, metadata=schema.bounds(ge=1, le=10**9))
     """Optimizer steps per held-out check window (``validation_fraction > 0``)."""
 
     include: tuple[str, ...] = ()
     """Module-name patterns scored (empty = every supported layer)."""
 
-    top_blocks: int | None = field(default=None, metadata=schema.bounds(ge=1))
+    top_blocks: int | None = field(default=None, metadata=schema.bounds(ge=1, le=10**6))
     """Score only the layers of the model's last N repeated blocks (truncated scoring: the
     probe backward stops at the lowest scored block, so the blocks below, the embeddings
     and the head are never back-propagated or scored). None: every layer (or ``include``)."""
@@ -179,11 +182,11 @@ class SelectionConfig:
             raise ConfigError("selection.precondition='adam' scales the exact target gradient "
                               "by the optimizer's per-parameter second moments: it cannot be "
                               "combined with selection.projection or selection.target_store")
-        if self.score == "step" and self.precondition != "none":
-            raise ConfigError(f"selection.score='step' measures the step in the plain metric: "
-                              f"it cannot be combined with selection.precondition="
-                              f"'{self.precondition}'; set precondition='none' or "
-                              f"score='alignment'")
+        SCORES.lookup(self.score).check(self)  # the settings the scoring rule refuses
+        if POLICIES.lookup(self.policy).scaled and not SCORES.lookup(self.score).scale:
+            raise ConfigError(f"selection.policy='{self.policy}' reads the scores' own scale, "
+                              f"which score='{self.score}' does not have (its values only "
+                              f"rank); use policy topk, fraction or soft")
         if self.top_blocks is not None and self.include:
             raise ConfigError(f"selection.top_blocks={self.top_blocks} and selection.include="
                               f"{list(self.include)} both choose the scored layers; set only "

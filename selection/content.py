@@ -21,15 +21,10 @@ import torch
 
 from dattri_ds.selection.smoothing import NGRAM_DIM, ngram_features
 
-__all__ = ["ContentPrior", "DEFAULT_CONTENT_WEIGHT", "SCALED_POLICIES", "standardize",
-           "with_content"]
+__all__ = ["ContentPrior", "DEFAULT_CONTENT_WEIGHT", "standardize", "with_content"]
 
 DEFAULT_CONTENT_WEIGHT = 1.0
-"""``selection.content_weight`` when unset and the target is documents (README evidence)."""
-
-SCALED_POLICIES = ("threshold", "greats")
-"""Policies that read the scores' own scale (a threshold ``tau``, GREATS' lr-weighted gain):
-the standardized combination does not apply to them (unset: off; set: an error)."""
+"""``selection.content_weight`` when unset and the target is documents (docs/selection.md)."""
 
 
 def standardize(x: torch.Tensor) -> torch.Tensor:

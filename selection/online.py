@@ -1,19 +1,32 @@
 """OnlineSelector: every micro-batch, score candidates against the target and keep the best.
 
-Per micro-batch (``C = ceil(candidate_multiple * k)`` candidates, ``k`` trained):
+A step (``select``, ``C = ceil(candidate_multiple * k)`` candidates, ``k`` trained) runs these
+stages in order, each a small object built once from the config:
 
-1. a *probe* pass on the candidates: one forward and a backward that computes only the
-   captured layers' output-gradients (``GradientCapture.probe``): no parameter gradient,
-   so DeepSpeed ZeRO-3's partitioned gradients and reductions are never touched;
-2. ``score_b = <g_b, g_target>`` by the cost-routed ops (selection/scorer.py);
-3. a pure policy picks the indices (selection/policy.py), per rank or globally;
-4. the training loop runs its ordinary forward/backward on the chosen examples only, so the
-   update is exactly that of a batch which never contained the others (unit loss weight
-   for chosen examples, weight zero for the rest: they are simply not in the batch).
+1. **target**: the score's rows for this step (``Score.rows`` over the target gradient,
+   refreshed every ``refresh_every`` steps; selection/target.py builds and shapes it);
+2. **probe**: one forward and a backward that computes only the captured layers'
+   output-gradients (``GradientCapture.probe``): no parameter gradient, so DeepSpeed
+   ZeRO-3's partitioned gradients and reductions are never touched (skipped when the
+   ``Score`` needs no gradients);
+3. **score**: the registered ``Score`` of ``selection.score`` maps the candidates'
+   gradients and the rows to ``[C]`` scores (selection/scores.py); non-finite ones dropped;
+4. **rank**: the ``Ranker`` stages (neighbour smoothing, the content prior) turn the scores
+   into what the policy ranks (selection/rank.py);
+5. **repeat cap**: candidates trained ``max_repeats`` times already go last;
+6. **policy + uniform mix**: the registered ``Policy`` picks ``k - round(uniform_mix * k)``
+   (with the candidates' gram when it ``needs_gram``), a seeded uniform draw fills up to
+   ``k`` (selection/policy.py);
+7. **scope**: per rank, or globally: the candidates' scores and token tensors are gathered
+   from every data-parallel rank (``C * T`` integers each, never gradients), ``k * world``
+   picked and dealt out round-robin by score, so every rank trains exactly ``k``;
+8. **held-out check**: the chosen examples' advantage on the held-out target documents
+   (``validation_fraction``) decides a fallback to uniform choice (selection/fallback.py);
+9. **log**: chosen ids and scores to ``selection.jsonl`` and the run statistics.
 
-Global scope gathers the candidates' scores and token tensors from every data-parallel
-rank (``C * T`` integers each, never gradients), picks ``k * world`` and deals them out
-round-robin by score, so every rank trains exactly ``k`` examples.
+The training loop then runs its ordinary forward/backward on the chosen examples only, so
+the update is exactly that of a batch which never contained the others (or back-propagates
+``Selection.loss`` from the retained probe graphs with ``reuse_forward``).
 """
 
 from __future__ import annotations
@@ -34,23 +47,20 @@ from dattri_ds.config import CaptureConfig
 from dattri_ds.distributed import ParallelContext, all_reduce_sum
 from dattri_ds.errors import CaptureError, ConfigError
 from dattri_ds.gradient import GradBatch
-from dattri_ds.ops import CostModel, default_cost_model, norms
+from dattri_ds.ops import CostModel, default_cost_model
 from dattri_ds.ops.projection import stable_seed
 from dattri_ds.semantics import content_id
 from dattri_ds.selection.blocks import probe_share, top_block_patterns
 from dattri_ds.selection.config import SelectionConfig
-from dattri_ds.selection.fallback import HeldOutCheck, split_rows
-from dattri_ds.selection.policy import cap_repeats, choose, fill_uniform
-from dattri_ds.selection.contrast import ContrastTarget, PoolSample
-from dattri_ds.selection.precondition import PreconditionedTarget, second_moments
-from dattri_ds.selection.scorer import alignment_scores, redundancy_gram
-from dattri_ds.selection.smoothing import NGRAM_DIM, NeighborSmoother, ngram_features, unit_rows
-from dattri_ds.selection.content import (
-    DEFAULT_CONTENT_WEIGHT, SCALED_POLICIES, ContentPrior, with_content,
-)
-from dattri_ds.selection.stepscore import StepTarget, step_scores
+from dattri_ds.selection.contrast import PoolSample
+from dattri_ds.selection.fallback import HeldOutCheck
+from dattri_ds.selection.policy import POLICIES, cap_repeats, fill_uniform
+from dattri_ds.selection.rank import CandidateText, content_weight, rankers
+from dattri_ds.selection.scores import aligned, score_for
 from dattri_ds.selection.stepcost import StepCost, decide_reuse
-from dattri_ds.selection.target import TargetProvider
+from dattri_ds.selection.target import (
+    Target, TargetProvider, build_target, pool_reference, prepare,
+)
 
 __all__ = ["Selection", "OnlineSelector", "check_engine_supported", "check_target_compatible"]
 
@@ -146,27 +156,6 @@ def read_selection_log(log_path: str | Path) -> list[dict]:
     return sorted(records, key=lambda r: (r["step"], r.get("dp_rank", 0)))
 
 
-def _pool_reference(model: nn.Module, config: SelectionConfig, target: TargetProvider,
-                    probe: GradientCapture, ctx: ParallelContext | None
-                    ) -> Callable[[Batch], TargetProvider]:
-    """How ``contrast`` computes the pool's gradient from its sample rows: like the target
-    (its forward, device, batch size and refresh when it is a ``ValidationTarget``; else the
-    model's own loss), each rank on its own rows, averaged over all ranks'."""
-    from dattri_ds.selection.target import ValidationTarget
-
-    inner = getattr(target, "inner", target)
-    if isinstance(inner, ValidationTarget):
-        forward, device, bs = inner.forward, inner.device, inner.batch_size
-    else:
-        forward, bs = (lambda b: model(**b).loss), config.target_batch_size
-        device = next(model.parameters()).device
-
-    def make(rows: Batch) -> TargetProvider:
-        return ValidationTarget(probe, forward, rows, ctx=ctx, refresh_every=config.refresh_every,
-                                batch_size=bs, device=device, own_rows=True)
-    return make
-
-
 class OnlineSelector:
     """Chooses, each micro-batch, which candidates the engine trains on.
 
@@ -198,36 +187,24 @@ class OnlineSelector:
                  reference: Callable[[Batch], TargetProvider] | None = None,
                  step_examples: int | None = None,
                  content_rows: Batch | None = None) -> None:
-        self.model, self.config, self.target, self.held_out = model, config, target, held_out
-        step_score = config.score == "step"  # takes the pool itself; contrast does not apply
-        uses_pool = config.contrast > 0 or step_score
-        if reference is None and uses_pool:
-            reference = _pool_reference(model, config, target, probe, ctx)
-        make_reference = reference
-        if config.precondition == "adam":
-            moments = second_moments(optimizer, ctx)
-            self.target = PreconditionedTarget(target, probe.layers, moments, ctx)
-            if held_out is not None:
-                self.held_out = PreconditionedTarget(held_out, probe.layers, moments, ctx)
-            if reference is not None:
-                def make_reference(rows: Batch) -> TargetProvider:
-                    return PreconditionedTarget(reference(rows), probe.layers, moments, ctx)
-        self._pool: PoolSample | None = None
-        if uses_pool:
-            self._pool = PoolSample(config.contrast_rows)
-        if step_score:
-            self.target = StepTarget(self.target, self._pool, make_reference)
-        elif config.contrast > 0:
-            self.target = ContrastTarget(self.target, self._pool, make_reference,
-                                         config.contrast)
-        self._smoother = NeighborSmoother(config.smooth_neighbors, config.smooth_memory) \
-            if config.smooth_neighbors else None
-        self._content, self.content_weight = self._content_prior(config, target, content_rows)
+        self.model, self.config = model, config
+        self.ctx = ctx or ParallelContext()
+        self.rule = score_for(config, cost=cost, ctx=ctx)  # the score stage
+        self.policy = POLICIES.lookup(config.policy)  # the policy stage
+        goal = Target.of(target, content_rows, held_out)
+        if reference is None and self.rule.needs_pool:
+            reference = pool_reference(model, config, goal.gradient, probe, ctx)
+        goal, reference = prepare(goal, config, probe=probe, ctx=ctx, optimizer=optimizer,
+                                  reference=reference)
+        self.documents, self.held_out = goal.documents, goal.held_out
+        self._pool = PoolSample(self.rule.pool_rows) if self.rule.needs_pool else None
+        self.rows = self.rule.rows(goal.gradient, self._pool, reference)  # the target stage
+        self.content_weight = content_weight(config, self.policy, goal.documents)
+        self._rankers = rankers(config, self.policy, goal.documents)  # the rank stage
         self.step_examples = step_examples
         self._step_others = max(0, (step_examples or 1) - 1)  # set per select() from k
         self.check = HeldOutCheck(config.fallback_every, ctx) if held_out is not None else None
         self.probe = probe
-        self.ctx = ctx or ParallelContext()
         self.lr_fn = lr_fn
         self.cost = cost
         per_rank = config.scope != "global" and self.ctx.dp_world > 1
@@ -246,34 +223,11 @@ class OnlineSelector:
         self.reuse: bool | None = None  # decided at the first select (needs T)
         self._reuse_why = ""
 
-    @staticmethod
-    def _content_prior(config: SelectionConfig, target: TargetProvider,
-                       rows: Batch | None) -> tuple[ContentPrior | None, float]:
-        """The content prior and its weight: ``content_weight``, or when unset 1.0 if the
-        target's documents are known (``rows``, else a ValidationTarget's own) and the
-        policy ranks (not ``SCALED_POLICIES``), 0 if not."""
-        from dattri_ds.selection.target import ValidationTarget
-
-        if rows is None and isinstance(target, ValidationTarget):
-            rows = target.data
-        weight = config.content_weight
-        scaled = config.policy in SCALED_POLICIES  # they read the scores' own scale
-        if weight is None:
-            weight = DEFAULT_CONTENT_WEIGHT if rows is not None and not scaled else 0.0
-        if weight == 0:
-            return None, 0.0
-        if scaled:
-            raise ConfigError(
-                f"selection.content_weight={weight} ranks standardized scores, which "
-                f"policy='{config.policy}' cannot use (it reads the scores' own scale: a "
-                f"threshold, GREATS' learning-rate gain); use policy topk, fraction or soft, "
-                f"or set content_weight to 0")
-        if rows is None:
-            raise ConfigError(
-                f"selection.content_weight={weight} needs the target documents' tokens "
-                f"(target_data), which a target_store does not have; set content_weight "
-                f"to 0 (or leave it unset) or give target_data")
-        return ContentPrior(rows), weight
+    @property
+    def target(self) -> TargetProvider:
+        """The provider of the score's rows (``rows``: the target gradient shaped by the
+        optimizer and the score), the name callers use."""
+        return self.rows
 
     @staticmethod
     def probe_capture(model: nn.Module, config: SelectionConfig,
@@ -299,30 +253,11 @@ class OnlineSelector:
         ``ValidationTarget`` on ``target_data`` model inputs, or the store's ``FixedTarget``),
         preconditioned by ``optimizer`` when ``config.precondition`` asks. Launch and the
         benchmark build it here, so they run the same selection."""
-        from dattri_ds.selection.target import FixedTarget, ValidationTarget
-
         probe = cls.probe_capture(model, config, capture)
-
-        def validation_target(rows: Batch) -> ValidationTarget:
-            return ValidationTarget(probe, lambda b: model(**b).loss, rows, ctx=ctx,
-                                    refresh_every=config.refresh_every,
-                                    batch_size=config.target_batch_size, device=device)
-
-        held_out, scoring_rows = None, target_data
-        if config.target_store:
-            target, scoring_rows = FixedTarget(config.target_store), None
-        elif config.validation_fraction > 0:
-            keep, held = split_rows(target_data["input_ids"].shape[0],
-                                    config.validation_fraction)
-            scoring_rows = {k: v[keep] for k, v in target_data.items()}
-            target = validation_target(scoring_rows)
-            held_out = validation_target({k: v[held] for k, v in target_data.items()})
-        else:
-            target = validation_target(target_data)
-        return cls(model, config, target, probe=probe, ctx=ctx, lr_fn=lr_fn,
-                   log_path=log_path, optimizer=optimizer, held_out=held_out,
-                   step_examples=step_examples,
-                   content_rows=scoring_rows)
+        goal = build_target(config, model, target_data, probe=probe, ctx=ctx, device=device)
+        return cls(model, config, goal.gradient, probe=probe, ctx=ctx, lr_fn=lr_fn,
+                   log_path=log_path, optimizer=optimizer, held_out=goal.held_out,
+                   step_examples=step_examples, content_rows=goal.documents)
 
     def num_candidates(self, k: int) -> int:
         """Candidates scored for ``k`` trained examples: ``ceil(candidate_multiple * k)``."""
@@ -339,7 +274,7 @@ class OnlineSelector:
         Raises:
             CaptureError: every candidate has a non-finite gradient or score.
         """
-        target = self.target.get(step)
+        rows = self.rows.get(step)
         dropped = self.probe.skipped
         if reuse:
             grads = self.probe.probe(lambda: self._per_example(batch, user_ids),
@@ -357,7 +292,7 @@ class OnlineSelector:
             raise ConfigError("The probe pass captured nothing: the model's loss does not "
                               "depend on any captured layer")
         kept = self.probe.last_kept
-        scores = self._against(grads, target)
+        scores = self._against(grads, rows)
         finite = torch.isfinite(scores)
         if not bool(finite.all()):
             ok = torch.nonzero(finite.cpu()).flatten()
@@ -378,13 +313,13 @@ class OnlineSelector:
         """Predict this run's step cost (selection/stepcost.py) and log it once (rank 0)."""
         cfg = self.config
         layers = list(self.probe.layers)
-        inner = getattr(self.target, "inner", self.target)
+        inner = getattr(self.rows, "inner", self.rows)
         self.plan = StepCost(
             candidates=candidates,
             trained=trained,
             share=probe_share(self.model, layers), normalize=cfg.normalize,
             target_examples=getattr(inner, "rows_per_rank", 0)
-            + (cfg.contrast_rows if self._pool is not None else 0),  # the pool's refresh too
+            + self.rule.pool_rows,  # the pool's refresh too
             refresh_every=cfg.refresh_every, reuse=reuse)
         scored = (f"top {cfg.top_blocks} block(s), {len(layers)} layers" if cfg.top_blocks
                   else f"{len(layers)} layers") + (
@@ -394,17 +329,9 @@ class OnlineSelector:
                 "the caller forwards the chosen itself (select(train_loss=False))"
             logger.info(self.plan.explain(scored, why))
 
-    def _against(self, grads: GradBatch, target: GradBatch) -> torch.Tensor:
-        if self.config.score == "step":
-            return step_scores(grads, target, self._step_others, self.cost, self.ctx)
-        return self._aligned(grads, target)
-
-    def _aligned(self, grads: GradBatch, target: GradBatch) -> torch.Tensor:
-        """``<g_b, target>`` (over ``|g_b|`` when normalized): the held-out check's measure."""
-        scores = alignment_scores(grads, target, self.cost)
-        if self.config.normalize:
-            scores = scores / norms(grads, list(target.layers), self.cost).clamp_min(1e-12)
-        return scores
+    def _against(self, grads: GradBatch, rows: GradBatch) -> torch.Tensor:
+        """The score stage: ``[C]`` scores of ``grads`` against ``rows`` by the rule."""
+        return self.rule(grads, rows, others=self._step_others)
 
     def _loss(self, batch: Batch) -> torch.Tensor:
         """The model's loss on ``batch``, under autocast when ``probe_autocast`` is set."""
@@ -500,24 +427,19 @@ class OnlineSelector:
                             self._reused_loss(positions, original))
             self._count(sel.chosen_ids)
             if self.check is not None:
-                val = self._aligned(grads, self.held_out.get(step)).detach().float().cpu()
-                self.check.add(val, idx)
+                val = aligned(grads, self.held_out.get(step), self.config.normalize, self.cost)
+                self.check.add(val.detach().float().cpu(), idx)
         self._record(step, sel)
         return sel
 
     def _ranked(self, batch: Batch, scores: torch.Tensor) -> torch.Tensor:
         """What the policy ranks: ``scores`` after neighbour smoothing
         (``smooth_neighbors``), combined with the content prior (``content_weight``)."""
-        if self._smoother is None and self._content is None:
-            return scores
-        ids = batch["input_ids"]
-        counts = ngram_features(ids, batch.get("attention_mask", torch.ones_like(ids)),
-                                NGRAM_DIM, normalize=False)  # hashed once for both
-        ranked = scores if self._smoother is None else \
-            self._smoother.smooth_features(unit_rows(counts), scores)
-        if self._content is None:
-            return ranked
-        return with_content(ranked, self._content.scores_of_counts(counts), self.content_weight)
+        text = CandidateText(batch)  # hashed once for every stage
+        ranked = scores
+        for stage in self._rankers:
+            ranked = stage(ranked, text)
+        return ranked
 
     def _select_random(self, batch: Batch, k: int, step: int,
                        user_ids: list[str] | None) -> Selection:
@@ -569,15 +491,10 @@ class OnlineSelector:
                 gram_source: GradBatch | torch.Tensor | None,
                 generator: torch.Generator) -> torch.Tensor:
         cfg = self.config
-        gram = None
-        if cfg.policy == "greats":
-            if isinstance(gram_source, GradBatch):
-                gram = redundancy_gram(gram_source, list(gram_source.layers), self.cost).cpu()
-            else:
-                gram = gram_source @ gram_source.T
+        gram = self.policy.gram(gram_source, self.cost) if self.policy.needs_gram else None
         lr = cfg.greats_lr if cfg.greats_lr is not None else (self.lr_fn() if self.lr_fn else 1.0)
-        return choose(cfg.policy, scores, k=k, gram=gram, lr=lr, fraction=cfg.fraction,
-                      tau=cfg.tau, temperature=cfg.temperature, generator=generator)
+        return self.policy(scores, k=k, gram=gram, lr=lr, fraction=cfg.fraction, tau=cfg.tau,
+                           temperature=cfg.temperature, generator=generator)
 
     def _select_global(self, batch: Batch, grads: GradBatch, scores: torch.Tensor,
                        k: int) -> Selection:
@@ -587,7 +504,7 @@ class OnlineSelector:
         world = ctx.dp_world
         gathered = [None] * world
         vectors = None
-        if self.config.policy == "greats":
+        if self.policy.needs_gram:  # the gram is built from every rank's projected vectors
             vectors = torch.cat([grads.layers[n].data.values for n in grads.layers], 1).cpu()
         local = {"scores": scores, "ids": grads.sample_ids,
                  "batch": {n: v.cpu() for n, v in batch.items()}, "vectors": vectors}
@@ -634,7 +551,7 @@ class OnlineSelector:
                 "chosen": st["chosen"],
                 "mean_candidate_score": st["score_sum"] / max(1, st["candidates"]),
                 "mean_chosen_score": st["chosen_score_sum"] / max(1, st["chosen"]),
-                "target_refreshes": getattr(self.target, "refreshes", 0),
+                "target_refreshes": getattr(self.rows, "refreshes", 0),
                 **({"held_out_check": self.check.summary()} if self.check is not None else {})}
 
     def close(self) -> None:

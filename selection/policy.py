@@ -5,19 +5,25 @@ aligned with the target gradient, so one SGD step on it lowers the target loss m
 (first order: ``dL_target ~ -lr * <g_target, g_b>``).
 
 Every policy takes ``scores [C]`` and returns a sorted ``LongTensor`` of chosen indices.
-They are registered by name in ``POLICIES`` (flat table, no if/elif chains).
+They are registered by name in ``POLICIES`` as ``Policy`` classes that carry their own
+properties (``scaled``: reads the scores' scale; ``needs_gram``: GREATS' redundancy term).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from abc import ABC, abstractmethod
+from typing import ClassVar
 
 import torch
 
 from dattri_ds.errors import ConfigError
+from dattri_ds.gradient import GradBatch
+from dattri_ds.ops import CostModel
+from dattri_ds.registry import Registry
+from dattri_ds.selection.scorer import redundancy_gram
 
 __all__ = ["top_k", "top_fraction", "threshold", "greats", "soft_top_k", "fill_uniform",
-           "cap_repeats", "POLICIES", "choose"]
+           "cap_repeats", "Policy", "POLICIES", "choose"]
 
 
 def top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -128,21 +134,90 @@ def cap_repeats(scores: torch.Tensor, counts: torch.Tensor, cap: int | None) -> 
     return torch.where(counts >= cap, torch.full_like(scores, float("-inf")), scores)
 
 
-#: name -> policy(scores, *, k, gram, lr, fraction, tau) adapter
-POLICIES: dict[str, Callable[..., torch.Tensor]] = {
-    "topk": lambda s, *, k, **_: top_k(s, k),
-    "fraction": lambda s, *, fraction, **_: top_fraction(s, fraction),
-    "threshold": lambda s, *, tau, k, **_: threshold(s, tau, k),
-    "greats": lambda s, *, k, gram, lr, **_: greats(s, gram, k, lr),
-    "soft": lambda s, *, k, temperature, generator, **_: soft_top_k(s, k, temperature, generator),
-}
+class Policy(ABC):
+    """A registered choice rule: ``policy(scores, *, k, gram, lr, fraction, tau, temperature,
+    generator) -> sorted indices``, with the properties the selection step asks of it.
+
+    Subclass with ``class MyPolicy(Policy, name="mine")`` (registers it in ``POLICIES``).
+    """
+
+    name: ClassVar[str]
+    scaled: ClassVar[bool] = False
+    """Reads the scores' own scale (a threshold, a learning-rate-weighted gain): what it
+    chooses from must be a score with a scale (``Score.scale``), not a standardized
+    combination (the content prior then does not apply)."""
+    needs_gram: ClassVar[bool] = False
+    """Needs the candidates' pairwise gradient inner products (``gram``): the step builds
+    them from this rank's gradients, or from the gathered projected vectors under global
+    scope."""
+
+    def __init_subclass__(cls, name: str | None = None, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if name is not None:
+            cls.name = name
+            POLICIES.register(name, cls())
+
+    def gram(self, source: GradBatch | torch.Tensor, cost: CostModel | None = None
+             ) -> torch.Tensor:
+        """``[C, C]`` candidate gram from a GradBatch or ``[C, P]`` vectors (``needs_gram``)."""
+        if isinstance(source, GradBatch):
+            return redundancy_gram(source, list(source.layers), cost).cpu()
+        return source @ source.T
+
+    @abstractmethod
+    def __call__(self, scores: torch.Tensor, **params) -> torch.Tensor:
+        """Sorted ``LongTensor`` of the chosen candidates' indices."""
+
+
+#: name -> Policy (callable as policy(scores, *, k, gram, lr, fraction, tau, ...))
+POLICIES: Registry[Policy] = Registry(
+    "selection policy", hint="add one with class X(Policy, name='x') and 'x' in "
+    "SelectionConfig.policy")
+
+
+class TopK(Policy, name="topk"):
+    """The ``k`` best (``top_k``)."""
+
+    def __call__(self, s, *, k, **_):
+        return top_k(s, k)
+
+
+class Fraction(Policy, name="fraction"):
+    """The top ``fraction`` of the candidates (``top_fraction``)."""
+
+    def __call__(self, s, *, fraction, **_):
+        return top_fraction(s, fraction)
+
+
+class Threshold(Policy, name="threshold"):
+    """Every candidate above ``tau`` (``threshold``): reads the scores' scale."""
+
+    scaled = True
+
+    def __call__(self, s, *, tau, k, **_):
+        return threshold(s, tau, k)
+
+
+class Greats(Policy, name="greats"):
+    """GREATS' greedy gain with a redundancy discount (``greats``): reads the scores' scale
+    (``lr``-weighted) and the candidates' gram."""
+
+    scaled = True
+    needs_gram = True
+
+    def __call__(self, s, *, k, gram, lr, **_):
+        return greats(s, gram, k, lr)
+
+
+class Soft(Policy, name="soft"):
+    """Sampling by standardized scores (``soft_top_k``)."""
+
+    def __call__(self, s, *, k, temperature, generator, **_):
+        return soft_top_k(s, k, temperature, generator)
 
 
 def choose(policy: str, scores: torch.Tensor, **params) -> torch.Tensor:
     """Apply the policy named ``policy`` (see ``POLICIES``)."""
-    try:
-        fn = POLICIES[policy]
-    except KeyError:
-        raise ConfigError(f"Unknown selection policy '{policy}'; known: {sorted(POLICIES)}") \
-            from None
-    return fn(scores, **params)
+    if policy not in POLICIES:
+        raise ConfigError(f"Unknown selection policy '{policy}'; known: {POLICIES.names()}")
+    return POLICIES.lookup(policy)(scores, **params)

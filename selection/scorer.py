@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from dattri_ds.errors import ShapeError
 from dattri_ds.gradient import GradBatch
 from dattri_ds.ops import CostModel, cross_gram
 
@@ -19,7 +20,9 @@ def alignment_scores(candidates: GradBatch, target: GradBatch,
                      cost: CostModel | None = None) -> torch.Tensor:
     """``[C]`` inner products of every candidate's gradient with the (one-row) target."""
     if target.batch_size != 1:
-        raise ValueError(f"the target must hold one (mean) gradient, got {target.batch_size}")
+        raise ShapeError(f"alignment_scores: the target must hold one (mean) gradient row, got "
+                         f"{target.batch_size} rows (sample ids {list(target.sample_ids)[:4]}); "
+                         f"pass a one-row GradBatch such as TargetProvider.get(step)")
     return cross_gram(candidates, target, layers=list(target.layers), cost=cost)[:, 0]
 
 

@@ -68,14 +68,9 @@ class NeighborSmoother:
         self._feats = torch.zeros(0, dim)
         self._scores = torch.zeros(0)
 
-    def smooth(self, input_ids: torch.Tensor, valid: torch.Tensor,
-               scores: torch.Tensor) -> torch.Tensor:
-        """``[C]`` smoothed scores of this batch's candidates (``scores`` on CPU, float);
-        the batch then joins the memory."""
-        return self.smooth_features(ngram_features(input_ids, valid, self.dim), scores)
-
     def smooth_features(self, f: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        """``smooth`` on the candidates' unit-norm ``ngram_features`` ``f`` ``[C, dim]``."""
+        """``[C]`` smoothed scores of a batch's candidates from their unit-norm
+        ``ngram_features`` ``f`` ``[C, dim]``; the batch then joins the memory."""
         s = scores.detach().float().cpu()
         feats, vals = torch.cat([f, self._feats]), torch.cat([s, self._scores])
         sim = f @ feats.T  # [C, C + M]; a row's own column (similarity 1) comes first

@@ -267,7 +267,7 @@ def _content_choice(rank, world):
     z(smoothed cosine) + w z(content) computed from per-example autograd gradients (gathered
     parameters) and the hand-checked ContentPrior on that rank's candidates."""
     from dattri_ds.selection.content import ContentPrior, with_content
-    from dattri_ds.selection.smoothing import NeighborSmoother
+    from dattri_ds.selection.smoothing import NeighborSmoother, ngram_features
     from reference import reference_grads
 
     engine, ctx, ref = _zero3_engine()
@@ -287,7 +287,8 @@ def _content_choice(rank, world):
     rc = flat(cands)
     cos = rc @ flat(tgt).mean(0) / rc.norm(dim=1)
     ones = torch.ones_like(cands)
-    ranked = with_content(NeighborSmoother(2, 1024).smooth(cands, ones, cos),
+    smoothed = NeighborSmoother(2, 1024).smooth_features(ngram_features(cands, ones), cos)
+    ranked = with_content(smoothed,
                           ContentPrior({"input_ids": tgt}).scores(cands, ones), 1.0)
     want = torch.argsort(-ranked.double(), stable=True)[:K].sort().values
     got = sel.scores.float()

@@ -20,7 +20,7 @@ from dattri_ds.selection import OnlineSelector, SelectionConfig
 from dattri_ds.selection.content import ContentPrior, standardize, with_content
 from dattri_ds.selection.smoothing import NeighborSmoother
 from reference import tiny_gpt2
-from test_selection_smoothing import _rows
+from test_selection_smoothing import _rows, _smooth
 
 DIM = 64
 
@@ -82,7 +82,7 @@ def test_selector_ranks_gradient_plus_content():
     sel = OnlineSelector.for_target_data(model, cfg, target)
     out = sel.select(batch, 3, 0)
     ones = torch.ones_like(cand)
-    want = with_content(NeighborSmoother(2, 1024).smooth(cand, ones, out.scores),
+    want = with_content(_smooth(NeighborSmoother(2, 1024), cand, ones, out.scores),
                         ContentPrior(target).scores(cand, ones), 1.5)
     assert torch.equal(out.indices, torch.argsort(-want.double(), stable=True)[:3].sort().values)
     plain = OnlineSelector.for_target_data(

@@ -16,6 +16,11 @@ from dattri_ds.selection.smoothing import NeighborSmoother, ngram_features
 from reference import tiny_gpt2
 
 
+def _smooth(smoother, ids, valid, scores):
+    """``smoother`` on the candidates' token ids (their unit-norm hashed n-gram features)."""
+    return smoother.smooth_features(ngram_features(ids, valid), scores)
+
+
 def _rows(*token_lists, t=8):
     ids = torch.zeros(len(token_lists), t, dtype=torch.long)
     mask = torch.zeros(len(token_lists), t, dtype=torch.long)
@@ -42,9 +47,9 @@ def test_smoothed_score_is_the_mean_of_the_nearest_texts():
     ids, mask = _rows([1, 2, 3, 4], [2, 3, 4, 1], [3, 4, 1, 2],
                       [50, 51, 52, 53], [51, 52, 53, 50], [52, 53, 50, 51])
     raw = torch.tensor([0.9, 0.0, 0.3, 0.6, 0.6, 0.0])
-    got = NeighborSmoother(k=3, memory=16).smooth(ids, mask, raw)
+    got = _smooth(NeighborSmoother(k=3, memory=16), ids, mask, raw)
     assert torch.allclose(got, torch.tensor([0.4, 0.4, 0.4, 0.4, 0.4, 0.4]))
-    assert torch.equal(NeighborSmoother(k=1, memory=16).smooth(ids, mask, raw), raw)
+    assert torch.equal(_smooth(NeighborSmoother(k=1, memory=16), ids, mask, raw), raw)
 
 
 def test_memory_holds_earlier_candidates_first_in_first_out():
@@ -53,13 +58,13 @@ def test_memory_holds_earlier_candidates_first_in_first_out():
     first_ids, first_mask = _rows([1, 2, 3, 4], [50, 51, 52, 53])
     later_ids, later_mask = _rows([2, 3, 4, 1])
     sm = NeighborSmoother(k=2, memory=8)
-    sm.smooth(first_ids, first_mask, torch.tensor([1.0, -1.0]))
-    assert torch.allclose(sm.smooth(later_ids, later_mask, torch.tensor([0.0])),
+    _smooth(sm, first_ids, first_mask, torch.tensor([1.0, -1.0]))
+    assert torch.allclose(_smooth(sm, later_ids, later_mask, torch.tensor([0.0])),
                           torch.tensor([0.5]))
     small = NeighborSmoother(k=2, memory=1)
-    small.smooth(first_ids, first_mask, torch.tensor([1.0, -1.0]))  # keeps row 0 (first)
-    small.smooth(*_rows([50, 51, 52, 53]), torch.tensor([3.0]))   # now keeps this one
-    assert torch.allclose(small.smooth(later_ids, later_mask, torch.tensor([0.0])),
+    _smooth(small, first_ids, first_mask, torch.tensor([1.0, -1.0]))  # keeps row 0 (first)
+    _smooth(small, *_rows([50, 51, 52, 53]), torch.tensor([3.0]))   # now keeps this one
+    assert torch.allclose(_smooth(small, later_ids, later_mask, torch.tensor([0.0])),
                           torch.tensor([1.5]))
 
 
@@ -76,7 +81,7 @@ def test_selector_ranks_smoothed_scores():
                           content_weight=0.0)
     sel = OnlineSelector.for_target_data(model, cfg, {"input_ids": tgt, "labels": tgt})
     out = sel.select(batch, 3, 0)
-    want = NeighborSmoother(2, 1024).smooth(cand, torch.ones_like(cand), out.scores)
+    want = _smooth(NeighborSmoother(2, 1024), cand, torch.ones_like(cand), out.scores)
     assert torch.equal(out.indices, torch.argsort(-want.double(), stable=True)[:3].sort().values)
     plain = OnlineSelector.for_target_data(model, SelectionConfig(per_token=False,
                                                                   uniform_mix=0.0),
