@@ -4,7 +4,9 @@
 through :func:`run`:
 
 * a :class:`~dattri_ds.errors.ConfigError` (bad config, bad flag, usage error: argparse's
-  errors are raised as :class:`~dattri_ds.errors.UsageError`) exits with code 2;
+  errors are raised as :class:`~dattri_ds.errors.UsageError`) or a
+  :class:`~dattri_ds.errors.StoreMismatchError` (a store that holds something other than
+  what was asked: a flag fixes it) exits with code 2;
 * any other error exits with code 1;
 * either way one line ``dattri-ds: error: <message>`` goes to stderr, no traceback. Pass
   ``--debug`` (anywhere on the command line) or set ``DATTRI_DS_DEBUG=1`` for the traceback.
@@ -19,12 +21,14 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from dattri_ds.errors import ConfigError, DattriDSError, UsageError
+from dattri_ds.errors import ConfigError, DattriDSError, StoreMismatchError, UsageError
 
 __all__ = ["run", "DEBUG_ENV", "EXIT_USAGE", "EXIT_RUNTIME"]
 
 DEBUG_ENV = "DATTRI_DS_DEBUG"
 EXIT_USAGE = 2
+#: Errors a changed flag or config fixes: exit EXIT_USAGE.
+USAGE_ERRORS = (ConfigError, StoreMismatchError)
 EXIT_RUNTIME = 1
 PROG = "dattri-ds"
 
@@ -54,8 +58,9 @@ def message(err: BaseException) -> str:
 
 
 def run(main: Callable[[list[str]], Any], argv: list[str] | None = None) -> int:
-    """Call ``main(argv)``; return the process exit code (0, 1 runtime error, 2 usage or
-    config error) after printing a failure as one line. ``--debug`` is removed from ``argv``.
+    """Call ``main(argv)``; return the process exit code (0, 1 runtime error, 2 usage,
+    config or store-mismatch error) after printing a failure as one line. ``--debug`` is
+    removed from ``argv``.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
@@ -67,5 +72,5 @@ def run(main: Callable[[list[str]], Any], argv: list[str] | None = None) -> int:
         if debug:
             raise
         sys.stderr.write(f"{PROG}: error: {message(err)}\n")
-        return EXIT_USAGE if isinstance(err, ConfigError) else EXIT_RUNTIME
+        return EXIT_USAGE if isinstance(err, USAGE_ERRORS) else EXIT_RUNTIME
     return 0

@@ -38,13 +38,14 @@ import torch  # noqa: E402
 
 from dattri_ds.schema import add_flag  # noqa: E402
 from dattri_ds.tools.common import (  # noqa: E402
-    Run, add_source_args, gradients, load_texts, logger, open_source, projection_from_tag,
-    setup_logging, write_config,
+    Run, add_source_args, gradients, load_texts, logger, open_source, setup_logging,
+    store_paths, write_config,
 )
+from dattri_ds.recipe import Recipe  # noqa: E402
 
 METHODS = ("graddot", "gradcos", "tracin", "kfac", "ekfac", "kfac-trajectory",
            "ekfac-trajectory")
-#: The default method: the most faithful at its cost in ``tools/lds.py`` (README).
+#: The default: the most faithful at its cost in ``tools/lds.py`` (docs/attribution_fidelity.md).
 DEFAULT_METHOD = "ekfac-trajectory"
 
 
@@ -80,47 +81,58 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def stores(root: Path) -> dict[str, Path]:
-    """tag -> store path under ``root`` (or ``root`` itself, tagged from its manifest).
-
-    A directory holding a manifest or any shard file is a store, so a store whose
-    ``info.json`` was deleted is found (and refused when opened), never skipped.
-    """
-    from dattri_ds.errors import ConfigError
-    from dattri_ds.store.format import store_files
-    from dattri_ds.store.spec import load_manifest
-
-    if store_files(root):
-        spec = load_manifest(root)[0]
-        return {spec.checkpoint or spec.fingerprint.rsplit("@", 1)[-1]: root}
-    found = {p.name: p for p in sorted(root.iterdir()) if p.is_dir() and store_files(p)} \
-        if root.is_dir() else {}
-    if not found:
-        raise ConfigError(f"'{root}' holds no gradient store: run tools/collect.py --out {root}")
-    return found
+    """tag -> store path under ``root`` (``tools.common.store_paths``)."""
+    return store_paths(root)
 
 
-def _open_checked(path: Path, run: Run, tag: str):
-    """The store of checkpoint ``tag``: complete, intact, and of this run and checkpoint.
+#: The attribute flag that fixes each compared field (``{stored}``: the store's value).
+_FIXES = {
+    "projection": "collect every checkpoint with the same --projection, --projection-dim "
+    "and --seed (this store: {stored})",
+    "whitened": "collect every checkpoint with the same --whiten / --factors",
+    "whitened_by": "--factors with the factors the store was whitened by ({stored}), or "
+    "collect again with these",
+    "layers": "attribute with the model the store was collected from",
+    "checkpoint": "--checkpoints, or --store the stores of this run",
+    "weights_hash": "--run-dir / --model whose checkpoint the store was collected at, or "
+    "collect the store again for this one",
+    "fingerprint": "--run-dir / --model of the model the store was collected from (the "
+    "store belongs to another model or checkpoint)",
+    "run_id": "--run-dir of the run the store was collected from",
+}
+
+
+def store_requests(args, run: Run, available: dict[str, Path], tags: list[str]):
+    """``(proj, whitened, requests)``: every store this attribution reads is compared with
+    what it will do (this run, checkpoint and weights; the layers the queries are captured
+    at; the first store's projection and whitening; the --factors that whiten the query)
+    before any query gradient is computed.
 
     Raises:
-        StoreCorruptError: a part of the store is missing or damaged (named).
-        StoreMismatchError: the store was collected from another model, run or checkpoint.
+        StoreMismatchError: a store differs (one line: the fields, both values, the fix).
+        StoreCorruptError: a manifest is damaged (named).
+        ConfigError: a whitened store and a method it was not whitened for.
     """
-    from dattri_ds.store import GradientStore
+    from dattri_ds import CaptureConfig
+    from dattri_ds.store import StoreRequest, attach, weights_hash
+    from dattri_ds.store.attach import check, model_layers
 
-    return GradientStore.open(path, require_complete=True, origin={
-        "fingerprint": f"{run.fingerprint()}@{tag}", "run_id": run.run_id, "checkpoint": tag})
-
-
-def _check_weights(store, model, tag: str) -> None:
-    """Refuse a store whose recorded weights hash differs from the loaded checkpoint's."""
-    from dattri_ds.store import weights_hash
-    from dattri_ds.store.spec import mismatch_error
-
-    lines = store.spec.origin_diff({"weights_hash": weights_hash(model)})
-    if lines:
-        store.close()
-        raise mismatch_error(str(store.path), lines, what=f"Checkpoint '{tag}' (its weights)")
+    first = check(available[tags[0]], StoreRequest(consumer="attribute"))
+    proj, whitened = first.projection_cfg(), first.whitened
+    _check_whitened(args.method, whitened, available[tags[0]])
+    requests = {}
+    for tag in tags:
+        model = run.model(tag)
+        by = _factors(args, tag, None).fingerprint() if whitened and \
+            _is_curvature(args.method) else None
+        requests[tag] = StoreRequest(
+            consumer="attribute", projection=proj, whitening=(whitened, by), fixes=_FIXES,
+            layers=model_layers(model, CaptureConfig(**(first.semantics or {}))),
+            origin={"fingerprint": f"{run.fingerprint()}@{tag}", "run_id": run.run_id,
+                    "checkpoint": tag, "weights_hash": weights_hash(model)})
+        attach(available[tag], requests[tag], mode="score").close()  # complete, intact
+        del model
+    return proj, whitened, requests
 
 
 def _choose_tags(args, run: Run, available: dict[str, Path]) -> list[str]:
@@ -155,20 +167,16 @@ def _choose_tags(args, run: Run, available: dict[str, Path]) -> list[str]:
 
 
 def _is_trajectory(method: str) -> bool:
-    from dattri_ds.methods import Trajectory, get_attributor
-    return issubclass(get_attributor(method), Trajectory)
+    return Recipe(method=method).trajectory
 
 
 def _inner(method: str) -> str:
     """The per-checkpoint method of ``method`` (itself unless it is a trajectory)."""
-    from dattri_ds.methods import Trajectory, get_attributor
-    cls = get_attributor(method)
-    return cls.default_inner if issubclass(cls, Trajectory) else method
+    return Recipe(method=method).inner
 
 
 def _is_curvature(method: str) -> bool:
-    from dattri_ds.methods import KFAC, get_attributor
-    return issubclass(get_attributor(_inner(method)), KFAC)
+    return Recipe(method=method).curvature
 
 
 def _check_whitened(method: str, whitened: str | None, store: Path) -> None:
@@ -199,47 +207,30 @@ def _factors(args, tag: str, proj):
     if proj is not None and all(lf.projection is None for lf in factors.layers.values()):
         logger.warning("%s: exact factors on a %s-projected store of raw gradients: the query "
                        "is preconditioned exactly, then projected, which loses most of the "
-                       "curvature's fidelity (LDS ~0.05 of 0.67, README 'Attribution "
-                       "fidelity'); collect whitened rows instead (tools/collect.py --factors "
+                       "curvature's fidelity (LDS ~0.05 of 0.67, docs/attribution_fidelity.md); "
+                       "collect whitened rows instead (tools/collect.py --factors "
                        "%s: >= 90%% of the exact LDS)", path, proj.kind, args.factors)
     return factors
 
 
-def _store_projection(store):
-    """The ProjectionConfig a store was collected with (None: unprojected)."""
-    if store.spec.projection_config is not None:
-        return store.spec.projection_cfg()
-    return projection_from_tag(store.spec.projection)
-
-
 def _checkpoints(args, run: Run, available: dict[str, Path], tags: list[str], queries,
-                 proj, token_where: list[torch.Tensor], whitened: str | None = None):
-    """One ``Checkpoint`` per tag, opened lazily (store, query gradients, factors).
+                 recipe: Recipe, requests: dict, token_where: list[torch.Tensor]):
+    """One ``Checkpoint`` per tag, opened lazily (store, query gradients, factors); every
+    store was checked against ``requests`` at start and is attached with them.
 
     With ``--per-token`` every query token's loss gradient is appended to the query rows
     (after the Q sequence rows) and its position is put in ``token_where``.
     """
     from dattri_ds import CaptureConfig, Checkpoint, GradBatch
-    from dattri_ds.errors import StoreMismatchError
+    from dattri_ds.store import attach
 
-    curvature = _is_curvature(args.method)
     for tag in tags:
-        store = _open_checked(available[tag], run, tag)
-        if _store_projection(store) != proj or store.spec.whitened != whitened:
-            store.close()
-            raise StoreMismatchError(
-                f"Store '{available[tag]}' is projected with {store.spec.projection!r} "
-                f"(whitened {store.spec.whitened!r}), the store of '{tags[0]}' otherwise "
-                f"({whitened!r}); collect every checkpoint with the same --projection and "
-                f"--whiten settings")
+        store = attach(available[tag], requests[tag], mode="score")
         model = run.model(tag)
-        _check_weights(store, model, tag)
-        # curvature: the query is preconditioned exactly, then projected (Attributor projector)
-        capture = CaptureConfig(projection=None if curvature else proj,
-                                **(store.spec.semantics or {}))
+        capture = recipe.query_capture(CaptureConfig(**(store.spec.semantics or {})))
         q = GradBatch.cat(list(gradients(model, queries, torch.arange(len(queries)),
                                          capture=capture,
-                                         batch_size=len(queries) if curvature else 8)))
+                                         batch_size=len(queries) if recipe.curvature else 8)))
         if args.per_token:  # token rows scored in the same pass over the store
             from dattri_ds.per_token import collect_per_token
 
@@ -247,16 +238,7 @@ def _checkpoints(args, run: Run, available: dict[str, Path], tags: list[str], qu
                                            capture)
             q = GradBatch.cat([q, tok])
             token_where[:] = [where]
-        # whitened rows: exact factors (the query is whitened, then projected)
-        factors = _factors(args, tag, None if whitened else proj) if curvature else None
-        stored_by = store.spec.whitened_by
-        if whitened and stored_by is not None and stored_by != factors.fingerprint():
-            store.close()
-            raise StoreMismatchError(
-                f"Store '{available[tag]}' was whitened by other factors (fingerprint "
-                f"{stored_by}) than --factors gives for '{tag}' ({factors.fingerprint()}: "
-                f"another fit, damping or power): the query would be whitened differently "
-                f"from the rows; pass the factors collect used, or collect again with these")
+        factors = _factors(args, tag, recipe.factor_space) if recipe.curvature else None
         try:
             yield Checkpoint(store.iter_batches(args.block_rows), q,
                              float(run.checkpoint(tag)["lr"]), factors)
@@ -266,9 +248,7 @@ def _checkpoints(args, run: Run, available: dict[str, Path], tags: list[str], qu
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Score the queries with the library's method (``make_attributor(--method)``)."""
-    from dattri_ds import Projector, make_attributor
-
+    """Score the queries with the library's method (``dattri_ds.recipe.Recipe``)."""
     args = build_parser().parse_args(argv)
     setup_logging()
     run = open_source(args)
@@ -277,27 +257,14 @@ def main(argv: list[str] | None = None) -> dict:
     queries = load_texts(args.queries, run.tokenizer, run.context, args.query_max_docs,
                          context=run.context, truncate=args.truncate)
     t0 = time.perf_counter()
-    proj, whitened = None, None
-    for i, tag in enumerate(tags):  # every store is checked before any factors or gradients
-        with _open_checked(available[tag], run, tag) as store:
-            if i == 0:
-                proj, whitened = _store_projection(store), store.spec.whitened
-                _check_whitened(args.method, whitened, available[tag])
-    projector = Projector(proj) if proj else None
+    proj, whitened, requests = store_requests(args, run, available, tags)
+    recipe = Recipe(method=args.method, projection=proj, whitened=whitened is not None,
+                    weighting=args.weighting)
     token_where: list[torch.Tensor] = []  # --per-token: where each token row belongs
-    cks = _checkpoints(args, run, available, tags, queries, proj, token_where, whitened)
-    extra = {} if whitened is None else {"whitened": True}
+    cks = _checkpoints(args, run, available, tags, queries, recipe, requests, token_where)
     per_ckpt: list[torch.Tensor] = []
-    if _is_trajectory(args.method):
-        kwargs = {} if args.weighting is None else {"weighting": args.weighting}
-        attributor = make_attributor(args.method, projector=projector, **kwargs, **extra)
-        ids, total = attributor.trajectory_scores(cks, per_checkpoint=per_ckpt)
-    else:
-        ck = next(cks)
-        kwargs = {"factors": ck.factors, **extra} if ck.factors is not None else {}
-        attributor = make_attributor(args.method, projector=projector, **kwargs)
-        ids, total = attributor.scores(ck.train, ck.query)
-        cks.close()
+    ids, total = recipe.score(cks, per_checkpoint=per_ckpt)
+    cks.close()
     seconds = time.perf_counter() - t0
     if token_where:  # token columns follow the Q query columns (scored in the same pass)
         from dattri_ds.per_token import scatter_tokens

@@ -9,7 +9,7 @@
 Rows are projected per layer with ``--projection`` (a kind of
 ``dattri_ds.ops.projection.PROJECTION_KINDS``; default ``ProjectionConfig()``: ``auto``
 (sparse JL, Kronecker only where it pays), k = 4096, chosen by fidelity per byte on
-``tools/lds.py``, README "Attribution fidelity").
+``tools/lds.py``, docs/attribution_fidelity.md).
 For the curvature methods (``attribute``'s default ``ekfac-trajectory``) fit the factors
 first and collect whitened rows (``--whiten ekfac --factors DIR``, ``DIR/<tag>.pt`` per
 checkpoint as ``tools/fit.py --checkpoint all`` writes them): projected raw gradients lose
@@ -38,8 +38,8 @@ import torch  # noqa: E402
 from dattri_ds.ops.projection import KINDS, ProjectionConfig  # noqa: E402
 from dattri_ds.schema import add_flag, field_flag  # noqa: E402
 from dattri_ds.tools.common import (  # noqa: E402
-    Run, add_source_args, example_ids, gradients, init_distributed, load_texts, logger,
-    open_source, seq_len_of, setup_logging, write_config,
+    Run, add_source_args, checkpoint_tags, example_ids, gradients, init_distributed,
+    load_texts, logger, open_source, seq_len_of, setup_logging, write_config,
 )
 
 
@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--projection-dim",
                    type=field_flag(ProjectionConfig, "dim", name="--projection-dim"),
                    default=ProjectionConfig().dim,
-                   help="per-layer size k (README, 'Attribution fidelity': fidelity per byte)")
+                   help="per-layer size k (docs/attribution_fidelity.md: fidelity per byte)")
     p.add_argument("--whiten", choices=["kfac", "ekfac"], default=None,
                    help="whiten rows by each checkpoint's factors before projecting (for "
                         "--method kfac/ekfac[-trajectory]; default: ekfac when --factors is "
@@ -71,28 +71,53 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def collect_checkpoint(run: Run, tag: str, data, args, rank: int, world: int) -> int:
-    """Write the store of one checkpoint; return how many rows this rank added."""
+def prepare(run: Run, tag: str, args):
+    """``(model, capture, factors, origin, request)`` of checkpoint ``tag``: what its store
+    gets, and the StoreRequest an existing store there must match."""
     from dattri_ds import CaptureConfig, ProjectionConfig
-    from dattri_ds.store import (
-        GradientStore, GradientStoreWriter, StoreConfig, StoreSpec, weights_hash,
-    )
-    from dattri_ds.store.format import store_files
+    from dattri_ds.store import weights_hash
 
     proj = ProjectionConfig(kind=args.projection, dim=args.projection_dim, seed=args.seed)
     capture = CaptureConfig(projection=proj, whiten=args.whiten)
     factors = _factors(args, tag)
-    path = Path(args.out) / tag
-    fingerprint = f"{run.fingerprint()}@{tag}"
     model = run.model(tag)
-    origin = {"fingerprint": fingerprint, "run_id": run.run_id, "checkpoint": tag,
-              "weights_hash": weights_hash(model)}
+    origin = {"fingerprint": f"{run.fingerprint()}@{tag}", "run_id": run.run_id,
+              "checkpoint": tag, "weights_hash": weights_hash(model)}
+    whitened_by = None if factors is None else factors.fingerprint()
+    return model, capture, factors, origin, _request(args, model, capture, origin, whitened_by)
+
+
+def check_stores(run: Run, tags: list[str], args) -> None:
+    """Compare every existing store under ``--out`` with this collect before any gradient
+    is computed (a mismatch at the last checkpoint must not come after hours on the first).
+
+    Raises:
+        StoreMismatchError: one line per store, every differing field with both values.
+        StoreCorruptError: a damaged manifest (named).
+    """
+    from dattri_ds.store.attach import check
+    from dattri_ds.store.format import store_files
+
+    for tag in tags:
+        path = Path(args.out) / tag
+        if store_files(path):  # a new store needs no model loaded twice
+            check(path, prepare(run, tag, args)[-1])
+
+
+def collect_checkpoint(run: Run, tag: str, data, args, rank: int, world: int) -> int:
+    """Write the store of one checkpoint; return how many rows this rank added.
+
+    An existing store is attached first (``dattri_ds.store.attach``): a store collected with
+    another projection, dtype, whitening, layer set, capture semantics or checkpoint is
+    refused before any gradient is computed; its intact rows are kept and skipped.
+    """
+    from dattri_ds.store import GradientStoreWriter, StoreConfig, StoreSpec
+
+    model, capture, factors, origin, request = prepare(run, tag, args)
+    proj, path = capture.projection, Path(args.out) / tag
+    whitened_by = request.whitening[1]
     rows = torch.arange(rank, len(data), world)
-    done: set[str] = set()
-    if store_files(path):  # resume: every kept row is checked (checksums, origin) first
-        with GradientStore.open(path, duplicates="first", verify="eager", origin=origin,
-                                allow_missing_shards=True) as old:
-            done = set(old.ids)
+    done = _stored_ids(path, request)
     if done:
         ids = example_ids(data, rows)
         rows = rows[torch.tensor([i not in done for i in ids], dtype=torch.bool)]
@@ -104,9 +129,8 @@ def collect_checkpoint(run: Run, tag: str, data, args, rank: int, world: int) ->
     for batch in gradients(model, data, rows, capture=capture, factors=factors,
                            batch_size=args.batch_size, progress=f"collect {tag}"):
         if writer is None:
-            spec = StoreSpec.from_batch(
-                batch, projection=proj, capture=capture, **origin,
-                whitened_by=None if factors is None else factors.fingerprint())
+            spec = StoreSpec.from_batch(batch, projection=proj, capture=capture, **origin,
+                                        whitened_by=whitened_by)
             if rank == 0 and proj.kind == "auto":
                 from dattri_ds.ops.cost import explain_projection
 
@@ -118,6 +142,47 @@ def collect_checkpoint(run: Run, tag: str, data, args, rank: int, world: int) ->
     if writer is not None:
         writer.close()
     return added
+
+
+#: The collect flag that sets each compared field (``{stored}``: the store's value).
+_FIXES = {
+    "projection.kind": "--projection {stored}", "projection.dim": "--projection-dim {stored}",
+    "projection.seed": "--seed {stored}", "projection": "the store's projection (no collect "
+    "flag sets this field)", "dtype": "--dtype {stored}",
+    "whitened": "--whiten / --factors as the store was collected (whitened: {stored})",
+    "whitened_by": "--factors with the factors that whitened the store ({stored})",
+    "semantics": "no collect flag sets it: the store was written by the library or during "
+    "training", "layers": "no collect flag sets them: the store was written by the library "
+    "or during training, or for another model",
+    "fingerprint": "--run-dir / --model of the model the store was collected from",
+    "run_id": "--run-dir of the run the store was collected from",
+    "weights_hash": "--run-dir / --model whose checkpoint the store was collected at",
+}
+
+
+def _request(args, model, capture, origin: dict, whitened_by: str | None):
+    """What this collect appends: compared with an existing store before any work."""
+    from dattri_ds.store import StoreRequest
+    from dattri_ds.store.attach import model_layers
+    from dattri_ds.store.spec import capture_semantics
+
+    return StoreRequest(consumer="collect", projection=capture.projection, dtype=args.dtype,
+                        layers=model_layers(model, capture),
+                        semantics=capture_semantics(capture),
+                        whitening=(capture.whiten, whitened_by), origin=origin, fixes=_FIXES,
+                        otherwise=f"write a new store: --out <another folder> (not "
+                                  f"{args.out})")
+
+
+def _stored_ids(path: Path, request) -> set[str]:
+    """Ids of the intact rows already in the store at ``path`` (none when there is none)."""
+    from dattri_ds.store import attach
+
+    old = attach(path, request, mode="resume")
+    if old is None:
+        return set()
+    with old:
+        return set(old.ids)
 
 
 def _factors(args, tag: str):
@@ -148,11 +213,13 @@ def main(argv: list[str] | None = None) -> dict:
     rank, world = init_distributed()
     setup_logging(rank)
     run = open_source(args)
+    tags = checkpoint_tags(run, args.checkpoints, "--checkpoints")
     data = load_texts(args.data, run.tokenizer, seq_len_of(run, args), args.max_docs)
+    check_stores(run, tags, args)
     if rank == 0:
         write_config(Path(args.out), "collect", args)
     summary = {}
-    for tag in run.tags(args.checkpoints):
+    for tag in tags:
         t0 = time.perf_counter()
         added = collect_checkpoint(run, tag, data, args, rank, world)
         _seal(Path(args.out) / tag, rank, world)

@@ -6,18 +6,16 @@ import atexit
 import json
 import logging
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from dattri_ds.errors import ConfigError
-from dattri_ds.ops.projection import KINDS, ProjectionConfig
 from dattri_ds.schema import add_flag, flag_type, read_json
 
-__all__ = ["Run", "setup_logging", "projection_from_tag", "init_distributed", "write_config",
-           "add_source_args", "open_source"]
+__all__ = ["Run", "setup_logging", "init_distributed", "write_config", "add_source_args",
+           "open_source", "checkpoint_tags", "store_paths", "store_of"]
 
 logger = logging.getLogger("dattri_ds.tools")
 
@@ -293,17 +291,58 @@ def _megatron_model(root: Path, tag: str) -> torch.nn.Module:
     return prepare_model(MegatronLM(gpt))
 
 
-_TAG = re.compile(r"^(\w+):(gaussian|rademacher):k(\d+):s(-?\d+)(?::x([0-9.e+-]+))?$")
+def checkpoint_tags(source, wanted: str | None, flag: str) -> list[str]:
+    """``source.tags(wanted)``, refusing a value that names no checkpoint (``""``, ``","``).
+
+    Raises:
+        ConfigError: ``wanted`` selects nothing (the flag and the available tags named).
+    """
+    if wanted is not None and not [t for t in wanted.split(",") if t.strip()]:
+        raise ConfigError(f"{flag} {wanted!r} names no checkpoint: give all, last or a comma "
+                          f"list of tags of {[c['tag'] for c in source.trajectory()]}")
+    return source.tags(wanted)
 
 
-def projection_from_tag(tag: str) -> ProjectionConfig:
-    """The ProjectionConfig whose ``.tag`` is ``tag`` (stores record the tag)."""
-    m = _TAG.match(tag)
-    if m is None or m[1] not in KINDS:
-        raise ConfigError(f"Unrecognized projection tag '{tag}' (kinds: {KINDS})")
-    extra = {} if m[5] is None else {"kron_speedup": float(m[5])}
-    return ProjectionConfig(kind=m[1], distribution=m[2], dim=int(m[3]), seed=int(m[4]),
-                            **extra)
+def store_paths(root: Path) -> dict[str, Path]:
+    """Checkpoint tag -> store path under ``root`` (or ``root`` itself when it is a store,
+    tagged by the checkpoint its manifest records, else by its folder name).
+
+    A directory holding a manifest or any shard file is a store, so a store whose
+    ``info.json`` was deleted is found (and refused when it is attached), never skipped.
+
+    Raises:
+        ConfigError: ``root`` holds no store.
+        StoreCorruptError: ``root`` is a store with a damaged manifest (named).
+    """
+    from dattri_ds.store.attach import manifest
+    from dattri_ds.store.format import store_files
+
+    if store_files(root):
+        found = manifest(root)
+        return {(found[0].checkpoint if found else None) or root.name: root}
+    stores = {p.name: p for p in sorted(root.iterdir()) if p.is_dir() and store_files(p)} \
+        if root.is_dir() else {}
+    if not stores:
+        raise ConfigError(f"'{root}' holds no gradient store: run tools/collect.py --out {root}")
+    return stores
+
+
+def store_of(root: Path, tag: str, flag: str = "--store") -> Path:
+    """The store of checkpoint ``tag``: ``root`` itself when it is a store (its manifest then
+    says which checkpoint it holds), else ``root/<tag>``.
+
+    Raises:
+        ConfigError: neither is a store (the expected path named).
+    """
+    from dattri_ds.store.format import store_files
+
+    if store_files(root):
+        return root
+    if store_files(root / tag):
+        return root / tag
+    raise ConfigError(f"{flag} {root}: no gradient store for checkpoint '{tag}' (expected "
+                      f"'{root}' or '{root / tag}' to hold one); collect it with "
+                      f"tools/collect.py --checkpoints {tag} --out {root}")
 
 
 def init_distributed() -> tuple[int, int]:

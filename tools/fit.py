@@ -9,14 +9,14 @@
 for ``attribute --method ekfac-trajectory --factors <out>``; one tag with an ``--out``
 ending in ``.pt`` writes that file. With ``--store`` (a store, or the folder of
 per-checkpoint stores of ``collect``) the factors live in the store's Kronecker-projected
-space (LoGra): the most faithful way to score a projected store (README, "Attribution
-fidelity"). Without it they are exact, for attributing exact (unprojected) gradients.
+space (LoGra): the most faithful way to score a projected store
+(docs/attribution_fidelity.md). Without it they are exact, for attributing exact
+(unprojected) gradients.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -30,8 +30,8 @@ from dattri_ds.ops.kronecker import KFACConfig  # noqa: E402
 from dattri_ds.ops.projection import ProjectionConfig  # noqa: E402
 from dattri_ds.schema import add_flag, field_flag  # noqa: E402
 from dattri_ds.tools.common import (  # noqa: E402
-    add_source_args, gradients, init_distributed, load_texts, logger, open_source,
-    projection_from_tag, seq_len_of, setup_logging, write_config,
+    add_source_args, checkpoint_tags, gradients, init_distributed, load_texts, logger,
+    open_source, seq_len_of, setup_logging, store_of, write_config,
 )
 
 
@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--projection-dim",
                    type=field_flag(ProjectionConfig, "dim", name="--projection-dim"), default=None,
                    help="Kronecker projection size (default: exact, or from --store)")
-    p.add_argument("--seed", type=field_flag(ProjectionConfig, "seed", name="--seed"), default=0)
+    p.add_argument("--seed", type=field_flag(ProjectionConfig, "seed", name="--seed"),
+                   default=None, help="Kronecker projection seed (default: 0, or from --store)")
     p.add_argument("--damping", type=field_flag(KFACConfig, "damping", name="--damping"),
                    default=None,
                    help="relative or absolute damping (default: KFACConfig's)")
@@ -62,23 +63,67 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _projection(args, tag: str):
-    from dattri_ds import ProjectionConfig
-    if args.store:
-        root = Path(args.store)
-        info_path = root / "info.json" if (root / "info.json").exists() \
-            else root / tag / "info.json"
-        info = json.loads(info_path.read_text())
-        proj = projection_from_tag(info["spec"]["projection"])
-        if proj.kind == "kronecker":
-            return proj
-        logger.info("store %s is %s-projected (no Kronecker structure): fitting exact factors; "
-                    "attribute preconditions the query exactly and projects it", args.store,
-                    proj.kind)
-        return None
-    if args.projection_dim:
-        return ProjectionConfig(kind="kronecker", dim=args.projection_dim, seed=args.seed)
-    return None  # exact factors
+#: The fit flag that sets each compared field (``{stored}``: the store's value).
+_FIXES = {
+    "projection.kind": "drop --projection-dim: the store is {stored}-projected, its factors "
+    "are exact", "projection.dim": "--projection-dim {stored}, or drop it (the store's)",
+    "projection.seed": "--seed {stored}, or drop it (the store's)",
+    "whitened": "fit on a store of plain projected gradients (collect without --whiten), "
+    "or without --store",
+    "layers": "fit with the model the store was collected from",
+    "checkpoint": "--checkpoint {stored}, or --store the store of this checkpoint",
+    "weights_hash": "--run-dir / --model whose checkpoint the store was collected at",
+    "fingerprint": "--run-dir / --model of the model the store was collected from",
+    "run_id": "--run-dir of the run the store was collected from",
+}
+
+
+def store_request(args, run, tag: str, model):
+    """What ``fit --store`` takes from the store of ``tag``: rows of this model, checkpoint
+    and weights, plain (not whitened), with the Kronecker size and seed given by flag."""
+    from dattri_ds.store import StoreRequest, weights_hash
+    from dattri_ds.store.attach import model_layers
+
+    projection = {k: v for k, v in (("dim", args.projection_dim), ("seed", args.seed))
+                  if v is not None}
+    if args.projection_dim is not None:
+        projection["kind"] = "kronecker"
+    return StoreRequest(
+        consumer="fit --store", projection=projection, layers=model_layers(model),
+        whitening=(None, None), fixes=_FIXES,
+        origin={"fingerprint": f"{run.fingerprint()}@{tag}", "run_id": run.run_id,
+                "checkpoint": tag, "weights_hash": weights_hash(model)},
+        otherwise=f"fit without --store (exact factors), or --store a store of checkpoint "
+                  f"'{tag}'")
+
+
+def store_space(args, run, tag: str, model):
+    """``(projection, capture)`` of ``fit --store``: the store's projection when it is
+    Kronecker-projected (else None: exact factors), and its capture semantics; without
+    ``--store``, ``--projection-dim`` (Kronecker) or exact. The store is attached (compared
+    with this fit) through ``dattri_ds.store.attach``.
+
+    Raises:
+        StoreMismatchError: the store was collected from another model, checkpoint or
+            weights, holds whitened rows, or differs from --projection-dim / --seed.
+        StoreCorruptError: its manifest or a shard is damaged (named).
+    """
+    from dattri_ds import CaptureConfig, ProjectionConfig
+    from dattri_ds.store import attach
+
+    if not args.store:
+        if args.projection_dim:
+            return ProjectionConfig(kind="kronecker", dim=args.projection_dim,
+                                    seed=args.seed or 0), CaptureConfig()
+        return None, CaptureConfig()  # exact factors
+    path = store_of(Path(args.store), tag)
+    with attach(path, store_request(args, run, tag, model), mode="read") as store:
+        proj, semantics = store.spec.projection_cfg(), store.spec.semantics or {}
+    if proj.kind == "kronecker":
+        return proj, CaptureConfig(**semantics)
+    logger.info("store %s is %s-projected (no Kronecker structure): fitting exact factors; "
+                "attribute preconditions the query exactly and projects it", path, proj.kind)
+    return None, CaptureConfig(**semantics)
 
 
 def _config(args):
@@ -89,25 +134,27 @@ def _config(args):
 
 
 def main(argv: list[str] | None = None) -> list[Path]:
-    from dattri_ds import CaptureConfig, Projector, fit_factors
+    from dattri_ds import Projector, fit_factors
     from dattri_ds.distributed import ParallelContext
 
     args = build_parser().parse_args(argv)
     rank, world = init_distributed()
     setup_logging(rank)
     run = open_source(args)
-    tags = run.tags(args.checkpoint)
+    tags = checkpoint_tags(run, args.checkpoint, "--checkpoint")
     data = load_texts(args.data, run.tokenizer, seq_len_of(run, args), args.max_docs)
     rows = torch.arange(rank, len(data), world)
     one_file = len(tags) == 1 and Path(args.out).suffix == ".pt"
     written = []
+    for tag in tags[1:] if args.store else ():  # every store is checked before any work
+        store_space(args, run, tag, run.model(tag))
     for tag in tags:
         t0 = time.perf_counter()
         model = run.model(tag)
-        proj = _projection(args, tag)
+        proj, capture = store_space(args, run, tag, model)
 
         # exact factorized gradients, captured once (fit_factors spills them for EK-FAC)
-        batches = gradients(model, data, rows, capture=CaptureConfig(),
+        batches = gradients(model, data, rows, capture=capture,
                             batch_size=args.batch_size, progress=f"fit {tag}")
         factors = fit_factors(batches, config=_config(args),
                               projector=Projector(proj) if proj else None,

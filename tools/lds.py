@@ -61,17 +61,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from dattri_ds import (
-    Checkpoint, GradBatch, KFACConfig, ProjectionConfig, fit_factors,
-    collect, make_attributor,
-)
+from dattri_ds import Checkpoint, KFACConfig, ProjectionConfig, collect
 from dattri_ds.data import (
     Document, TokenizedDocuments, build_model, load_documents, load_model_config, source_counts,
     tokenize_documents, train_tokenizer,
 )
 from dattri_ds.errors import ConfigError
 from dattri_ds.eval import lds, predicted, retrain_losses, subset_masks, tfidf_scores
-from dattri_ds.ops.inner import project_batch
+from dattri_ds.recipe import Recipe
 from dattri_ds.ops.projection import KINDS, Projector, projection_kind
 from dattri_ds.schema import add_flag
 
@@ -312,39 +309,19 @@ def attribute(method: str, setting: tuple[str | None, int], grads: list[dict],
     """
     kind, k = setting
     proj = None
-    whitened = kind is not None and kind.startswith("whitened-")
     if kind is not None:
         base = "kronecker" if kind == "logra" else kind.removeprefix("whitened-")
-        proj = Projector(ProjectionConfig(kind=base, dim=k, seed=args.seed))
-    inner = method.removesuffix("-trajectory")
-    curvature = inner in ("kfac", "ekfac")
-    used = grads if method == "tracin" or method.endswith("-trajectory") else grads[-1:]
+        proj = ProjectionConfig(kind=base, dim=k, seed=args.seed)
+    recipe = Recipe(method=method, projection=proj, logra=kind == "logra",
+                    whitened=kind is not None and kind.startswith("whitened-"))
     config = KFACConfig(**{k: v for k, v in (("damping", damping), ("power", power))
                            if v is not None})
-
-    def space(batches: list[GradBatch]) -> list[GradBatch]:
-        return [project_batch(b, proj) for b in batches] if proj is not None else batches
-
     cks = []
-    for g in used:
-        factors = None
-        if curvature:
-            factors = fit_factors(g["train"], config=config, ekfac=inner == "ekfac",
-                                  projector=proj if kind == "logra" else None)
-        query = g["query"][0] if curvature else space(g["query"])[0]
-        if whitened:  # the store holds whitened, projected rows (KFAC.train_rows)
-            rows = make_attributor(inner, factors=factors, projector=proj, whitened=True)
-            train = [rows.train_rows(b) for b in g["train"]]
-        else:
-            train = space(g["train"])
-        cks.append(Checkpoint(train, query, g["lr"], factors))
-    att_proj = proj if kind is not None and kind != "logra" else None
-    extra = {"whitened": True} if whitened else {}
-    if method == "tracin" or method.endswith("-trajectory"):
-        return make_attributor(method, projector=att_proj, **extra).trajectory_scores(cks).values
-    kwargs = {"factors": cks[0].factors, **extra} if curvature else {}
-    attributor = make_attributor(method, projector=att_proj, **kwargs)
-    return attributor.scores(cks[0].train, cks[0].query).values
+    for g in recipe.select(grads):
+        factors = recipe.fit(g["train"], config) if recipe.curvature else None
+        cks.append(Checkpoint(recipe.rows(g["train"], factors), recipe.query(g["query"][0]),
+                              g["lr"], factors))
+    return recipe.score(cks).values
 
 
 def capture_checkpoints(states: list[tuple[int, dict, float]], model: torch.nn.Module,

@@ -2,11 +2,14 @@
 
 Write: ``GradientStoreWriter`` (or ``StoreCallback`` during training), one shard per
 data-parallel rank. Read: ``GradientStore.open`` merges the shards and streams blocks.
-Layout and commit protocol: ``format.py`` and ``shard.py``.
+Consumers of an existing store open it with ``attach(path, StoreRequest(...), mode=...)``,
+which compares what they ask with the manifest first. Layout and commit protocol:
+``format.py`` and ``shard.py``.
 """
 
 from __future__ import annotations
 
+from dattri_ds.store.attach import StoreRequest, attach
 from dattri_ds.store.callback import StoreCallback
 from dattri_ds.store.config import StoreConfig
 from dattri_ds.store.format import (
@@ -19,5 +22,5 @@ from dattri_ds.store.writer import GradientStoreWriter, seal_store
 __all__ = [
     "StoreConfig", "StoreSpec", "LayerSpec", "GradientStoreWriter", "GradientStore",
     "StoreCallback", "StoreCorruptError", "DuplicateSampleError", "FORMAT_VERSION", "seal_store",
-    "StoreMismatchError", "weights_hash",
+    "StoreMismatchError", "weights_hash", "StoreRequest", "attach",
 ]

@@ -374,7 +374,12 @@ def load_manifest(root: Path, with_complete: bool = False):
         if complete is not None:
             complete = {"rows": {int(r): int(n) for r, n in complete["rows"].items()}}
     except (KeyError, TypeError, ValueError, AttributeError, ConfigError) as e:
-        raise StoreCorruptError(f"Manifest '{root / INFO_NAME}' is malformed ({e!r})") from e
+        what = f"key {e.args[0]!r} is missing" if isinstance(e, KeyError) and e.args else \
+            " ".join(str(e).split())
+        raise StoreCorruptError(
+            f"Manifest '{root / INFO_NAME}' is malformed ({what}): it was damaged outside "
+            f"dattri-ds; restore it from a backup, or delete the store directory '{root}' and "
+            f"collect it again") from e
     if dtype not in STORE_DTYPES:
         raise StoreCorruptError(f"Manifest '{root / INFO_NAME}' has unknown dtype {dtype!r}")
     return (spec, dtype, complete) if with_complete else (spec, dtype)

@@ -403,3 +403,39 @@ def test_sigkill_midway_then_resume(tmp_path):
     subprocess.run(cmd + ["0"], check=True, timeout=120)
     final = GradientStore.open(store_dir, verify="eager")
     assert_store_equals(final, ids_range(0, n))
+
+
+def test_attach_compares_every_requested_field_in_one_line(tmp_path):
+    """``attach`` refuses a request that differs from the manifest with one line listing
+    every differing field, both values and its fix, before opening any shard; fields the
+    request leaves out are not compared; ``resume`` on an empty folder is None. Breaks if a
+    consumer's request is compared partially, or a store is opened before the comparison."""
+    from dattri_ds.store import StoreRequest, attach, seal_store
+
+    write(tmp_path, [ids_range(0, 4)])
+    seal_store(tmp_path)
+    ok = StoreRequest(consumer="t", projection=PROJ, dtype="float32",
+                      layers={n: (k, s) for n, k, s, _, _ in LAYERS},
+                      whitening=(None, None), origin={"fingerprint": FINGERPRINT})
+    with attach(tmp_path, ok, mode="score") as store:
+        assert len(store) == 4
+    assert attach(tmp_path / "new", ok, mode="resume") is None
+    with attach(tmp_path, StoreRequest(consumer="t", projection={"dim": 16}), mode="read"):
+        pass  # only the named projection field is compared
+    bad = StoreRequest(consumer="collect", projection={"dim": 32, "seed": 3}, dtype="float16",
+                       layers={"enc.fc1": ("linear", (8, 6))}, whitening=("ekfac", None),
+                       origin={"fingerprint": "other@step1"},
+                       fixes={"projection.dim": "--projection-dim {stored}"},
+                       otherwise="--out <new>")
+    with pytest.raises(StoreMismatchError) as err:
+        attach(tmp_path, bad, mode="resume")
+    text = str(err.value)
+    assert "\n" not in text and text.endswith("; or --out <new>")
+    for part in ("fingerprint: stored 'tiny-model@step100', requested 'other@step1'",
+                 "projection.dim: stored 16, requested 32 (fix: --projection-dim 16)",
+                 "dtype: stored 'float32', requested 'float16'",
+                 "whitened: stored None, requested 'ekfac'",
+                 "layers: stored 3 layers including ['enc.fc2', 'head'], requested 1 layers",
+                 "layers['enc.fc1']: stored linear (8, 5), requested linear (8, 6)"):
+        assert part in text, (part, text)
+    assert "seed" not in text  # equal fields are not listed
