@@ -4,7 +4,8 @@ Every leaf field of the ``"dattri_ds"`` block gets one flag (a field added to Tr
 CaptureConfig, StoreConfig, SelectionConfig or ProjectionConfig gets its flag with no edit
 here): ``train.<f>`` -> ``--<f>``, any other ``<a>.<b>.<f>`` -> ``--<a>-<b>-<f>``
 (underscores become dashes), e.g. ``--seq-len``, ``--capture-projection-dim``,
-``--selection-policy``, ``--store-fsync``. Values are parsed by the same strict rules as the
+``--selection-policy``, ``--store-fsync``; ``engine.<f>`` is unprefixed too (``--backend``,
+``--tensor-model-parallel-size``, ``--sequence-parallel``: launch/engine.py). Values are parsed by the same strict rules as the
 JSON (dattri_ds/schema.py): ``true``/``false`` for booleans (a bare boolean flag means
 ``true``, ``--no-<flag>`` means ``false``), integer digits for counts, ``null`` for
 "none". Flags override the JSON. The help
@@ -20,7 +21,6 @@ from typing import Any
 from dattri_ds import schema
 from dattri_ds.errors import UsageError
 from dattri_ds.launch.config import BLOCK, RunConfig
-from dattri_ds.launch.loop import BACKENDS
 
 __all__ = ["build_parser", "parse_args", "flag_name", "ALIASES"]
 
@@ -35,8 +35,8 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "selection.random": ("--random-selection",),
 }
 
-#: Sections whose fields are flags without a prefix.
-_UNPREFIXED = ("train",)
+#: Sections whose fields are flags without a prefix (``engine.backend`` -> ``--backend``).
+_UNPREFIXED = ("train", "engine")
 
 
 def flag_name(leaf: schema.Leaf) -> str:
@@ -110,23 +110,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(overrides={})
     p.add_argument("--out", default="runs/train", help="output directory")
     _add_field_flags(p)
-    m = p.add_argument_group("backend (launch/megatron_backend.py for megatron)")
-    m.add_argument("--backend", choices=sorted(BACKENDS), default="deepspeed",
-                   help="deepspeed: a DeepSpeed engine on a Hugging Face model; megatron: a "
-                        "Megatron-core GPTModel with tensor parallelism and a torch optimizer "
-                        "(the DeepSpeed JSON gives the dattri_ds block, batch sizes, optimizer "
-                        "and scheduler)")
-    m.add_argument("--tensor-model-parallel-size", type=_positive, default=1,
-                   help="megatron: tensor-parallel size (must divide the number of processes, "
-                        "hidden size, heads and FFN size)")
-    m.add_argument("--sequence-parallel", action="store_true",
-                   help="megatron: Megatron sequence parallelism (needs TP > 1 and a sequence "
-                        "length divisible by it)")
-    m.add_argument("--pipeline-model-parallel-size", type=_positive, default=1,
-                   help="megatron: only 1 is supported (refused otherwise)")
-    m.add_argument("--verify-checkpoints", action="store_true",
-                   help="megatron: reload each consolidated checkpoint on every rank and check "
-                        "it equals the live tensor-parallel shards")
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1,
                    help="set by the deepspeed launcher")
     try:
@@ -136,12 +119,6 @@ def build_parser() -> argparse.ArgumentParser:
     except ImportError:  # pragma: no cover - deepspeed is an optional extra
         p.add_argument("--deepspeed_config")
     return p
-
-
-def _positive(text: str) -> int:
-    if not schema._INT.fullmatch(text) or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got '{text}'")
-    return int(text)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

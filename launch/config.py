@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 import warnings
 from dataclasses import asdict, dataclass, field, is_dataclass
@@ -20,10 +21,12 @@ from typing import Any
 from dattri_ds import schema
 from dattri_ds.config import CaptureConfig
 from dattri_ds.errors import ConfigError
+from dattri_ds.launch.engine import EngineConfig
 from dattri_ds.selection import SelectionConfig
 from dattri_ds.store import StoreConfig
 
-__all__ = ["TrainConfig", "RunConfig", "load_run_config", "dump_json"]
+__all__ = ["TrainConfig", "RunConfig", "load_run_config", "dump_json", "check_memory",
+           "check_outputs"]
 
 BLOCK = "dattri_ds"
 
@@ -40,42 +43,43 @@ class TrainConfig:
 
     train_data: tuple[str, ...] = field(default=("data/corpus/train.jsonl",),
                                         metadata=schema.bounds(min_items=1))
-    """jsonl files with a ``text`` field."""
+    """jsonl files with a ``text`` field (one path alone means a list of one)."""
 
-    max_docs: int | None = field(default=None, metadata=schema.bounds(ge=1))
+    max_docs: int | None = field(default=None, metadata=schema.bounds(ge=1, le=10**9))
     """Use only the first N documents (the corpus order is already mixed); null = all."""
 
-    seq_len: int = field(default=128, metadata=schema.bounds(ge=2))
-    """Tokens per example (documents are truncated or padded)."""
+    seq_len: int = field(default=128, metadata=schema.bounds(ge=2, le=2**20))
+    """Tokens per example (documents are truncated or padded; at most 2^20, and the planner
+    refuses at start what does not fit in memory)."""
 
-    vocab_size: int = field(default=1024, metadata=schema.bounds(ge=8))
+    vocab_size: int = field(default=1024, metadata=schema.bounds(ge=8, le=2**21))
     """SentencePiece vocabulary trained on the training texts (cached)."""
 
-    steps: int = field(default=200, metadata=schema.bounds(ge=1))
+    steps: int = field(default=200, metadata=schema.bounds(ge=1, le=10**9))
     """Optimizer steps."""
 
-    seed: int = field(default=0, metadata=schema.bounds(ge=0))
-    """Seed of model init and data order."""
+    seed: int = field(default=0, metadata=schema.bounds(ge=-2**53, le=2**53))
+    """Seed of model init and data order (any integer, negative ones included)."""
 
-    save_every: int = field(default=0, metadata=schema.bounds(ge=0))
+    save_every: int = field(default=0, metadata=schema.bounds(ge=0, le=10**9))
     """Save a DeepSpeed checkpoint every N steps (0 = only at the end)."""
 
-    log_every: int = field(default=10, metadata=schema.bounds(ge=1))
+    log_every: int = field(default=10, metadata=schema.bounds(ge=1, le=10**9))
     """Log loss and examples/s every N steps."""
 
     eval_data: str | None = None
     """jsonl of held-out texts whose loss is tracked (None = selection.target_data)."""
 
-    eval_skip: int = field(default=64, metadata=schema.bounds(ge=0))
+    eval_skip: int = field(default=64, metadata=schema.bounds(ge=0, le=10**9))
     """Skip the first N eval documents (by default those are the selection target set)."""
 
-    eval_max_docs: int = field(default=64, metadata=schema.bounds(ge=1))
+    eval_max_docs: int = field(default=64, metadata=schema.bounds(ge=1, le=10**9))
     """Evaluate on at most N documents."""
 
-    eval_every: int = field(default=0, metadata=schema.bounds(ge=0))
+    eval_every: int = field(default=0, metadata=schema.bounds(ge=0, le=10**9))
     """Evaluate the held-out loss every N steps (0 = never)."""
 
-    max_nonfinite_steps: int = field(default=3, metadata=schema.bounds(ge=0))
+    max_nonfinite_steps: int = field(default=3, metadata=schema.bounds(ge=0, le=10**9))
     """Fail the run (non-zero exit, ``summary.json`` says why) after this many consecutive
     optimizer steps with a NaN/inf loss; 0 = never fail (non-finite steps are only counted
     and warned about)."""
@@ -113,6 +117,19 @@ class RunConfig:
 
     selection: SelectionConfig = field(default_factory=SelectionConfig)
     """Online data selection (enabled by ``--online-selection``)."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """The training engine and its parallel sizes (``--backend``, ``--tensor-model-parallel-
+    size``, ...; launch/engine.py)."""
+
+    force: bool = False
+    """Start a fresh run in an ``--out`` that holds an earlier run (its checkpoints,
+    trajectory and summary are overwritten); without it that is refused at start (pass
+    ``--resume latest`` to continue the earlier run instead)."""
+
+    skip_memory_check: bool = False
+    """Run even when the planner (dattri_ds/plan.py) predicts that the run needs more memory
+    than this machine has available (for experts who know better)."""
 
     def __post_init__(self) -> None:
         schema.check(self, BLOCK)
@@ -155,7 +172,96 @@ def load_run_config(path: str | Path, overrides: dict[tuple[str, ...], Any] | No
     warn_unknown_deepspeed_keys(ds, p)
     for key, value in (overrides or {}).items():
         _set(block, key, value)
-    return ds, RunConfig.from_dict(block)
+    cfg = RunConfig.from_dict(block)
+    check_memory(ds, cfg)
+    return ds, cfg
+
+
+#: The planner's knobs in launch: RunSpec field -> (JSON key, flag, default).
+_KNOBS = {"seq_len": (f"{BLOCK}.train.seq_len", "--seq-len", 128),
+          "micro_batch": ("train_micro_batch_size_per_gpu", "in the DeepSpeed JSON", 4),
+          "candidate_multiple": (f"{BLOCK}.selection.candidate_multiple",
+                                 "--candidate-multiple", 2.0),
+          "vocab": (f"{BLOCK}.train.vocab_size", "--vocab-size", 1024),
+          "k": (f"{BLOCK}.capture.projection.dim", "--capture-projection-dim", 4096),
+          "model": (f"{BLOCK}.train.model_config", "--model-config", None)}
+
+
+def check_memory(ds: dict[str, Any], cfg: RunConfig) -> None:
+    """Ask the planner (dattri_ds/plan.py) whether the resolved run fits this machine's
+    memory (RAM from /proc/meminfo, or free GPU memory on CUDA); skipped with
+    ``skip_memory_check`` or when the model config cannot be read (its own error follows).
+
+    Raises:
+        DoesNotFitError: naming the knob (JSON key and flag), the need and the limit.
+    """
+    if cfg.skip_memory_check:
+        return
+    from dattri_ds.plan import Knob, ModelShape, RunSpec, check_fits
+
+    tc = cfg.train
+    src = Path(tc.model_path) / "config.json" if tc.model_path else Path(tc.model_config)
+    try:
+        model = ModelShape.from_config(src, vocab_size=None if tc.model_path else tc.vocab_size)
+    except (OSError, ValueError, KeyError, TypeError, ConfigError):
+        return
+    zero = ds.get("zero_optimization") if isinstance(ds.get("zero_optimization"), dict) else {}
+    stage = zero.get("stage", 0) if zero.get("stage", 0) in (0, 1, 2, 3) else 0
+    offload = "none"
+    if isinstance(zero.get("offload_optimizer"), dict) and \
+            zero["offload_optimizer"].get("device") == "cpu":
+        offload = "all" if stage == 3 and isinstance(zero.get("offload_param"), dict) and \
+            zero["offload_param"].get("device") == "cpu" else "optimizer"
+    micro = ds.get("train_micro_batch_size_per_gpu", 1)
+    micro = micro if type(micro) is int and micro >= 1 else 1
+    bf16 = any(isinstance(ds.get(k), dict) and ds[k].get("enabled") is True
+               for k in ("bf16", "fp16"))
+    opt = ds.get("optimizer", {}).get("type", "adamw") if isinstance(ds.get("optimizer"),
+                                                                     dict) else "adamw"
+    proj = cfg.capture.projection
+    sel = cfg.selection
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    try:
+        spec = RunSpec(world=world, seq_len=tc.seq_len, micro_batch=micro, zero_stage=stage,
+                       offload=offload, dtype="bfloat16" if bf16 else "float32",
+                       optimizer="sgd_momentum" if str(opt).lower() == "sgd" else "adamw",
+                       capture=cfg.capture_enabled,
+                       projection=proj.kind if proj is not None else "kronecker",
+                       k=proj.dim if proj is not None and cfg.capture_enabled else 0,
+                       method="selection" if sel.enabled else "graddot",
+                       candidate_multiple=float(sel.candidate_multiple))
+    except ConfigError:  # a projection kind the planner does not model: nothing to check
+        return
+    values = {"seq_len": tc.seq_len, "micro_batch": micro,
+              "candidate_multiple": sel.candidate_multiple if sel.enabled else None,
+              "vocab": None if tc.model_path else tc.vocab_size,
+              "k": spec.k or None, "model": tc.model_path or tc.model_config}
+    knobs = [Knob(f, key, flag, values[f], default)
+             for f, (key, flag, default) in _KNOBS.items() if values[f] is not None]
+    import torch
+
+    cuda = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "") != "cpu"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)) or 1)
+    check_fits(model, spec, knobs, device="cuda" if cuda else "cpu", local_ranks=local,
+               override=f"--skip-memory-check ({BLOCK}.skip_memory_check)")
+
+
+def check_outputs(out: Path, cfg: RunConfig) -> None:
+    """The output door of launch (dattri_ds/outputs.py), at start: ``--out`` is a folder that
+    can be written and holds no earlier run unless resumed or forced; the store path
+    (``--capture``) is a folder too.
+
+    Raises:
+        OutputError: naming the path, the flag and the fix.
+    """
+    from dattri_ds.outputs import check_dir
+
+    check_dir(out, flag="--out", force=cfg.force or cfg.train.resume is not None,
+              overwrites=("trajectory.json", "summary.json", "checkpoints"),
+              what="an earlier run", fix=f"pass --resume latest to continue it, --force "
+                                         f"({BLOCK}.force) to start over, or another --out")
+    if cfg.capture_enabled:
+        check_dir(cfg.store_config(out).path, flag=f"{BLOCK}.store.path (--store-path)")
 
 
 def _set(block: dict[str, Any], key: tuple[str, ...], value: Any) -> None:

@@ -57,14 +57,10 @@ class DeepSpeedBackend(Backend):
     """``--backend deepspeed`` (the default)."""
 
     @classmethod
-    def setup(cls, args, ds_config: dict, cfg: RunConfig) -> tuple[int, int]:
-        if args.tensor_model_parallel_size != 1 or args.pipeline_model_parallel_size != 1 or \
-                args.sequence_parallel:
-            raise ConfigError("--tensor/pipeline-model-parallel-size and --sequence-parallel "
-                              "need --backend megatron")
-        return setup_distributed()
+    def setup(cls, ds_config: dict, cfg: RunConfig) -> tuple[int, int]:
+        return setup_distributed()  # parallel sizes other than 1: refused by EngineConfig
 
-    def __init__(self, args, ds_config: dict, cfg: RunConfig, tok, data) -> None:
+    def __init__(self, ds_config: dict, cfg: RunConfig, tok, data) -> None:
         import deepspeed
 
         model = build(cfg, tok)

@@ -7,9 +7,12 @@ checkpoints with the loop's own state, and resume. A ``Backend`` does the rest: 
 model and optimizer, runs forward and backward of one micro-batch, steps the optimizer,
 attaches capture, and saves / loads its own checkpoint.
 
-Backends are looked up by ``--backend`` name in ``BACKENDS`` (``"name": "module:Class"``,
-imported on use so that DeepSpeed and Megatron stay optional): add one by writing a
-``Backend`` subclass and one line there.
+Backends are looked up by ``--backend`` name (``engine.backend``) in ``BACKENDS``
+(launch/engine.py: ``"name": "module:Class"``, imported on use so that DeepSpeed and
+Megatron stay optional): add one by writing a ``Backend`` subclass and one line there.
+``deepspeed`` (launch/deepspeed_backend.py), ``megatron`` (launch/megatron_backend.py) and
+``torch`` (launch/torch_backend.py: one plain PyTorch process, which the demo and the
+selection benchmarks run through ``torch_backend.train_in_process``).
 
 Resume (``train.resume``): the backend restores weights, optimizer and lr schedule; the loop
 restores the step, every rank's RNG state and the ``RunRecord`` from
@@ -34,19 +37,13 @@ from torch import nn
 from dattri_ds.distributed import ParallelContext, all_reduce_sum
 from dattri_ds.errors import ConfigError
 from dattri_ds.launch.config import RunConfig
+from dattri_ds.launch.engine import BACKENDS
 from dattri_ds.launch.runlog import RunLog, RunRecord, make_run_id
 
 __all__ = ["Backend", "BACKENDS", "backend_class", "LoopState", "train", "resume",
            "micro_batch_indices", "fingerprint", "seal_captured_store"]
 
 logger = logging.getLogger("dattri_ds.launch")
-
-#: ``--backend`` name -> ``"module:Class"`` of its Backend (imported on use).
-BACKENDS: dict[str, str] = {
-    "deepspeed": "dattri_ds.launch.deepspeed_backend:DeepSpeedBackend",
-    "megatron": "dattri_ds.launch.megatron_backend:MegatronBackend",
-}
-
 
 def backend_class(name: str) -> type[Backend]:
     """The Backend class registered as ``name``.
@@ -85,11 +82,11 @@ class Backend(ABC):
 
     @classmethod
     @abstractmethod
-    def setup(cls, args, ds_config: dict, cfg: RunConfig) -> tuple[int, int]:
-        """Check the flags, start the process groups; return ``(global rank, world size)``."""
+    def setup(cls, ds_config: dict, cfg: RunConfig) -> tuple[int, int]:
+        """Check the settings (``cfg.engine``, the DeepSpeed JSON), start the process groups; return ``(global rank, world size)``."""
 
     @abstractmethod
-    def __init__(self, args, ds_config: dict, cfg: RunConfig, tok, data) -> None:
+    def __init__(self, ds_config: dict, cfg: RunConfig, tok, data) -> None:
         """Build model and optimizer on this rank (nothing written yet)."""
 
     @abstractmethod
@@ -251,7 +248,8 @@ def resume_tag(out: Path, resume: str) -> str:
         ConfigError: no such checkpoint in ``out``.
     """
     traj = out / "trajectory.json"
-    tags = [c["tag"] for c in json.loads(traj.read_text())["checkpoints"]] \
+    from dattri_ds.files import read_json
+    tags = [c["tag"] for c in read_json(traj, "trajectory", flag="train.resume")["checkpoints"]] \
         if traj.exists() else []
     tag = (tags[-1] if tags else None) if resume == "latest" else resume
     if tag is None or not (out / "checkpoints" / tag).is_dir():

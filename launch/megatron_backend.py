@@ -37,7 +37,6 @@ with the lr of every step, summary.json, grad_store/, selection.jsonl):
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
@@ -50,6 +49,7 @@ from dattri_ds.integrations import megatron_checkpoint as ckpt
 from dattri_ds.integrations.megatron_checkpoint import is_tp
 from dattri_ds.launch.config import RunConfig, dump_json
 from dattri_ds.launch.loop import Backend
+from dattri_ds.launch.torch_backend import make_optimizer, make_schedule, optimizer_spec
 from dattri_ds.models.megatron_gpt import MegatronLM, build_gpt, cpu_workarounds
 
 __all__ = ["MegatronBackend", "transformer_kwargs", "padded_vocab", "setup_parallel"]
@@ -73,8 +73,9 @@ def transformer_kwargs(model_config: str | Path | dict, tp: int,
         ConfigError: another ``model_type``, a size the TP size does not divide, or
             sequence parallelism at TP 1.
     """
-    d = model_config if isinstance(model_config, dict) else json.loads(
-        Path(model_config).read_text())
+    from dattri_ds.files import read_json
+    d = model_config if isinstance(model_config, dict) else read_json(
+        model_config, "model config", flag="train.model_config")
     if d.get("model_type", "gpt2") != "gpt2":
         raise ConfigError(f"--backend megatron builds GPT-2 style models only; the model config "
                           f"has model_type='{d.get('model_type')}'. Use configs/"
@@ -105,44 +106,7 @@ def padded_vocab(vocab: int, tp: int, multiple: int = 64) -> int:
     return -(-vocab // m) * m
 
 
-# ---- optimization ---------------------------------------------------------------------------
-_OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
-
-
-def _optimizer_spec(ds_config: dict) -> tuple[str, dict]:
-    """``(kind, params)`` of the JSON's optimizer: kind in ``_OPTIMIZERS``, DeepSpeed-only
-    params (``torch_adam``, ``adam_w_mode``) dropped.
-
-    Raises:
-        ConfigError: another optimizer type.
-    """
-    spec = ds_config.get("optimizer", {"type": "AdamW", "params": {"lr": 1e-3}})
-    kind, p = spec.get("type", "AdamW").lower(), dict(spec.get("params", {}))
-    if kind not in _OPTIMIZERS:
-        raise ConfigError(f"optimizer.type '{spec.get('type')}' is not supported by --backend "
-                          f"megatron; use one of AdamW, Adam, SGD")
-    p.pop("torch_adam", None)
-    p.pop("adam_w_mode", None)
-    return kind, p
-
-
-def make_optimizer(ds_config: dict, params):
-    """A torch optimizer and (optionally) a DeepSpeed lr schedule from the DeepSpeed JSON."""
-    kind, p = _optimizer_spec(ds_config)
-    opt = _OPTIMIZERS[kind](params, **p)
-    return opt, make_schedule(ds_config, opt)
-
-
-def make_schedule(ds_config: dict, opt):
-    """The DeepSpeed ``lr_schedules`` class of the JSON driving a torch optimizer, or None."""
-    if "scheduler" not in ds_config:
-        return None
-    from deepspeed.runtime import lr_schedules
-
-    s = ds_config["scheduler"]
-    return getattr(lr_schedules, s["type"])(opt, **s.get("params", {}))
-
-
+# ---- optimization (the torch optimizer and schedule: launch/torch_backend.py) -------------
 def wrap_ddp(gpt: nn.Module) -> nn.Module:
     """Megatron's ``DistributedDataParallel`` around the GPTModel (grad buffers; no overlap).
 
@@ -161,7 +125,7 @@ def megatron_optimizer(ds_config: dict, ddp: nn.Module, clip: float):
     """CUDA: Megatron's optimizer (fp32 params, clipping inside) from the DeepSpeed JSON."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    kind, p = _optimizer_spec(ds_config)
+    kind, p = optimizer_spec(ds_config)
     betas = p.get("betas", (0.9, 0.999))
     cfg = OptimizerConfig(
         optimizer="sgd" if kind == "sgd" else "adam", lr=float(p.get("lr", 1e-3)),
@@ -246,22 +210,24 @@ class MegatronBackend(Backend):
     fingerprint_suffix = ":megatron"
 
     @classmethod
-    def setup(cls, args, ds_config: dict, cfg: RunConfig) -> tuple[int, int]:
-        tc, tp = cfg.train, args.tensor_model_parallel_size
+    def setup(cls, ds_config: dict, cfg: RunConfig) -> tuple[int, int]:
+        tc, ec = cfg.train, cfg.engine
+        tp = ec.tensor_model_parallel_size
         if tc.model_path:
             raise ConfigError("--model-path loads a Hugging Face model: --backend megatron "
                               "builds a GPTModel from --model-config; drop --model-path or use "
                               "--backend deepspeed")
-        transformer_kwargs(tc.model_config, tp, args.sequence_parallel)  # before any
-        if args.sequence_parallel and tc.seq_len % tp:  # process group: errors at start
+        transformer_kwargs(tc.model_config, tp, ec.sequence_parallel)  # before any
+        if ec.sequence_parallel and tc.seq_len % tp:  # process group: errors at start
             raise ConfigError(f"--sequence-parallel splits the sequence over the {tp} tensor-"
                               f"parallel ranks: --seq-len {tc.seq_len} must be divisible by {tp}")
-        return setup_parallel(tp, args.pipeline_model_parallel_size)
+        return setup_parallel(tp, ec.pipeline_model_parallel_size)
 
-    def __init__(self, args, ds_config: dict, cfg: RunConfig, tok, data) -> None:
+    def __init__(self, ds_config: dict, cfg: RunConfig, tok, data) -> None:
         from dattri_ds.integrations.megatron import megatron_parallel_context, prepare_model
 
-        tc, tp, sp = cfg.train, args.tensor_model_parallel_size, args.sequence_parallel
+        tc, tp, sp = cfg.train, cfg.engine.tensor_model_parallel_size, \
+            cfg.engine.sequence_parallel
         kw, context = transformer_kwargs(tc.model_config, tp, sp)
         if data.seq_len > context:
             raise ConfigError(f"--seq-len {data.seq_len} exceeds the model context {context} "
@@ -292,7 +258,7 @@ class MegatronBackend(Backend):
             self._opt, self.sched = make_optimizer(ds_config, self.model.parameters())
         self.micro = int(ds_config.get("train_micro_batch_size_per_gpu", 1))
         self.gas = int(ds_config.get("gradient_accumulation_steps", 1))
-        self.verify = bool(getattr(args, "verify_checkpoints", False))
+        self.verify = cfg.engine.verify_checkpoints
         self.adapter = None  # the capture's MegatronAdapter, told of every optimizer step
 
     def write_model_config(self, out: Path) -> None:

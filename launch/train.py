@@ -5,11 +5,14 @@ gradients and selecting data online on request.
     torchrun --standalone --nproc_per_node 2 launch/train.py --deepspeed_config ...
     python launch/train.py --deepspeed_config configs/zero2_cpu.json      # one process
     torchrun ... launch/train.py --backend megatron --tensor-model-parallel-size 2 ...
+    python launch/train.py --backend torch --deepspeed_config ...    # no DeepSpeed engine
 
 Our settings live in the ``"dattri_ds"`` block of the DeepSpeed JSON (launch/config.py);
 flags override them. This file prepares data, selector and evaluator; the loop is
 launch/loop.py, the engines are its backends (launch/deepspeed_backend.py,
-launch/megatron_backend.py). The output directory receives the resolved configs, the
+launch/megatron_backend.py, launch/torch_backend.py). ``train_in_process`` runs the same
+loop on the torch backend for callers that already hold tokenized data (tools/demo.py,
+the selection benchmarks). The output directory receives the resolved configs, the
 tokenizer, the model config, checkpoints with the learning rate of every step (for TracIn;
 ``--resume <tag>`` continues from one), the per-example gradient store (``--capture``) and
 a summary.
@@ -29,7 +32,9 @@ if __package__ in (None, ""):  # run as a script: make `dattri_ds.launch` import
 import torch  # noqa: E402
 
 from dattri_ds.launch.args import parse_args  # noqa: E402
-from dattri_ds.launch.config import RunConfig, dump_json, load_run_config  # noqa: E402
+from dattri_ds.launch.config import (  # noqa: E402
+    RunConfig, check_outputs, dump_json, load_run_config,
+)
 from dattri_ds.launch.loop import backend_class, check_resume, resume, train  # noqa: E402
 
 logger = logging.getLogger("dattri_ds.launch")
@@ -60,8 +65,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     ds_config, cfg = load_run_config(args.deepspeed_config, args.overrides)
     check_resume(cfg)
-    backend_cls = backend_class(args.backend)
-    rank, _ = backend_cls.setup(args, ds_config, cfg)
+    check_outputs(Path(args.out), cfg)  # the output door, before any process group
+    backend_cls = backend_class(cfg.engine.backend)
+    rank, _ = backend_cls.setup(ds_config, cfg)
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     out = Path(args.out)
@@ -69,7 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
         out.mkdir(parents=True, exist_ok=True)
     torch.distributed.barrier()
     _, tok, data = prepare_data(cfg, out, rank)
-    backend = backend_cls(args, ds_config, cfg, tok, data)
+    backend = backend_cls(ds_config, cfg, tok, data)
     resumed = resume(backend, cfg, out, rank)  # refused before anything is overwritten
     if rank == 0:
         backend.write_model_config(out)
@@ -85,6 +91,58 @@ def main(argv: list[str] | None = None) -> dict:
     return summary
 
 
+def train_in_process(ds_config: dict, cfg: RunConfig, data, tok, out: Path, *,
+                     target=None, evaluator=None, wrap_selector=None):
+    """One run of the shipped loop in this process on ``--backend torch``.
+
+    What ``main`` does after preparing the data, for a caller that holds it already: the
+    backend, the selector of ``cfg.selection`` (``make_selector``; the target texts are
+    ``target`` model inputs, else read from ``selection.target_data``), the evaluator
+    (``evaluator``, else ``make_evaluator``), ``loop.train``, and the run's files in ``out``
+    (resolved configs, model config, checkpoints, trajectory.json, summary.json).
+
+    Args:
+        ds_config: the DeepSpeed JSON without its ``"dattri_ds"`` block (batch sizes,
+            clipping, optimizer, scheduler).
+        cfg: the run's config (``cfg.engine.backend`` must be ``"torch"``).
+        data, tok: the tokenized training examples and their tokenizer.
+        target: ``{"input_ids", ...}`` of the selection's target texts, or None.
+        evaluator: ``() -> {"target_loss": ..., ...}`` called at every evaluation step.
+        wrap_selector: ``(selector, backend) -> selector`` (diagnostics around the choice).
+
+    Returns:
+        ``(summary, backend)``: the run summary and the trained TorchBackend.
+
+    Raises:
+        ConfigError: another backend, or anything ``main`` refuses.
+    """
+    from dattri_ds.errors import ConfigError
+    from dattri_ds.launch.torch_backend import TorchBackend
+
+    if cfg.engine.backend != "torch":
+        raise ConfigError(f"train_in_process runs --backend torch, not "
+                          f"'{cfg.engine.backend}': set engine.backend='torch' or launch "
+                          f"launch/train.py")
+    check_resume(cfg)
+    TorchBackend.setup(ds_config, cfg)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    backend = TorchBackend(ds_config, cfg, tok, data)
+    resumed = resume(backend, cfg, out, 0)
+    backend.write_model_config(out)
+    dump_json(out / "resolved_deepspeed_config.json", ds_config)
+    dump_json(out / "resolved_dattri_ds_config.json", cfg)
+    selector = _selector(backend, cfg, data, tok, out, target=target)
+    if selector is not None and wrap_selector is not None:
+        selector = wrap_selector(selector, backend)
+    if evaluator is None:
+        evaluator = make_evaluator(backend.model, cfg, tok, data.seq_len, backend.ctx,
+                                   backend.device)
+    summary = train(backend, cfg, data, out, tok, 0, selector, evaluator, resumed)
+    dump_json(out / "summary.json", summary)
+    return summary, backend
+
+
 def _target_docs(path: str, tok, seq_len: int, skip: int, limit: int | None):
     from dattri_ds.data import load_documents, tokenize_documents
 
@@ -93,19 +151,20 @@ def _target_docs(path: str, tok, seq_len: int, skip: int, limit: int | None):
 
 
 def make_selector(model, cfg: RunConfig, data, tok, ctx, device, lr_fn, log_path,
-                  optimizer=None, step_examples: int | None = None):
+                  optimizer=None, step_examples: int | None = None, target=None):
     """The OnlineSelector of ``--online-selection`` on ``model`` (what the loop calls), for
     both backends; every check runs before the first step. None when selection is off.
     ``optimizer`` (torch or DeepSpeed ZeRO) is read by ``--selection-precondition adam``;
-    ``step_examples`` (examples per optimizer step, all ranks) by ``--selection-score step``."""
+    ``step_examples`` (examples per optimizer step, all ranks) by ``--selection-score step``;
+    ``target`` (model inputs of the target texts) replaces reading ``--target-data``."""
     sc = cfg.selection
     if not sc.enabled:
         return None
     from dattri_ds.errors import ConfigError
     from dattri_ds.selection import OnlineSelector, check_target_compatible
 
-    tdata = None
-    if not sc.target_store:
+    tdata = target
+    if not sc.target_store and tdata is None:
         if sc.target_data is None:
             raise ConfigError("--online-selection needs the target texts: pass --target-data "
                               "FILE.jsonl (selection.target_data; e.g. a validation set of the "
@@ -118,14 +177,15 @@ def make_selector(model, cfg: RunConfig, data, tok, ctx, device, lr_fn, log_path
                                           optimizer=optimizer, step_examples=step_examples)
 
 
-def _selector(backend, cfg: RunConfig, data, tok, out: Path):
+def _selector(backend, cfg: RunConfig, data, tok, out: Path, target=None):
     """``make_selector`` on the backend's model (refused engines fail here, at start)."""
     if not cfg.selection.enabled:
         return None
     backend.check_selection()
     return make_selector(backend.model, cfg, data, tok, backend.ctx, backend.device, backend.lr,
                          backend.selection_log(out), optimizer=backend.optimizer,
-                         step_examples=backend.micro * backend.gas * backend.ctx.dp_world)
+                         step_examples=backend.micro * backend.gas * backend.ctx.dp_world,
+                         target=target)
 
 
 def make_evaluator(model, cfg: RunConfig, tok, seq_len: int, ctx, device):
