@@ -14,8 +14,9 @@ class TrainingCallback:
     """Receives captured gradients during training; override what you need.
 
     ``on_batch`` runs at the end of every backward pass that produced a GradBatch (one per
-    micro-batch), ``on_step_end`` at every optimizer-step boundary, ``on_close`` once when
-    the capture detaches.
+    micro-batch), ``on_step_end`` at every optimizer-step boundary, ``on_detach`` whenever
+    the capture detaches (``detach()``: it may attach again), ``on_close`` once when the
+    capture closes.
     """
 
     def on_batch(self, batch: GradBatch) -> None:
@@ -23,6 +24,10 @@ class TrainingCallback:
 
     def on_step_end(self, step: int) -> None:
         """Optimizer step ``step`` finished."""
+
+    def on_detach(self) -> None:
+        """The capture detached (and may attach again): make what was received durable
+        (a store commits its buffered rows), keep resources open."""
 
     def on_close(self) -> None:
         """The capture detached; flush and release resources."""

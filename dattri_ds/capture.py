@@ -190,7 +190,8 @@ class GradientCapture:
     def detach(self) -> None:
         """Remove every hook; pending batches stay available to ``pop()``.
 
-        The callbacks stay open: ``attach()`` resumes capturing into them. ``close()`` (or
+        The callbacks stay open (each gets ``on_detach``: a store commits its buffered
+        rows): ``attach()`` resumes capturing into them. ``close()`` (or
         leaving the ``with`` block) detaches and closes them.
         """
         for h in self._handles:
@@ -202,6 +203,8 @@ class GradientCapture:
             self._remove_step_hook = None
         if getattr(self.model, _ATTR, None) is self:
             delattr(self.model, _ATTR)
+        for cb in self.callbacks:  # a store commits its buffered rows: detach loses none
+            getattr(cb, "on_detach", lambda: None)()
 
     def close(self) -> None:
         """Detach and close every callback (stores flush and close): the end of a capture."""

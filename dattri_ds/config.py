@@ -72,7 +72,7 @@ class CaptureConfig:
     they keep >= 90% of the exact LDS where projecting raw gradients keeps ~10%. Needs the
     factors: ``dattri_ds.collect(..., factors=)`` (``GradientCapture`` refuses it)."""
 
-    max_pending: int = field(default=64, metadata=schema.bounds(ge=1))
+    max_pending: int = field(default=64, metadata=schema.bounds(ge=1, le=2**20))
     """Warn when more than this many captured batches wait to be popped (no callback)."""
 
     def __post_init__(self) -> None:

@@ -9,7 +9,13 @@ attribute docstring under it is its help text. Rules:
 * ``int``: only integers (not ``2.5``, not ``true``); ``float``: integers or floats, finite
   unless ``bounds(nonfinite=True)``.
 * ``str``: a non-empty string. ``Literal[...]``: one of the choices (same type).
-* ``tuple[str, ...]``: a list of strings (a bare string is an error, not a one-item list).
+* ``tuple[str, ...]``: a list of strings; a single string means a list of one (``"train_data":
+  "file.jsonl"`` is ``["file.jsonl"]``).
+* seeds are plain ``int`` fields: any integer, negative ones included.
+* size-like fields (tokens, rows, documents, candidates, bytes, steps) declare an upper
+  bound too, so an absurd value fails here, naming its key; what fits the declared range
+  but not this machine's memory is the planner's to refuse (dattri_ds/plan.py
+  ``check_fits``, at start).
 * ``X | None``: ``null`` (``null`` on the command line) or an ``X``.
 * a config dataclass: an object whose keys are its fields, parsed recursively; unknown keys
   are errors at every level.
@@ -145,7 +151,8 @@ def _describe_one(hint: Any, meta: dict[str, Any]) -> str:
         return "one of " + ", ".join(_json(c) for c in typing.get_args(hint))
     if typing.get_origin(hint) is tuple:
         n = meta.get("min_items", 0)
-        return f"a list of {f'at least {n} ' if n else ''}strings (e.g. [\"a\", \"b\"])"
+        return (f"a list of {f'at least {n} ' if n else ''}strings (e.g. [\"a\", \"b\"]; one "
+                f"string is a list of one)")
     if dataclasses.is_dataclass(hint):
         return f"an object with keys {', '.join(f.name for f in _fields(hint))}"
     if meta.get("partial") is not None:
@@ -271,6 +278,8 @@ def _parse_one(hint: Any, value: Any, path: str, meta: dict, default: Any,
         return value
     if origin is tuple:
         item = typing.get_args(hint)[0]
+        if isinstance(value, str) and item is str:  # one path or pattern: a list of one
+            value = [value]
         if not isinstance(value, (list, tuple)):
             raise _fail(path, value, full, meta, default)
         if len(value) < meta.get("min_items", 0):

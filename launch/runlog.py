@@ -5,8 +5,10 @@ evaluation points, checkpoints (the backend saves; the log records tag, step and
 TracIn and rewrites ``trajectory.json``), the progress bar; at the end, the summary.
 
 Non-finite losses: each is warned about; ``train.max_nonfinite_steps`` consecutive ones fail
-the run with NonFiniteTrainingError, after ``summary.json`` records ``status: failed`` and
-why (every rank sees the same all-reduced loss, so all ranks stop at the same step).
+the run with NonFiniteTrainingError, after ``summary.json`` records ``status: failed``, the
+step reached (``steps``; ``steps_requested`` is ``train.steps``), the cause (``diverged``, at
+``diverged_at_step``) and why (every rank sees the same all-reduced loss, so all ranks stop
+at the same step).
 """
 
 from __future__ import annotations
@@ -143,15 +145,22 @@ class RunLog:
                   f"train.max_nonfinite_steps (now {limit}; 0 = never fail)")
         if self.rank == 0:
             dump_json(self.out / "summary.json",
-                      {**self.summary(), "status": "failed", "error": reason})
+                      {**self.summary(steps=n), "status": "failed", "cause": "diverged",
+                       "diverged_at_step": n - rec.nonfinite + 1, "error": reason})
         raise NonFiniteTrainingError(reason)
 
-    def summary(self, **extra) -> dict:
-        """Close the bar; the run summary (``extra`` adds backend-specific fields)."""
+    def summary(self, steps: int | None = None, **extra) -> dict:
+        """Close the bar; the run summary (``extra`` adds backend-specific fields).
+
+        ``steps`` is the optimizer steps the run reached (default: the steps recorded), next
+        to ``steps_requested`` (``train.steps``): a run that stopped early says where.
+        """
         if self.bar is not None:
             self.bar.close()
         rec = self.record
-        return {"status": "ok", "run_id": self.run_id, "steps": self.tc.steps,
+        reached = len(rec.lrs) if steps is None else steps
+        return {"status": "ok", "cause": None, "run_id": self.run_id, "steps": reached,
+                "steps_requested": self.tc.steps,
                 "examples": rec.seen, "final_loss": rec.loss,
                 "nonfinite_steps": rec.nonfinite_total,
                 "seconds": round(time.perf_counter() - self.t0, 2),

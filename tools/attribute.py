@@ -77,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also score every query token: per_token.npy [N, Q, T] and "
                         "query_tokens.json (the report colours query tokens by influence)")
     p.add_argument("--out", required=True)
+    p.add_argument("--force", action="store_true", help="replace an earlier attribution in --out")
     return p
 
 
@@ -250,6 +251,8 @@ def _checkpoints(args, run: Run, available: dict[str, Path], tags: list[str], qu
 def main(argv: list[str] | None = None) -> dict:
     """Score the queries with the library's method (``dattri_ds.recipe.Recipe``)."""
     args = build_parser().parse_args(argv)
+    from dattri_ds.outputs import check_dir, writing
+    check_dir(args.out, flag="--out", force=args.force, overwrites=("scores.npy", "summary.json"))
     setup_logging()
     run = open_source(args)
     available = stores(Path(args.store))
@@ -273,8 +276,9 @@ def main(argv: list[str] | None = None) -> dict:
         tokens = scatter_tokens(total[:, q:], token_where[0], q, queries.seq_len)
         write_per_token(Path(args.out), run, queries, tokens)
         total, per_ckpt = total[:, :q], [c[:, :q] for c in per_ckpt]
-    return write_outputs(Path(args.out), args, run, tags, queries, ids, total, per_ckpt,
-                         seconds)
+    with writing(args.out):
+        return write_outputs(Path(args.out), args, run, tags, queries, ids, total, per_ckpt,
+                             seconds)
 
 
 def write_per_token(out: Path, run, queries, per_token: torch.Tensor) -> None:

@@ -214,8 +214,12 @@ def main(argv: list[str] | None = None) -> dict:
     setup_logging(rank)
     run = open_source(args)
     tags = checkpoint_tags(run, args.checkpoints, "--checkpoints")
+    from dattri_ds.outputs import check_dir
+    check_dir(args.out, flag="--out", folders=tags)  # the output door, before any work
     data = load_texts(args.data, run.tokenizer, seq_len_of(run, args), args.max_docs)
     check_stores(run, tags, args)
+    from dattri_ds.plan import check_tool
+    check_tool(run.root, args, seq_len=data.seq_len, examples=len(data))  # the size door
     if rank == 0:
         write_config(Path(args.out), "collect", args)
     summary = {}

@@ -103,7 +103,7 @@ class Run:
                 "launch/train.py writes it to its --out folder at each checkpoint. Fix: pass "
                 "--run the --out folder of a launch/train.py run that saved a checkpoint")
         if not path.is_file():
-            raise ConfigError(f"{path} is missing: {hint}")
+            raise ConfigError(_failed_run(self.root) or f"{path} is missing: {hint}")
         data = read_json(path, "--run")
         ckpts = data.get("checkpoints") if isinstance(data, dict) else None
         ok = isinstance(ckpts, list) and all(
@@ -190,6 +190,22 @@ class Run:
         return model.to(device).eval()
 
 
+def _failed_run(root: Path) -> str | None:
+    """Why a run has no checkpoint, from its ``summary.json`` when training failed."""
+    try:
+        s = json.loads((root / "summary.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(s, dict) or s.get("status") != "failed":
+        return None
+    at = s.get("diverged_at_step")
+    cause = f"diverged at step {at}" if s.get("cause") == "diverged" else "failed"
+    return (f"{root} holds no checkpoint: its training run {cause} and stopped at step "
+            f"{s.get('steps')} before saving one ({root / 'summary.json'}: "
+            f"{str(s.get('error', ''))[:200]}). Fix: rerun training with the fix it names "
+            f"(or --save-every N to keep checkpoints before a failure)")
+
+
 def _tied_to_loaded(model: torch.nn.Module, loaded: set[str]) -> set[str]:
     """Parameter names that share their tensor with a loaded one (tied weights)."""
     by_tensor: dict[int, list[str]] = {}
@@ -215,6 +231,8 @@ def add_source_args(p) -> None:
     add_flag(p, "--seq-len", int, ge=1, default=None,
              help="tokens per example (default: the run's seq_len, else the model's "
              "context)")
+    p.add_argument("--skip-memory-check", action="store_true",
+                   help="run even when the planner predicts the run does not fit in memory")
     p.add_argument("--local_rank", "--local-rank", type=flag_type(int, name="--local_rank", ge=0),
                    help=argparse.SUPPRESS)
 

@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kfac-only", action="store_true", help="skip the EK-FAC pass")
     add_flag(p, "--batch-size", int, ge=1, default=8)
     p.add_argument("--out", required=True, help="factors file (.pt, one checkpoint) or folder")
+    p.add_argument("--force", action="store_true", help="replace existing factor files")
     return p
 
 
@@ -144,7 +145,15 @@ def main(argv: list[str] | None = None) -> list[Path]:
     tags = checkpoint_tags(run, args.checkpoint, "--checkpoint")
     data = load_texts(args.data, run.tokenizer, seq_len_of(run, args), args.max_docs)
     rows = torch.arange(rank, len(data), world)
+    from dattri_ds.plan import check_tool
+    check_tool(run.root, args, seq_len=data.seq_len, examples=len(data),  # the size door
+               method="kfac" if args.kfac_only else "ekfac")
     one_file = len(tags) == 1 and Path(args.out).suffix == ".pt"
+    from dattri_ds.outputs import check_dir, check_file, writing
+    if one_file:  # the output door, before any work
+        check_file(args.out, flag="--out", force=args.force)
+    else:
+        check_dir(args.out, flag="--out", force=args.force, overwrites=[f"{t}.pt" for t in tags])
     written = []
     for tag in tags[1:] if args.store else ():  # every store is checked before any work
         store_space(args, run, tag, run.model(tag))
@@ -163,7 +172,8 @@ def main(argv: list[str] | None = None) -> list[Path]:
         written.append(out)
         if rank == 0:
             out.parent.mkdir(parents=True, exist_ok=True)
-            factors.save(out)
+            with writing(out, new_file=True):
+                factors.save(out)
             logger.info("factors of %s (%s, %d examples x %d ranks) -> %s in %.1f s", tag,
                         "ekfac" if not args.kfac_only else "kfac", rows.numel(), world, out,
                         time.perf_counter() - t0)

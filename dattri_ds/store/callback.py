@@ -15,7 +15,8 @@ __all__ = ["StoreCallback"]
 
 
 class StoreCallback(TrainingCallback):
-    """Appends each projected micro-batch to the store and closes it when capture detaches.
+    """Appends each projected micro-batch to the store, commits on ``detach()`` and closes it
+    when the capture closes (an unclosed writer also commits at interpreter exit).
 
     The writer opens on the first batch (its layers define the spec), or at construction
     when ``spec`` is given, which makes ``has`` usable before the first batch (to skip
@@ -62,6 +63,12 @@ class StoreCallback(TrainingCallback):
             writer = self._open(StoreSpec.from_batch(batch, projection=self.projection,
                                                      fingerprint=self.fingerprint, **self._origin))
         writer.append(batch)
+
+    def on_detach(self) -> None:
+        """Commit the buffered rows (``detach()`` without ``close()`` loses none); the
+        writer stays open for a later ``attach()``."""
+        if self.writer is not None and not self.writer.closed:
+            self.writer.flush()
 
     def on_close(self) -> None:
         if self.writer is not None:

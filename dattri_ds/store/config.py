@@ -28,7 +28,7 @@ class StoreConfig:
     """Dtype of the stored rows. ``float16`` halves the size but overflows above 65504 (an
     error, never a silent inf); ``bfloat16`` keeps the float32 range at 8 bits of mantissa."""
 
-    flush_every: int = field(default=512, metadata=schema.bounds(ge=1))
+    flush_every: int = field(default=512, metadata=schema.bounds(ge=1, le=2**24))
     """Commit (write, fsync, update the index) once this many new rows are buffered. A crash
     loses at most this many rows per rank, which a resumed run recomputes."""
 
@@ -36,7 +36,7 @@ class StoreConfig:
     """Write from a background thread, so ``append`` returns without waiting on the disk.
     An error in that thread is raised by the next ``append``, ``flush`` or ``close``."""
 
-    max_queue: int = field(default=8, metadata=schema.bounds(ge=1))
+    max_queue: int = field(default=8, metadata=schema.bounds(ge=1, le=2**16))
     """Batches the background thread may hold; ``append`` blocks when the queue is full, which
     bounds the host memory a slow disk can take."""
 

@@ -5,6 +5,12 @@ Rows are buffered in host memory and committed every ``StoreConfig.flush_every``
 background thread fed by a bounded queue; ``append`` then only validates, drops duplicates
 and copies the rows to the host.
 
+Nothing appended is lost by a normal exit: a writer that is still open with buffered rows
+when the interpreter exits commits them then (``atexit``; a warning names the store and the
+count), and a write that fails (disk full, file size limit, permission) is one
+:class:`~dattri_ds.errors.WriteError` naming the file, the bytes and the committed rows that
+stay safe (the commit protocol never touches them; a rerun resumes after them).
+
 Duplicates: a sample id already stored in *any* shard of the store when the writer opened
 (a resumed run, possibly with another world size), or already appended to this writer, is
 skipped silently. Two ranks writing the same new id concurrently both store it; the reader
@@ -13,9 +19,12 @@ detects such cross-shard duplicates (``GradientStore.open(duplicates=...)``).
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
+import warnings
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,6 +33,7 @@ import torch
 
 from dattri_ds.errors import CaptureError, ConfigError
 from dattri_ds.gradient import GradBatch
+from dattri_ds.outputs import check_dir, writing
 from dattri_ds.store.config import StoreConfig
 from dattri_ds.store.format import (
     META_COLUMNS, ShardIndex, StoreCorruptError, list_shards, row_bytes, save_info, shard_paths,
@@ -103,11 +113,11 @@ class GradientStoreWriter:
             raise ConfigError(f"Store writer needs 0 <= rank < world, got rank {rank}, "
                               f"world {world}")
         self.config, self.spec, self.rank, self.world = config, spec, rank, world
-        self.path = Path(config.path)
-        self.path.mkdir(parents=True, exist_ok=True)
+        self.path = check_dir(config.path, flag="store.path")
         stored = load_manifest(self.path, with_complete=True)
         if stored is None:  # first writer; re-read in case another rank raced us
-            save_info(self.path, spec.to_json(), config.dtype, config.fsync)
+            with writing(self.path / "info.json", committed=self._kept(0)):
+                save_info(self.path, spec.to_json(), config.dtype, config.fsync)
             stored = load_manifest(self.path, with_complete=True) or (spec, config.dtype, None)
         check_stored(*stored[:2], path=str(self.path), expect=spec, dtype=config.dtype)
         self._stored_spec = stored[0]
@@ -126,6 +136,8 @@ class GradientStoreWriter:
         self._bg = (_Background(config.max_queue, f"dattri_ds-store-{rank}")
                     if config.async_write else None)
         self._closed = False
+        self._failed = False
+        _OPEN.add(self)
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -216,6 +228,21 @@ class GradientStoreWriter:
         if self._pending_rows >= self.config.flush_every:
             self._commit()
 
+    @property
+    def closed(self) -> bool:
+        """``close()`` was called (no more appends)."""
+        return self._closed
+
+    @property
+    def pending_rows(self) -> int:
+        """Rows appended but not committed yet (buffered here or queued)."""
+        return self._pending_rows
+
+    def _kept(self, rows: int) -> str:
+        return (f"nothing committed was lost: {self.path} keeps its {rows} committed rows of "
+                f"rank {self.rank} (the commit protocol never rewrites them). Fix: free space "
+                f"(or raise the limit), then rerun the same command: it resumes after them")
+
     def _commit(self) -> None:
         if not self._pending:
             return
@@ -223,11 +250,18 @@ class GradientStoreWriter:
         data = np.concatenate([to_storage(r, self.config.dtype) for r, _, _ in pending])
         ids = [i for _, piece, _ in pending for i in piece]
         meta = np.concatenate([m for _, _, m in pending])
-        if self._sealed:  # appending to a complete store: incomplete until sealed again
-            save_info(self.path, self._stored_spec.to_json(), self.config.dtype,
-                      self.config.fsync)
-            self._sealed = False
-        self._shard.commit(data, ids, meta)
+        need = data.nbytes + meta.nbytes + sum(len(i) + 1 for i in ids)
+        try:
+            with writing(self._shard.paths.data, nbytes=need,
+                         committed=self._kept(self._shard.rows)):
+                if self._sealed:  # appending to a complete store: incomplete until sealed
+                    save_info(self.path, self._stored_spec.to_json(), self.config.dtype,
+                              self.config.fsync)
+                    self._sealed = False
+                self._shard.commit(data, ids, meta)
+        except BaseException:
+            self._failed = True
+            raise
 
     def flush(self) -> None:
         """Commit every buffered row now (waits for the background thread)."""
@@ -247,12 +281,23 @@ class GradientStoreWriter:
         if self._closed:
             return
         try:
-            self.flush()
+            if not self._failed:
+                self.flush()
         finally:
             self._closed = True
+            _OPEN.discard(self)
             if self._bg is not None:
                 self._bg.stop()
+            self._release()
+
+    def _release(self) -> None:
+        """Close the shard's files; after a failed write their buffers cannot be flushed
+        (the uncommitted tail is cut when the shard is reopened), so that is not an error."""
+        try:
             self._shard.close()
+        except OSError:
+            if not self._failed:
+                raise
 
     def _check_open(self) -> None:
         if self._closed:
@@ -264,6 +309,33 @@ class GradientStoreWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+#: Writers not closed yet: committed at interpreter exit (``_commit_at_exit``).
+_OPEN: weakref.WeakSet[GradientStoreWriter] = weakref.WeakSet()
+
+
+@atexit.register
+def _commit_at_exit() -> None:
+    """Commit the buffered rows of every writer still open when the interpreter exits (a
+    capture detached without ``close()``, a script that never closed its writer), warning
+    with the store and the count; a writer whose write failed is only released."""
+    for w in list(_OPEN):
+        if w._closed:
+            continue
+        queued = w._bg is not None and w._bg._queue.unfinished_tasks > 0
+        n = w.pending_rows
+        try:
+            w.close()
+        except Exception as e:  # noqa: BLE001 - at exit: say what was not committed
+            warnings.warn(f"gradient store '{w.path}' (rank {w.rank}): {n} buffered rows "
+                          f"could not be committed at exit: {e}", RuntimeWarning, stacklevel=1)
+            continue
+        if (n or queued) and not w._failed:
+            warnings.warn(f"gradient store '{w.path}' (rank {w.rank}): the writer was not "
+                          f"closed; its {n} buffered rows were committed at interpreter exit "
+                          f"(close() the writer, or the GradientCapture, to commit them "
+                          f"yourself)", RuntimeWarning, stacklevel=1)
 
 
 def seal_store(path: str | Path, fsync: bool = True) -> dict[int, int]:

@@ -84,7 +84,7 @@ def bad_values(leaf: schema.Leaf) -> list[Any]:
     elif typing.get_origin(k) is Literal:
         out = ["bogus", 1, True, [], list(typing.get_args(k))[:1]]
     elif typing.get_origin(k) is tuple:
-        out = ["lm_head", [1], [None], {}, 3, [""]]
+        out = [[1], [None], {}, 3, [""], ""]  # a bare non-empty string is a list of one
     else:  # pragma: no cover - a new hint kind: extend this generator
         raise AssertionError(f"no generator for {leaf.hint} ({leaf.key})")
     b = leaf.meta.get("bounds", {})
@@ -279,6 +279,13 @@ def test_valid_configs_and_explicit_defaults_are_accepted(tmp_path):
     args = parse_args(argv)
     _, flagged = load_run_config(good, args.overrides)
     assert flagged == explicit
+    for leaf in LEAVES:  # one string where a list of strings is expected: a list of one
+        if typing.get_origin(_kind(leaf)) is tuple:
+            cfg = RunConfig.from_dict(_nest(leaf.path, "x.jsonl"))
+            node = cfg
+            for k in leaf.path:
+                node = node[k] if isinstance(node, dict) else getattr(node, k)
+            assert node == ("x.jsonl",), leaf.key
 
 
 def test_flags_override_json_and_aliases_name_real_fields(tmp_path):
