@@ -83,7 +83,13 @@ class HFTokenizer:
     def __init__(self, path: str | os.PathLike) -> None:
         from transformers import AutoTokenizer
 
-        self.path = Path(path)
+        self.path = files.check_dir(path, "--tokenizer folder", "pass a folder holding "
+                                    "tokenizer.json (or tokenizer_config.json + vocab files)")
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                     "vocab.json"):  # read through the door first: a damaged file is named
+            if (self.path / name).exists() or (self.path / name).is_symlink():
+                files.read_json(self.path / name, "tokenizer file",
+                                fix="save the tokenizer again with save_pretrained(path)")
         try:
             self._tok = AutoTokenizer.from_pretrained(str(self.path))
         except Exception as exc:  # transformers raises OSError/ValueError/... by backend
@@ -95,10 +101,10 @@ class HFTokenizer:
         self.eos_id = tok.eos_token_id
         self.pad_id = next((i for i in (tok.pad_token_id, tok.eos_token_id) if i is not None), 0)
         self.vocab_size = len(tok)
-        files = [self.path / f for f in HF_TOKENIZER_FILES + ("special_tokens_map.json",
+        found = [self.path / f for f in HF_TOKENIZER_FILES + ("special_tokens_map.json",
                                                              "merges.txt")
                  if (self.path / f).exists()]
-        self.fingerprint = "hf-" + _hash_files(files)
+        self.fingerprint = "hf-" + _hash_files(found)
 
     def encode_batch(self, texts) -> list[list[int]]:
         return [self._tok(t, add_special_tokens=False)["input_ids"] for t in texts]
@@ -168,11 +174,11 @@ class HFModelDir:
         return None
 
     def fingerprint(self) -> str:
-        files = [self.root / "config.json"]
+        found = [self.root / "config.json"]
         if self.tokenizer_path is not None:
-            files += [self.tokenizer_path / f for f in HF_TOKENIZER_FILES
+            found += [self.tokenizer_path / f for f in HF_TOKENIZER_FILES
                       if (self.tokenizer_path / f).exists()]
-        return f"model:{_hash_files(files)}"
+        return f"model:{_hash_files(found)}"
 
     def model(self, tag: str, device: torch.device | str = "cpu"):
         """The model in fp32, eval mode (dropout off)."""

@@ -11,7 +11,9 @@ Doors (what a user hands the system, and the code path that reads it):
 * ``factors``: ``KFACFactors.load`` (``attribute --factors``);
 * ``hf-model``: ``dattri-ds collect --model DIR`` with a damaged Hugging Face folder;
 * ``model-path``: launch's ``train.model_path`` (``deepspeed_backend.build``);
-* ``run-config`` / ``model-config``: launch's DeepSpeed JSON and a ``configs/model_*.json``.
+* ``run-config`` / ``model-config``: launch's DeepSpeed JSON and a ``configs/model_*.json``;
+* ``plan-model``: ``dattri-ds plan --model FILE``;
+* ``tokenizer``: a run's SentencePiece ``tokenizer.model``.
 
 Cases: garbage bytes, a truncated file, latin-1 bytes, a UTF-8 BOM (accepted: the run goes on),
 CSV, an empty file, a directory, a symlink loop, a dangling symlink, a line over the line cap,
@@ -281,6 +283,9 @@ def door_hf_model(env: Env, case: str, tmp: Path):
         elif case == "garbage-weights":
             path = folder / "model.safetensors"
             path.write_bytes(b"\xff" * 64)
+        elif case == "garbage-tokenizer":
+            path = folder / "tokenizer.json"
+            path.write_bytes(b"\x00\x9c garbage {")
         else:
             valid = path.read_bytes()
             path.unlink()
@@ -289,7 +294,8 @@ def door_hf_model(env: Env, case: str, tmp: Path):
                                        str(tmp / "out"), "--projection-dim", "8"])
 
 
-CASES["empty-folder"] = CASES["not-a-folder"] = CASES["garbage-weights"] = lambda p, v: None
+CASES["empty-folder"] = CASES["not-a-folder"] = lambda p, v: None
+CASES["garbage-weights"] = CASES["garbage-tokenizer"] = lambda p, v: None
 
 
 def door_model_path(env: Env, case: str, tmp: Path):
@@ -338,9 +344,18 @@ def door_model_config(env: Env, case: str, tmp: Path):
     return path, lambda: load_model_config(path)
 
 
+def door_plan_model(env: Env, case: str, tmp: Path):
+    """``dattri-ds plan --model FILE`` (our JSON model config or a Hugging Face config.json)."""
+    from dattri_ds.tools import plan
+    path = tmp / "model.json"
+    CASES[case](path, MODEL_CONFIG)
+    return path, lambda: plan.main(["--model", str(path), "--vocab-size", "64"])
+
+
 MODEL_CASES = ["missing", "dangling-symlink", "symlink-loop", "empty-folder", "not-a-folder",
                "garbage", "truncated", "latin1", "bom", "empty", "directory",
                "unknown-model-type", "no-weights", "garbage-weights"]
+DOOR_HF_CASES = MODEL_CASES + ["garbage-tokenizer"]
 DOORS = {
     "collect-data": (door_collect_data, TEXT + ["huge-line"]),
     "collect-tokens": (door_collect_tokens, ["garbage", "truncated", "latin1", "bom", "csv",
@@ -354,11 +369,12 @@ DOORS = {
     "report-folder": (door_report_folder, ["missing", "empty", "dangling-symlink",
                                            "symlink-loop"]),
     "factors": (door_factors, FILE + ["pickled-object"]),
-    "hf-model": (door_hf_model, MODEL_CASES),
+    "hf-model": (door_hf_model, DOOR_HF_CASES),
     "model-path": (door_model_path, MODEL_CASES),
     "tokenizer": (door_tokenizer, FILE),
     "run-config": (door_run_config, TEXT),
     "model-config": (door_model_config, TEXT + ["unknown-model-type"]),
+    "plan-model": (door_plan_model, TEXT),
 }
 PAIRS = [(d, c) for d, (_, cases) in DOORS.items() for c in cases]
 #: A UTF-8 BOM is stripped: the input is valid (not in a Hugging Face config.json, which
