@@ -154,3 +154,22 @@ def model_args(p: argparse.ArgumentParser) -> None:
 
 def n_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+# ---- runs of the shipped training loop ----------------------------------------------
+def loop_configs(*, steps: int, seed: int, seq_len: int, eval_every: int, selection,
+                 micro: int = 8, gas: int = 2,
+                 model_config: str = "configs/model_gpt2_tiny.json"):
+    """``(DeepSpeed dict, RunConfig)`` of one benchmark run of the shipped loop
+    (``launch.train.train_in_process``, ``--backend torch``): the optimizer, lr schedule and
+    clipping of configs/zero3_cpu.json, ``micro x gas`` trained examples per step, no
+    checkpoint before the last step, ``selection`` (a SelectionConfig) as given."""
+    from dattri_ds.launch.config import RunConfig, TrainConfig, load_run_config
+    from dattri_ds.launch.engine import EngineConfig
+
+    ds, _ = load_run_config(os.path.join(ROOT, "configs/zero3_cpu.json"))
+    ds = {**ds, "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas}
+    train = TrainConfig(model_config=os.path.join(ROOT, model_config), steps=steps, seed=seed,
+                        seq_len=seq_len, eval_every=eval_every, log_every=steps)
+    return ds, RunConfig(train=train, selection=selection,
+                         engine=EngineConfig(backend="torch"))

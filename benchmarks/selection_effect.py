@@ -5,12 +5,14 @@
     python benchmarks/selection_effect.py --targets carve:austen carve:kjv --seeds 3 \\
         --variants random topk=policy:topk cos=normalize:1,per_token:1
 
-One process, one thread (the effect of the choice does not depend on ZeRO), the library's
-own selection path (``OnlineSelector.for_target_data`` + ``SelectionConfig``, as in
-launch/train.py): tiny GPT-2 (configs/model_gpt2_tiny.json), AdamW lr 2e-3, warmup 20 then
-cosine to 0.1 at step 300 (configs/zero3_cpu.json), gradient clipping 1.0, micro-batch 8 x
-2 accumulation = 16 trained examples per step, seq_len 64. Every variant of a seed starts
-from the same initialization and sees the same candidate stream.
+One process, one thread (the effect of the choice does not depend on ZeRO), trained by the
+shipped loop (``launch.train.train_in_process``: launch/loop.py on ``--backend torch``,
+the selector of launch/train.py, forward reuse as configured): tiny GPT-2
+(configs/model_gpt2_tiny.json), the optimizer, lr schedule and clipping of
+configs/zero3_cpu.json (AdamW lr 2e-3, DeepSpeed WarmupCosineLR: 20 log-warmup steps then
+cosine to 0.1 at step 300, gradient clipping 1.0), micro-batch 8 x 2 accumulation = 16
+trained examples per step, seq_len 64. Every variant of a seed starts from the same
+initialization and sees the same candidate stream.
 
 Targets: ``hamlet``, ``trivia``, ``code`` (data/target/*.jsonl: first half = the scoring
 set selection sees, second half = the held-out evaluation set) or ``carve:SOURCE`` (one
@@ -53,10 +55,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dattri_ds.data import (  # noqa: E402
-    build_model, load_documents, tokenize_documents, train_tokenizer,
-)
-from dattri_ds.launch.loop import micro_batch_indices  # noqa: E402
+from benchmarks._common import loop_configs  # noqa: E402
+from dattri_ds.data import load_documents, tokenize_documents, train_tokenizer  # noqa: E402
 from dattri_ds.selection import OnlineSelector, SelectionConfig  # noqa: E402
 from dattri_ds.selection.policy import fill_uniform  # noqa: E402
 from dattri_ds.selection.content import ContentPrior  # noqa: E402
@@ -119,14 +119,7 @@ class Setup:
                                                           seq_len)
                                   for src, docs in by_src.items()}
         self.sources = [d.source for d in pool]
-
-
-def lr_lambda(step: int, warmup: int = 20, total: int = 300, min_ratio: float = 0.1) -> float:
-    """DeepSpeed WarmupCosineLR as configured in configs/zero3_cpu.json."""
-    if step < warmup:
-        return (step + 1) / warmup
-    t = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+        self.source_of = {d.id: d.source for d in pool}
 
 
 @torch.no_grad()
@@ -197,71 +190,96 @@ def ngram_choice(prior: ContentPrior, batch: dict, k: int, mix: float,
     return fill_uniform(s.topk(k - round(mix * k)).indices, s.numel(), k, gen)
 
 
+class Observed:
+    """The selector ``loop.train`` calls, observed (and, for the diagnostic variants,
+    overridden) by the benchmark: chosen sources and repeats, ``--diagnose-every``
+    correlations, the ``domain`` / ``ngram`` choice in place of the selector's."""
+
+    def __init__(self, selector, setup: Setup, sc: SelectionConfig, seed: int, model,
+                 diagnose_every: int, domain: str | None, content: ContentPrior | None) -> None:
+        self.inner, self.setup, self.sc, self.seed, self.model = selector, setup, sc, seed, model
+        self.diagnose_every, self.domain, self.content = diagnose_every, domain, content
+        self.sources, self.repeats, self.diags = Counter(), Counter(), []
+        self._step, self._mb = -1, 0
+
+    def num_candidates(self, micro: int) -> int:
+        return self.inner.num_candidates(micro)
+
+    def select(self, batch: dict, micro: int, step: int, *, user_ids, train_loss: bool):
+        self._mb = self._mb + 1 if step == self._step else 0
+        self._step, mb, src = step, self._mb, self.setup.source_of
+        override = self.domain is not None or self.content is not None
+        sel = self.inner.select(batch, micro, step, user_ids=user_ids,
+                                train_loss=train_loss and not override)
+        if override:  # a diagnostic replaces the choice (the loop forwards it)
+            gen = torch.Generator().manual_seed(self.seed * 100003 + step * 7 + mb)
+            pick = domain_choice([src[d] for d in user_ids], self.domain, micro,
+                                 self.sc.uniform_mix, gen) if self.domain is not None else \
+                ngram_choice(self.content, batch, micro, self.sc.uniform_mix, gen)
+            sel = replace(sel, indices=pick, batch={n: v[pick] for n, v in batch.items()},
+                          chosen_ids=tuple(user_ids[j] for j in pick.tolist()), loss=None)
+        if self.diagnose_every and mb == 0 and step % self.diagnose_every == 0:
+            self.diags.append({"step": step, **diagnose(self.inner, self.model, batch,
+                                                        list(user_ids), step, sel.indices)})
+        for j in sel.indices.tolist():
+            self.sources[src[user_ids[j]]] += 1
+            self.repeats[user_ids[j]] += 1
+        return sel
+
+    def summary(self) -> dict:
+        return self.inner.summary()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
 def run(setup: Setup, sc: SelectionConfig, seed: int, steps: int, eval_every: int,
         micro: int = 8, gas: int = 2, diagnose_every: int = 0,
         domain: str | None = None, ngram: bool = False) -> dict:
-    """Train once; return the eval curve and diagnostics. ``domain``: instead of the
-    selector's choice, the label oracle ``domain_choice`` for that corpus source;
-    ``ngram``: the content baseline ``ngram_choice``."""
-    model = build_model(str(ROOT / "configs/model_gpt2_tiny.json"), tokenizer=setup.tok,
-                        seed=seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
-    selector = OnlineSelector.for_target_data(
-        model, sc, setup.score.batch(slice(None)), lr_fn=lambda: opt.param_groups[0]["lr"],
-        optimizer=opt, step_examples=micro * gas)
-    n_cand = selector.num_candidates(micro)
+    """Train once with the shipped loop (``train_in_process``, ``--backend torch``); return
+    the eval curve and diagnostics. ``domain``: instead of the selector's choice, the label
+    oracle ``domain_choice`` for that corpus source; ``ngram``: the content baseline
+    ``ngram_choice``."""
+    import tempfile
+
+    from dattri_ds.launch.train import train_in_process
+
+    ds, cfg = loop_configs(steps=steps, seed=seed, seq_len=setup.seq_len,
+                           eval_every=eval_every, selection=sc, micro=micro, gas=gas)
     content = ContentPrior(setup.score.batch(slice(None))) if ngram else None
-    curve, sources, repeats, diags = [], Counter(), Counter(), []
-    norms, clipped = [], 0
+    seen: dict = {}
 
-    def evaluate(step: int) -> None:
-        curve.append({"step": step, "examples": step * micro * gas,
-                      "target": mean_loss(model, setup.eval),
-                      "general": mean_loss(model, setup.general),
-                      "by_source": {src: round(mean_loss(model, d), 4)
-                                    for src, d in setup.general_by_source.items()}})
+    def observe(selector, backend) -> Observed:
+        seen["obs"] = Observed(selector, setup, sc, seed, backend.model, diagnose_every,
+                               domain, content)
+        seen["model"] = backend.model
+        return seen["obs"]
 
-    evaluate(0)
-    for step in range(steps):
-        idx = micro_batch_indices(len(setup.pool), step, n_cand, gas, 0, 1, seed)
-        for mb in range(gas):
-            batch = setup.pool.batch(idx[mb])
-            ids = [setup.pool.docs[i].id for i in idx[mb].tolist()]
-            sel = selector.select(batch, micro, step, user_ids=ids)
-            if domain is not None or content is not None:  # a diagnostic replaces the choice
-                gen = torch.Generator().manual_seed(seed * 100003 + step * 7 + mb)
-                pick = domain_choice([setup.sources[int(i)] for i in idx[mb]], domain, micro,
-                                     sc.uniform_mix, gen) if domain is not None else \
-                    ngram_choice(content, batch, micro, sc.uniform_mix, gen)
-                sel = replace(sel, indices=pick,
-                              batch={n: v[pick] for n, v in batch.items()})
-            if diagnose_every and mb == 0 and step % diagnose_every == 0:
-                diags.append({"step": step, **diagnose(selector, model, batch, ids, step,
-                                                       sel.indices)})
-            for j in sel.indices.tolist():
-                sources[setup.sources[int(idx[mb][j])]] += 1
-                repeats[int(idx[mb][j])] += 1
-            (model(**sel.batch).loss / gas).backward()
-        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
-        norms.append(norm)
-        clipped += norm > 1.0
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        if (step + 1) % eval_every == 0 or step + 1 == steps:
-            evaluate(step + 1)
-    v = [st["exp_avg_sq"].mean().item() for st in opt.state.values()]
-    summary = selector.summary()
-    selector.close()
-    total = sum(sources.values())
+    def evaluate() -> dict:
+        model = seen["model"]
+        return {"target_loss": mean_loss(model, setup.eval),
+                "general_loss": mean_loss(model, setup.general),
+                "by_source": {src: round(mean_loss(model, d), 4)
+                              for src, d in setup.general_by_source.items()}}
+
+    with tempfile.TemporaryDirectory(prefix="selection_effect_") as out:
+        summary, backend = train_in_process(ds, cfg, setup.pool, setup.tok, Path(out),
+                                            target=setup.score.batch(slice(None)),
+                                            evaluator=evaluate, wrap_selector=observe)
+    obs, norms = seen["obs"], backend.grad_norms
+    curve = [{"step": e["step"], "examples": e["examples"], "target": e["target_loss"],
+              "general": e["general_loss"], "by_source": e["by_source"]}
+             for e in summary["eval"]]
+    v = [st["exp_avg_sq"].mean().item() for st in backend.optimizer.state.values()]
+    total = sum(obs.sources.values())
     return {"curve": curve,
-            "sources": {s: round(c / total, 3) for s, c in sources.most_common()},
-            "max_repeat": max(repeats.values()), "distinct": len(repeats),
-            "grad_norm": statistics.mean(norms), "clip_frac": clipped / steps,
-            "adam_v": statistics.mean(v), "diagnostics": diags,
-            "mean_chosen_score": summary["mean_chosen_score"],
-            "mean_candidate_score": summary["mean_candidate_score"]}
+            "sources": {s: round(c / total, 3) for s, c in obs.sources.most_common()},
+            "max_repeat": max(obs.repeats.values()), "distinct": len(obs.repeats),
+            "grad_norm": statistics.mean(norms),
+            "clip_frac": sum(n > backend.clip for n in norms) / steps,
+            "adam_v": statistics.mean(v), "diagnostics": obs.diags,
+            "mean_chosen_score": summary["selection"]["mean_chosen_score"],
+            "mean_candidate_score": summary["selection"]["mean_candidate_score"]}
 
 
 def interp_examples(curve: list[dict], level: float) -> float:

@@ -6,7 +6,9 @@
 The end-of-training benchmark (selection_effect.py) is the verdict, but its paired
 differences carry ~0.05-0.08 nats of trajectory noise per seed. This diagnostic measures the
 thing a per-example score is meant to predict, exactly and cheaply: from a checkpoint of a
-random-choice run (the benchmark's model, AdamW and schedule), for each of ``--candidates``
+random-choice run (the benchmark's model, AdamW and schedule, trained by the shipped loop
+on ``--backend torch``; the model, optimizer and schedule restored from its checkpoint),
+for each of ``--candidates``
 pool examples ``b``, take the real next optimizer step (clipping 1.0, AdamW with the
 checkpoint's moments and step count) on a micro-batch of 15 fixed random pool examples plus
 ``b``, and record the held-out target loss after it. The candidate's *benefit* is the drop
@@ -33,6 +35,8 @@ import argparse
 import math
 import statistics
 import sys
+import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -41,11 +45,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from selection_effect import Setup, lr_lambda, mean_loss, spearman  # noqa: E402
+from selection_effect import Setup, mean_loss, spearman  # noqa: E402
 
-from dattri_ds.data import build_model  # noqa: E402
-from dattri_ds.launch.loop import micro_batch_indices  # noqa: E402
+from benchmarks._common import loop_configs  # noqa: E402
+from dattri_ds.launch.torch_backend import make_optimizer  # noqa: E402
+from dattri_ds.selection import SelectionConfig  # noqa: E402
 from dattri_ds.selection.stepscore import expected_step_cosine  # noqa: E402
+
+#: The DeepSpeed dict of the runs (configs/zero3_cpu.json, micro-batch 8 x 2): optimizer,
+#: schedule and clipping of the real steps measured here.
+DS_CONFIG: dict = {}
 
 IN_DOMAIN = {"hamlet": "shakespeare", "code": "python_code"}
 
@@ -85,23 +94,43 @@ def adam_step_params(model, opt, grad: torch.Tensor, clip: float = 1.0) -> dict:
     return new
 
 
-def persistent_after(model, opt, sched_step: int, first: dict, later: list[dict],
-                     data) -> float:
+def persistent_after(model, opt, sched, first: dict, later: list[dict], data) -> float:
     """Target loss after the real step on ``first`` (model inputs) and ``len(later)`` more
-    ordinary steps on the fixed batches ``later``, from copies of model and optimizer."""
+    ordinary steps on the fixed batches ``later``, from copies of model, optimizer and lr
+    schedule (the run's DeepSpeed schedule class, advanced after each step as the loop
+    does)."""
     import copy
 
     m = copy.deepcopy(model)
-    o = torch.optim.AdamW(m.parameters(), lr=2e-3, weight_decay=0.01)
+    o, s = make_optimizer(DS_CONFIG, m.parameters())
     o.load_state_dict(copy.deepcopy(opt.state_dict()))
-    for i, b in enumerate([first, *later]):
-        for g in o.param_groups:
-            g["lr"] = 2e-3 * lr_lambda(sched_step + i)
+    s.load_state_dict(copy.deepcopy(sched.state_dict()))
+    for b in [first, *later]:
         m(**b).loss.backward()
-        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(m.parameters(), DS_CONFIG["gradient_clipping"])
         o.step()
+        s.step()
         o.zero_grad(set_to_none=True)
     return mean_loss(m, data)
+
+
+def checkpoints_of_run(setup: Setup, seed: int, steps: list[int], out: Path):
+    """Train the random-choice run with the shipped loop (``train_in_process``, no
+    selection, checkpoints at every multiple of the steps' gcd); yield ``(step, model,
+    optimizer, schedule)`` restored from checkpoint ``step<s>`` of each step in ``steps``."""
+    from dattri_ds.launch.torch_backend import TorchBackend
+    from dattri_ds.launch.train import train_in_process
+
+    global DS_CONFIG
+    every = math.gcd(*steps)
+    DS_CONFIG, cfg = loop_configs(steps=max(steps), seed=seed, seq_len=setup.seq_len,
+                                  eval_every=0, selection=SelectionConfig())
+    cfg = replace(cfg, train=replace(cfg.train, save_every=every))
+    _, backend = train_in_process(DS_CONFIG, cfg, setup.pool, setup.tok, out)
+    for step in sorted(steps):
+        back = TorchBackend(DS_CONFIG, cfg, setup.tok, setup.pool)
+        back.load(out / "checkpoints", f"step{step}")
+        yield step, back.model, back.optimizer, back.sched
 
 
 def preconditioner(model, opt) -> torch.Tensor:
@@ -148,7 +177,7 @@ def auc(score: torch.Tensor, pos: torch.Tensor) -> float:
     return float((r[pos].sum() - n1 * (n1 + 1) / 2) / (n1 * n0))
 
 
-def checkpoint_report(setup: Setup, model, opt, step: int, seed: int, n_cand: int,
+def checkpoint_report(setup: Setup, model, opt, sched, step: int, seed: int, n_cand: int,
                       target: str, horizon: int = 0) -> dict[str, dict]:
     gen = torch.Generator().manual_seed(1000 * seed + step)
     perm = torch.randperm(len(setup.pool), generator=gen)
@@ -168,7 +197,7 @@ def checkpoint_report(setup: Setup, model, opt, step: int, seed: int, n_cand: in
         later = [setup.pool.batch(perm[15 + n_cand + 16 * h:15 + n_cand + 16 * (h + 1)])
                  for h in range(horizon)]
         after = torch.tensor([
-            persistent_after(model, opt, step,
+            persistent_after(model, opt, sched,
                              setup.pool.batch(torch.cat([base, cand[j:j + 1]])), later,
                              setup.eval) for j in range(len(cand))])
     else:  # right after the candidate's step
@@ -203,19 +232,19 @@ def main(argv: list[str] | None = None) -> None:
                     help="measure the benefit N ordinary steps after the candidate's step "
                     "(fixed random batches, the same for every candidate); 0: right after")
     args = ap.parse_args(argv)
+    if min(args.checkpoints) < 1:
+        ap.error(f"--checkpoints {args.checkpoints}: optimizer steps >= 1 (checkpoints "
+                 f"step<N> of the shipped loop)")
     torch.set_num_threads(1)
     table: dict[str, dict[str, list]] = {}
     for target in args.targets:
         setup = Setup(target, 64, 64)
         for seed in range(args.seeds):
-            model = build_model(str(ROOT / "configs/model_gpt2_tiny.json"), tokenizer=setup.tok,
-                                seed=seed)
-            opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
-            sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
-            for step in range(max(args.checkpoints) + 1):
-                if step in args.checkpoints:
-                    rep = checkpoint_report(setup, model, opt, step, seed, args.candidates,
-                                            target, args.horizon)
+            with tempfile.TemporaryDirectory(prefix="selection_oracle_") as out:
+                for step, model, opt, sched in checkpoints_of_run(setup, seed,
+                                                                  args.checkpoints, Path(out)):
+                    rep = checkpoint_report(setup, model, opt, sched, step, seed,
+                                            args.candidates, target, args.horizon)
                     line = " ".join(f"{k} {v['rho']:+.2f}/{v['top_quarter']*1e3:+.2f}"
                                     for k, v in rep.items())
                     print(f"{target} seed {seed} step {step} (rho / top-quarter benefit "
@@ -223,13 +252,6 @@ def main(argv: list[str] | None = None) -> None:
                     for k, v in rep.items():
                         for key, x in v.items():
                             table.setdefault(f"{target}|{k}", {}).setdefault(key, []).append(x)
-                idx = micro_batch_indices(len(setup.pool), step, 8, 2, 0, 1, seed)
-                for mb in range(2):
-                    (model(**setup.pool.batch(idx[mb])).loss / 2).backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                opt.step()
-                sched.step()
-                opt.zero_grad(set_to_none=True)
     print("\n| target | rule | Spearman with benefit | top-quarter benefit (1e-3 nats) | "
           "top-half | in-domain AUC |\n|---|---|---|---|---|---|")
     for key, v in table.items():

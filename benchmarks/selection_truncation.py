@@ -4,7 +4,8 @@
         --steps 100 --multiple 2 --blocks 1 2 3
 
 The setup of benchmarks/selection_effect.py (tiny GPT-2 with 4 blocks, the shipped target
-sets, AdamW, clipping, micro-batch 8 x 2 accumulation, seq_len 64). Each run trains with
+sets, the shipped loop on ``--backend torch`` with configs/zero3_cpu.json's AdamW, schedule
+and clipping, micro-batch 8 x 2 accumulation, seq_len 64). Each run trains with
 the shipped default selection (every layer scored); at every micro-batch the same
 candidates are also scored by selectors that score only the top N blocks (each with its
 own target gradient over the same layers, refreshed at the same steps). Per N it prints,
@@ -21,6 +22,7 @@ import math
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -28,9 +30,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.selection_effect import Setup, lr_lambda  # noqa: E402
-from dattri_ds.data import build_model  # noqa: E402
-from dattri_ds.launch.train import micro_batch_indices  # noqa: E402
+from benchmarks._common import loop_configs  # noqa: E402
+from benchmarks.selection_effect import Setup  # noqa: E402
 from dattri_ds.selection import OnlineSelector, SelectionConfig  # noqa: E402
 
 
@@ -46,40 +47,59 @@ def top(scores: torch.Tensor, k: int) -> set[int]:
     return set(torch.topk(scores, k).indices.tolist())
 
 
+class AlsoTruncated:
+    """The selector ``loop.train`` calls (full scoring, which trains), with every truncated
+    selector scoring the same candidates at each micro-batch."""
+
+    def __init__(self, full, trunc: dict, k_pol: int) -> None:
+        self.full, self.trunc, self.k_pol = full, trunc, k_pol
+        self.stats = {n: {"spearman": [], "overlap": []} for n in trunc}
+
+    def num_candidates(self, micro: int) -> int:
+        return self.full.num_candidates(micro)
+
+    def select(self, batch: dict, micro: int, step: int, **kw):
+        sel = self.full.select(batch, micro, step, **kw)
+        s_full = sel.scores.detach().float().cpu()
+        for n, t in self.trunc.items():
+            s = t.score(batch, step)[1].detach().float().cpu()
+            self.stats[n]["spearman"].append(spearman(s_full, s))
+            self.stats[n]["overlap"].append(len(top(s_full, self.k_pol) & top(s, self.k_pol))
+                                            / self.k_pol)
+        return sel
+
+    def summary(self) -> dict:
+        return self.full.summary()
+
+    def close(self) -> None:
+        for s in (self.full, *self.trunc.values()):
+            s.close()
+
+
 def run(setup: Setup, base: SelectionConfig, blocks: list[int], seed: int, steps: int,
         micro: int = 8, gas: int = 2) -> dict[int, dict[str, list[float]]]:
-    model = build_model(str(ROOT / "configs/model_gpt2_tiny.json"), tokenizer=setup.tok,
-                        seed=seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
-    target = setup.score.batch(slice(None))
+    """One run of the shipped loop (``train_in_process``) with the default selection."""
+    import tempfile
 
-    def selector(cfg: SelectionConfig) -> OnlineSelector:
-        return OnlineSelector.for_target_data(model, cfg, target, optimizer=opt,
-                                              lr_fn=lambda: opt.param_groups[0]["lr"])
-    full = selector(base)
-    trunc = {n: selector(SelectionConfig(**{**base.__dict__, "top_blocks": n})) for n in blocks}
-    n_cand = full.num_candidates(micro)
+    from dattri_ds.launch.train import train_in_process
+
+    ds, cfg = loop_configs(steps=steps, seed=seed, seq_len=setup.seq_len, eval_every=0,
+                           selection=base, micro=micro, gas=gas)
+    target = setup.score.batch(slice(None))
     k_pol = micro - round(base.uniform_mix * micro)
-    stats = {n: {"spearman": [], "overlap": []} for n in blocks}
-    for step in range(steps):
-        idx = micro_batch_indices(len(setup.pool), step, n_cand, gas, 0, 1, seed)
-        for mb in range(gas):
-            batch = setup.pool.batch(idx[mb])
-            sel = full.select(batch, micro, step)
-            s_full = sel.scores
-            for n, t in trunc.items():
-                s = t.score(batch, step)[1].detach().float().cpu()
-                stats[n]["spearman"].append(spearman(s_full, s))
-                stats[n]["overlap"].append(len(top(s_full, k_pol) & top(s, k_pol)) / k_pol)
-            (model(**sel.batch).loss / gas).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-    for s in (full, *trunc.values()):
-        s.close()
-    return stats
+    got = {}
+
+    def also_truncated(full, backend) -> AlsoTruncated:
+        trunc = {n: OnlineSelector.for_target_data(
+                     backend.model, replace(base, top_blocks=n), target,
+                     optimizer=backend.optimizer, lr_fn=backend.lr) for n in blocks}
+        got["obs"] = AlsoTruncated(full, trunc, k_pol)
+        return got["obs"]
+
+    with tempfile.TemporaryDirectory(prefix="selection_truncation_") as out:
+        train_in_process(ds, cfg, setup.pool, setup.tok, Path(out), target=target,
+                         wrap_selector=also_truncated)
+    return got["obs"].stats
 
 
 def main(argv: list[str] | None = None) -> None:

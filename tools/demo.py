@@ -1,7 +1,9 @@
 """README demo: train a tiny GPT-2 on the offline corpus, then attribute held-out queries to it.
 
 Steps: tokenizer (SentencePiece BPE, cached) on the training pool -> small GPT-2 from
-``configs/model_gpt2_tiny.json`` -> a few hundred AdamW steps -> projected per-example
+``configs/model_gpt2_tiny.json`` -> a few hundred AdamW steps of the shipped training loop
+(launch/loop.py on ``--backend torch``; the run folder ``<out>/run`` is one the offline
+tools read) -> projected per-example
 gradients of the training documents and of a few held-out queries (Hamlet, trivia, code)
 with ``GradientCapture`` -> cosine scores ``[N, Q]`` -> most and least helpful training
 documents per query, and precision@k by source.
@@ -24,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import sys
 import time
 from collections import Counter
@@ -118,15 +119,6 @@ def load_queries(args: argparse.Namespace) -> tuple[list[Document], list[str]]:
     return queries, sets
 
 
-def lr_at(step: int, args: argparse.Namespace) -> float:
-    """Linear warm-up over 10% of the steps, then cosine decay to 10% of the peak."""
-    warm = max(1, args.steps // 10)
-    if step < warm:
-        return args.lr * (step + 1) / warm
-    frac = (step - warm) / max(1, args.steps - warm)
-    return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
-
-
 @torch.no_grad()
 def mean_loss(model: torch.nn.Module, ds: TokenizedDocuments, batch_size: int = 64) -> float:
     """Token-mean loss over a dataset."""
@@ -140,36 +132,44 @@ def mean_loss(model: torch.nn.Module, ds: TokenizedDocuments, batch_size: int = 
     return total / max(count, 1)
 
 
-def train(model: torch.nn.Module, ds: TokenizedDocuments, args: argparse.Namespace) -> list:
-    """Plain AdamW on random mini-batches; returns ``[[step, loss], ...]`` at log steps."""
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    rest = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                             {"params": rest, "weight_decay": 0.0}], lr=args.lr,
-                            betas=(0.9, 0.95))
-    gen = torch.Generator().manual_seed(args.seed)
-    order, pos, history, running, t0 = torch.randperm(len(ds), generator=gen), 0, [], [], time.time()
-    model.train()
-    for step in range(args.steps):
-        if pos + args.batch_size > len(ds):
-            order, pos = torch.randperm(len(ds), generator=gen), 0
-        idx = order[pos:pos + args.batch_size]
-        pos += args.batch_size
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, args)
-        loss = model(**ds.batch(idx)).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        running.append(loss.item())
-        if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-            avg = sum(running) / len(running)
-            history.append([step + 1, round(avg, 4)])
-            logger.info("step %4d/%d  loss %.3f  lr %.2e  (%.1f s)", step + 1, args.steps, avg,
-                        lr_at(step, args), time.time() - t0)
-            running = []
-    return history
+def run_configs(args: argparse.Namespace):
+    """``(DeepSpeed dict, RunConfig)`` of the demo's training run on the shipped loop
+    (``--backend torch``): AdamW (betas 0.9/0.95, weight decay 0.1), DeepSpeed
+    WarmupCosineLR (linear warm-up over 10% of the steps, cosine to 10% of the peak),
+    clipping 1.0, ``batch_size`` examples per step."""
+    from dattri_ds.launch.config import RunConfig, TrainConfig
+    from dattri_ds.launch.engine import EngineConfig
+
+    ds_config = {
+        "train_micro_batch_size_per_gpu": args.batch_size, "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "betas": [0.9, 0.95],
+                                                  "weight_decay": 0.1}},
+        "scheduler": {"type": "WarmupCosineLR", "params": {
+            "total_num_steps": args.steps, "warmup_num_steps": max(2, args.steps // 10),
+            "warmup_min_ratio": 0.0, "cos_min_ratio": 0.1, "warmup_type": "linear"}}}
+    train = TrainConfig(model_config=str(args.model_config), steps=args.steps, seed=args.seed,
+                        seq_len=args.seq_len, vocab_size=args.vocab_size,
+                        log_every=args.log_every)
+    return ds_config, RunConfig(train=train, engine=EngineConfig(backend="torch"))
+
+
+def train(ds: TokenizedDocuments, tok, args: argparse.Namespace, out: Path):
+    """Train with the shipped loop (``train_in_process``) into ``out``; returns the model
+    and ``[[step, mean loss since the previous log step], ...]``."""
+    from dattri_ds.launch.train import train_in_process
+
+    ds_config, cfg = run_configs(args)
+    _, backend = train_in_process(ds_config, cfg, ds, tok, out)
+    lrs = json.loads((out / "trajectory.json").read_text())["lrs"]
+    history, last = [], 0
+    for e in lrs:
+        n = e["step"] + 1
+        if n % args.log_every == 0 or n == args.steps:
+            losses = [x["loss"] for x in lrs[last:n]]
+            history.append([n, round(sum(losses) / len(losses), 4)])
+            last = n
+    return backend.model, history
 
 
 def capture(model: torch.nn.Module, ds: TokenizedDocuments, proj: ProjectionConfig,
@@ -286,13 +286,15 @@ def main(argv: list[str] | None = None) -> dict:
                 len(docs), source_counts(docs), len(queries), tok.fingerprint,
                 100 * float(ds.truncated.float().mean()), args.seq_len)
 
-    model = build_model(args.model_config, tokenizer=tok, seed=args.seed)
+    model = build_model(args.model_config, tokenizer=tok, seed=args.seed)  # the loop's init
     n_params = sum(p.numel() for p in model.parameters())
     logger.info("model %s, %.2fM parameters", type(model).__name__, n_params / 1e6)
     q_before = query_losses(model, qds, sets)
     t1 = time.time()
-    history = train(model, ds, args)
+    model, history = train(ds, tok, args, out / "run")
     times["train_s"] = time.time() - t1
+    logger.info("trained %d steps in %.1f s (run folder %s)", args.steps, times["train_s"],
+                out / "run")
     q_after = query_losses(model, qds, sets)
     logger.info("query loss before -> after training: %s", ", ".join(
         f"{s} {q_before[s]:.2f} -> {q_after[s]:.2f}" for s in q_before))
