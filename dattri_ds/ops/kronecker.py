@@ -72,7 +72,7 @@ from dattri_ds.layers.outer import row_chunks
 from dattri_ds.ops.cost import default_cost_model
 from dattri_ds.ops.factor_forms import FORMS, FactorForm
 from dattri_ds.ops.projection import Projector, kron_dims
-from dattri_ds.ops.space import Space, kron_sides, project
+from dattri_ds.ops.space import Space, project
 from dattri_ds.schema import bounds, check
 
 __all__ = ["KFACConfig", "LayerFactors", "KFACFactors", "METHODS"]
@@ -271,7 +271,7 @@ class KFACFactors:
         f = lg.data
         if lf.projection is None or lf.space.identity:
             return f
-        p_out, p_in = kron_sides(self.projector, lf.name, *lf.shape, f.g.device, self._dtype)
+        p_out, p_in = self.projector.kron_sides(lf.name, *lf.shape, f.g.device, self._dtype)
         return lf.kind.side_project(f, p_out, p_in)
 
     def update(self, batch: GradBatch) -> None:

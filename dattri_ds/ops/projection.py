@@ -64,11 +64,14 @@ _SPARSE_ENTRY_BYTES = 12
 
 
 class ProjectionKind:
-    """One projection kind: what a layer ``[O, I']`` stores, costs and loses at size k.
+    """One projection kind: how a layer ``[O, I']`` is projected, what it stores, costs and
+    loses at size k.
 
-    Subclasses register by name (``class X(ProjectionKind, name="x")``). Every method is
-    per layer and per example, for a layer larger than k (a layer with ``O*I' <= k`` is
-    kept exactly by every kind: ``layer_width`` / ``layer_error`` handle that).
+    A new kind is this one class: ``class X(ProjectionKind, name="x")`` registers it, and
+    ``ProjectionConfig(kind="x")`` uses it everywhere a projection runs (capture, stores,
+    queries: ``ops.space.project`` calls ``project``). Every method is per layer and per
+    example, for a layer larger than k (a layer with ``O*I' <= k`` is kept exactly by
+    every kind, before ``project`` is asked).
     """
 
     name: ClassVar[str]
@@ -83,6 +86,12 @@ class ProjectionKind:
     def width(self, k: int, o: int, i: int) -> int:
         """Values stored per example."""
         return k
+
+    def project(self, projector: Projector, lg, cost, path: str | None = None) -> torch.Tensor:
+        """``[B, width]`` projected rows of one unsharded, unprojected ``LayerGrad`` (factors
+        or dense rows). Default: the layer's kind applies the projector's seeded dense or
+        sparse matrix (``LayerKind.project_rows``, routed by the cost model ``cost``)."""
+        return lg.kind.project_rows(lg.name, lg.data, lg.shape, projector, cost, path)
 
     def matrix_bytes(self, k: int, o: int, i: int) -> int:
         """Bytes of the layer's seeded matrices (fp32 values)."""
@@ -119,6 +128,14 @@ class KroneckerKind(ProjectionKind, name="kronecker"):
     def flops(self, k: int, o: int, i: int, t: int) -> float:
         ko, ki = kron_dims(k, o, i)
         return 2.0 * t * (o * ko + i * ki + ko * ki)
+
+    def project(self, projector, lg, cost, path=None):
+        """``vec(P_out G P_in^T)`` (``LayerKind.project_factors``); kinds without Kronecker
+        structure (dense-only rows) fall back to the seeded dense matrix."""
+        if lg.kind.dense_only:
+            return super().project(projector, lg, cost, path)
+        p_out, p_in = projector.kron_sides(lg.name, *lg.shape, lg.device)
+        return lg.kind.project_factors(lg.name, lg.data, lg.shape, p_out, p_in, cost, path)
 
     def error(self, k: int, o: int, i: int) -> float:
         """``sqrt(2/ko) + sqrt(2/ki)``: each side is a JL map of its own factor."""
@@ -161,7 +178,7 @@ class AutoKind(ProjectionKind, name="auto"):
     matrix_bytes = flops = error = width  # type: ignore[assignment]
 
 
-#: Projection kinds (the registry's names).
+#: The built-in projection kinds (``PROJECTION_KINDS.names()`` lists user kinds too).
 KINDS = tuple(PROJECTION_KINDS)
 
 
@@ -216,8 +233,8 @@ def explain_projection(shapes: Mapping[str, tuple[int, int]], k: int,
 class ProjectionConfig:
     """How per-layer gradients are compressed."""
 
-    kind: Literal["kronecker", "dense", "sparse", "auto"] = "auto"
-    """A registered ``ProjectionKind``: ``kronecker``: project input and output sides
+    kind: str = "auto"
+    """A registered ``ProjectionKind`` (``PROJECTION_KINDS``): ``kronecker``: project input and output sides
     separately (LoGra); ``dense``: one ``[k, D]`` matrix on the materialized gradient;
     ``sparse``: a sparse JL matrix with ``SPARSE_NNZ`` non-zeros per column on the
     materialized gradient (dense-JL error at a fraction of its cost); ``auto`` (default):
@@ -251,7 +268,10 @@ class ProjectionConfig:
 
     def __post_init__(self) -> None:
         check(self, "projection")
-        projection_kind(self.kind)
+        if self.kind not in PROJECTION_KINDS:
+            raise ConfigError(f"projection.kind '{self.kind}' is not a registered projection "
+                              f"kind; registered: {PROJECTION_KINDS.names()} (a new one is "
+                              f"class X(ProjectionKind, name='x'))")
 
     @property
     def tag(self) -> str:
@@ -315,12 +335,16 @@ class Projector:
         #: Matrix (non-Kronecker) layers use the sparse JL matrix (``auto`` falls back to it).
         self.sparse = config.kind in ("sparse", "auto")
 
-    def kind_of(self, o: int, i: int) -> str:
-        """The kind a layer ``[O, I']`` is projected with (``auto`` resolved per layer)."""
+    def kind_for(self, o: int, i: int) -> ProjectionKind:
+        """The ProjectionKind a layer ``[O, I']`` is projected with (``auto`` resolved)."""
         kind = projection_kind(self.config.kind)
         if isinstance(kind, AutoKind):
             kind = kind.resolve(self.config, o, i)
-        return kind.name
+        return kind
+
+    def kind_of(self, o: int, i: int) -> str:
+        """The name of ``kind_for(o, i)``."""
+        return self.kind_for(o, i).name
 
     def _get(self, key: tuple, make, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         full_key = key + (str(device), dtype)
@@ -341,6 +365,15 @@ class Projector:
         seed = stable_seed(cfg.seed, layer, role)
         return self._get(("side", layer, role, rows, cols),
                          lambda: random_matrix(rows, cols, seed, cfg.distribution), device, dtype)
+
+    def kron_sides(self, layer: str, o: int, i: int, device: torch.device,
+                   dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """The Kronecker sides ``(P_out [ko, O], P_in [ki, I'])`` of a layer ``[O, I']``
+        (``kron_dims``): the one place they are built (stores, queries, shards and LoGra
+        curvature factors share them)."""
+        ko, ki = kron_dims(self.config.dim, o, i)
+        return (self.side(layer, "out", ko, o, device, dtype),
+                self.side(layer, "in", ki, i, device, dtype))
 
     def dense_block(self, layer: str, block: int, rows: int, cols: int, device: torch.device,
                     dtype: torch.dtype = torch.float32) -> torch.Tensor:

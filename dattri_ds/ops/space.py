@@ -28,9 +28,12 @@ from dattri_ds.distributed import all_gather_object, all_reduce_sum
 from dattri_ds.errors import ConfigError, ShapeError, UnsupportedLayerError
 from dattri_ds.gradient import Dense, Factorized, GradBatch, LayerGrad, ShardInfo
 from dattri_ds.ops.cost import CostModel, default_cost_model
-from dattri_ds.ops.projection import Projector, kron_dims
+from dattri_ds.ops.projection import Projector
 
-__all__ = ["Space", "project", "project_batch", "kron_sides", "is_whitened", "gather_shards",
+#: Projection kinds whose seeded matrices can be sliced to a tensor-parallel shard.
+_SHARDABLE = frozenset({"kronecker", "dense", "sparse"})
+
+__all__ = ["Space", "project", "project_batch", "is_whitened", "gather_shards",
            "unshard", "unshard_batch"]
 
 
@@ -155,23 +158,9 @@ def project(lg: LayerGrad, projector: Projector, cost: CostModel | None = None,
     if o * i <= cfg.dim:
         return lg.replace(data=Dense(kind.rows(lg.data, lg.shape)),
                           projection=Space(cfg.tag, identity=True).tag)
-    cost = cost or default_cost_model(lg.device)
-    if projector.kind_of(o, i) == "kronecker" and not kind.dense_only:
-        p_out, p_in = kron_sides(projector, lg.name, o, i, lg.device)
-        vals = kind.project_factors(lg.name, lg.data, lg.shape, p_out, p_in, cost, path)
-    else:
-        vals = kind.project_rows(lg.name, lg.data, lg.shape, projector, cost, path)
+    vals = projector.kind_for(o, i).project(projector, lg, cost or default_cost_model(lg.device),
+                                            path)
     return lg.replace(data=Dense(vals), projection=cfg.tag)
-
-
-def kron_sides(projector: Projector, name: str, o: int, i: int, device,
-               dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The seeded Kronecker sides ``(P_out [ko, O], P_in [ki, I'])`` of layer ``name``: the
-    one place they are built (stores, queries, shards and curvature factors share them)."""
-    ko, ki = kron_dims(projector.config.dim, o, i)
-    extra = () if dtype is None else (dtype,)
-    return (projector.side(name, "out", ko, o, device, *extra),
-            projector.side(name, "in", ki, i, device, *extra))
 
 
 def is_whitened(tag: str | None) -> bool:
@@ -257,8 +246,14 @@ def _project_shard(lg: LayerGrad, projector: Projector, cost: CostModel | None,
         return lg.replace(data=Dense(gather_shards(lg)), shape=tuple(shard.full_shape),
                           shard=None, projection=Space(cfg.tag, identity=True).tag)
     local = lg.replace(shard=None)
-    if projector.kind_of(o, i) == "kronecker" and isinstance(lg.data, Factorized):
-        p_out, p_in = kron_sides(projector, lg.name, o, i, lg.device)
+    pkind = projector.kind_of(o, i)
+    if pkind not in _SHARDABLE:
+        raise UnsupportedLayerError(
+            f"Layer '{lg.name}' is a tensor-parallel shard and projection kind '{pkind}' has "
+            f"no shard rule (only {sorted(_SHARDABLE)}); unshard it first "
+            f"(dattri_ds.ops.space.unshard_batch) or use one of those kinds")
+    if pkind == "kronecker" and isinstance(lg.data, Factorized):
+        p_out, p_in = projector.kron_sides(lg.name, o, i, lg.device)
         n = lg.shape[shard.dim]
         if shard.dim == 0:
             p_out = p_out.narrow(1, shard.start, n)
