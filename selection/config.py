@@ -10,7 +10,7 @@ from dattri_ds.config import from_dict
 from dattri_ds.errors import ConfigError
 from dattri_ds.ops.projection import ProjectionConfig
 from dattri_ds.selection.policy import POLICIES
-from dattri_ds.selection.scores import SCORES
+from dattri_ds.selection.scorer import SCORES
 
 __all__ = ["SelectionConfig"]
 
@@ -64,7 +64,7 @@ class SelectionConfig:
     (unprojected) scoring."""
 
     score: Literal["alignment", "step"] = "alignment"
-    """The scoring rule, a registered ``Score`` (selection/scores.py; a new rule is one class
+    """The scoring rule, a registered ``Score`` (selection/scorer.py; a new rule is one class
     there and its name here). ``alignment``: ``<g_b, g_target>`` (a cosine when
     ``normalize``; ``contrast`` and ``precondition`` shape the target). ``step``: the expected cosine of the training step's
     summed gradient with the target when the candidate takes one of its slots and typical

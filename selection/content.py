@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import torch
 
-from dattri_ds.selection.smoothing import NGRAM_DIM, ngram_features
+from dattri_ds.selection.smoothing import NGRAM_DIM, CandidateText, ngram_features
 
-__all__ = ["ContentPrior", "DEFAULT_CONTENT_WEIGHT", "standardize", "with_content"]
+__all__ = ["ContentPrior", "ContentRanking", "DEFAULT_CONTENT_WEIGHT", "standardize",
+           "with_content"]
 
 DEFAULT_CONTENT_WEIGHT = 1.0
 """``selection.content_weight`` when unset and the target is documents (docs/selection.md)."""
@@ -67,3 +68,18 @@ class ContentPrior:
         self._stream += c.sum(0)
         log_stream = torch.log((self._stream + 1) / (self._stream.sum() + self.dim))
         return (c @ (self._log_target - log_stream)) / c.sum(1).clamp_min(1)
+
+
+class ContentRanking:
+    """The ``content_weight`` rank stage (selection/rank.py): ``z(ranked) + weight * z(c)``.
+
+    Args:
+        documents: the target documents' model inputs (the prior's target counts).
+        weight: ``content_weight`` (> 0).
+    """
+
+    def __init__(self, documents: dict[str, torch.Tensor], weight: float) -> None:
+        self.prior, self.weight = ContentPrior(documents), weight
+
+    def __call__(self, ranked: torch.Tensor, text: CandidateText) -> torch.Tensor:
+        return with_content(ranked, self.prior.scores_of_counts(text.counts), self.weight)

@@ -10,7 +10,7 @@ stages in order, each a small object built once from the config:
    ZeRO-3's partitioned gradients and reductions are never touched (skipped when the
    ``Score`` needs no gradients);
 3. **score**: the registered ``Score`` of ``selection.score`` maps the candidates'
-   gradients and the rows to ``[C]`` scores (selection/scores.py); non-finite ones dropped;
+   gradients and the rows to ``[C]`` scores (selection/scorer.py); non-finite ones dropped;
 4. **rank**: the ``Ranker`` stages (neighbour smoothing, the content prior) turn the scores
    into what the policy ranks (selection/rank.py);
 5. **repeat cap**: candidates trained ``max_repeats`` times already go last;
@@ -54,9 +54,9 @@ from dattri_ds.selection.blocks import probe_share, top_block_patterns
 from dattri_ds.selection.config import SelectionConfig
 from dattri_ds.selection.contrast import PoolSample
 from dattri_ds.selection.fallback import HeldOutCheck
-from dattri_ds.selection.policy import POLICIES, cap_repeats, fill_uniform
+from dattri_ds.selection.policy import POLICIES, cap_repeats
 from dattri_ds.selection.rank import CandidateText, content_weight, rankers
-from dattri_ds.selection.scores import aligned, score_for
+from dattri_ds.selection.scorer import aligned, score_for
 from dattri_ds.selection.stepcost import StepCost, decide_reuse
 from dattri_ds.selection.target import (
     Target, TargetProvider, build_target, pool_reference, prepare,
@@ -200,7 +200,7 @@ class OnlineSelector:
         self._pool = PoolSample(self.rule.pool_rows) if self.rule.needs_pool else None
         self.rows = self.rule.rows(goal.gradient, self._pool, reference)  # the target stage
         self.content_weight = content_weight(config, self.policy, goal.documents)
-        self._rankers = rankers(config, self.policy, goal.documents)  # the rank stage
+        self._rankers = rankers(config, self.content_weight, goal.documents)  # the rank stage
         self.step_examples = step_examples
         self._step_others = max(0, (step_examples or 1) - 1)  # set per select() from k
         self.check = HeldOutCheck(config.fallback_every, ctx) if held_out is not None else None
@@ -418,7 +418,7 @@ class OnlineSelector:
         if self.config.scope == "global" and self.ctx.dp_world > 1:
             sel = self._select_global(batch, grads, ranked, k)
         else:
-            idx = self._choose(grads, self._capped(grads.sample_ids, ranked), k, grads,
+            idx = self._choose(self._capped(grads.sample_ids, ranked), k, grads,
                                self._generator(step, grads.sample_ids))
             positions = idx if kept is None else kept[idx]
             sel = Selection({n: v[idx.to(v.device)] for n, v in batch.items()},
@@ -435,7 +435,7 @@ class OnlineSelector:
     def _ranked(self, batch: Batch, scores: torch.Tensor) -> torch.Tensor:
         """What the policy ranks: ``scores`` after neighbour smoothing
         (``smooth_neighbors``), combined with the content prior (``content_weight``)."""
-        text = CandidateText(batch)  # hashed once for every stage
+        text = CandidateText(batch["input_ids"], batch.get("attention_mask"))  # hashed once
         ranked = scores
         for stage in self._rankers:
             ranked = stage(ranked, text)
@@ -476,25 +476,15 @@ class OnlineSelector:
         counts = torch.tensor([self._trained.get(i.split("#")[-1], 0) for i in ids])
         return cap_repeats(scores, counts, self.config.max_repeats)
 
-    def _choose(self, grads: GradBatch | None, scores: torch.Tensor, k: int,
+    def _choose(self, scores: torch.Tensor, k: int,
                 gram_source: GradBatch | torch.Tensor | None,
                 generator: torch.Generator) -> torch.Tensor:
-        """The policy's ``k - round(uniform_mix * k)`` picks, filled up uniformly to ``k``."""
-        c = scores.numel()
-        k = min(k, c)
-        k_policy = k - round(self.config.uniform_mix * k)
-        chosen = self._policy(scores, k_policy, gram_source, generator) if k_policy > 0 \
-            else torch.zeros(0, dtype=torch.long)
-        return fill_uniform(chosen, c, k, generator) if chosen.numel() < k else chosen
-
-    def _policy(self, scores: torch.Tensor, k: int,
-                gram_source: GradBatch | torch.Tensor | None,
-                generator: torch.Generator) -> torch.Tensor:
+        """The policy + uniform mix stage (``Policy.mixed``) with this run's parameters."""
         cfg = self.config
-        gram = self.policy.gram(gram_source, self.cost) if self.policy.needs_gram else None
         lr = cfg.greats_lr if cfg.greats_lr is not None else (self.lr_fn() if self.lr_fn else 1.0)
-        return self.policy(scores, k=k, gram=gram, lr=lr, fraction=cfg.fraction, tau=cfg.tau,
-                           temperature=cfg.temperature, generator=generator)
+        return self.policy.mixed(scores, k, uniform_mix=cfg.uniform_mix, gram_source=gram_source,
+                                 cost=self.cost, generator=generator, lr=lr,
+                                 fraction=cfg.fraction, tau=cfg.tau, temperature=cfg.temperature)
 
     def _select_global(self, batch: Batch, grads: GradBatch, scores: torch.Tensor,
                        k: int) -> Selection:
@@ -513,7 +503,7 @@ class OnlineSelector:
         all_ids = [i for g in gathered for i in g["ids"]]
         all_batch = {n: torch.cat([g["batch"][n] for g in gathered]) for n in batch}
         vecs = torch.cat([g["vectors"] for g in gathered]) if vectors is not None else None
-        chosen = self._choose(None, self._capped(all_ids, all_scores), k * world, vecs,
+        chosen = self._choose(self._capped(all_ids, all_scores), k * world, vecs,
                               self._generator(-1, all_ids))
         self._count([all_ids[i] for i in chosen.tolist()])  # every rank counts all: same caps
         per_rank = max(1, chosen.numel() // world)

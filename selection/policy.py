@@ -168,6 +168,21 @@ class Policy(ABC):
     def __call__(self, scores: torch.Tensor, **params) -> torch.Tensor:
         """Sorted ``LongTensor`` of the chosen candidates' indices."""
 
+    def mixed(self, scores: torch.Tensor, k: int, *, uniform_mix: float,
+              gram_source: GradBatch | torch.Tensor | None, cost: CostModel | None,
+              generator: torch.Generator, **params) -> torch.Tensor:
+        """This policy's ``k - round(uniform_mix * k)`` picks (``k`` capped at ``C``), filled
+        up to ``k`` by a uniform draw from the others (``fill_uniform``); the gram comes
+        from ``gram_source`` when the policy ``needs_gram``."""
+        c = scores.numel()
+        k = min(k, c)
+        k_policy = k - round(uniform_mix * k)
+        chosen = torch.zeros(0, dtype=torch.long)
+        if k_policy > 0:
+            gram = self.gram(gram_source, cost) if self.needs_gram else None
+            chosen = self(scores, k=k_policy, gram=gram, generator=generator, **params)
+        return fill_uniform(chosen, c, k, generator) if chosen.numel() < k else chosen
+
 
 #: name -> Policy (callable as policy(scores, *, k, gram, lr, fraction, tau, ...))
 POLICIES: Registry[Policy] = Registry(

@@ -1,19 +1,53 @@
-"""Scoring: candidates x target -> ``scores [C]`` (and the candidate gram for GREATS).
+"""Scoring: candidates x rows -> ``scores [C]``, one registered ``Score`` class per rule.
 
-``score_b = <g_b, g_target>`` summed over the target's layers, routed ghost vs dense by the
-cost model: a factorized candidate against a dense target costs ``2*T*I*O`` per example and
-never builds the per-example weight gradient (``cross_dense``).
+A ``Score`` knows everything about its rule that the rest of a selection step asks:
+
+* ``needs_probe``: it reads the candidates' per-example gradients (the probe pass);
+* ``pool_rows``: how many candidate rows it keeps as a sample of the training pool
+  (``PoolSample``; 0 = no pool), and ``rows``: the provider of what candidates are scored
+  against, built from the target gradient (and the pool's mean gradient when it has one);
+* ``scale``: its values are on a calibrated scale (a cosine, an inner product) that a
+  policy reading the scores' own scale (``threshold``'s tau, GREATS' learning-rate gain) may
+  use; a rule without one can only be ranked;
+* ``check(config)``: the settings it cannot be combined with (at config time);
+* ``__call__(grads, rows, others=...)``: the ``[C]`` scores.
+
+The shared measure, ``score_b = <g_b, g_target>`` summed over the target's layers, is routed
+ghost vs dense by the cost model: a factorized candidate against a dense target costs
+``2*T*I*O`` per example and never builds the per-example weight gradient (``cross_dense``).
+
+A new rule is one subclass, ``class MyScore(Score, name="mine")``, plus ``"mine"`` in
+``SelectionConfig.score``'s ``Literal``; nothing else changes.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import TYPE_CHECKING, ClassVar
+
 import torch
 
-from dattri_ds.errors import ShapeError
+from dattri_ds.distributed import ParallelContext
+from dattri_ds.errors import ConfigError, ShapeError
 from dattri_ds.gradient import GradBatch
-from dattri_ds.ops import CostModel, cross_gram
+from dattri_ds.ops import CostModel, cross_gram, norms
+from dattri_ds.registry import Registry
+from dattri_ds.selection.contrast import ContrastTarget, PoolSample
+from dattri_ds.selection.stepscore import StepTarget, step_scores
+from dattri_ds.selection.target import TargetProvider
 
-__all__ = ["alignment_scores", "redundancy_gram"]
+if TYPE_CHECKING:
+    from dattri_ds.selection.config import SelectionConfig
+
+__all__ = ["alignment_scores", "redundancy_gram", "aligned", "Score", "SCORES", "Alignment",
+           "StepAlignment", "score_for"]
+
+Batch = dict[str, torch.Tensor]
+
+SCORES: Registry[type[Score]] = Registry(
+    "selection score", hint="add one with class X(Score, name='x') in selection/scorer.py "
+    "style and 'x' in SelectionConfig.score")
 
 
 def alignment_scores(candidates: GradBatch, target: GradBatch,
@@ -30,3 +64,109 @@ def redundancy_gram(candidates: GradBatch, layers: list[str],
                     cost: CostModel | None = None) -> torch.Tensor:
     """``[C, C]`` pairwise inner products among candidates (GREATS' redundancy term)."""
     return cross_gram(candidates, candidates, layers=layers, cost=cost)
+
+
+def aligned(grads: GradBatch, target: GradBatch, normalize: bool,
+            cost: CostModel | None = None) -> torch.Tensor:
+    """``[C]`` ``<g_b, target>`` (over ``|g_b|`` when ``normalize``: a cosine up to the target's
+    norm), summed over the target's layers; also the held-out check's measure."""
+    scores = alignment_scores(grads, target, cost)
+    if normalize:
+        scores = scores / norms(grads, list(target.layers), cost).clamp_min(1e-12)
+    return scores
+
+
+class Score(ABC):
+    """One scoring rule (see the module docstring for what each property means).
+
+    Args:
+        config: the selection settings.
+        cost: cost model for the ops' routing.
+        ctx: data-parallel group (for rules that reduce over ranks).
+    """
+
+    name: ClassVar[str]
+    needs_probe: ClassVar[bool] = True
+    scale: ClassVar[bool] = True
+
+    def __init_subclass__(cls, name: str | None = None, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if name is not None:
+            cls.name = name
+            SCORES.register(name, cls)
+
+    def __init__(self, config: SelectionConfig, *, cost: CostModel | None = None,
+                 ctx: ParallelContext | None = None) -> None:
+        self.config, self.cost, self.ctx = config, cost, ctx or ParallelContext()
+        self.pool_rows = self.pool_size(config)
+        """Candidate rows kept as the pool sample (0: the rule needs no pool)."""
+        self.needs_pool = self.pool_rows > 0
+
+    @classmethod
+    def check(cls, config: SelectionConfig) -> None:
+        """Raise ConfigError for settings this rule cannot be combined with."""
+
+    @classmethod
+    def pool_size(cls, config: SelectionConfig) -> int:
+        """Candidate rows this rule keeps as the pool sample under ``config`` (0: none)."""
+        return 0
+
+    def rows(self, gradient: TargetProvider, pool: PoolSample | None,
+             reference: Callable[[Batch], TargetProvider] | None) -> TargetProvider:
+        """The provider of the rows candidates are scored against (default: the target
+        gradient itself). ``reference`` builds the pool's gradient provider from its rows."""
+        return gradient
+
+    @abstractmethod
+    def __call__(self, grads: GradBatch, rows: GradBatch, *, others: int) -> torch.Tensor:
+        """``[C]`` scores of the candidates ``grads`` against ``rows``; ``others``: the
+        training step's other examples (all ranks)."""
+
+
+class Alignment(Score, name="alignment"):
+    """``<g_b, d>`` (``/ |g_b|`` when ``normalize``), ``d`` the target gradient, or with
+    ``contrast = w > 0`` the contrastive direction ``g_t/|g_t| - w g_pool/|g_pool|``
+    (selection/contrast.py); ``precondition`` has already shaped the target gradient."""
+
+    @classmethod
+    def pool_size(cls, config):
+        return config.contrast_rows if config.contrast > 0 else 0
+
+    def rows(self, gradient, pool, reference):
+        if self.config.contrast > 0:
+            return ContrastTarget(gradient, pool, reference, self.config.contrast)
+        return gradient
+
+    def __call__(self, grads, rows, *, others):
+        return aligned(grads, rows, self.config.normalize, self.cost)
+
+
+class StepAlignment(Score, name="step"):
+    """The expected cosine of the training step's summed gradient with the target when the
+    candidate takes one of its slots (selection/stepscore.py); rows ``[g_t; p]``, ``p`` the
+    pool sample's mean gradient. The pool's weight is measured, so ``contrast`` and
+    ``normalize`` do not apply."""
+
+    @classmethod
+    def check(cls, config):
+        if config.precondition != "none":
+            raise ConfigError(f"selection.score='step' measures the step in the plain metric: "
+                              f"it cannot be combined with selection.precondition="
+                              f"'{config.precondition}'; set precondition='none' or "
+                              f"score='alignment'")
+
+    @classmethod
+    def pool_size(cls, config):
+        return config.contrast_rows
+
+    def rows(self, gradient, pool, reference):
+        return StepTarget(gradient, pool, reference)
+
+    def __call__(self, grads, rows, *, others):
+        return step_scores(grads, rows, others, self.cost, self.ctx)
+
+
+def score_for(config: SelectionConfig, *, cost: CostModel | None = None,
+              ctx: ParallelContext | None = None) -> Score:
+    """The registered rule ``config.score``, built for ``config``."""
+    return SCORES.lookup(config.score)(config, cost=cost, ctx=ctx)

@@ -17,9 +17,12 @@ communication.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import cached_property
+
 import torch
 
-__all__ = ["NGRAM_DIM", "ngram_features", "unit_rows", "NeighborSmoother"]
+__all__ = ["NGRAM_DIM", "ngram_features", "unit_rows", "CandidateText", "NeighborSmoother"]
 
 _P1, _P2, _P3 = 1_000_003, 998_244_353, 911_382_323
 
@@ -54,8 +57,34 @@ def ngram_features(input_ids: torch.Tensor, valid: torch.Tensor, dim: int = NGRA
     return unit_rows(out) if normalize else out
 
 
+@dataclass(frozen=True)
+class CandidateText:
+    """A micro-batch's candidates as text, hashed once and shared by every rank stage.
+
+    Attributes:
+        ids: ``[C, T]`` token ids.
+        valid: ``[C, T]`` attention mask (None: every position holds a token).
+    """
+
+    ids: torch.Tensor
+    valid: torch.Tensor | None = None
+
+    @cached_property
+    def counts(self) -> torch.Tensor:
+        """``[C, NGRAM_DIM]`` raw hashed unigram + bigram counts of the valid tokens."""
+        valid = torch.ones_like(self.ids) if self.valid is None else self.valid
+        return ngram_features(self.ids, valid, NGRAM_DIM, normalize=False)
+
+    @cached_property
+    def unit(self) -> torch.Tensor:
+        """``counts`` with unit-norm rows (the smoothing's content features)."""
+        return unit_rows(self.counts)
+
+
 class NeighborSmoother:
     """Replaces each score by the mean score of its ``k`` nearest texts (itself included).
+
+    The ``smooth_neighbors`` rank stage (selection/rank.py): ``smoother(ranked, text)``.
 
     Args:
         k: neighbours averaged (``1``: no smoothing).
@@ -67,6 +96,10 @@ class NeighborSmoother:
         self.k, self.memory, self.dim = k, memory, dim
         self._feats = torch.zeros(0, dim)
         self._scores = torch.zeros(0)
+
+    def __call__(self, ranked: torch.Tensor, text: CandidateText) -> torch.Tensor:
+        """The rank stage: ``smooth_features`` on the candidates' hashed text."""
+        return self.smooth_features(text.unit, ranked)
 
     def smooth_features(self, f: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """``[C]`` smoothed scores of a batch's candidates from their unit-norm
