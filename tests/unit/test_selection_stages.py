@@ -1,0 +1,133 @@
+"""The staged selection step: a new scoring rule is one class, stages carry their properties.
+
+Invariants: a ``Score`` registered in this file (one class, plus its name in a config's
+``score`` Literal) runs through ``OnlineSelector`` unchanged and chooses what a hand
+computation on per-example autograd gradients chooses; policies and scores say themselves
+whether they read or have a scale; the rank stages compose in order; ``build_target`` keeps
+the target's documents, gradient and held-out part apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import pytest
+import torch
+
+from dattri_ds import ConfigError
+from dattri_ds.ops import cross_gram, sq_norms
+from dattri_ds.selection import OnlineSelector, SelectionConfig
+from dattri_ds.selection.content import ContentRanking, with_content
+from dattri_ds.selection.policy import POLICIES
+from dattri_ds.selection.rank import CandidateText, rankers
+from dattri_ds.selection.scorer import SCORES, Score
+from dattri_ds.selection.smoothing import NeighborSmoother, ngram_features
+from dattri_ds.selection.target import ValidationTarget, build_target
+from reference import reference_grads, rel_err, tiny_gpt2
+
+
+class NegSqDistance(Score, name="neg_sq_distance"):
+    """Toy rule: ``-|g_b - g_t|^2 = -(|g_b|^2 - 2 <g_b, g_t> + |g_t|^2)`` (ghost products)."""
+
+    def __call__(self, grads, rows, *, others):
+        names = list(rows.layers)
+        u = cross_gram(grads, rows, layers=names, cost=self.cost)[:, 0]
+        tt = cross_gram(rows, rows, layers=names, cost=self.cost)[0, 0]
+        return -(sq_norms(grads, names, self.cost) - 2 * u + tt)
+
+
+class Unscaled(NegSqDistance, name="unscaled_toy"):
+    """Toy rule whose values only rank (no calibrated scale)."""
+
+    scale = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class ToyConfig(SelectionConfig):
+    """The one other edit a new rule needs: its name in ``score``'s Literal."""
+
+    score: Literal["alignment", "step", "neg_sq_distance", "unscaled_toy"] = "neg_sq_distance"
+
+
+PLAIN = dict(per_token=False, uniform_mix=0.0, smooth_neighbors=None, content_weight=0.0)
+
+
+def _ids(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 97, (n, 10), generator=torch.Generator().manual_seed(seed))
+
+
+def test_toy_score_runs_through_the_selector():
+    """The registered toy rule's scores equal -|g_b - mean g_target|^2 from per-example
+    autograd (<= 1e-5) and the choice is their top-k."""
+    model = tiny_gpt2(seed=3)
+    tgt, cand = _ids(5, 1), _ids(6, 2)
+    sel = OnlineSelector.for_target_data(model, ToyConfig(**PLAIN),
+                                         {"input_ids": tgt, "labels": tgt})
+    assert isinstance(sel.rule, NegSqDistance)
+    out = sel.select({"input_ids": cand, "labels": cand}, k=3, step=0)
+    sel.close()
+    rc, rt = reference_grads(model, cand), reference_grads(model, tgt)
+    flat_c = torch.cat([rc[n] for n in rc], 1).double()
+    flat_t = torch.cat([rt[n].mean(0) for n in rc]).double()
+    want = -((flat_c - flat_t) ** 2).sum(1)
+    assert rel_err(out.scores.double(), want) <= 1e-5
+    assert out.indices.tolist() == sorted(torch.topk(want, 3).indices.tolist())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_new_rule_is_one_class_and_one_literal_value():
+    """The registry lists the toy rules; the shipped config refuses their names (its Literal
+    does not hold them); an unknown rule's lookup names the registered ones."""
+    assert {"alignment", "step", "neg_sq_distance"} <= set(SCORES.names())
+    with pytest.raises(ConfigError, match="selection.score"):
+        SelectionConfig(score="neg_sq_distance")
+    with pytest.raises(ConfigError, match="registered: .*alignment"):
+        SCORES.lookup("nope")
+
+
+def test_stage_properties_come_from_the_classes():
+    """Policies that read the scores' scale refuse a score without one; GREATS needs the
+    gram; the pool sample's size is the score's (contrast, step) and 0 otherwise."""
+    assert POLICIES.lookup("greats").needs_gram and POLICIES.lookup("greats").scaled
+    assert POLICIES.lookup("threshold").scaled and not POLICIES.lookup("topk").scaled
+    with pytest.raises(ConfigError, match="policy='threshold' reads the scores' own scale"):
+        ToyConfig(score="unscaled_toy", policy="threshold", content_weight=0.0)
+    ToyConfig(score="unscaled_toy", policy="soft")  # ranking policies take it
+    for kw, rows in (({"score": "alignment"}, 0), ({"score": "step", "contrast_rows": 5}, 5),
+                     ({"contrast": 0.5, "contrast_rows": 7}, 7)):
+        cfg = SelectionConfig(**kw)
+        assert SCORES.lookup(cfg.score).pool_size(cfg) == rows, kw
+
+
+def test_rank_stages_compose_in_order():
+    """``rankers`` = [smoothing, content]; running them equals content on smoothed scores."""
+    cfg = SelectionConfig(smooth_neighbors=2, content_weight=1.5)
+    docs = {"input_ids": _ids(4, 5)}
+    stages = rankers(cfg, 1.5, docs)
+    assert [type(s) for s in stages] == [NeighborSmoother, ContentRanking]
+    cand = _ids(6, 6)
+    scores = torch.linspace(-1, 1, 6)
+    got = scores
+    text = CandidateText(cand)
+    for stage in stages:
+        got = stage(got, text)
+    ones = torch.ones_like(cand)
+    smoothed = NeighborSmoother(2, 1024).smooth_features(ngram_features(cand, ones), scores)
+    want = with_content(smoothed, ContentRanking(docs, 1.5).prior.scores(cand, ones), 1.5)
+    assert torch.allclose(got, want)
+    assert rankers(SelectionConfig(smooth_neighbors=None), 0.0, None) == []
+
+
+def test_build_target_keeps_documents_gradient_and_held_out_apart():
+    """With validation_fraction the documents are the scoring part, the gradient is a
+    ValidationTarget on them and the held-out part has its own provider."""
+    model = tiny_gpt2(seed=1)
+    cfg = SelectionConfig(validation_fraction=0.34)
+    probe = OnlineSelector.probe_capture(model, cfg)
+    docs = {"input_ids": _ids(6, 7), "labels": _ids(6, 7)}
+    t = build_target(cfg, model, docs, probe=probe)
+    probe.detach()
+    assert isinstance(t.gradient, ValidationTarget) and isinstance(t.held_out, ValidationTarget)
+    assert t.documents["input_ids"].shape[0] == 4 and t.held_out.n == 2
+    assert torch.equal(t.gradient.data["input_ids"], t.documents["input_ids"])
