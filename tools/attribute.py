@@ -239,7 +239,7 @@ def _checkpoints(args, run: Run, available: dict[str, Path], tags: list[str], qu
                                            capture)
             q = GradBatch.cat([q, tok])
             token_where[:] = [where]
-        factors = _factors(args, tag, recipe.factor_space) if recipe.curvature else None
+        factors = _factors(args, tag, recipe.factor_projection) if recipe.curvature else None
         try:
             yield Checkpoint(store.iter_batches(args.block_rows), q,
                              float(run.checkpoint(tag)["lr"]), factors)

@@ -236,10 +236,11 @@ def main(argv: list[str] | None = None) -> dict:
 def _seal(path: Path, rank: int, world: int) -> None:
     """Once every rank has closed its writer, rank 0 records the store as complete."""
     from dattri_ds.store import seal_store
+    from dattri_ds.store.format import store_files
 
     if world > 1:
         torch.distributed.barrier()
-    if rank == 0 and (path / "info.json").exists():
+    if rank == 0 and store_files(path):  # nothing was written when no rank had rows
         seal_store(path)
     if world > 1:
         torch.distributed.barrier()

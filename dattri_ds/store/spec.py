@@ -328,9 +328,10 @@ def _short(names: list[str], k: int = 5) -> str:
 
 def mismatch_error(path: str, lines: list[str], what: str = "The requested configuration"
                    ) -> StoreMismatchError:
-    """A StoreMismatchError listing every differing field with both sides and its fix."""
-    body = "\n".join(f"  - {line}" for line in lines)
-    return StoreMismatchError(f"{what} does not match the gradient store at '{path}':\n{body}")
+    """A StoreMismatchError listing every differing field with both sides and its fix, in
+    one line (fields separated by ``; ``)."""
+    return StoreMismatchError(f"{what} does not match the gradient store at '{path}': "
+                              f"{'; '.join(lines)}")
 
 
 def check_stored(stored: StoreSpec, stored_dtype: str, *, path: str, expect: StoreSpec | None,

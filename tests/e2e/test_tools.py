@@ -256,9 +256,11 @@ def test_damaged_or_foreign_stores_are_refused(run_dir, tmp_path):
     _collect(run_dir, grads, 4)
     q = ["--queries", QUERIES, "--query-max-docs", "1", "--truncate"]
 
+    outs = iter(range(100))
+
     def attr(store, *extra, run=run_dir):  # tracin: needs no factors (the default method does)
         attribute.main(["--run", str(run), "--store", str(store), "--out",
-                        str(tmp_path / "a"), *q, "--method", "tracin", *extra])
+                        str(tmp_path / f"a{next(outs)}"), *q, "--method", "tracin", *extra])
 
     def damaged(name, damage):
         dst = tmp_path / name

@@ -351,3 +351,25 @@ def test_collect_with_no_checkpoints_is_an_error(world):
                                            "--checkpoints", value])
         assert code == 2 and len(lines) == 1 and "--checkpoints" in lines[0], (code, lines)
         assert not (out.exists() and any(out.rglob("shard-*")))
+
+
+def test_matching_requests_are_accepted(world):
+    """The door refuses only differences: the same requests with the store's own settings
+    run (collect resumes with nothing to go, fit --store fits in the Kronecker store's
+    space, attribute scores plain and whitened stores through the recipe, a selector is
+    built on the store). Breaks if a field is compared that the consumer does not fix."""
+    from dattri_ds.tools import collect, fit
+
+    out = world["tmp"] / "ok"
+    for name, main, argv in (
+            ("collect", *(_collect(world, "S"))),
+            ("fit --store", fit.main, ["--run", str(world["run"]), "--data", world["data"],
+                                       "--checkpoint", "s1", "--store", str(world["K"]),
+                                       "--out", str(out / "f.pt")]),
+            ("attribute", *(_attribute(world, "S", "--method", "tracin"))),
+            ("attribute whitened", *(_attribute(world, "W", "--factors", str(world["F1"])))),
+            ("target_store", *(_target(world, "S")))):
+        code, lines = _call(main, argv)
+        assert code == 0 and not lines, (name, code, lines)
+        shutil.rmtree(world["tmp"] / "out", ignore_errors=True)
+    assert collect.main(_collect(world, "S")[1]) == {"s1": 0, "s2": 0}  # nothing to go
