@@ -20,6 +20,7 @@ detects such cross-shard duplicates (``GradientStore.open(duplicates=...)``).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import queue
 import threading
@@ -283,6 +284,8 @@ class GradientStoreWriter:
         try:
             if not self._failed:
                 self.flush()
+            elif self._bg is not None:  # the thread's error, once more, to the caller
+                self._bg.raise_if_failed()
         finally:
             self._closed = True
             _OPEN.discard(self)
@@ -322,6 +325,10 @@ def _commit_at_exit() -> None:
     with the store and the count; a writer whose write failed is only released."""
     for w in list(_OPEN):
         if w._closed:
+            continue
+        if w._failed:  # its error was raised already; the files only need releasing
+            with contextlib.suppress(Exception):
+                w.close()
             continue
         queued = w._bg is not None and w._bg._queue.unfinished_tasks > 0
         n = w.pending_rows

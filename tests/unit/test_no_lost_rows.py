@@ -109,6 +109,7 @@ def test_collect_on_a_diverged_run_names_the_divergence(tmp_path):
     (run / "model").mkdir(parents=True)
     tiny_gpt2().config.save_pretrained(run / "model")
     (run / "tokenizer.model").write_bytes(b"")
+    (run / "resolved_dattri_ds_config.json").write_text(json.dumps({"train": {"seq_len": 16}}))
     (run / "summary.json").write_text(json.dumps({
         "status": "failed", "cause": "diverged", "diverged_at_step": 3, "steps": 4,
         "error": "2 consecutive optimizer steps (3..4) had a non-finite loss"}))
