@@ -25,7 +25,7 @@ from typing import ClassVar, NamedTuple
 
 import torch
 
-from dattri_ds.errors import ConfigError, ShapeError
+from dattri_ds.errors import ShapeError
 from dattri_ds.gradient import Dense, Factorized, GradBatch
 from dattri_ds.ops.cost import CostModel
 from dattri_ds.ops.inner import (
@@ -164,9 +164,11 @@ def _materialize_once(train: GradBatch, pq: GradBatch, names: tuple[str, ...],
     """Materialize factorized query layers once when the train x query product goes dense.
 
     ``cross_gram``'s dense route materializes *both* sides for every train batch; the
-    query does not change between batches, so when the cost model picks that route for
-    the first train batch, the query rows ``[Q, D]`` are built here once and every batch
-    takes the cheaper ``cross_dense`` route (same values up to float rounding).
+    query does not change between batches, so when the cost model's decision for the
+    first train batch (``CostModel.decide``: the estimate, or a decision a calibrating
+    model already timed for these shapes) is that route, the query rows ``[Q, D]`` are
+    built here once and every batch takes the cheaper ``cross_dense`` route (same values
+    up to float rounding).
     """
     layers = dict(pq.layers)
     for n in names:
