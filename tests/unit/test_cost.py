@@ -93,3 +93,56 @@ def test_calibrate_settles_close_calls_by_timing():
     assert torch.allclose(got, layer_cross_gram(lg, lg, path="dense"), rtol=1e-5)
     again = layer_cross_gram(lg, lg, cost=cm)  # cached: no second timing
     assert torch.allclose(again, got) and len(cm.decisions()) == 1
+
+
+@pytest.mark.parametrize("kind", ["kronecker", "rotate"])
+def test_calibrate_covers_projection_and_rotation(kind):
+    """project_kron and the EK-FAC rotation go through ``CostModel.route`` too: with
+    calibrate=True both paths are timed once and the decision is marked 'timed' (breaks if
+    an op picks its path outside the router)."""
+    import torch
+
+    from dattri_ds import CaptureConfig, GradientCapture, fit_factors, make_attributor
+    from dattri_ds.ops import ProjectionConfig, Projector, project_batch
+    from torch import nn
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Embedding(11, 16), nn.Linear(16, 16))
+    x = torch.randint(0, 11, (3, 5))
+    with GradientCapture(net, CaptureConfig(loss_reduction="sum", label_shift=0)) as cap:
+        cap.tag(["a", "b", "c"])
+        net(x).pow(2).sum().backward()
+        batch = cap.pop()
+    cm = CostModel(RL, calibrate=True, calibrate_band=1e9)  # every decision counts as close
+    op = "project_kron" if kind == "kronecker" else "rotate"
+    if kind == "kronecker":
+        project_batch(batch, Projector(ProjectionConfig(kind="kronecker", dim=16)), cost=cm)
+    else:
+        from dattri_ds.ops import cost as cost_module
+
+        factors = fit_factors([batch])
+        key = torch.device("cpu").type
+        saved = cost_module._DEFAULT_MODELS.get(key)
+        cost_module._DEFAULT_MODELS[key] = cm  # the factors route through the default model
+        try:
+            make_attributor("ekfac", factors=factors).scores([batch], batch)
+        finally:
+            cost_module._DEFAULT_MODELS[key] = saved
+    timed = [d for d in cm.decisions() if d.op == op]
+    assert timed and all(d.args.get("timed") == 1 for d in timed)
+
+
+def test_route_builds_layer_dims_from_the_kind():
+    """``CostModel.route`` is where LayerDims is built: B, T from the factors, (O, I') from
+    the shape, the index case from the kind (an embedding's input side costs no I)."""
+    import torch
+
+    from dattri_ds import Factorized
+    from dattri_ds.layers import get_kind
+
+    f = Factorized(torch.randint(0, 50, (2, 3)), torch.randn(2, 3, 4))
+    cm = CostModel(RL)
+    cm.route("norm", "emb", get_kind("embedding"), f, (4, 50), {"ghost": lambda: 1,
+                                                                 "dense": lambda: 2})
+    dims = next(iter(cm._cache))[2]
+    assert dims == LayerDims(B=2, T=3, I=50, O=4, index_input=True, itemsize=4)

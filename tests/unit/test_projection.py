@@ -170,3 +170,21 @@ def test_auto_projection_is_sparse_or_kronecker_per_layer():
     assert choose_projection(8, 8, 256).kind == "identity"
     text = explain_projection({"small": (64, 64), "big": (512, 512)}, 256)
     assert "small [64x64] k=256 -> sparse" in text and "big [512x512] k=256 -> kronecker" in text
+
+
+def test_space_tags_round_trip():
+    """``Space.parse`` / ``Space.tag`` is the one tag grammar: every tag a store or factor
+    file writes (projected, kept exactly, whitened, whitened then projected) parses to the
+    typed space and back to the same string (breaks if a store's tag could not be read)."""
+    from dattri_ds.ops.space import Space
+
+    cfg = ProjectionConfig(kind="kronecker", dim=64, seed=3)
+    tags = [None, cfg.tag, f"identity:{cfg.tag}", "whitened:ekfac", f"whitened:kfac:{cfg.tag}",
+            f"whitened:ekfac:identity:{cfg.tag}", f"{cfg.tag}+whitened:ekfac",
+            f"identity:{ProjectionConfig().tag}+whitened:kfac"]
+    for tag in tags:
+        assert Space.parse(tag).tag == tag
+    sp = Space.parse(f"identity:{cfg.tag}+whitened:ekfac")
+    assert sp.identity and sp.whitened == "ekfac" and sp.whitened_first
+    assert (sp.kind, sp.k, sp.seed) == ("kronecker", 64, 3) and sp.config() == cfg
+    assert Space.parse(f"whitened:ekfac:{cfg.tag}").replace(whitened=None).tag == cfg.tag
