@@ -6,7 +6,10 @@
     --method ekfac-trajectory (default) | kfac-trajectory | tracin | ekfac | kfac | graddot
              | gradcos
 
-Every method is the library's (``make_attributor``); trajectories sum per-checkpoint scores
+Every store is attached by its spec before any query gradient (``dattri_ds.store.attach``:
+this run, checkpoint and weights, the model's layers, one projection and whitening for all
+checkpoints, the --factors that whitened the rows). Every method is the library's
+(``dattri_ds.recipe.Recipe`` over ``make_attributor``); trajectories sum per-checkpoint scores
 with ``Trajectory.trajectory_scores`` (curvature factors per checkpoint: ``tools/fit.py
 --checkpoint all --out <dir>``). Curvature methods precondition the unprojected query
 exactly and then project it into the store's space (``Attributor(projector=...)``), unless

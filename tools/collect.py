@@ -17,10 +17,13 @@ the curvature (LDS ~0.05 of 0.67), projected whitened rows keep >= 90% of it.
 
 Each checkpoint gets its own store ``<out>/<tag>/`` (fingerprint ``<model>@<tag>``; the
 manifest also records the run id, the tag, a hash of the checkpoint's weights and the capture
-semantics). Resumable: examples already stored (and intact: their checksums are verified)
-are skipped before their gradients are computed, and a run killed at any moment loses at
-most ``--flush-every`` rows per rank. A finished store is sealed (its shards and rows are
-recorded), so readers refuse it when any part goes missing.
+semantics). Resumable: an existing store is attached by its spec first
+(``dattri_ds.store.attach``: another projection, dtype, whitening, layer set, capture
+semantics or checkpoint is refused in one line naming the flag, before any gradient), then
+examples already stored (and intact: their checksums are verified) are skipped before their
+gradients are computed, and a run killed at any moment loses at most ``--flush-every`` rows
+per rank. A finished store is sealed (its shards and rows are recorded), so readers refuse
+it when any part goes missing.
 """
 
 from __future__ import annotations

@@ -11,7 +11,9 @@ ending in ``.pt`` writes that file. With ``--store`` (a store, or the folder of
 per-checkpoint stores of ``collect``) the factors live in the store's Kronecker-projected
 space (LoGra): the most faithful way to score a projected store
 (docs/attribution_fidelity.md). Without it they are exact, for attributing exact
-(unprojected) gradients.
+(unprojected) gradients. The store is attached by its spec (``dattri_ds.store.attach``): it
+must hold plain rows of this run's checkpoint and weights, and ``--projection-dim`` /
+``--seed``, when given, must be its own; the fit uses its capture semantics.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ Fields (a request leaves out those its consumer takes from the store): the prove
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -105,8 +106,8 @@ class StoreRequest:
 
     def fix(self, key: str, stored: Any) -> str:
         """The fix for a difference in ``key`` (its own, its group's, or the default)."""
-        text = self.fixes.get(key) or self.fixes.get(key.split(".")[0]) or _DEFAULT_FIX.get(
-            key.split(".")[0], "")
+        group = re.split(r"[.\[]", key, maxsplit=1)[0]  # projection.dim, layers['a.b']
+        text = self.fixes.get(key) or self.fixes.get(group) or _DEFAULT_FIX.get(group, "")
         return text.replace("{stored}", str(stored))
 
 

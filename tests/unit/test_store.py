@@ -425,7 +425,8 @@ def test_attach_compares_every_requested_field_in_one_line(tmp_path):
     bad = StoreRequest(consumer="collect", projection={"dim": 32, "seed": 3}, dtype="float16",
                        layers={"enc.fc1": ("linear", (8, 6))}, whitening=("ekfac", None),
                        origin={"fingerprint": "other@step1"},
-                       fixes={"projection.dim": "--projection-dim {stored}"},
+                       fixes={"projection.dim": "--projection-dim {stored}",
+                              "layers": "the model of the store"},
                        otherwise="--out <new>")
     with pytest.raises(StoreMismatchError) as err:
         attach(tmp_path, bad, mode="resume")
@@ -436,6 +437,7 @@ def test_attach_compares_every_requested_field_in_one_line(tmp_path):
                  "dtype: stored 'float32', requested 'float16'",
                  "whitened: stored None, requested 'ekfac'",
                  "layers: stored 3 layers including ['enc.fc2', 'head'], requested 1 layers",
-                 "layers['enc.fc1']: stored linear (8, 5), requested linear (8, 6)"):
+                 "layers['enc.fc1']: stored linear (8, 5), requested linear (8, 6) (fix: "
+                 "the model of the store)"):
         assert part in text, (part, text)
     assert "seed" not in text  # equal fields are not listed
