@@ -257,15 +257,19 @@ def read_json(path: str | os.PathLike, what: str = "JSON file", *, flag: str | N
         raise InputFileError(f"{p}:{line}: byte 0x{raw[e.start]:02x} at byte offset {e.start} "
                              f"is not UTF-8; JSON files must be UTF-8. Fix: save it as UTF-8"
                              ) from None
+    if not text.strip():
+        raise InputFileError(f"{what} {p}:1:1: the file is empty; expected a JSON value. "
+                             f"Fix: {fix}")
     try:
         return json.loads(text, object_pairs_hook=functools.partial(_no_duplicates, what, p))
     except json.JSONDecodeError as e:
         cut = " (the file ends early: it looks truncated)" if e.pos >= len(text.rstrip()) \
-            and text.strip() else ""
+            else " (it runs to the end of the file: truncated?)" if e.msg.startswith(
+                "Unterminated") else ""
         raise InputFileError(
-            f"{p}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}{cut}; expected {what} as JSON. "
-            f"Fix: correct the syntax there (JSON has no comments or trailing commas, strings "
-            f"use double quotes)") from None
+            f"{what} {p}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}{cut}. Fix: correct the "
+            f"syntax there (JSON has no comments or trailing commas, strings use double "
+            f"quotes)") from None
 
 
 def load_array(path: str | os.PathLike, what: str = "array file",
@@ -280,10 +284,10 @@ def load_array(path: str | os.PathLike, what: str = "array file",
 
     p = check_file(path, what, fix)
     with _open(p, what, fix) as fh:
-        magic = fh.read(6)
-    if magic != b"\x93NUMPY":
-        raise _fail(what, p, "is not a NumPy .npy file (empty, or it lacks the .npy magic "
-                    "bytes)", fix)
+        if fh.read(6) != b"\x93NUMPY":
+            raise _fail(what, p, "is not a NumPy .npy file (empty, or it lacks the .npy magic "
+                        "bytes)", fix)
+        _npy_header(fh, p, what, fix)
     try:
         return np.load(p, allow_pickle=False)
     except ValueError as e:
@@ -293,6 +297,30 @@ def load_array(path: str | os.PathLike, what: str = "array file",
         raise _fail(what, p, f"is truncated or damaged ({e})", fix) from None
     except (OSError, EOFError) as e:
         raise _fail(what, p, f"is truncated or damaged ({e or 'no data'})", fix) from None
+
+
+def _npy_header(fh, p: Path, what: str, fix: str) -> None:
+    """Refuse object dtypes and a declared size the file does not hold, before any array is
+    allocated (a damaged header must not ask numpy for terabytes)."""
+    import numpy as np
+    from numpy.lib import format as npy
+
+    fh.seek(0)
+    try:
+        version = npy.read_magic(fh)
+        read = npy.read_array_header_1_0 if version == (1, 0) else npy.read_array_header_2_0
+        shape, _, dtype = read(fh)
+    except (ValueError, OSError, EOFError, SyntaxError) as e:
+        raise _fail(what, p, f"has a damaged .npy header ({' '.join(str(e).split())[:80]})",
+                    fix) from None
+    if dtype.hasobject:
+        raise _fail(what, p, "holds pickled Python objects (a numpy object array); dattri-ds "
+                    "reads only numeric arrays from .npy files", fix)
+    need = int(np.prod(shape, dtype=np.float64)) * dtype.itemsize
+    have = p.stat().st_size - fh.tell()
+    if need > have:
+        raise _fail(what, p, f"is truncated: its header declares {list(shape)} {dtype} "
+                    f"({need} bytes) but {have} bytes follow", fix)
 
 
 def load_torch(path: str | os.PathLike, what: str = "torch file", *,
@@ -379,12 +407,12 @@ def model_dir(path: str | os.PathLike, what: str = "--model",
     Raises:
         InputFileError: any of these checks, naming the folder or file.
     """
-    p = check_dir(path, f"{what} model folder", fix)
+    p = check_dir(path, f"{what} folder", fix)
     cfg_path = p / "config.json"
     if not cfg_path.exists() and not cfg_path.is_symlink():
         have = sorted(q.name for q in p.iterdir())[:8]
-        raise _fail(f"{what} model folder", p, f"has no config.json (it holds {have}); "
-                    f"expected a Hugging Face model folder", fix)
+        raise _fail(f"{what} folder", p, f"is not a Hugging Face model folder: it has no "
+                    f"config.json (it holds {have})", fix)
     cfg = read_json(cfg_path, f"{what} model config", fix=fix)
     with _open(cfg_path, what, fix) as fh:
         if fh.read(len(_UTF8_BOM)) == _UTF8_BOM:
@@ -406,8 +434,8 @@ def model_dir(path: str | os.PathLike, what: str = "--model",
     if weights:
         found = [w for w in HF_WEIGHTS if (p / w).exists()]
         if not found:
-            raise _fail(f"{what} model folder", p, f"holds no weights (one of "
-                        f"{list(HF_WEIGHTS)})", fix)
+            raise _fail(f"{what} folder", p, f"is not a Hugging Face model folder: it holds "
+                        f"no weights (one of {list(HF_WEIGHTS)}) next to its config.json", fix)
         if found[0] == "model.safetensors":
             _safetensors_header(check_file(p / found[0], f"{what} weights", fix),
                                 f"{what} weights", fix)

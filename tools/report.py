@@ -58,7 +58,7 @@ def _docs(path: str) -> dict[str, dict]:
 def _json(att: Path, name: str, ok, expected: str):
     """One JSON file of the attribution folder, checked to be what attribute wrote."""
     path = att / name
-    value = files.read_json(path, f"attribution file {name}", fix=_FIX)
+    value = files.read_json(path, "attribution file", fix=_FIX)
     if not ok(value):
         raise InputFileError(f"attribution file '{path}' is not what tools/attribute.py "
                              f"writes: expected {expected}, got {str(value)[:60]}. Fix: {_FIX}")

@@ -111,6 +111,30 @@ def test_file_door_names_line_byte_and_cause(tmp_path, monkeypatch):
     assert peak < 8 * cap, peak
 
 
+def test_array_door_checks_the_header_before_allocating(tmp_path):
+    """dattri_ds.files.load_array: a .npy header that declares more bytes than the file holds
+    (a damaged or hostile file) is refused from the header, before numpy allocates the
+    array; object arrays are refused without unpickling; a good array round-trips."""
+    import numpy as np
+    from numpy.lib import format as npy
+
+    from dattri_ds.files import load_array
+
+    f = tmp_path / "a.npy"
+    with open(f, "wb") as fh:
+        npy.write_array_header_1_0(fh, {"descr": "<f4", "fortran_order": False,
+                                        "shape": (10 ** 12,)})
+        fh.write(b"\0" * 16)
+    with pytest.raises(InputFileError, match=r"a.npy' is truncated: its header declares "
+                                             r"\[1000000000000\]"):
+        load_array(f)
+    np.save(f, np.array([None, {"x": 1}], dtype=object), allow_pickle=True)
+    with pytest.raises(InputFileError, match="pickled Python objects"):
+        load_array(f)
+    np.save(f, np.arange(6, dtype=np.float32).reshape(2, 3))
+    assert load_array(f).tolist() == [[0, 1, 2], [3, 4, 5]]
+
+
 def test_datasets_backend_matches_json(tmp_path, monkeypatch):
     """The optional Hugging Face ``datasets`` backend yields exactly the same documents."""
     require("datasets", "hf")
