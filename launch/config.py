@@ -242,7 +242,8 @@ def check_memory(ds: dict[str, Any], cfg: RunConfig) -> None:
 
     cuda = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "") != "cpu"
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)) or 1)
-    check_fits(model, spec, knobs, device="cuda" if cuda else "cpu", local_ranks=local,
+    device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0') or 0)}" if cuda else "cpu"
+    check_fits(model, spec, knobs, device=device, local_ranks=local,
                override=f"--skip-memory-check ({BLOCK}.skip_memory_check)")
 
 

@@ -262,6 +262,9 @@ def main(argv: list[str] | None = None) -> dict:
     tags = _choose_tags(args, run, available)
     queries = load_texts(args.queries, run.tokenizer, run.context, args.query_max_docs,
                          context=run.context, truncate=args.truncate)
+    from dattri_ds.plan import check_tool
+    check_tool(run.root, args, seq_len=queries.seq_len, examples=len(queries),  # the size door
+               method=next((m for m in ("ekfac", "kfac") if m in args.method), "graddot"))
     t0 = time.perf_counter()
     proj, whitened, requests = store_requests(args, run, available, tags)
     recipe = Recipe(method=args.method, projection=proj, whitened=whitened is not None,

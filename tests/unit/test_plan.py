@@ -196,3 +196,24 @@ def test_cli_json_equals_the_library(capsys):
     want = plan(ModelShape.from_config("configs/model_llama_tiny.json", vocab_size=512), "h100",
                 RunSpec(world=2, seq_len=128, k=256)).to_dict()
     assert got["memory_bytes"] == want["memory_bytes"] and got["seconds"] == want["seconds"]
+
+
+def test_guard_refuses_what_cannot_fit_this_machine_and_names_the_knob():
+    """check_fits compares the plan with MemAvailable (/proc/meminfo): a 110B-parameter
+    model cannot train here (refused, naming the model knob, the need and the limit); the
+    tiny model at its defaults fits; the limit is positive and at most physical memory."""
+    from dattri_ds.errors import DoesNotFitError
+    from dattri_ds.plan import Knob, _host_memory, available_memory, check_fits
+
+    limit, source = available_memory()
+    assert 0 < limit <= _host_memory() * 1.01 and source
+    knobs = [Knob("model", "dattri_ds.train.model_config", "--model-config", "qwen_110b"),
+             Knob("seq_len", "dattri_ds.train.seq_len", "--seq-len", 128, 128)]
+    big = ModelShape.from_config("configs/model_qwen_110b.json", vocab_size=152064)
+    with pytest.raises(DoesNotFitError) as e:
+        check_fits(big, RunSpec(seq_len=128, k=256, dtype="float32", zero_stage=0), knobs)
+    msg = str(e.value)
+    assert "dattri_ds.train.model_config (--model-config)" in msg and "available" in msg
+    assert "--skip-memory-check" in msg
+    tiny = ModelShape.from_config("configs/model_gpt2_tiny.json", vocab_size=1024)
+    assert check_fits(tiny, RunSpec(seq_len=128, k=256, micro_batch=4), knobs).total < limit
