@@ -1,0 +1,119 @@
+"""CurateConfig: what ``dattri-ds select`` does (method, budget, diversity), one frozen record.
+
+The flags of ``tools/select.py`` are generated from these fields (``max_per_cluster`` ->
+``--max-per-cluster``); the resolved record is written to the output's ``config.json``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from dattri_ds.errors import ConfigError
+
+__all__ = ["CurateConfig", "AGGREGATES", "PRECONDITIONS"]
+
+AGGREGATES = ("mean", "max")
+PRECONDITIONS = ("none", "adam")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CurateConfig:
+    """One offline curation: score the pool, rank, keep a budget under diversity caps.
+
+    Raises:
+        ConfigError: no budget or more than one, a value out of range, an unknown method.
+    """
+
+    method: str = "cosine"
+    """A registered curation method (``dattri_ds.curate.methods.METHODS``): cosine,
+    adam-cosine, trajectory, content, combined."""
+
+    fraction: float | None = None
+    """Budget: this share of the pool's rows, in (0, 1] (round(fraction * N), at least 1)."""
+
+    examples: int | None = None
+    """Budget: exactly this many examples (1 <= examples <= pool rows)."""
+
+    tokens: int | None = None
+    """Budget: at most this many loss-bearing tokens (the store's per-row token counts),
+    filled greedily in rank order until no unselected example fits the remainder."""
+
+    aggregate: str = "mean"
+    """How per-target cosines become one score: ``mean`` over target rows, or ``max`` (LESS
+    with several target tasks)."""
+
+    precondition: str = "none"
+    """``trajectory`` and ``combined``: ``adam`` preconditions each checkpoint's target by
+    its Adam second moments (LESS); ``adam-cosine`` always does."""
+
+    combine_with: str = "cosine"
+    """``combined``: the gradient method whose z-score is added to the content prior's."""
+
+    content_weight: float = 1.0
+    """``combined``: ``z(gradient score) + content_weight * z(content prior)``."""
+
+    max_source_share: float | None = None
+    """Diversity: a source holds at most this share of the budget (examples, or tokens for
+    a token budget), in (0, 1]; None: no cap."""
+
+    max_per_cluster: int | None = None
+    """Diversity: at most this many examples per near-duplicate cluster (hashed n-gram
+    MinHash signature); None: no cap."""
+
+    dedupe: bool = True
+    """Keep one example per content hash (the sample id's ``#<hash>``), the best ranked."""
+
+    block_rows: int = 1024
+    """Rows read from the store at a time (memory: one block per checkpoint)."""
+
+    seed: int = 0
+    """Seed of the tie-breaking order (rows with equal scores) and of the report's random
+    baseline."""
+
+    def __post_init__(self) -> None:
+        from dattri_ds.curate.methods import get_method
+
+        get_method(self.method)
+        given = [n for n in ("fraction", "examples", "tokens") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ConfigError(f"select needs exactly one budget of --fraction, --examples and "
+                              f"--tokens; got {given or 'none'}")
+        f = self.fraction
+        if f is not None and not (isinstance(f, (int, float)) and 0 < f <= 1):
+            raise ConfigError(f"--fraction {f!r} is outside (0, 1]: give a share of the pool "
+                              f"such as 0.1, or --examples N")
+        for name in ("examples", "tokens", "block_rows"):
+            v = getattr(self, name)
+            if v is not None and (type(v) is not int or v < 1):
+                raise ConfigError(f"--{name.replace('_', '-')} {v!r} must be an integer >= 1")
+        if self.max_per_cluster is not None and (type(self.max_per_cluster) is not int
+                                                 or self.max_per_cluster < 1):
+            raise ConfigError(f"--max-per-cluster {self.max_per_cluster!r} must be an integer "
+                              f">= 1 (omit it for no cap)")
+        s = self.max_source_share
+        if s is not None and not 0 < s <= 1:
+            raise ConfigError(f"--max-source-share {s!r} is outside (0, 1]: give a share of "
+                              f"the budget such as 0.5 (omit it for no cap)")
+        if self.aggregate not in AGGREGATES:
+            raise ConfigError(f"--aggregate {self.aggregate!r}: choose one of {AGGREGATES}")
+        if self.precondition not in PRECONDITIONS:
+            raise ConfigError(f"--precondition {self.precondition!r}: choose one of "
+                              f"{PRECONDITIONS}")
+        inner = get_method(self.combine_with)
+        if not inner.gradient or inner.name == "combined":
+            raise ConfigError(f"--combine-with {self.combine_with!r} must be a gradient method "
+                              f"(cosine, adam-cosine, trajectory)")
+        if not self.content_weight >= 0:
+            raise ConfigError(f"--content-weight {self.content_weight!r} must be >= 0")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CurateConfig:
+        """A config from a dict; unknown keys are refused (named)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"CurateConfig: unknown key(s) {unknown}; allowed: {sorted(known)}")
+        return cls(**d)
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,91 @@
+"""curate: score a pool store against a target, keep a budget under diversity caps, write it.
+
+Stages, in order:
+
+1. budget   ``resolve_budget``: the config's budget on this pool (checked before any work);
+2. score    ``score_pool``: each rank streams its slice of the store rows through the
+            method's ``block`` (and, for the content prior / clusters, its documents),
+            the per-row columns are all-gathered;
+3. finalize the method's ``finalize`` (z-scores of a combination over the whole pool);
+4. choose   ``choose``: rank by score (seeded ties), skip duplicates and capped sources
+            or clusters, stop when the budget is met;
+5. write    rank 0 writes the folder (``writer.write_outputs``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dattri_ds.curate.budget import Budget, choose, resolve_budget
+from dattri_ds.curate.config import CurateConfig
+from dattri_ds.curate.methods import get_method
+from dattri_ds.curate.pool import Pool, Tokenize
+from dattri_ds.curate.scoring import Scored, score_pool
+from dattri_ds.store.reader import GradientStore
+
+__all__ = ["CurateResult", "curate"]
+
+
+@dataclass(frozen=True)
+class CurateResult:
+    """What a curation kept: ``chosen`` rows in rank order, every row's ``scores``."""
+
+    chosen: np.ndarray
+    scores: np.ndarray
+    budget: Budget
+    scored: Scored
+    summary: dict | None = None
+
+    def sample_ids(self, pool: Pool) -> list[str]:
+        return [pool.ids[r] for r in self.chosen.tolist()]
+
+
+def curate(config: CurateConfig, stores: Mapping[str, GradientStore], pool: Pool, *,
+           targets: Mapping[str, torch.Tensor] | None = None,
+           weights: Mapping[str, float] | None = None, tokenize: Tokenize | None = None,
+           target_counts: torch.Tensor | None = None, out: str | Path | None = None,
+           with_text: bool = False, resolved: dict | None = None, rank: int = 0,
+           world: int = 1) -> CurateResult:
+    """Select a subset of the pool (module docstring: the stages).
+
+    Args:
+        config: method, budget, diversity.
+        stores: checkpoint tag -> the pool's store, oldest first (every store holds the
+            same rows; the first one's order is the pool's).
+        pool: the rows' documents (``Pool.build``).
+        targets: tag -> ``[Q, P]`` target rows in that store's space (gradient methods;
+            Adam-preconditioned for ``adam`` methods: ``targets.adam_target``).
+        weights: tag -> learning rate (``trajectory``).
+        tokenize: texts -> model inputs (content prior, near-duplicate clusters).
+        target_counts: the target documents' n-gram counts (content prior).
+        out: the folder rank 0 writes (None: nothing written).
+        with_text: subset.jsonl carries the documents (trainable by launch/).
+        resolved: extra provenance recorded in config.json (inputs, checkpoints).
+        rank, world: this process among the scoring ranks (``torch.distributed`` when > 1).
+
+    Raises:
+        ConfigError: an empty pool, a budget the pool or the caps cannot meet.
+    """
+    budget = resolve_budget(config, len(pool), pool.tokens)
+    method = get_method(config.method)(config)
+    scored = score_pool(method, stores, pool, targets=targets, weights=weights,
+                        tokenize=tokenize, target_counts=target_counts,
+                        clusters=config.max_per_cluster is not None, rank=rank, world=world)
+    chosen = choose(scored.scores, budget, tokens=pool.tokens, sources=pool.sources,
+                    clusters=scored.clusters, hashes=pool.hashes if config.dedupe else None,
+                    config=config)
+    summary = None
+    if out is not None and rank == 0:
+        from dattri_ds.curate.writer import write_outputs
+
+        info = {"config": config.to_dict(), "budget": {"kind": budget.kind,
+                                                       "amount": budget.amount},
+                "checkpoints": method.checkpoints(list(stores)), **(resolved or {})}
+        summary = write_outputs(Path(out), pool=pool, scores=scored.scores, chosen=chosen,
+                                resolved=info, with_text=with_text)
+    return CurateResult(chosen, scored.scores, budget, scored, summary)

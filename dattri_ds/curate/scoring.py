@@ -1,0 +1,185 @@
+"""Streamed scoring of a pool: each rank reads its slice of the store rows block by block.
+
+Rank ``r`` of ``R`` scores rows ``[r N / R, (r + 1) N / R)``: per block, one ``[n, P]`` read
+per checkpoint the method uses, the method's ``block`` score, and (content methods, or a
+cluster cap) the block's documents tokenized for their n-gram counts and MinHash
+signatures. Only per-row numbers are kept; the columns are all-gathered (``R > 1``) so
+every rank ends with the whole pool's, and the pool-wide n-gram counts of the content
+prior are all-reduced between its two passes (counts, then scores).
+
+Memory per rank (``N`` rows, ``P`` columns, ``C`` checkpoints read, ``Q`` target rows,
+``b`` = ``block_rows``)::
+
+    M ~= C * b * P * 4 (blocks, float32) + C * Q * P * 8 (targets, float64 in the matmul)
+         + N * ~250 B (ids, scores, sources, signatures, token counts, id -> row map)
+
+e.g. N = 1M rows, P = 64 layers x 4096 = 262144, C = 4, b = 1024, Q = 64: 4.3 GB + 0.5 GB
++ 0.25 GB ~= 5 GB, inside 24 GB (``memory_bound``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dattri_ds.curate.methods import CurationMethod
+from dattri_ds.curate.pool import (
+    Pool, Tokenize, content_log_ratio, iter_pool_docs, minhash_signatures, ngram_counts,
+)
+from dattri_ds.errors import ConfigError
+from dattri_ds.store.reader import GradientStore
+
+__all__ = ["Scored", "score_pool", "rank_slice", "memory_bound", "align_rows"]
+
+#: Bytes kept per pool row on a rank (ids, 3 float64 columns, codes, id map): see module doc.
+ROW_BYTES = 250
+
+
+def memory_bound(rows: int, width: int, *, block_rows: int = 1024, checkpoints: int = 1,
+                 targets: int = 64) -> int:
+    """Bytes a select run holds per rank (module docstring formula)."""
+    return (checkpoints * block_rows * width * 4 + checkpoints * targets * width * 8
+            + rows * ROW_BYTES)
+
+
+@dataclass(frozen=True)
+class Scored:
+    """Whole-pool columns (``[N]``): the ranked score and what it was made of."""
+
+    scores: np.ndarray
+    gradient: np.ndarray | None
+    content: np.ndarray | None
+    clusters: np.ndarray | None
+
+
+def rank_slice(n: int, rank: int, world: int) -> tuple[int, int]:
+    """Rows ``[lo, hi)`` of rank ``rank``: contiguous, sizes differing by at most one."""
+    return n * rank // world, n * (rank + 1) // world
+
+
+def align_rows(stores: Mapping[str, GradientStore]) -> dict[str, np.ndarray | None]:
+    """Per checkpoint, the rows matching the first store's ids (None: same order).
+
+    Raises:
+        ConfigError: two checkpoints' stores hold different examples.
+    """
+    tags = list(stores)
+    base = stores[tags[0]].ids
+    out: dict[str, np.ndarray | None] = {}
+    for t in tags:
+        ids = stores[t].ids
+        if ids == base:
+            out[t] = None
+            continue
+        if len(ids) != len(base) or set(ids) != set(base):
+            extra = sorted(set(base) ^ set(ids))[:3]
+            raise ConfigError(f"The stores of checkpoints '{tags[0]}' and '{t}' hold different "
+                              f"examples (e.g. {extra}): collect the same --data at every "
+                              f"checkpoint (tools/collect.py --checkpoints all)")
+        out[t] = np.array([stores[t].index_of(i) for i in base], dtype=np.int64)
+    return out
+
+
+def _gradient_column(method: CurationMethod, stores, targets, weights, lo: int, hi: int,
+                     block_rows: int) -> np.ndarray:
+    tags = method.checkpoints(list(stores))
+    use = {t: stores[t] for t in tags}
+    perm = align_rows(use)
+    out = np.empty(hi - lo, dtype=np.float64)
+    for a in range(lo, hi, block_rows):
+        b = min(hi, a + block_rows)
+        blocks = {t: s.read(slice(a, b) if perm[t] is None else perm[t][a:b], torch.float32,
+                            copy=False) for t, s in use.items()}
+        out[a - lo:b - lo] = method.block(blocks, targets, weights).numpy()
+    return out
+
+
+def _text_columns(pool: Pool, lo: int, hi: int, tokenize: Tokenize
+                  ) -> tuple[np.ndarray, torch.Tensor | None]:
+    """Pass 1 over the slice's documents: signatures ``[hi - lo]`` and summed n-gram counts."""
+    sig = np.full(hi - lo, -1, dtype=np.int64)
+    total = None
+    for chunk in iter_pool_docs(pool.paths, pool.ids, range(lo, hi)):
+        rows = np.asarray([r for r, _ in chunk]) - lo
+        ids, mask = tokenize([d.text for _, d in chunk])
+        sig[rows] = minhash_signatures(ids, mask)
+        c = ngram_counts(ids, mask).sum(0)
+        total = c if total is None else total + c
+    return sig, total
+
+
+def _content_column(pool: Pool, lo: int, hi: int, tokenize: Tokenize,
+                    target_counts: torch.Tensor, pool_counts: torch.Tensor) -> np.ndarray:
+    """Pass 2: each row's log-ratio against the pool-wide counts (texts read again: no
+    per-row counts are kept)."""
+    out = np.zeros(hi - lo, dtype=np.float64)
+    for chunk in iter_pool_docs(pool.paths, pool.ids, range(lo, hi)):
+        rows = np.asarray([r for r, _ in chunk]) - lo
+        ids, mask = tokenize([d.text for _, d in chunk])
+        out[rows] = content_log_ratio(ngram_counts(ids, mask), target_counts,
+                                      pool_counts).numpy()
+    return out
+
+
+def score_pool(method: CurationMethod, stores: Mapping[str, GradientStore], pool: Pool, *,
+               targets: Mapping[str, torch.Tensor] | None = None,
+               weights: Mapping[str, float] | None = None, tokenize: Tokenize | None = None,
+               target_counts: torch.Tensor | None = None, clusters: bool = False,
+               rank: int = 0, world: int = 1) -> Scored:
+    """Score every row of the pool (this rank its slice), gathered on every rank.
+
+    Args:
+        method: the curation method (its config gives ``block_rows`` and ``aggregate``).
+        stores: checkpoint tag -> the pool's store (oldest first).
+        pool: the rows' documents.
+        targets: tag -> target rows ``[Q, P]`` in that store's space (gradient methods).
+        weights: tag -> learning rate (trajectory).
+        tokenize: texts -> model inputs (content methods and cluster caps).
+        target_counts: ``[dim]`` the target documents' n-gram counts (content methods).
+        clusters: compute near-duplicate signatures.
+        rank, world: this process's place among the scoring ranks.
+    """
+    n = len(pool)
+    lo, hi = rank_slice(n, rank, world)
+    grad = None
+    if method.gradient:
+        grad = _gradient_column(method, stores, targets or {}, weights or {}, lo, hi,
+                                method.config.block_rows)
+    sig = content = None
+    if method.content or clusters:
+        if tokenize is None:
+            raise ConfigError(f"--method {method.name} / --max-per-cluster need the pool's "
+                              f"texts tokenized: pass --pool and the run's tokenizer")
+        sig, total = _text_columns(pool, lo, hi, tokenize)
+        if method.content:
+            if target_counts is None:
+                raise ConfigError(f"--method {method.name} needs target documents (--target) "
+                                  f"for the content prior's target counts")
+            zero = torch.zeros(target_counts.numel(), dtype=torch.float64)
+            total = _all_reduce(zero if total is None else total.double(), world)
+            content = _content_column(pool, lo, hi, tokenize, target_counts, total)
+    grad, content, sig = (_gather(x, world) for x in (grad, content, sig))
+    return Scored(method.finalize(grad, content), grad, content, sig if clusters else None)
+
+
+def _all_reduce(t: torch.Tensor, world: int) -> torch.Tensor:
+    if world == 1:
+        return t
+    import torch.distributed as dist
+
+    t = t.double().clone()
+    dist.all_reduce(t)
+    return t
+
+
+def _gather(x: np.ndarray | None, world: int) -> np.ndarray | None:
+    if x is None or world == 1:
+        return x
+    import torch.distributed as dist
+
+    parts: list = [None] * world
+    dist.all_gather_object(parts, x)
+    return np.concatenate(parts)

@@ -1,0 +1,108 @@
+"""Targets: the target documents' gradients in a pool store's space, optionally Adam-preconditioned.
+
+The target rows are captured with the store's own capture semantics and projection (so a
+target and a row are comparable: the store's ``ProjectionConfig`` rebuilds the same
+per-layer matrices), laid out in the store's column order: ``[Q, P]``.
+
+LESS's optimizer-aware target: the exact target gradient ``g_q`` is scaled by the
+checkpoint's Adam preconditioner ``D = 1 / (sqrt(v / (1 - beta2^t)) + eps)``
+(``selection.precondition.precondition_target``, second moments from the checkpoint's
+``training_state.pt``), then projected: ``t_q = Proj(D g_q)``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dattri_ds.errors import ConfigError
+from dattri_ds.gradient import Dense, GradBatch
+from dattri_ds.store.spec import StoreSpec
+
+__all__ = ["target_rows", "store_target_rows", "load_adam_moments", "adam_target",
+           "capture_of"]
+
+
+def target_rows(batch: GradBatch, spec: StoreSpec) -> torch.Tensor:
+    """``[Q, P]`` rows of a projected batch in the store's column order.
+
+    Raises:
+        ConfigError: the batch lacks a store layer or has another width there.
+    """
+    from dattri_ds.ops.inner import materialize
+
+    out = torch.zeros(batch.batch_size, spec.width, dtype=torch.float32)
+    for name, sl in spec.slices().items():
+        lg = batch.layers.get(name)
+        if lg is None:
+            raise ConfigError(f"The target gradients have no layer '{name}' of the pool store: "
+                              f"capture the target with the model the store was collected from")
+        rows = materialize(lg).reshape(batch.batch_size, -1).float()
+        if rows.shape[1] != sl.stop - sl.start:
+            raise ConfigError(f"Layer '{name}': target rows have width {rows.shape[1]}, the "
+                              f"pool store {sl.stop - sl.start}: use the store's projection")
+        out[:, sl] = rows
+    return out
+
+
+def store_target_rows(store) -> torch.Tensor:
+    """``[Q, P]`` every row of an (already attached) target store."""
+    return store.read(slice(None), torch.float32)
+
+
+def capture_of(spec: StoreSpec, *, exact: bool):
+    """The CaptureConfig that captures what the store holds (``exact``: unprojected)."""
+    from dattri_ds.config import CaptureConfig
+    from dattri_ds.ops.projection import ProjectionConfig
+
+    from dataclasses import replace
+
+    cfg = CaptureConfig(**(spec.semantics or {}))
+    return replace(cfg, projection=None if exact else ProjectionConfig(**spec.projection_config))
+
+
+def load_adam_moments(model: torch.nn.Module, checkpoint: Path):
+    """The Adam second moments of a ``--backend torch`` checkpoint (``training_state.pt``).
+
+    Raises:
+        ConfigError: the checkpoint has no optimizer state, or not an Adam one, or its
+            parameters do not match the model.
+    """
+    from dattri_ds.selection.precondition import TorchAdamMoments
+
+    path = Path(checkpoint) / "training_state.pt"
+    if not path.is_file():
+        raise ConfigError(f"--method adam-cosine needs the checkpoint's optimizer state: "
+                          f"{path} is missing (written by launch/train.py --backend torch); use "
+                          f"--method cosine, or a checkpoint trained with Adam on that backend")
+    saved = torch.load(path, map_location="cpu", weights_only=False)["optimizer"]
+    groups = saved.get("param_groups", [])
+    if not groups or "betas" not in groups[0]:
+        raise ConfigError(f"{path}: the optimizer keeps no Adam second moments (no betas): "
+                          f"use --method cosine")
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW([{"params": params[min(g["params"]):max(g["params"]) + 1]}
+                             for g in groups], lr=1.0)
+    try:
+        opt.load_state_dict(saved)
+    except (ValueError, KeyError) as e:
+        raise ConfigError(f"{path}: the optimizer state does not match the model's "
+                          f"{len(params)} parameters ({e}): pass the run it was saved by") from None
+    return TorchAdamMoments(opt)
+
+
+def adam_target(exact: GradBatch, layers: dict, moments, projection) -> GradBatch:
+    """``Proj(D g_q)`` per target row of an exact batch (``layers``: name -> (module,
+    LayerKind) of a capture on the same model)."""
+    from dattri_ds.ops.inner import materialize
+    from dattri_ds.ops.projection import Projector
+    from dattri_ds.ops.space import project_batch
+    from dattri_ds.selection.precondition import precondition_target
+
+    dense = GradBatch(step=exact.step, sample_ids=exact.sample_ids, token_counts=exact.token_counts,
+                      layers={n: lg.replace(data=Dense(materialize(lg).reshape(
+                          exact.batch_size, -1))) for n, lg in exact.layers.items()})
+    rows = [precondition_target(dense.index([q]), layers, moments)
+            for q in range(dense.batch_size)]
+    return project_batch(GradBatch.cat(rows), Projector(projection))

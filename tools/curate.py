@@ -1,0 +1,269 @@
+"""Select a training subset from a pool's stored gradients against a target (offline, LESS-style).
+
+    python tools/curate.py --run-dir runs/warm --store runs/warm/grads --pool data/pool.jsonl \
+        --target data/target/hamlet.jsonl --method adam-cosine --fraction 0.05 \
+        --with-text --out runs/warm/subset
+    torchrun --standalone --nproc_per_node 2 tools/curate.py --run-dir ...   # rows per rank
+    --method cosine | adam-cosine | trajectory | content | combined   (dattri_ds.curate)
+
+The method, budget (exactly one of --fraction, --examples, --tokens) and diversity flags
+are generated from ``dattri_ds.curate.CurateConfig`` (one flag per field). The pool store
+is one store or a folder of per-checkpoint stores (``collect --out``); the target is
+documents (``--target``: their gradients are captured with the store's own projection and
+capture semantics, at each checkpoint read) or a target store (``--target-store``, of the
+same model, checkpoint and projection: another one is refused). ``--pool`` defaults to the
+``--data`` recorded in the store folder's ``collect_config.json``.
+
+Writes ``subset.jsonl`` (ids, with ``--with-text`` the documents: launch/'s train data),
+``scores.npy``, ``ids.json``, ``config.json`` and ``report.md``/``report.html``; an earlier
+selection in ``--out`` is kept unless ``--force``. Memory per rank: one block of
+``--block-rows`` rows per checkpoint, the targets, ~250 B per pool row
+(``dattri_ds.curate.memory_bound``; docs/curation.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from dattri_ds.curate import CurateConfig, METHODS  # noqa: E402
+from dattri_ds.curate.config import AGGREGATES, PRECONDITIONS  # noqa: E402
+from dattri_ds.errors import ConfigError  # noqa: E402
+from dattri_ds.schema import add_flag, field_flag  # noqa: E402
+from dattri_ds.tools.common import (  # noqa: E402
+    add_source_args, gradients, init_distributed, load_texts, logger, open_source,
+    setup_logging, store_paths,
+)
+
+_CHOICES = {"method": METHODS.names(), "aggregate": list(AGGREGATES),
+            "precondition": list(PRECONDITIONS),
+            "combine_with": [m for m in METHODS.names() if METHODS.lookup(m).gradient
+                             and m != "combined"]}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dattri-ds select", description=__doc__.splitlines()[0])
+    add_source_args(p)
+    p.add_argument("--store", required=True,
+                   help="the pool's gradient store, or a folder of per-checkpoint stores")
+    p.add_argument("--pool", nargs="+", default=None,
+                   help="jsonl file(s) of the pool documents (default: collect's --data)")
+    p.add_argument("--target", default=None, help="jsonl of target documents")
+    p.add_argument("--target-store", default=None,
+                   help="a target store (or folder of per-checkpoint ones) instead of --target "
+                        "gradients")
+    add_flag(p, "--target-max-docs", int, ge=1, default=None)
+    p.add_argument("--checkpoints", default=None,
+                   help="tags to read, comma separated (default: every stored checkpoint; "
+                        "non-trajectory methods use the newest of them)")
+    p.add_argument("--with-text", action="store_true",
+                   help="write the documents into subset.jsonl (trainable by launch/)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--force", action="store_true", help="replace an earlier selection in --out")
+    defaults = CurateConfig(examples=1)
+    for f in fields(CurateConfig):  # one flag per field, defaults from the dataclass
+        flag = "--" + f.name.replace("_", "-")
+        value = getattr(defaults, f.name) if f.name != "examples" else None
+        doc = f"CurateConfig.{f.name} (default {value!r})"
+        if isinstance(value, bool):
+            p.add_argument(flag, default=value, action=argparse.BooleanOptionalAction,
+                           help=doc)
+        elif f.name in _CHOICES:
+            p.add_argument(flag, default=value, choices=_CHOICES[f.name], help=doc)
+        else:
+            p.add_argument(flag, type=field_flag(CurateConfig, f.name, name=flag),
+                           default=value, help=doc)
+    return p
+
+
+def _config(args) -> CurateConfig:
+    return CurateConfig(**{f.name: getattr(args, f.name) for f in fields(CurateConfig)})
+
+
+def _tags(args, source, available: dict[str, Path]) -> list[str]:
+    """Stored checkpoints to read, oldest first (the run's trajectory order)."""
+    order = [c["tag"] for c in source.trajectory()]
+    tags = [t for t in order if t in available] or sorted(available)
+    if args.checkpoints:
+        want = [t.strip() for t in args.checkpoints.split(",") if t.strip()]
+        missing = [t for t in want if t not in available]
+        if missing or not want:
+            raise ConfigError(f"--checkpoints {args.checkpoints!r}: no store for {missing or want}"
+                              f" under {args.store} (stored: {sorted(available)})")
+        tags = [t for t in tags if t in want]
+    return tags
+
+
+def _pool_paths(args) -> list[str]:
+    if args.pool:
+        return list(args.pool)
+    rec = Path(args.store) / "collect_config.json"
+    if rec.is_file():
+        data = json.loads(rec.read_text()).get("data")
+        if data:
+            return [data] if isinstance(data, str) else list(data)
+    raise ConfigError(f"--pool is needed: {rec} records no collect --data; pass the pool jsonl "
+                      f"the store was collected from")
+
+
+def _attach_pool(source, available, tags):
+    """Every pool store of ``tags``, attached after comparing its provenance."""
+    from dattri_ds.store import StoreRequest, attach
+
+    stores = {}
+    for t in tags:
+        req = StoreRequest(consumer="select", whitening=(None, None), origin={
+            "fingerprint": f"{source.fingerprint()}@{t}" if hasattr(source, "trajectory")
+            and hasattr(source, "checkpoint") else None},
+            fixes={"whitened": "collect the pool without --whiten / --factors",
+                   "fingerprint": "--run-dir / --model of the run the pool store was "
+                   "collected from"})
+        stores[t] = attach(available[t], req, mode="score")
+    return stores
+
+
+def _target_store_rows(args, stores, tags) -> dict[str, torch.Tensor]:
+    """Rows of the target store of each checkpoint, refused unless it holds the pool
+    store's model, checkpoint, projection and layers."""
+    from dattri_ds.curate.targets import store_target_rows
+    from dattri_ds.store import StoreRequest, attach
+
+    found = store_paths(Path(args.target_store))
+    out = {}
+    for t in tags:
+        spec = stores[t].spec
+        path = found.get(t) or (next(iter(found.values())) if len(found) == 1 else None)
+        if path is None:
+            raise ConfigError(f"--target-store {args.target_store}: no store for checkpoint "
+                              f"'{t}' (stored: {sorted(found)})")
+        req = StoreRequest(
+            consumer="select --target-store", projection=spec.projection_config,
+            layers={ls.name: (ls.kind, tuple(ls.shape)) for ls in spec.layers},
+            whitening=(None, None), origin={"fingerprint": spec.fingerprint},
+            fixes={"projection": f"collect the target with the pool store's projection "
+                   f"({spec.projection})", "fingerprint": "collect the target store from "
+                   "the model and checkpoint of the pool store",
+                   "layers": "collect the target store from the pool store's model"})
+        with attach(path, req, mode="score") as ts:
+            out[t] = store_target_rows(ts)
+    return out
+
+
+def _target_rows(args, source, stores, tags, config, docs) -> dict[str, torch.Tensor]:
+    """Target rows ``[Q, P]`` per checkpoint from documents, in each store's space."""
+    from dattri_ds import GradBatch
+    from dattri_ds.capture import GradientCapture
+    from dattri_ds.curate.targets import adam_target, capture_of, load_adam_moments, target_rows
+
+    method = METHODS.lookup(config.method)(config)
+    adam = method.precondition == "adam"
+    out = {}
+    for t in tags:
+        spec = stores[t].spec
+        model = source.model(t)
+        capture = capture_of(spec, exact=adam)
+        batch = GradBatch.cat(list(gradients(model, docs, torch.arange(len(docs)),
+                                             capture=capture, batch_size=8)))
+        if adam:
+            folder = (source.root / "checkpoints" / t) if hasattr(source, "checkpoint") \
+                else source.root
+            moments = load_adam_moments(model, folder)
+            probe = GradientCapture(model, capture, probe_only=True).attach()
+            try:
+                batch = adam_target(batch, probe.layers, moments, capture_of(
+                    spec, exact=False).projection)
+            finally:
+                probe.detach()
+        out[t] = target_rows(batch, spec)
+        logger.info("%s: %d target rows (%s)", t, len(docs), "adam" if adam else "plain")
+        del model
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Select the subset (``dattri_ds.curate.curate``); returns the summary on rank 0."""
+    args = build_parser().parse_args(argv)
+    config = _config(args)
+    if (args.target is None) == (args.target_store is None) and METHODS.lookup(
+            config.method).gradient:
+        raise ConfigError("Give exactly one of --target (documents) and --target-store; got "
+                          f"target={args.target!r}, target_store={args.target_store!r}")
+    if METHODS.lookup(config.method).content and args.target is None:
+        raise ConfigError(f"--method {config.method} uses the content prior: pass --target "
+                          f"documents (their n-grams)")
+    setup_logging()
+    rank, world = init_distributed()
+    from dattri_ds.curate import Pool, curate, resolve_budget
+    from dattri_ds.curate.writer import OUTPUTS
+    from dattri_ds.outputs import check_dir
+
+    source = open_source(args)
+    available = store_paths(Path(args.store))
+    tags = METHODS.lookup(config.method)(config).checkpoints(_tags(args, source, available))
+    first = _tags(args, source, available)[-1] if not tags else tags[0]
+    stores = _attach_pool(source, available, tags or [first])
+    base = stores[tags[0] if tags else first]
+    pool = Pool.build(base.ids, base.token_counts, _pool_paths(args))
+    budget = resolve_budget(config, len(pool), pool.tokens)
+    if rank == 0:
+        check_dir(args.out, flag="--out", force=args.force, overwrites=OUTPUTS[:5])
+    return _run(args, config, source, stores, tags, pool, budget, rank, world)
+
+
+def _run(args, config, source, stores, tags, pool, budget, rank, world):
+    from dattri_ds.curate import curate
+    from dattri_ds.curate.pool import ngram_counts
+    from dattri_ds.data import tokenize_documents
+
+    tok = source.tokenizer()
+    seq_len = args.seq_len or source.seq_len
+    docs = None
+    if args.target is not None:
+        docs = load_texts(args.target, tok, seq_len, args.target_max_docs,
+                          context=source.context, truncate=True)
+    method = METHODS.lookup(config.method)
+    targets = None
+    if method.gradient:
+        targets = (_target_store_rows(args, stores, tags) if args.target_store
+                   else _target_rows(args, source, stores, tags, config, docs))
+    target_counts = None
+    if method(config).content:
+        b = docs.batch(torch.arange(len(docs)))
+        target_counts = ngram_counts(b["input_ids"], b["attention_mask"]).sum(0)
+
+    def tokenize(texts):
+        d = tokenize_documents(list(texts), tok, seq_len,
+                               add_bos=getattr(tok, "bos_id", None) is not None,
+                               add_eos=getattr(tok, "eos_id", None) is not None)
+        b = d.batch(torch.arange(len(d)))
+        return b["input_ids"], b["attention_mask"]
+
+    weights = {t: float(source.checkpoint(t)["lr"]) for t in tags} \
+        if hasattr(source, "checkpoint") else {t: 1.0 for t in tags}
+    resolved = {"inputs": {"run": args.run, "model": args.model, "store": args.store,
+                           "pool": list(pool.paths), "target": args.target,
+                           "target_store": args.target_store, "seq_len": seq_len,
+                           "with_text": args.with_text, "world": world},
+                "lr_weights": weights}
+    result = curate(config, stores, pool, targets=targets, weights=weights, tokenize=tokenize,
+                    target_counts=target_counts, out=args.out if rank == 0 else None,
+                    with_text=args.with_text, resolved=resolved, rank=rank, world=world)
+    for s in stores.values():
+        s.close()
+    if rank == 0:
+        logger.info("kept %d of %d rows -> %s", len(result.chosen), len(pool), args.out)
+    return result.summary or {}
+
+
+if __name__ == "__main__":
+    from dattri_ds.cli import run
+
+    sys.exit(run(main))
