@@ -21,6 +21,7 @@ COMMANDS = {
     "report": "dattri_ds.tools.report",
     "lds": "dattri_ds.tools.lds",
     "plan": "dattri_ds.tools.plan",
+    "select": "dattri_ds.tools.curate",
 }
 
 
