@@ -1,5 +1,9 @@
 """Online data selection: score candidates against a target gradient, train on the best.
 
+Extension points (each a registered class): ``Score`` (selection/scorer.py, ``SCORES``),
+``Policy`` (selection/policy.py, ``POLICIES``), ``Ranker`` stages (selection/rank.py); the
+target is built in one place, ``build_target`` (selection/target.py).
+
 Installed as ``dattri_ds.selection`` (the top-level name ``selection`` belongs to another
 package on the index).
 """
@@ -9,13 +13,19 @@ from dattri_ds.selection.online import (
     OnlineSelector, Selection, check_engine_supported, check_target_compatible, log_file,
     read_selection_log,
 )
-from dattri_ds.selection.policy import POLICIES, choose, greats, threshold, top_fraction, top_k
-from dattri_ds.selection.scorer import alignment_scores, redundancy_gram
-from dattri_ds.selection.target import FixedTarget, TargetProvider, ValidationTarget
+from dattri_ds.selection.policy import (
+    POLICIES, Policy, choose, greats, threshold, top_fraction, top_k,
+)
+from dattri_ds.selection.rank import Ranker
+from dattri_ds.selection.scorer import SCORES, Score, alignment_scores, redundancy_gram
+from dattri_ds.selection.target import (
+    FixedTarget, Target, TargetProvider, ValidationTarget, build_target,
+)
 
 __all__ = [
     "SelectionConfig", "OnlineSelector", "Selection", "check_engine_supported",
     "check_target_compatible", "log_file", "read_selection_log",
-    "POLICIES", "choose", "greats", "threshold", "top_fraction", "top_k",
-    "alignment_scores", "redundancy_gram", "TargetProvider", "ValidationTarget", "FixedTarget",
+    "POLICIES", "Policy", "choose", "greats", "threshold", "top_fraction", "top_k",
+    "SCORES", "Score", "Ranker", "alignment_scores", "redundancy_gram",
+    "Target", "TargetProvider", "ValidationTarget", "FixedTarget", "build_target",
 ]

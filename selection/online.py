@@ -49,7 +49,7 @@ from dattri_ds.errors import CaptureError, ConfigError
 from dattri_ds.gradient import GradBatch
 from dattri_ds.ops import CostModel, default_cost_model
 from dattri_ds.ops.projection import stable_seed
-from dattri_ds.semantics import content_id
+from dattri_ds.semantics import batch_info, content_id
 from dattri_ds.selection.blocks import probe_share, top_block_patterns
 from dattri_ds.selection.config import SelectionConfig
 from dattri_ds.selection.contrast import PoolSample
@@ -115,7 +115,8 @@ def check_target_compatible(train: object, target: object) -> None:
 
     Both arguments are ``TokenizedDocuments``-like: ``tokenizer_fingerprint`` and ``seq_len``.
     """
-    tf, gf = getattr(train, "tokenizer_fingerprint", ""), getattr(target, "tokenizer_fingerprint", "")
+    tf = getattr(train, "tokenizer_fingerprint", "")
+    gf = getattr(target, "tokenizer_fingerprint", "")
     if tf and gf and tf != gf:
         raise ConfigError(f"The target data was tokenized with '{gf}' but the training data with "
                           f"'{tf}': tokenize the target texts with the training tokenizer")
@@ -125,6 +126,10 @@ def check_target_compatible(train: object, target: object) -> None:
     if len(target) == 0:
         raise ConfigError("The target set is empty: give selection.target_data at least one "
                           "document")
+
+
+def _text(batch: Batch) -> CandidateText:
+    return CandidateText(batch["input_ids"], batch.get("attention_mask"))
 
 
 def log_file(log_path: str | Path, dp_rank: int) -> Path:
@@ -189,9 +194,9 @@ class OnlineSelector:
                  content_rows: Batch | None = None) -> None:
         self.model, self.config = model, config
         self.ctx = ctx or ParallelContext()
-        self.rule = score_for(config, cost=cost, ctx=ctx)  # the score stage
-        self.policy = POLICIES.lookup(config.policy)  # the policy stage
         goal = Target.of(target, content_rows, held_out)
+        self.rule = score_for(config, cost=cost, ctx=ctx, documents=goal.documents)  # score
+        self.policy = POLICIES.lookup(config.policy)  # the policy stage
         if reference is None and self.rule.needs_pool:
             reference = pool_reference(model, config, goal.gradient, probe, ctx)
         goal, reference = prepare(goal, config, probe=probe, ctx=ctx, optimizer=optimizer,
@@ -199,8 +204,10 @@ class OnlineSelector:
         self.documents, self.held_out = goal.documents, goal.held_out
         self._pool = PoolSample(self.rule.pool_rows) if self.rule.needs_pool else None
         self.rows = self.rule.rows(goal.gradient, self._pool, reference)  # the target stage
-        self.content_weight = content_weight(config, self.policy, goal.documents)
-        self._rankers = rankers(config, self.content_weight, goal.documents)  # the rank stage
+        self.content_weight = content_weight(config, self.policy, goal.documents) \
+            if self.rule.ranked else 0.0
+        self._rankers = rankers(config, self.content_weight, goal.documents) \
+            if self.rule.ranked else []  # the rank stage
         self.step_examples = step_examples
         self._step_others = max(0, (step_examples or 1) - 1)  # set per select() from k
         self.check = HeldOutCheck(config.fallback_every, ctx) if held_out is not None else None
@@ -264,8 +271,10 @@ class OnlineSelector:
         return math.ceil(self.config.candidate_multiple * k - 1e-9)
 
     def score(self, batch: Batch, step: int, user_ids: list[str] | None = None, *,
-              reuse: bool = False) -> tuple[GradBatch, torch.Tensor]:
-        """Per-example gradients of the candidates and their scores.
+              reuse: bool = False, text: CandidateText | None = None
+              ) -> tuple[GradBatch, torch.Tensor]:
+        """The target, probe and score stages: per-example gradients of the candidates and
+        their scores (a rule that needs no probe gets a GradBatch of ids and no layers).
 
         Candidates with a NaN/inf gradient or score are dropped (named in a warning);
         ``self.last_kept`` then holds the ``[K]`` positions of the kept candidates (None when
@@ -274,6 +283,14 @@ class OnlineSelector:
         Raises:
             CaptureError: every candidate has a non-finite gradient or score.
         """
+        text = _text(batch) if text is None else text
+        if not self.rule.needs_probe:  # scored from text alone: no probe, no target refresh
+            self.last_kept = None
+            cap = self.probe.config
+            ids = batch_info((), batch, label_shift=cap.label_shift, ignore_index=cap.ignore_index,
+                             user_ids=user_ids).sample_ids
+            grads = GradBatch(step=step, sample_ids=ids, layers={})
+            return grads, self._against(grads, None, text)
         rows = self.rows.get(step)
         dropped = self.probe.skipped
         if reuse:
@@ -292,7 +309,7 @@ class OnlineSelector:
             raise ConfigError("The probe pass captured nothing: the model's loss does not "
                               "depend on any captured layer")
         kept = self.probe.last_kept
-        scores = self._against(grads, rows)
+        scores = self._against(grads, rows, text)
         finite = torch.isfinite(scores)
         if not bool(finite.all()):
             ok = torch.nonzero(finite.cpu()).flatten()
@@ -320,7 +337,7 @@ class OnlineSelector:
             share=probe_share(self.model, layers), normalize=cfg.normalize,
             target_examples=getattr(inner, "rows_per_rank", 0)
             + self.rule.pool_rows,  # the pool's refresh too
-            refresh_every=cfg.refresh_every, reuse=reuse)
+            refresh_every=cfg.refresh_every, reuse=reuse, probe=self.rule.needs_probe)
         scored = (f"top {cfg.top_blocks} block(s), {len(layers)} layers" if cfg.top_blocks
                   else f"{len(layers)} layers") + (
             f", projected to {cfg.projection.dim}" if cfg.projection else ", exact ghost scores")
@@ -329,9 +346,10 @@ class OnlineSelector:
                 "the caller forwards the chosen itself (select(train_loss=False))"
             logger.info(self.plan.explain(scored, why))
 
-    def _against(self, grads: GradBatch, rows: GradBatch) -> torch.Tensor:
+    def _against(self, grads: GradBatch, rows: GradBatch | None,
+                 text: CandidateText) -> torch.Tensor:
         """The score stage: ``[C]`` scores of ``grads`` against ``rows`` by the rule."""
-        return self.rule(grads, rows, others=self._step_others)
+        return self.rule(grads, rows, others=self._step_others, text=text)
 
     def _loss(self, batch: Batch) -> torch.Tensor:
         """The model's loss on ``batch``, under autocast when ``probe_autocast`` is set."""
@@ -405,16 +423,18 @@ class OnlineSelector:
             self._pool.observe(batch)
         c, t = batch["input_ids"].shape[0], batch["input_ids"].shape[-1]
         self._step_others = max(0, (self.step_examples or k * self.ctx.dp_world) - 1)
-        reuse = train_loss and self._reusing(t, c, k)
+        reuse = train_loss and self.rule.needs_probe and self._reusing(t, c, k)
         if self.plan is None:
             self._explain(c, k, reuse)
-        grads, scores = self.score(batch, step, user_ids, reuse=reuse)
+        text = _text(batch)  # the candidates' n-grams, hashed at most once
+        grads, scores = self.score(batch, step, user_ids, reuse=reuse, text=text)
         scores = scores.detach().float().cpu()
         kept = self.last_kept  # candidates left after dropping non-finite ones (None: all)
         original = batch
         if kept is not None:
             batch = {n: v[kept.to(v.device)] for n, v in batch.items()}
-        ranked = self._ranked(batch, scores)  # what the policy ranks (scores: logged)
+            text = _text(batch)
+        ranked = self._ranked(text, scores)  # what the policy ranks (scores: logged)
         if self.config.scope == "global" and self.ctx.dp_world > 1:
             sel = self._select_global(batch, grads, ranked, k)
         else:
@@ -432,10 +452,9 @@ class OnlineSelector:
         self._record(step, sel)
         return sel
 
-    def _ranked(self, batch: Batch, scores: torch.Tensor) -> torch.Tensor:
-        """What the policy ranks: ``scores`` after neighbour smoothing
-        (``smooth_neighbors``), combined with the content prior (``content_weight``)."""
-        text = CandidateText(batch["input_ids"], batch.get("attention_mask"))  # hashed once
+    def _ranked(self, text: CandidateText, scores: torch.Tensor) -> torch.Tensor:
+        """The rank stage: ``scores`` through the ``Ranker`` stages in order (neighbour
+        smoothing, the content prior; none for a rule that is not ``ranked``)."""
         ranked = scores
         for stage in self._rankers:
             ranked = stage(ranked, text)

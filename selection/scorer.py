@@ -2,7 +2,9 @@
 
 A ``Score`` knows everything about its rule that the rest of a selection step asks:
 
-* ``needs_probe``: it reads the candidates' per-example gradients (the probe pass);
+* ``needs_probe``: it reads the candidates' per-example gradients (the probe pass; a rule
+  without it scores the candidates' text alone and the step runs no probe at all);
+* ``ranked``: the rank stages (neighbour smoothing, the content prior) apply to its scores;
 * ``pool_rows``: how many candidate rows it keeps as a sample of the training pool
   (``PoolSample``; 0 = no pool), and ``rows``: the provider of what candidates are scored
   against, built from the target gradient (and the pool's mean gradient when it has one);
@@ -10,7 +12,8 @@ A ``Score`` knows everything about its rule that the rest of a selection step as
   policy reading the scores' own scale (``threshold``'s tau, GREATS' learning-rate gain) may
   use; a rule without one can only be ranked;
 * ``check(config)``: the settings it cannot be combined with (at config time);
-* ``__call__(grads, rows, others=...)``: the ``[C]`` scores.
+* ``__call__(grads, rows, others=..., text=...)``: the ``[C]`` scores (``text``: the
+  candidates' hashed n-grams, ``CandidateText``).
 
 The shared measure, ``score_b = <g_b, g_target>`` summed over the target's layers, is routed
 ghost vs dense by the cost model: a factorized candidate against a dense target costs
@@ -22,6 +25,7 @@ A new rule is one subclass, ``class MyScore(Score, name="mine")``, plus ``"mine"
 
 from __future__ import annotations
 
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
@@ -33,7 +37,9 @@ from dattri_ds.errors import ConfigError, ShapeError
 from dattri_ds.gradient import GradBatch
 from dattri_ds.ops import CostModel, cross_gram, norms
 from dattri_ds.registry import Registry
+from dattri_ds.selection.content import ContentPrior
 from dattri_ds.selection.contrast import ContrastTarget, PoolSample
+from dattri_ds.selection.smoothing import CandidateText
 from dattri_ds.selection.stepscore import StepTarget, step_scores
 from dattri_ds.selection.target import TargetProvider
 
@@ -41,7 +47,7 @@ if TYPE_CHECKING:
     from dattri_ds.selection.config import SelectionConfig
 
 __all__ = ["alignment_scores", "redundancy_gram", "aligned", "Score", "SCORES", "Alignment",
-           "StepAlignment", "score_for"]
+           "StepAlignment", "ContentScore", "score_for"]
 
 Batch = dict[str, torch.Tensor]
 
@@ -83,10 +89,12 @@ class Score(ABC):
         config: the selection settings.
         cost: cost model for the ops' routing.
         ctx: data-parallel group (for rules that reduce over ranks).
+        documents: the target documents' model inputs (None: a target store, no text).
     """
 
     name: ClassVar[str]
     needs_probe: ClassVar[bool] = True
+    ranked: ClassVar[bool] = True
     scale: ClassVar[bool] = True
 
     def __init_subclass__(cls, name: str | None = None, **kwargs) -> None:
@@ -96,8 +104,9 @@ class Score(ABC):
             SCORES.register(name, cls)
 
     def __init__(self, config: SelectionConfig, *, cost: CostModel | None = None,
-                 ctx: ParallelContext | None = None) -> None:
+                 ctx: ParallelContext | None = None, documents: Batch | None = None) -> None:
         self.config, self.cost, self.ctx = config, cost, ctx or ParallelContext()
+        self.documents = documents
         self.pool_rows = self.pool_size(config)
         """Candidate rows kept as the pool sample (0: the rule needs no pool)."""
         self.needs_pool = self.pool_rows > 0
@@ -118,9 +127,11 @@ class Score(ABC):
         return gradient
 
     @abstractmethod
-    def __call__(self, grads: GradBatch, rows: GradBatch, *, others: int) -> torch.Tensor:
-        """``[C]`` scores of the candidates ``grads`` against ``rows``; ``others``: the
-        training step's other examples (all ranks)."""
+    def __call__(self, grads: GradBatch, rows: GradBatch | None, *, others: int,
+                 text: CandidateText) -> torch.Tensor:
+        """``[C]`` scores of the candidates ``grads`` against ``rows`` (None and ``grads``
+        without layers when the rule ``needs_probe`` not); ``others``: the training step's
+        other examples (all ranks); ``text``: the candidates' hashed n-grams."""
 
 
 class Alignment(Score, name="alignment"):
@@ -137,7 +148,7 @@ class Alignment(Score, name="alignment"):
             return ContrastTarget(gradient, pool, reference, self.config.contrast)
         return gradient
 
-    def __call__(self, grads, rows, *, others):
+    def __call__(self, grads, rows, *, others, text):
         return aligned(grads, rows, self.config.normalize, self.cost)
 
 
@@ -162,11 +173,50 @@ class StepAlignment(Score, name="step"):
     def rows(self, gradient, pool, reference):
         return StepTarget(gradient, pool, reference)
 
-    def __call__(self, grads, rows, *, others):
+    def __call__(self, grads, rows, *, others, text):
         return step_scores(grads, rows, others, self.cost, self.ctx)
 
 
+class ContentScore(Score, name="content"):
+    """The content prior alone (selection/content.py): the mean target-vs-stream log-ratio
+    of each candidate's hashed n-grams, no model and no gradient. The step runs no probe
+    (its cost is that of a plain step plus hashing); the values only rank (no scale), and
+    the rank stages do not apply (the prior is the score)."""
+
+    needs_probe = False
+    ranked = False
+    scale = False
+
+    @classmethod
+    def check(cls, config):
+        bad = {"target_store": config.target_store is not None,
+               "validation_fraction": config.validation_fraction > 0,
+               "precondition": config.precondition != "none", "contrast": config.contrast > 0,
+               "reuse_forward": config.reuse_forward == "on"}
+        for key, on in bad.items():
+            if on:
+                raise ConfigError(
+                    f"selection.score='content' ranks by the target documents' n-grams with "
+                    f"no gradient: selection.{key}={getattr(config, key)!r} needs one (or a "
+                    f"forward to reuse); unset {key} or use score='alignment'")
+        if config.content_weight:
+            warnings.warn(f"selection.content_weight={config.content_weight} has no effect "
+                          f"with score='content' (the content prior is the score)",
+                          stacklevel=3)
+
+    def __init__(self, config, *, cost=None, ctx=None, documents=None):
+        super().__init__(config, cost=cost, ctx=ctx, documents=documents)
+        if documents is None:
+            raise ConfigError("selection.score='content' needs the target documents' tokens "
+                              "(selection.target_data or content_rows=); a target store has "
+                              "none")
+        self.prior = ContentPrior(documents)
+
+    def __call__(self, grads, rows, *, others, text):
+        return self.prior.scores_of_counts(text.counts)
+
+
 def score_for(config: SelectionConfig, *, cost: CostModel | None = None,
-              ctx: ParallelContext | None = None) -> Score:
-    """The registered rule ``config.score``, built for ``config``."""
-    return SCORES.lookup(config.score)(config, cost=cost, ctx=ctx)
+              ctx: ParallelContext | None = None, documents: Batch | None = None) -> Score:
+    """The registered rule ``config.score``, built for ``config`` and the target documents."""
+    return SCORES.lookup(config.score)(config, cost=cost, ctx=ctx, documents=documents)

@@ -49,6 +49,9 @@ class StepCost:
         normalize: cosine scores (adds the candidates' gradient norms).
         target_examples: ``n``, target examples per refresh on this rank.
         refresh_every: ``r``, steps between target refreshes.
+        reuse: the chosen are back-propagated from the probe's graphs (no second forward).
+        probe: the score reads gradients (False: ``score="content"``, no probe, no target
+            refresh: only the training step and hashing, ~1x a plain step).
     """
 
     candidates: int
@@ -58,13 +61,15 @@ class StepCost:
     target_examples: int
     refresh_every: int
     reuse: bool = False
+    probe: bool = True
 
     def units(self) -> dict[str, float]:
         c, k, s = self.candidates, self.trained, self.share
-        return {"probe forward": float(c), "probe backward": c * s,
-                "scoring": c * s * (2.0 if self.normalize else 1.0),
+        p = 1.0 if self.probe else 0.0
+        return {"probe forward": p * c, "probe backward": p * c * s,
+                "scoring": p * c * s * (2.0 if self.normalize else 1.0),
                 "training step": (2.0 if self.reuse else 3.0) * k,
-                "target refresh": self.target_examples * 2.0 * s / self.refresh_every}
+                "target refresh": p * self.target_examples * 2.0 * s / self.refresh_every}
 
     def ratio(self) -> float:
         """Predicted selection step / plain step (``3k``)."""

@@ -311,7 +311,7 @@ class NegSqDistance(Score, name="neg_sq_distance"):
     """A toy scoring rule added as one class: ``-|g_b - g_t|^2`` from ghost products (the
     shard-reduced whole-model inner products under ZeRO-3)."""
 
-    def __call__(self, grads, rows, *, others):
+    def __call__(self, grads, rows, *, others, text):
         from dattri_ds.ops import cross_gram, sq_norms
 
         names = list(rows.layers)

@@ -30,7 +30,7 @@ from reference import reference_grads, rel_err, tiny_gpt2
 class NegSqDistance(Score, name="neg_sq_distance"):
     """Toy rule: ``-|g_b - g_t|^2 = -(|g_b|^2 - 2 <g_b, g_t> + |g_t|^2)`` (ghost products)."""
 
-    def __call__(self, grads, rows, *, others):
+    def __call__(self, grads, rows, *, others, text):
         names = list(rows.layers)
         u = cross_gram(grads, rows, layers=names, cost=self.cost)[:, 0]
         tt = cross_gram(rows, rows, layers=names, cost=self.cost)[0, 0]
@@ -131,3 +131,47 @@ def test_build_target_keeps_documents_gradient_and_held_out_apart():
     assert isinstance(t.gradient, ValidationTarget) and isinstance(t.held_out, ValidationTarget)
     assert t.documents["input_ids"].shape[0] == 4 and t.held_out.n == 2
     assert torch.equal(t.gradient.data["input_ids"], t.documents["input_ids"])
+
+
+def test_content_score_runs_no_probe():
+    """score='content': the choice is the top-k of the content prior alone, no probe or
+    target pass runs, no gradient is touched, the plan predicts a plain step (1x), and the
+    chosen ids are the content ids the probe would have given."""
+    from dattri_ds.selection.content import ContentPrior
+
+    model = tiny_gpt2(seed=2)
+    tgt, cand = _ids(4, 8), _ids(8, 9)
+    cand[:3, :6] = tgt[:3, :6]  # three candidates share text with the target
+    docs = {"input_ids": tgt, "labels": tgt}
+    sel = OnlineSelector.for_target_data(model, SelectionConfig(score="content",
+                                                                uniform_mix=0.0), docs)
+    calls = []
+    raw = sel.probe.probe
+    sel.probe.probe = lambda *a, **kw: calls.append(1) or raw(*a, **kw)
+    batch = {"input_ids": cand, "labels": cand}
+    out = sel.select(batch, k=3, step=0)
+    want = ContentPrior(docs).scores(cand)
+    assert torch.allclose(out.scores, want)
+    assert out.indices.tolist() == sorted(torch.topk(want, 3).indices.tolist())
+    assert calls == [] and sel.rows.refreshes == 0 and sel.plan.ratio() == 1.0
+    assert all(p.grad is None for p in model.parameters())
+    sel.close()
+    probed = OnlineSelector.for_target_data(model, SelectionConfig(content_weight=0.0), docs)
+    grads, _ = probed.score(batch, 0)
+    probed.close()
+    assert out.chosen_ids == tuple(grads.sample_ids[i] for i in out.indices.tolist())
+
+
+def test_content_score_refuses_what_needs_a_gradient():
+    """score='content' with settings that need a gradient (held-out check, preconditioning,
+    contrast), a scale-reading policy or no target documents: clear errors at start; a
+    content_weight has no effect and says so."""
+    from dattri_ds import ProjectionConfig
+
+    for kw in ({"validation_fraction": 0.5}, {"precondition": "adam"}, {"contrast": 0.5},
+               {"policy": "threshold", "content_weight": 0.0},
+               {"target_store": "grads", "projection": ProjectionConfig(dim=8)}):
+        with pytest.raises(ConfigError, match="score='content'"):
+            SelectionConfig(score="content", **kw)
+    with pytest.warns(UserWarning, match="content_weight=2.0 has no effect"):
+        SelectionConfig(score="content", content_weight=2.0)
