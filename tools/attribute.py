@@ -44,10 +44,11 @@ from dattri_ds.tools.common import (  # noqa: E402
     Run, add_source_args, gradients, load_texts, logger, open_source, setup_logging,
     store_paths, write_config,
 )
+from dattri_ds.methods import registered_attributors  # noqa: E402
 from dattri_ds.recipe import Recipe  # noqa: E402
 
-METHODS = ("graddot", "gradcos", "tracin", "kfac", "ekfac", "kfac-trajectory",
-           "ekfac-trajectory")
+#: Every registered attribution method (``class M(Attributor, name="m")``), sorted.
+METHODS = tuple(sorted(registered_attributors()))
 #: The default: the most faithful at its cost in ``tools/lds.py`` (docs/attribution_fidelity.md).
 DEFAULT_METHOD = "ekfac-trajectory"
 
