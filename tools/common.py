@@ -41,9 +41,11 @@ class Run:
     def open(path: str | os.PathLike, tokenizer: str | os.PathLike | None = None) -> Run:
         """A run directory; its tokenizer is ``tokenizer.model`` (SentencePiece), Hugging Face
         tokenizer files in the run or its ``model/`` folder, or ``tokenizer``."""
+        from dattri_ds.files import check_dir
         from dattri_ds.tools.sources import hf_tokenizer_dir
 
-        root = Path(path)
+        root = check_dir(path, "--run folder", "pass the --out folder of launch/train.py, or "
+                         "--model with a Hugging Face model folder")
         if not (root / "model/config.json").exists():
             raise ConfigError(f"'{root}' is not a training run directory: missing "
                               f"model/config.json. Pass the --out folder of launch/train.py, "
@@ -85,10 +87,11 @@ class Run:
 
         if self.tokenizer_path is not None:
             return HFTokenizer(self.tokenizer_path)
-        if (self.root / "tokenizer.model").exists():
+        spm = self.root / "tokenizer.model"
+        if spm.exists() or spm.is_symlink():  # a broken link is named by the reader
             from dattri_ds.data import Tokenizer
-            return Tokenizer.load(self.root / "tokenizer.model")
-        raise ConfigError(f"Run '{self.root}' has no tokenizer (tokenizer.model or Hugging Face "
+            return Tokenizer.load(spm)
+        raise ConfigError(f"Run '{self.root}' has no tokenizer ({spm} or Hugging Face "
                           f"tokenizer files): pass --tokenizer FOLDER, or give token-id jsonl")
 
     def trajectory(self) -> list[dict]:
@@ -293,7 +296,7 @@ def _megatron_model(root: Path, tag: str) -> torch.nn.Module:
         )
         from dattri_ds.models.megatron_gpt import MegatronLM, build_gpt
 
-    cfg = json.loads((root / "model/config.json").read_text())
+    cfg = read_json(root / "model/config.json", "--run")
     if cfg.get("backend") != "megatron":
         raise ConfigError(f"{root / 'checkpoints' / tag} holds a Megatron checkpoint but "
                           f"{root / 'model/config.json'} is not a Megatron model config")

@@ -13,7 +13,9 @@ Doors (what a user hands the system, and the code path that reads it):
 * ``model-path``: launch's ``train.model_path`` (``deepspeed_backend.build``);
 * ``run-config`` / ``model-config``: launch's DeepSpeed JSON and a ``configs/model_*.json``;
 * ``plan-model``: ``dattri-ds plan --model FILE``;
-* ``tokenizer``: a run's SentencePiece ``tokenizer.model``.
+* ``tokenizer``: a run's SentencePiece ``tokenizer.model``;
+* ``run-*``: ``dattri-ds collect --run DIR`` with the run folder, its ``trajectory.json``,
+  ``resolved_dattri_ds_config.json`` or ``tokenizer.model`` damaged.
 
 Cases: garbage bytes, a truncated file, latin-1 bytes, a UTF-8 BOM (accepted: the run goes on),
 CSV, an empty file, a directory, a symlink loop, a dangling symlink, a line over the line cap,
@@ -92,6 +94,21 @@ def spm_tokenizer(cache: Path):
     from dattri_ds.data import train_tokenizer
     texts = [f"w{i} w{i + 1} w{i + 2} caf\u00e9" for i in range(60)]
     return train_tokenizer(texts, vocab_size=40, cache_dir=cache)
+
+
+def fake_run(run: Path, model: Path, tokenizer: Path) -> Path:
+    """A launch/train.py output folder laid out by hand: model config, SentencePiece
+    tokenizer, resolved config, trajectory and one save_pretrained checkpoint."""
+    (run / "model").mkdir(parents=True)
+    shutil.copy(model / "config.json", run / "model/config.json")
+    shutil.copy(tokenizer, run / "tokenizer.model")
+    (run / "resolved_dattri_ds_config.json").write_text(json.dumps(
+        {"train": {"seq_len": 16, "model_config": "w9"}}))
+    (run / "trajectory.json").write_text(json.dumps(
+        {"run_id": "run:w9", "checkpoints": [{"tag": "step1", "step": 1, "lr": 0.1}]}))
+    shutil.copytree(model, run / "checkpoints/step1",
+                    ignore=shutil.ignore_patterns("tokenizer*", "special_tokens_map.json"))
+    return run
 
 
 def factors_bytes() -> bytes:
@@ -173,6 +190,7 @@ class Env:
         self.model = hf_folder(root / "hf")
         self.tok = spm_tokenizer(root / "spm")
         self.factors = factors_bytes()
+        self.run = fake_run(root / "run", self.model, self.tok.path)
         self.n = 0
 
     def fresh(self) -> Path:
@@ -314,6 +332,46 @@ def door_model_path(env: Env, case: str, tmp: Path):
     return path, build
 
 
+def _run_door(env: Env, case: str, tmp: Path, name: str | None):
+    """``dattri-ds collect --run DIR`` with the run folder itself or one of its files damaged."""
+    from dattri_ds.tools import collect
+    run = tmp / "run"
+    data = tmp / "data.jsonl"
+    data.write_bytes(DOCS)
+    if name is None:
+        path = run
+        if case == "empty-folder":
+            run.mkdir()
+        elif case == "not-a-folder":
+            run.write_bytes(b"not a folder")
+        else:
+            CASES[case](run, b"")
+    else:
+        shutil.copytree(env.run, run)
+        path = run / name
+        valid = path.read_bytes()
+        path.unlink()
+        CASES[case](path, valid)
+    return path, lambda: collect.main(["--run", str(run), "--data", str(data), "--out",
+                                       str(tmp / "out"), "--projection-dim", "8"])
+
+
+def door_run_folder(env, case, tmp):
+    return _run_door(env, case, tmp, None)
+
+
+def door_run_trajectory(env, case, tmp):
+    return _run_door(env, case, tmp, "trajectory.json")
+
+
+def door_run_resolved(env, case, tmp):
+    return _run_door(env, case, tmp, "resolved_dattri_ds_config.json")
+
+
+def door_run_tokenizer(env, case, tmp):
+    return _run_door(env, case, tmp, "tokenizer.model")
+
+
 def door_tokenizer(env: Env, case: str, tmp: Path):
     """A run's SentencePiece ``tokenizer.model`` (``Run.tokenizer``)."""
     from dattri_ds.data import Tokenizer
@@ -372,6 +430,11 @@ DOORS = {
     "hf-model": (door_hf_model, DOOR_HF_CASES),
     "model-path": (door_model_path, MODEL_CASES),
     "tokenizer": (door_tokenizer, FILE),
+    "run-folder": (door_run_folder, ["missing", "dangling-symlink", "symlink-loop",
+                                     "empty-folder", "not-a-folder"]),
+    "run-trajectory": (door_run_trajectory, TEXT),
+    "run-resolved-config": (door_run_resolved, TEXT),
+    "run-tokenizer": (door_run_tokenizer, FILE),
     "run-config": (door_run_config, TEXT),
     "model-config": (door_model_config, TEXT + ["unknown-model-type"]),
     "plan-model": (door_plan_model, TEXT),
