@@ -216,14 +216,13 @@ class GradientCapture:
         cfg = self.config
         self.layers, self.unsupported = {}, []
         for name, module in self.model.named_modules():
-            if _matches(name, cfg.exclude):
-                continue
+            if _matches(name, cfg.exclude) or not _has_own_trainable(module):
+                continue  # containers hold no parameter of their own: nothing to match
             kind = kind_for(module)
             if kind is None:
-                if _has_own_trainable(module):
-                    self.unsupported.append(f"{name} ({type(module).__name__})")
+                self.unsupported.append(f"{name} ({type(module).__name__})")
                 continue
-            if (cfg.include and not _matches(name, cfg.include)) or not _has_own_trainable(module):
+            if cfg.include and not _matches(name, cfg.include):
                 continue
             kind.check(module, name)
             self.layers[name] = (module, kind)

@@ -48,6 +48,16 @@ class Registry(Generic[T]):
         self._table[name] = entry
         return entry
 
+    def unregister(self, name: str) -> T:
+        """Remove ``name`` and return its entry (e.g. a test's own kind, at teardown).
+
+        Raises:
+            ``self.error``: ``name`` is not registered.
+        """
+        entry = self.lookup(name)
+        del self._table[name]
+        return entry
+
     def lookup(self, name: str) -> T:
         """The entry called ``name``; ``self.error`` naming the value and the known names."""
         try:

@@ -31,7 +31,7 @@ from dattri_ds.gradient import Dense, Factorized, ShardInfo
 from dattri_ds.registry import Registry
 
 __all__ = ["LayerDims", "LayerKind", "KINDS", "kind_for", "get_kind", "param_shape",
-           "registered_kinds", "COMPUTE_DTYPE"]
+           "registered_kinds", "unregister_kind", "COMPUTE_DTYPE"]
 
 #: Dtype of every inner product and materialized row, whatever the capture dtype.
 COMPUTE_DTYPE = torch.float32
@@ -305,11 +305,27 @@ def param_shape(p: torch.Tensor) -> tuple[int, ...]:
 
 
 def kind_for(module: nn.Module) -> LayerKind | None:
-    """The registered kind that handles ``module``, or None."""
+    """The registered kind that handles ``module``, or None (later registrations first).
+
+    Kinds that keep the default ``matches`` are tested here by ``isinstance`` directly."""
     for kind in _MATCH_ORDER:
-        if kind.matches(module):
+        if type(kind).matches is LayerKind.matches:
+            if kind.modules and isinstance(module, kind.modules):
+                return kind
+        elif kind.matches(module):
             return kind
     return None
+
+
+def unregister_kind(name: str) -> LayerKind:
+    """Remove the kind ``name`` from the registry and from matching; returns it.
+
+    Raises:
+        UnsupportedLayerError: no kind of that name is registered.
+    """
+    kind = KINDS.unregister(name)
+    _MATCH_ORDER.remove(kind)
+    return kind
 
 
 def get_kind(name: str | LayerKind) -> LayerKind:

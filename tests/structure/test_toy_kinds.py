@@ -1,8 +1,8 @@
 """A new layer kind and a new projection kind are each one class, defined here.
 
 Invariant: registering ``PointwiseConv1dKind`` (``nn.Conv1d`` with kernel 1, one class) and
-``SubsampleKind`` (a seeded coordinate-subsampling projection, one class), with no library
-file edited, is enough for the whole pipeline: capture -> project -> cross_gram -> EK-FAC
+``SubsampleKind`` (a seeded coordinate-subsampling projection, one class), both defined in
+this file (in a fixture, so they are unregistered after), with no library file edited, is enough for the whole pipeline: capture -> project -> cross_gram -> EK-FAC
 (``fit_factors`` + ``make_attributor("ekfac")``), and every result equals the same maths
 done on per-example gradients from autograd (one backward per example). It breaks if an op
 switches on kind names, if projection dispatches on a fixed list of kinds, or if the
@@ -14,66 +14,79 @@ from __future__ import annotations
 import math
 import warnings
 
+import pytest
 import torch
 from torch import nn
 
 from dattri_ds import CaptureConfig, GradientCapture, fit_factors, make_attributor
 from dattri_ds.errors import UnsupportedLayerError
 from dattri_ds.gradient import Factorized
+from dattri_ds.layers.base import unregister_kind
 from dattri_ds.layers.outer import OuterProductKind, with_bias_column
 from dattri_ds.ops import cross_gram, materialize, project_batch
-from dattri_ds.ops.projection import ProjectionConfig, ProjectionKind, Projector, stable_seed
+from dattri_ds.ops.projection import (
+    PROJECTION_KINDS, ProjectionConfig, ProjectionKind, Projector, stable_seed,
+)
 from reference import rel_err
 
 TOL = 1e-4
 B, C, L = 6, 5, 7  # examples, input channels, positions (the token axis T)
 
 
-class PointwiseConv1dKind(OuterProductKind, name="toy_conv1d_k1", modules=(nn.Conv1d,)):
-    """``nn.Conv1d(kernel_size=1)``: ``y[:, :, l] = W x[:, :, l] + b``, a linear layer per
-    position over channel-first ``[B, C, L]`` inputs. Canonical layout ``[O, I (+1)]``."""
+@pytest.fixture(scope="module")
+def toy():
+    """The two toy classes, registered for this module's tests only (unregistered after, so
+    other tests still see ``nn.Conv1d`` as unsupported and the built-in projection kinds)."""
 
-    def matches(self, module):
-        return isinstance(module, nn.Conv1d) and module.kernel_size == (1,)
+    class PointwiseConv1dKind(OuterProductKind, name="toy_conv1d_k1", modules=(nn.Conv1d,)):
+        """``nn.Conv1d(kernel_size=1)``: ``y[:, :, l] = W x[:, :, l] + b``, a linear layer per
+        position over channel-first ``[B, C, L]`` inputs. Canonical layout ``[O, I (+1)]``."""
 
-    def check(self, module, name):
-        if module.groups != 1 or module.stride != (1,) or module.padding not in ((0,), "valid"):
-            raise UnsupportedLayerError(f"Layer '{name}': only groups=1, stride 1, no padding")
+        def matches(self, module):
+            return isinstance(module, nn.Conv1d) and module.kernel_size == (1,)
 
-    def layer_shape(self, module):
-        return module.out_channels, module.in_channels + int(module.bias is not None)
+        def check(self, module, name):
+            if module.groups != 1 or module.stride != (1,) or module.padding not in ((0,), "valid"):
+                raise UnsupportedLayerError(f"Layer '{name}': only groups=1, stride 1, no padding")
 
-    def build(self, module, a, g):
-        a3 = a.transpose(1, 2).contiguous()  # [B, C, L] -> [B, T=L, I]
-        if module.bias is not None:
-            a3 = with_bias_column(a3)
-        return Factorized(a3, g.transpose(1, 2).contiguous())
+        def layer_shape(self, module):
+            return module.out_channels, module.in_channels + int(module.bias is not None)
 
-    def canonical(self, module, grads):
-        w = grads["weight"].squeeze(-1)
-        if "bias" in grads:
-            w = torch.cat([w, grads["bias"].unsqueeze(-1)], dim=-1)
-        return w.flatten(-2)
+        def build(self, module, a, g):
+            a3 = a.transpose(1, 2).contiguous()  # [B, C, L] -> [B, T=L, I]
+            if module.bias is not None:
+                a3 = with_bias_column(a3)
+            return Factorized(a3, g.transpose(1, 2).contiguous())
+
+        def canonical(self, module, grads):
+            w = grads["weight"].squeeze(-1)
+            if "bias" in grads:
+                w = torch.cat([w, grads["bias"].unsqueeze(-1)], dim=-1)
+            return w.flatten(-2)
 
 
-class SubsampleKind(ProjectionKind, name="toy_subsample"):
-    """``k`` seeded coordinates of the flattened gradient, scaled by ``sqrt(D / k)`` (an
-    unbiased inner-product estimate; matrix-free)."""
+    class SubsampleKind(ProjectionKind, name="toy_subsample"):
+        """``k`` seeded coordinates of the flattened gradient, scaled by ``sqrt(D / k)`` (an
+        unbiased inner-product estimate; matrix-free)."""
 
-    def matrix_bytes(self, k, o, i):
-        return 8 * k
+        def matrix_bytes(self, k, o, i):
+            return 8 * k
 
-    def flops(self, k, o, i, t):
-        return 2.0 * t * o * i
+        def flops(self, k, o, i, t):
+            return 2.0 * t * o * i
 
-    def columns(self, projector: Projector, layer: str, d: int) -> torch.Tensor:
-        gen = torch.Generator().manual_seed(stable_seed(projector.config.seed, layer, "toy"))
-        return torch.randperm(d, generator=gen)[:projector.config.dim]
+        def columns(self, projector: Projector, layer: str, d: int) -> torch.Tensor:
+            gen = torch.Generator().manual_seed(stable_seed(projector.config.seed, layer, "toy"))
+            return torch.randperm(d, generator=gen)[:projector.config.dim]
 
-    def project(self, projector, lg, cost, path=None):
-        rows = lg.kind.rows(lg.data, lg.shape)
-        cols = self.columns(projector, lg.name, rows.shape[1]).to(rows.device)
-        return rows[:, cols] * math.sqrt(rows.shape[1] / cols.numel())
+        def project(self, projector, lg, cost, path=None):
+            rows = lg.kind.rows(lg.data, lg.shape)
+            cols = self.columns(projector, lg.name, rows.shape[1]).to(rows.device)
+            return rows[:, cols] * math.sqrt(rows.shape[1] / cols.numel())
+
+    yield PointwiseConv1dKind, SubsampleKind
+    unregister_kind(PointwiseConv1dKind.name)
+    PROJECTION_KINDS.unregister(SubsampleKind.name)
 
 
 def _model() -> nn.Module:
@@ -98,9 +111,8 @@ def _capture(model, x, y, ids, projection=None):
     return batch
 
 
-def _autograd(model, x, y) -> dict[str, torch.Tensor]:
+def _autograd(kind, model, x, y) -> dict[str, torch.Tensor]:
     """``{layer: [B, D]}`` canonical per-example gradients, one backward per example."""
-    kind = PointwiseConv1dKind()
     out: dict[str, list[torch.Tensor]] = {"0": [], "2": []}
     for b in range(x.shape[0]):
         model.zero_grad(set_to_none=True)
@@ -117,7 +129,7 @@ def _data(seed: int, n: int = B):
     return torch.randn(n, C, L, generator=g), torch.randn(n, 3, L, generator=g)
 
 
-def test_toy_kinds_capture_project_cross_gram():
+def test_toy_kinds_capture_project_cross_gram(toy):
     """Capture gives the autograd per-example gradients; the toy projection of the captured
     factors equals the same columns of the autograd rows; cross_gram of projected train x
     query rows equals the reference dot products."""
@@ -126,18 +138,19 @@ def test_toy_kinds_capture_project_cross_gram():
     xq, yq = _data(2, 3)
     train = _capture(model, x, y, [f"t{i}" for i in range(B)])
     assert {lg.kind_name for lg in train.layers.values()} == {"toy_conv1d_k1"}
-    ref, ref_q = _autograd(model, x, y), _autograd(model, xq, yq)
+    kind, toy_projection = toy[0](), toy[1]()
+    ref, ref_q = _autograd(kind, model, x, y), _autograd(kind, model, xq, yq)
     for name, lg in train.layers.items():
         assert rel_err(materialize(lg), ref[name]) <= TOL
 
     cfg = ProjectionConfig(kind="toy_subsample", dim=10, seed=3)
-    projector, toy = Projector(cfg), SubsampleKind()
+    projector = Projector(cfg)
     ptrain = project_batch(train, projector)
     pquery = _capture(model, xq, yq, ["q0", "q1", "q2"], projection=cfg)  # projected in capture
     want = 0
     for name in ("0", "2"):
         d = ref[name].shape[1]
-        cols = toy.columns(projector, name, d)
+        cols = toy_projection.columns(projector, name, d)
         scale = math.sqrt(d / cols.numel())
         assert ptrain.layers[name].projection == cfg.tag == pquery.layers[name].projection
         assert rel_err(ptrain.layers[name].data.values, ref[name][:, cols] * scale) <= TOL
@@ -159,7 +172,7 @@ def _ekfac_reference(lf, g_train, g_query, damping, power, whiten=False):
     return lam, g_train.double() @ pre.reshape(pre.shape[0], -1).T
 
 
-def test_toy_kind_ekfac_matches_autograd():
+def test_toy_kind_ekfac_matches_autograd(toy):
     """EK-FAC on the toy kind: the corrected eigenvalues and the influence scores (exact, and
     whitened then toy-projected) equal the reference computed from autograd gradients."""
     model = _model()
@@ -167,7 +180,8 @@ def test_toy_kind_ekfac_matches_autograd():
     xq, yq = _data(4, 3)
     train = _capture(model, x, y, [f"t{i}" for i in range(B)])
     query = _capture(model, xq, yq, ["q0", "q1", "q2"])
-    ref, ref_q = _autograd(model, x, y), _autograd(model, xq, yq)
+    kind, toy_projection = toy[0](), toy[1]()
+    ref, ref_q = _autograd(kind, model, x, y), _autograd(kind, model, xq, yq)
     factors = fit_factors([train])
     cfg = factors.config
     assert {lf.form.name for lf in factors.layers.values()} == {"kron"}
@@ -184,12 +198,12 @@ def test_toy_kind_ekfac_matches_autograd():
     projector = Projector(ProjectionConfig(kind="toy_subsample", dim=12, seed=5))
     ekfac = make_attributor("ekfac", factors=factors, projector=projector, whitened=True)
     got = ekfac.scores([ekfac.train_rows(train)], query).values
-    toy, want = SubsampleKind(), 0
+    want = 0
     for name, lf in factors.layers.items():
         _, r_train, r_query = _ekfac_reference(lf, ref[name], ref_q[name], cfg.damping,
                                                cfg.power, whiten=True)
         d = r_train[0].numel()
-        cols = toy.columns(projector, name, d)
+        cols = toy_projection.columns(projector, name, d)
         scale = math.sqrt(d / cols.numel())
         pt = r_train.reshape(B, -1)[:, cols] * scale
         pq = r_query.reshape(3, -1)[:, cols] * scale
