@@ -167,7 +167,10 @@ class OnlineSelector:
     Args:
         model: the module the engine calls (``engine.module``).
         config: SelectionConfig.
-        target: provider of the target gradient (use ``probe_capture`` to build one).
+        target: provider of the target gradient (``build_target`` or ``for_target_data``
+            build it from the config; ``probe_capture`` gives the probe it needs). The
+            selector keeps it shaped by the optimizer and the score as ``rows``.
+        probe: the probe capture on ``model`` (``probe_capture``).
         ctx: data-parallel group (for global scope).
         lr_fn: current learning rate (for GREATS).
         log_path: jsonl file for the per-step log of chosen ids and scores, rewritten by
@@ -180,8 +183,12 @@ class OnlineSelector:
             ``precondition="adam"``.
         held_out: the held-out part of the target (``validation_fraction``): the chosen
             examples' advantage on it decides the fallback to uniform choice.
+        reference: builds the pool sample's gradient provider from its rows (scores with a
+            pool: contrast, step); default: like the target (``pool_reference``).
+        step_examples: examples per optimizer step over all ranks (the step score's ``m``);
+            default: ``k`` times the data-parallel world.
         content_rows: the target documents' model inputs for the content prior
-            (``content_weight``); default: a ``ValidationTarget``'s own documents.
+            (``content_weight``, ``score="content"``); default: a ``ValidationTarget``'s own.
     """
 
     def __init__(self, model: nn.Module, config: SelectionConfig, target: TargetProvider, *,
