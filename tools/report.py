@@ -175,10 +175,11 @@ def main(argv: list[str] | None = None) -> Path:
     setup_logging()
     att = Path(args.attribution)
     summary, queries, top, train_ids, scores = read_attribution(att)
-    from dattri_ds.outputs import check_dir
+    from dattri_ds.outputs import check_dir, writing
     check_dir(att, flag="--attribution", force=True, overwrites=("report.md", "report.html"))
     docs = _docs(args.train_data)
-    plots = _plots(att, scores, queries, top, train_ids)
+    with writing(att):  # a full disk: one line naming the folder
+        plots = _plots(att, scores, queries, top, train_ids)
     md = [f"# Attribution report ({summary['method']})", "",
           f"{summary['train']} training examples x {summary['queries']} queries, checkpoints "
           f"{', '.join(summary['checkpoints'])}; score > 0: training on the example lowers the "
@@ -206,11 +207,13 @@ def main(argv: list[str] | None = None) -> Path:
             body.append("</table>")
     md += [f"![{p}]({p})" for p in plots]
     body += [f'<img src="{p}">' for p in plots]
-    (att / "report.md").write_text("\n".join(md) + "\n")
-    (att / "report.html").write_text(
-        "<!doctype html><meta charset='utf-8'><title>dattri-ds report</title><style>body{font:"
-        "14px sans-serif;max-width:60em;margin:auto}td{vertical-align:top;border-top:1px solid"
-        " #ddd;padding:4px}.tokens{white-space:pre-wrap;font-family:monospace}</style>" + "\n".join(body))
+    with writing(att):
+        (att / "report.md").write_text("\n".join(md) + "\n")
+        (att / "report.html").write_text(
+            "<!doctype html><meta charset='utf-8'><title>dattri-ds report</title><style>body{"
+            "font:14px sans-serif;max-width:60em;margin:auto}td{vertical-align:top;border-top:"
+            "1px solid #ddd;padding:4px}.tokens{white-space:pre-wrap;font-family:monospace}"
+            "</style>" + "\n".join(body))
     logger.info("report -> %s", att / "report.md")
     return att / "report.md"
 

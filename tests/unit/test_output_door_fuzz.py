@@ -9,7 +9,7 @@ traceback, no raw exception class. A write that runs out of space (a small RLIMI
 SIGXFSZ ignored so ``write`` returns EFBIG) ends with exit 1 and one line naming the path
 and saying that nothing committed was lost, and the resumed collect loses no committed row.
 Covered: collect ``--out`` and its per-checkpoint store path, attribute ``--out``, fit
-``--out``, report's attribution folder, launch ``--out`` and ``store.path``.
+``--out``, report's attribution folder (and its writes), launch ``--out`` and ``store.path``.
 """
 
 from __future__ import annotations
@@ -150,7 +150,12 @@ def _fsize_limit(nbytes: int):
 def _disk_full_cases(e) -> list[tuple[str, list[str], int, str]]:
     cli = "-m dattri_ds.tools.cli".split()
     tmp = e["tmp"]
+    report_dir = tmp / "attr_full"
+    if not report_dir.exists():
+        shutil.copytree(e["attr"], report_dir)
     return [
+        ("report disk full", [*cli, "report", "--attribution", str(report_dir),
+                              "--train-data", e["data"]], 200, str(report_dir)),
         ("collect disk full", [*cli, "collect", *_collect_argv(e, tmp / "full")], 6000,
          str(tmp / "full")),
         ("fit disk full", [*cli, "fit", *_fit_argv(e, tmp / "full_f.pt")], 4000,
