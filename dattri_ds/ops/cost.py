@@ -50,6 +50,7 @@ from dattri_ds.layers.base import LayerDims
 from dattri_ds.ops.projection import (  # re-exported: the projection choice lives there
     REF_TOKENS, SPARSE_NNZ, ProjectionChoice, choose_projection, explain_projection,
 )
+from dattri_ds.registry import Registry
 
 __all__ = ["PathCost", "Roofline", "Decision", "CostModel", "OPS", "PATHS", "estimate",
            "ProjectionChoice", "choose_projection", "explain_projection", "REF_TOKENS",
@@ -217,24 +218,18 @@ def _rotate(d: LayerDims) -> dict[str, PathCost]:
 
 
 #: op name -> estimator(dims, **op args) -> {path: PathCost}; a flat routing table.
-OPS: dict[str, Callable[..., dict[str, PathCost]]] = {
-    "cross_gram": _cross_gram,
-    "norm": _norm,
-    "cross_dense": _cross_dense,
-    "project_kron": _project_kron,
-    "project_dense": _project_dense,
-    "project_sparse": _project_sparse,
-    "sum": _sum,
-    "rotate": _rotate,
-}
+OPS: Registry[Callable[..., dict[str, PathCost]]] = Registry(
+    "gradient op", hint="register its estimator with OPS.register(name, fn)")
+for _name, _fn in (("cross_gram", _cross_gram), ("norm", _norm), ("cross_dense", _cross_dense),
+                   ("project_kron", _project_kron), ("project_dense", _project_dense),
+                   ("project_sparse", _project_sparse), ("sum", _sum), ("rotate", _rotate)):
+    OPS.register(_name, _fn)
+del _name, _fn
 
 
 def estimate(op: str, dims: LayerDims, **kwargs: int) -> dict[str, PathCost]:
     """Cost of both paths of ``op`` for a layer of ``dims`` (see the module table)."""
-    try:
-        return OPS[op](dims, **kwargs)
-    except KeyError:
-        raise ConfigError(f"Unknown gradient op '{op}'; known ops: {sorted(OPS)}") from None
+    return OPS.lookup(op)(dims, **kwargs)
 
 
 @dataclass(frozen=True)
