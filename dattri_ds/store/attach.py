@@ -198,11 +198,12 @@ def compare(spec: StoreSpec, dtype: str, request: StoreRequest) -> list[Differen
 
 def mismatch(root: Path, request: StoreRequest, diffs: list[Difference]) -> StoreMismatchError:
     """The one-line StoreMismatchError of ``diffs``."""
-    parts = []
+    parts, shown = [], set()
     for d in diffs:
         fix = request.fix(d.key, d.raw_stored)
         parts.append(f"{d.key}: stored {d.stored}, requested {d.requested}"
-                     + (f" (fix: {fix})" if fix else ""))
+                     + (f" (fix: {fix})" if fix and fix not in shown else ""))
+        shown.add(fix)  # a fix shared by several fields (layers) is said once
     tail = f"; or {request.otherwise}" if request.otherwise else ""
     return StoreMismatchError(f"Gradient store '{root}' does not hold what {request.consumer} "
                               f"asks for: {'; '.join(parts)}{tail}")

@@ -436,8 +436,9 @@ def test_attach_compares_every_requested_field_in_one_line(tmp_path):
                  "projection.dim: stored 16, requested 32 (fix: --projection-dim 16)",
                  "dtype: stored 'float32', requested 'float16'",
                  "whitened: stored None, requested 'ekfac'",
-                 "layers: stored 3 layers including ['enc.fc2', 'head'], requested 1 layers",
-                 "layers['enc.fc1']: stored linear (8, 5), requested linear (8, 6) (fix: "
-                 "the model of the store)"):
+                 "layers: stored 3 layers including ['enc.fc2', 'head'], requested 1 layers "
+                 "(fix: the model of the store)",
+                 "layers['enc.fc1']: stored linear (8, 5), requested linear (8, 6); "):
         assert part in text, (part, text)
+    assert text.count("the model of the store") == 1  # a shared fix is said once
     assert "seed" not in text  # equal fields are not listed
