@@ -429,11 +429,8 @@ def gradients(model, data, rows: torch.Tensor, *, capture, batch_size: int,
 
 
 def _bar(total: int, desc: str | None):
-    import sys
-    if desc is None or not sys.stderr.isatty():
-        return None
-    from tqdm import tqdm
-    return tqdm(total=total, desc=desc, dynamic_ncols=True)
+    from dattri_ds.tools.progress import bar  # tqdm on a terminal, else timed log lines
+    return bar(total, desc)
 
 
 def load_texts(path: str, tokenizer, seq_len: int, max_docs: int | None = None,

@@ -12,23 +12,35 @@
    for both, writes ``target_loss.png`` with both curves of both and a ``report.md`` with
    the comparison and which corpus sources selection preferred;
 4. attributes held-out Hamlet passages to the training corpus offline, from the saved
-   ZeRO-3 checkpoints: ``collect`` (projected per-example gradients per checkpoint),
-   ``fit`` (EK-FAC factors in the projected space), ``attribute`` with TracIn and EK-FAC,
-   and ``report`` (Markdown/HTML with top proponents and opponents, plots).
+   ZeRO-3 checkpoints (``RECIPE``): ``fit`` (exact EK-FAC factors of every checkpoint),
+   ``collect`` (Kronecker-projected per-example gradients of every checkpoint, plain and
+   whitened by that checkpoint's factors), ``attribute`` with TracIn (plain rows) and the
+   EK-FAC trajectory (whitened rows), and ``report`` (Markdown/HTML with top proponents and
+   opponents, plots).
+
+Every phase prints one line when it starts and one with its wall and CPU seconds when it
+ends (tools/progress.py); collect and fit print counts and ETA inside; the job ends with the
+table of its phases (also in ``<out>/phases.json``; docs/main_job.md has measured ones).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import subprocess
 import sys
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if __package__ in (None, ""):  # run as a script: make `dattri_ds.tools` importable
+    sys.path.insert(0, str(ROOT))
+
+from dattri_ds.tools.progress import phase  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -72,29 +84,44 @@ DEMO = DemoData()
 
 
 def run_training(out: Path, args, extra: list[str]) -> dict:
-    """One ``deepspeed`` launch of launch/train.py; returns its summary.json."""
-    launcher = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(args.world)]
+    """One ``deepspeed`` launch of launch/train.py; returns its summary.json. Its step and
+    evaluation lines are printed as they come (the whole output goes to ``train.log``)."""
+    launcher = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(args.world),
+                "--master_port", str(_free_port())]  # not 29500: another job may hold it
     if args.world == 1:
         launcher = [sys.executable]
     cmd = [*launcher, str(ROOT / "launch/train.py"), "--deepspeed_config",
            str(ROOT / args.config), "--out", str(out), "--steps", str(args.steps),
            "--max-docs", str(args.max_docs), "--seq-len", str(args.seq_len),
-           "--eval-every", str(args.eval_every), "--log-every", str(args.eval_every),
+           "--eval-every", str(args.eval_every), "--log-every", str(args.log_every),
            "--save-every", str(args.save_every), "--candidate-multiple",
-           str(args.candidate_multiple), *extra]
+           str(args.candidate_multiple), "--force", *extra]
     env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
     print(f"$ {' '.join(cmd[len(launcher):])}", flush=True)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
-    (out / "train.log").parent.mkdir(parents=True, exist_ok=True)
-    (out / "train.log").write_text(proc.stdout)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, bufsize=1)
+    lines = []
+    for line in proc.stdout:  # live: one line per --log-every steps and per evaluation
+        lines.append(line)
+        if "target loss" in line or ("step" in line and "ex/s" in line) or \
+                "error" in line.lower():
+            print("   ", line.rstrip().split("] ", 1)[-1], flush=True)
+    proc.wait()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "train.log").write_text("".join(lines))
     if proc.returncode != 0:
-        sys.exit(f"training failed (exit {proc.returncode}); last lines:\n{proc.stdout[-4000:]}")
-    for line in proc.stdout.splitlines():
-        if "target loss" in line or "step" in line and "ex/s" in line:
-            print("   ", line.split(" ", 1)[-1], flush=True)
+        sys.exit(f"training failed (exit {proc.returncode}); last lines:\n"
+                 f"{''.join(lines)[-4000:]}")
     return json.loads((out / "summary.json").read_text())
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def chosen_sources(run: Path, corpus: Path) -> Counter:
@@ -146,28 +173,51 @@ def report_rows(sel: list[dict], base: list[dict]) -> list[str]:
             f"{g(e)} | {g(b)} |" for e, b in zip(sel, base)]
 
 
+#: The offline attribution recipe of step 4 (one place): Kronecker-projected rows
+#: (``P_out G P_in^T`` from the captured factors, no per-example gradient materialized; the
+#: library's ``auto`` rule picks ``sparse`` on every layer of the demo model, which
+#: materializes each per-example gradient first: docs/main_job.md), TracIn on the plain
+#: rows of every checkpoint, EK-FAC as a trajectory over every checkpoint on rows whitened
+#: by that checkpoint's own exact factors (factors first: the faithful recipe of
+#: docs/attribution_fidelity.md, not EK-FAC on raw projected rows).
+RECIPE = {"projection": "kronecker", "dim": 256, "fit_docs": 256,
+          "methods": ("tracin", "ekfac-trajectory")}
+
+
 def attribute_offline(run: Path, out: Path, args) -> list[Path]:
-    """Step 4: collect -> fit -> attribute (TracIn, EK-FAC) -> report, in-process."""
+    """Step 4: fit -> collect -> attribute (TracIn, EK-FAC trajectory) -> report, in-process,
+    one timed phase each (``RECIPE``)."""
     from dattri_ds.tools import attribute, collect, fit, report
+    from dattri_ds.tools.progress import phase
 
     corpus = str(ROOT / DEMO.corpus)
     queries = out / "data_queries.jsonl"  # held-out target passages (DemoData.write)
-    grads = out / "grads"
-    collect.main(["--run", str(run), "--data", corpus, "--max-docs", str(args.attr_docs),
-                  "--out", str(grads), "--projection-dim", "256"])
-    last = sorted(p.name for p in grads.iterdir() if (p / "info.json").exists())
-    last = [c["tag"] for c in json.loads((run / "trajectory.json").read_text())["checkpoints"]
-            if c["tag"] in last][-1]
-    fit.main(["--run", str(run), "--checkpoint", last, "--data", corpus, "--max-docs",
-              str(min(args.attr_docs, 256)), "--store", str(grads / last), "--out",
-              str(out / "ekfac_factors.pt")])
+    tags = [c["tag"] for c in json.loads((run / "trajectory.json").read_text())["checkpoints"]]
+    factors, plain, white = out / "factors", out / "grads", out / "grads_whitened"
+    proj = ["--projection", RECIPE["projection"], "--projection-dim", str(RECIPE["dim"])]
+    fit_docs = min(args.attr_docs, RECIPE["fit_docs"])
+    with phase("fit", f"exact EK-FAC factors of {len(tags)} checkpoints on {fit_docs} "
+                      f"training documents"):
+        fit.main(["--run", str(run), "--checkpoint", "all", "--data", corpus, "--max-docs",
+                  str(fit_docs), "--out", str(factors), "--force"])
+    with phase("collect", f"{RECIPE['projection']} k={RECIPE['dim']} rows of "
+                          f"{args.attr_docs} documents x {len(tags)} checkpoints (plain)"):
+        collect.main(["--run", str(run), "--data", corpus, "--max-docs", str(args.attr_docs),
+                      "--out", str(plain), *proj])
+    with phase("collect whitened", f"the same rows whitened by each checkpoint's factors"):
+        collect.main(["--run", str(run), "--data", corpus, "--max-docs", str(args.attr_docs),
+                      "--out", str(white), *proj, "--factors", str(factors)])
     reports = []
-    for method in ("tracin", "ekfac"):
+    for method, store in zip(RECIPE["methods"], (plain, white)):
         dest = out / f"attribution-{method}"
-        attribute.main(["--run", str(run), "--store", str(grads), "--queries", str(queries),
-                        "--method", method, "--factors", str(out / "ekfac_factors.pt"),
-                        "--truncate", "--out", str(dest)])
-        reports.append(report.main(["--attribution", str(dest), "--train-data", corpus]))
+        curvature = ["--factors", str(factors)] if method != "tracin" else []
+        with phase(f"attribute {method}", f"{DEMO.queries} queries x {args.attr_docs} "
+                                          f"documents x {len(tags)} checkpoints"):
+            attribute.main(["--run", str(run), "--store", str(store), "--queries",
+                            str(queries), "--method", method, *curvature, "--truncate",
+                            "--out", str(dest), "--force"])
+        with phase(f"report {method}"):
+            reports.append(report.main(["--attribution", str(dest), "--train-data", corpus]))
     return reports
 
 
@@ -193,6 +243,8 @@ def main() -> None:
     p.add_argument("--max-docs", type=int, default=3500)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--eval-every", type=int, default=25)
+    p.add_argument("--log-every", type=int, default=10,
+                   help="print the training loss every N steps")
     p.add_argument("--save-every", type=int, default=50)
     p.add_argument("--candidate-multiple", type=float, default=4.0,
                    help="candidates scored per trained example")
@@ -200,47 +252,74 @@ def main() -> None:
                    help="training documents attributed offline (step 4)")
     p.add_argument("--quick", action="store_true", help="a 1-minute smoke version")
     args = p.parse_args()
+    t0 = time.perf_counter()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s",
+                        datefmt="%H:%M:%S", stream=sys.stdout)
     if args.quick:
         args.steps, args.max_docs, args.eval_every, args.save_every = 12, 400, 4, 6
+        args.log_every = 4
         args.attr_docs = 64
     out = ROOT / args.out
     data = DEMO.write(out)
     args.max_docs = min(args.max_docs, data["max_docs"])
     common = ["--target-data", str(data["score"]), "--eval-data", str(data["eval"]),
               "--general-eval-data", str(data["general"])]
-    print("== 1/4 DeepSpeed ZeRO-3 training WITH online selection (+ gradient capture)")
-    sel = run_training(out / "selection", args, ["--online-selection", "--capture", *common])
-    print("== 2/4 same candidates, uniform random choice (baseline)")
-    base = run_training(out / "random", args,
-                        ["--online-selection", "--random-selection", *common])
-    print("== 3/4 selection report")
-    curves = {"online selection": sel["eval"], "random (no selection)": base["eval"]}
-    plot(curves, out / "target_loss.png")
-    srcs = chosen_sources(out / "selection", ROOT / DEMO.corpus)
-    total = sum(srcs.values()) or 1
-    report = "\n".join([
-        "# dattri-ds main job", "",
-        f"DeepSpeed ZeRO-3, {sel['world']} processes, {sel['steps']} steps, "
-        f"{sel['examples']} trained examples per run, {args.candidate_multiple:g}x "
-        f"candidates; target: Hamlet (scoring: first half of {DEMO.target}; evaluation: "
-        f"{DEMO.eval_docs} documents of its second half, never scored); general: the "
-        f"corpus' last {DEMO.general_heldout} documents (never trained on).", "",
-        "| step | examples | target loss, selection | target loss, random | target gain | "
-        "general loss, selection | general loss, random |",
-        "|---:|---:|---:|---:|---:|---:|---:|", *report_rows(sel["eval"], base["eval"]), "",
-        "Sources of the examples selection trained on:", "",
-        *[f"- {s}: {c} ({100 * c / total:.1f}%)" for s, c in srcs.most_common()], "",
-        f"Selection: {json.dumps(sel.get('selection', {}))}", "",
-        "![target and general loss](target_loss.png)", ""])
-    (out / "report.md").write_text(report)
-    print(report)
-    print(f"plot: {out / 'target_loss.png'}\nreport: {out / 'report.md'}")
-    print("== 4/4 offline attribution of held-out Hamlet passages (TracIn, EK-FAC)", flush=True)
+    print("== 1/4 DeepSpeed ZeRO-3 training WITH online selection (+ gradient capture)",
+          flush=True)
+    with phase("train with selection", f"{args.steps} steps on {args.world} processes"):
+        sel = run_training(out / "selection", args,
+                           ["--online-selection", "--capture", *common])
+    print("== 2/4 same candidates, uniform random choice (baseline)", flush=True)
+    with phase("train random", f"{args.steps} steps on {args.world} processes"):
+        base = run_training(out / "random", args,
+                            ["--online-selection", "--random-selection", *common])
+    print("== 3/4 selection report", flush=True)
+    with phase("selection report"):
+        curves = {"online selection": sel["eval"], "random (no selection)": base["eval"]}
+        plot(curves, out / "target_loss.png")
+        srcs = chosen_sources(out / "selection", ROOT / DEMO.corpus)
+        total = sum(srcs.values()) or 1
+        report = "\n".join([
+            "# dattri-ds main job", "",
+            f"DeepSpeed ZeRO-3, {sel['world']} processes, {sel['steps']} steps, "
+            f"{sel['examples']} trained examples per run, {args.candidate_multiple:g}x "
+            f"candidates; target: Hamlet (scoring: first half of {DEMO.target}; evaluation: "
+            f"{DEMO.eval_docs} documents of its second half, never scored); general: the "
+            f"corpus' last {DEMO.general_heldout} documents (never trained on).", "",
+            "| step | examples | target loss, selection | target loss, random | target gain | "
+            "general loss, selection | general loss, random |",
+            "|---:|---:|---:|---:|---:|---:|---:|", *report_rows(sel["eval"], base["eval"]), "",
+            "Sources of the examples selection trained on:", "",
+            *[f"- {s}: {c} ({100 * c / total:.1f}%)" for s, c in srcs.most_common()], "",
+            f"Selection: {json.dumps(sel.get('selection', {}))}", "",
+            "![target and general loss](target_loss.png)", ""])
+        (out / "report.md").write_text(report)
+        print(report)
+        print(f"plot: {out / 'target_loss.png'}\nreport: {out / 'report.md'}")
+    print("== 4/4 offline attribution of held-out Hamlet passages (TracIn, EK-FAC trajectory "
+          "on whitened rows)", flush=True)
     reports = attribute_offline(out / "selection", out, args)
     for rep in reports:
         print(f"\n{rep.parent.name}:\n{top_sources(rep.parent)}")
         print("\n".join(rep.read_text().splitlines()[:14]))
         print(f"  ... full report: {rep} (and {rep.with_suffix('.html').name})")
+    print_phases(out, time.perf_counter() - t0)
+
+
+def print_phases(out: Path, wall: float) -> None:
+    """The job's phases (wall and CPU seconds), printed and written to ``phases.json``."""
+    from dattri_ds.tools.progress import PHASES
+
+    rows = [{"phase": p.name, "wall_s": round(p.wall_s, 1),
+             "cpu_s": round(p.cpu_s + p.child_cpu_s, 1)} for p in PHASES]
+    load = "/".join(f"{x:.1f}" for x in os.getloadavg())
+    (out / "phases.json").write_text(json.dumps(
+        {"phases": rows, "wall_s": round(wall, 1), "cpus": os.cpu_count(),
+         "load_at_end": load}, indent=1) + "\n")
+    print(f"\n== phases (wall s / CPU s; {os.cpu_count()} CPUs, load {load} at the end)")
+    for r in rows:
+        print(f"  {r['phase']:<28s} {r['wall_s']:>8.1f} {r['cpu_s']:>8.1f}")
+    print(f"  {'total':<28s} {wall:>8.1f}")
 
 
 if __name__ == "__main__":
