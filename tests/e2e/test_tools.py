@@ -303,3 +303,24 @@ def test_damaged_or_foreign_stores_are_refused(run_dir, tmp_path):
     data.write_bytes(bytes(buf))
     with pytest.raises(StoreCorruptError, match=r"step2/shard-00000\.data"):
         _collect(run_dir, grads, 4)
+
+
+def test_target_store_that_differs_fails_at_launch_start(run_dir, tmp_path):
+    """launch/train.py with a selection.target_store collected under another projection
+    exits 2 before the first step, one line naming selection.projection.dim and both values
+    (it failed with a ShapeError at the first scoring step). Breaks if the selector is built
+    without comparing the store with its probe."""
+    from test_launch import ENV, SMALL, _config
+
+    grads = tmp_path / "g"
+    _collect(run_dir, grads, 4)  # --projection-dim 32
+    cfg = _config(tmp_path, 2, selection={"enabled": True, "target_store": str(grads / "step4"),
+                                          "projection": {"dim": 16}})
+    cmd = [sys.executable, str(ROOT / "launch/train.py"), "--deepspeed_config", str(cfg),
+           "--out", str(tmp_path / "run"), "--steps", "2", *SMALL]
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("dattri-ds: error")]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert "projection.dim: stored 32, requested 16" in lines[0]
+    assert "selection.projection.dim = 32" in lines[0] and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run/checkpoints").exists()
