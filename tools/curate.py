@@ -120,6 +120,7 @@ def _attach_pool(source, available, tags):
 
     stores = {}
     for t in tags:
+        _refuse_empty(available[t])
         req = StoreRequest(consumer="select", whitening=(None, None), origin={
             "fingerprint": f"{source.fingerprint()}@{t}" if hasattr(source, "trajectory")
             and hasattr(source, "checkpoint") else None},
@@ -128,6 +129,20 @@ def _attach_pool(source, available, tags):
                    "collected from"})
         stores[t] = attach(available[t], req, mode="score")
     return stores
+
+
+def _refuse_empty(path: Path) -> None:
+    """An empty pool store (a collect that wrote no row) is a usage error, not damage."""
+    data = list(path.glob("shard-*.data"))
+    if not list(path.glob("shard-*.index.json")) and all(f.stat().st_size == 0 for f in data):
+        raise ConfigError(f"The pool store '{path}' holds no rows: collect the pool into it "
+                          f"(tools/collect.py --data POOL --out {path.parent}), or pass --store "
+                          f"the folder of a collected pool")
+
+
+def _projection_fields(spec) -> dict:
+    keys = ("kind", "dim", "seed", "distribution", "kron_speedup")
+    return {k: v for k, v in (spec.projection_config or {}).items() if k in keys}
 
 
 def _target_store_rows(args, stores, tags) -> dict[str, torch.Tensor]:
@@ -145,7 +160,7 @@ def _target_store_rows(args, stores, tags) -> dict[str, torch.Tensor]:
             raise ConfigError(f"--target-store {args.target_store}: no store for checkpoint "
                               f"'{t}' (stored: {sorted(found)})")
         req = StoreRequest(
-            consumer="select --target-store", projection=spec.projection_config,
+            consumer="select --target-store", projection=_projection_fields(spec),
             layers={ls.name: (ls.kind, tuple(ls.shape)) for ls in spec.layers},
             whitening=(None, None), origin={"fingerprint": spec.fingerprint},
             fixes={"projection": f"collect the target with the pool store's projection "
@@ -201,7 +216,7 @@ def main(argv: list[str] | None = None) -> dict:
                           f"documents (their n-grams)")
     setup_logging()
     rank, world = init_distributed()
-    from dattri_ds.curate import Pool, curate, resolve_budget
+    from dattri_ds.curate import Pool, resolve_budget
     from dattri_ds.curate.writer import OUTPUTS
     from dattri_ds.outputs import check_dir
 
@@ -212,34 +227,38 @@ def main(argv: list[str] | None = None) -> dict:
     stores = _attach_pool(source, available, tags or [first])
     base = stores[tags[0] if tags else first]
     pool = Pool.build(base.ids, base.token_counts, _pool_paths(args))
-    budget = resolve_budget(config, len(pool), pool.tokens)
+    resolve_budget(config, len(pool), pool.tokens)
+    targets = None  # a target store is compared (and read) before anything is written
+    if args.target_store and METHODS.lookup(config.method).gradient:
+        targets = _target_store_rows(args, stores, tags)
     if rank == 0:
         check_dir(args.out, flag="--out", force=args.force, overwrites=OUTPUTS[:5])
-    return _run(args, config, source, stores, tags, pool, budget, rank, world)
+    return _run(args, config, source, stores, tags, pool, targets, rank, world)
 
 
-def _run(args, config, source, stores, tags, pool, budget, rank, world):
+def _run(args, config, source, stores, tags, pool, targets, rank, world):
+    from functools import cache
+
     from dattri_ds.curate import curate
     from dattri_ds.curate.pool import ngram_counts
     from dattri_ds.data import tokenize_documents
 
-    tok = source.tokenizer()
+    tokenizer = cache(source.tokenizer)  # loaded only when texts are tokenized
     seq_len = args.seq_len or source.seq_len
     docs = None
     if args.target is not None:
-        docs = load_texts(args.target, tok, seq_len, args.target_max_docs,
+        docs = load_texts(args.target, tokenizer, seq_len, args.target_max_docs,
                           context=source.context, truncate=True)
     method = METHODS.lookup(config.method)
-    targets = None
-    if method.gradient:
-        targets = (_target_store_rows(args, stores, tags) if args.target_store
-                   else _target_rows(args, source, stores, tags, config, docs))
+    if method.gradient and targets is None:
+        targets = _target_rows(args, source, stores, tags, config, docs)
     target_counts = None
     if method(config).content:
         b = docs.batch(torch.arange(len(docs)))
         target_counts = ngram_counts(b["input_ids"], b["attention_mask"]).sum(0)
 
     def tokenize(texts):
+        tok = tokenizer()
         d = tokenize_documents(list(texts), tok, seq_len,
                                add_bos=getattr(tok, "bos_id", None) is not None,
                                add_eos=getattr(tok, "eos_id", None) is not None)

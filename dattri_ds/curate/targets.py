@@ -21,6 +21,7 @@ from dattri_ds.gradient import Dense, GradBatch
 from dattri_ds.store.spec import StoreSpec
 
 __all__ = ["target_rows", "store_target_rows", "load_adam_moments", "adam_target",
+           "adam_precondition",
            "capture_of"]
 
 
@@ -92,17 +93,22 @@ def load_adam_moments(model: torch.nn.Module, checkpoint: Path):
     return TorchAdamMoments(opt)
 
 
-def adam_target(exact: GradBatch, layers: dict, moments, projection) -> GradBatch:
-    """``Proj(D g_q)`` per target row of an exact batch (``layers``: name -> (module,
-    LayerKind) of a capture on the same model)."""
+def adam_precondition(exact: GradBatch, layers: dict, moments) -> GradBatch:
+    """``D g_q`` per target row of an exact batch, dense and unprojected (``layers``: name
+    -> (module, LayerKind) of a capture on the same model)."""
     from dattri_ds.ops.inner import materialize
-    from dattri_ds.ops.projection import Projector
-    from dattri_ds.ops.space import project_batch
     from dattri_ds.selection.precondition import precondition_target
 
     dense = GradBatch(step=exact.step, sample_ids=exact.sample_ids, token_counts=exact.token_counts,
                       layers={n: lg.replace(data=Dense(materialize(lg).reshape(
                           exact.batch_size, -1))) for n, lg in exact.layers.items()})
-    rows = [precondition_target(dense.index([q]), layers, moments)
-            for q in range(dense.batch_size)]
-    return project_batch(GradBatch.cat(rows), Projector(projection))
+    return GradBatch.cat([precondition_target(dense.index([q]), layers, moments)
+                          for q in range(dense.batch_size)])
+
+
+def adam_target(exact: GradBatch, layers: dict, moments, projection) -> GradBatch:
+    """``Proj(D g_q)``: ``adam_precondition`` then the store's projection."""
+    from dattri_ds.ops.projection import Projector
+    from dattri_ds.ops.space import project_batch
+
+    return project_batch(adam_precondition(exact, layers, moments), Projector(projection))
