@@ -8,8 +8,9 @@ A kind knows three things about its module type, and nothing else in the library
 2. *Per-layer maths*, both paths side by side: on factors (ghost) ``materialize``,
    ``cross_gram``, ``sq_norms``, ``cross_dense``, ``project_kron``; on any ``LayerGrad``
    data (factorized or dense) ``rows``, ``gram``, ``sq_norms_of``, ``sum_rows``,
-   ``project_factors``; and ``dims()`` for the cost model. Ops ask the kind and never
-   test the data's form themselves.
+   ``project_factors``, ``project_rows``, each routed by ``CostModel.route`` (which reads
+   the shapes, and ``index_input``, to build the cost model's ``LayerDims``). Ops ask the
+   kind and never test the data's form themselves.
 3. *Reference layout*: how the module's parameter gradients map onto the canonical
    ``[O, I']`` layout (used by tests and by consumers that write gradients back).
 
@@ -142,11 +143,6 @@ class LayerKind(ABC):
         return t.reshape(t.shape[0], -1, t.shape[-1])
 
     # ---- maths on the factorized form -----------------------------------------------
-    def dims(self, f: Factorized, shape: tuple[int, int]) -> LayerDims:
-        """Cost-model dimensions of ``f`` for a layer of canonical ``shape = (O, I')``."""
-        return LayerDims(B=f.g.shape[0], T=f.g.shape[1], I=shape[1], O=shape[0],
-                         index_input=self.index_input, itemsize=f.g.element_size())
-
     @abstractmethod
     def materialize(self, f: Factorized, shape: tuple[int, int]) -> torch.Tensor:
         """Per-example gradients ``[B, O*I']`` in canonical layout (``shape = (O, I')``)."""
