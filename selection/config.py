@@ -64,15 +64,15 @@ class SelectionConfig:
     (unprojected) scoring."""
 
     score: Literal["alignment", "step", "content"] = "alignment"
-    """The scoring rule, a registered ``Score`` (selection/scorer.py; a new rule is one class
-    there and its name here). ``alignment``: ``<g_b, g_target>`` (a cosine when
-    ``normalize``; ``contrast`` and ``precondition`` shape the target). ``step``: the
-    expected cosine of the training step's summed gradient with the target when the
-    candidate takes one of its slots and typical examples (the pool sample's mean gradient,
-    ``contrast_rows``) the others (selection/stepscore.py): the pool's weight is measured,
-    so ``contrast`` and ``normalize`` do not apply. ``content``: the content prior alone
+    """``alignment``: ``<g_b, g_target>`` (a cosine when ``normalize``; ``contrast`` and
+    ``precondition`` shape the target). ``step``: the expected cosine of the training step's
+    summed gradient with the target when the candidate takes one of its slots and typical
+    examples (the pool sample's mean gradient, ``contrast_rows``) the others
+    (selection/stepscore.py): the pool's weight is measured, so ``contrast`` and
+    ``normalize`` do not apply. ``content``: the content prior alone
     (see ``content_weight``; no probe pass, so a step costs about a plain one; the rank
-    stages do not apply and the values only rank: policies topk, fraction or soft)."""
+    stages do not apply and the values only rank: policies topk, fraction or soft). Each is
+    a registered ``Score`` (selection/scorer.py): a new rule is one class and its name here."""
 
     contrast: float = field(default=0.0, metadata=schema.bounds(ge=0))
     """Score against ``g_t/|g_t| - contrast * g_pool/|g_pool|`` (selection/contrast.py):
