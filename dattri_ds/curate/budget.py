@@ -60,10 +60,15 @@ def resolve_budget(config, n_rows: int, tokens: np.ndarray) -> Budget:
     return Budget("tokens", int(config.tokens))
 
 
+#: Scores are compared at this many decimals, so the last-bit differences of another block
+#: or rank layout (a matmul's summation order) never reorder rows: closer ones are ties.
+DECIMALS = 12
+
+
 def rank_order(scores: np.ndarray, seed: int) -> np.ndarray:
-    """Rows by descending score; equal scores in a seeded random order."""
+    """Rows by descending score (rounded to ``DECIMALS``); ties in a seeded random order."""
     tie = np.random.default_rng(seed).permutation(len(scores))
-    return np.lexsort((tie, -np.asarray(scores, dtype=np.float64)))
+    return np.lexsort((tie, -np.round(np.asarray(scores, dtype=np.float64), DECIMALS)))
 
 
 def choose(scores: np.ndarray, budget: Budget, *, tokens: np.ndarray, sources: np.ndarray,

@@ -52,7 +52,7 @@ def _docs(n: int, seed: int = 0) -> list[dict]:
     words = ["to be", "or not", "import os", "def f():", "the king", "return x", "lorem"]
     out = []
     for i in range(n):
-        text = " ".join(g.choice(words, size=4)) + f" {i}"
+        text = f"{i} " + " ".join(g.choice(words, size=4))  # distinct within T characters
         out.append({"id": f"d{i}", "source": SOURCES[i % 3], "title": "t", "text": text})
     return out
 
