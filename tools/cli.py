@@ -1,6 +1,6 @@
 """``dattri-ds <subcommand>``: one console command for the tool scripts.
 
-    dattri-ds collect | fit | attribute | report | lds | plan  [options]   (see --help of each)
+    dattri-ds collect | fit | attribute | report | lds | plan | select  [options]   (see --help of each)
 
 Errors print one line ``dattri-ds: error: <message>`` (exit 2: usage or config, 1: runtime);
 ``--debug`` or ``DATTRI_DS_DEBUG=1`` shows the traceback.

@@ -10,11 +10,15 @@ prior are all-reduced between its two passes (counts, then scores).
 Memory per rank (``N`` rows, ``P`` columns, ``C`` checkpoints read, ``Q`` target rows,
 ``b`` = ``block_rows``)::
 
-    M ~= C * b * P * 4 (blocks, float32) + C * Q * P * 8 (targets, float64 in the matmul)
-         + N * ~250 B (ids, scores, sources, signatures, token counts, id -> row map)
+    M ~= C * b * P * 4  (one block per checkpoint, float32)
+         + b * P * 8      (one block in float64 inside the cosine matmul)
+         + C * Q * P * 8  (targets, float64 in the matmul)
+         + N * (250 + 200 * C) B  (per row: ids, scores, sources, signatures, token counts;
+                                   per checkpoint store: its ids and id -> row map)
 
-e.g. N = 1M rows, P = 64 layers x 4096 = 262144, C = 4, b = 1024, Q = 64: 4.3 GB + 0.5 GB
-+ 0.25 GB ~= 5 GB, inside 24 GB (``memory_bound``).
+e.g. N = 1M rows, P = 64 layers x 4096 = 262144, C = 4, b = 1024, Q = 64:
+4.3 + 2.1 + 0.5 + 1.05 GB ~= 8 GB, inside 24 GB (``memory_bound``; an estimate from the
+sizes above, not a measurement); halve ``block_rows`` to halve the first two terms.
 """
 
 from __future__ import annotations
@@ -34,15 +38,17 @@ from dattri_ds.store.reader import GradientStore
 
 __all__ = ["Scored", "score_pool", "rank_slice", "memory_bound", "align_rows"]
 
-#: Bytes kept per pool row on a rank (ids, 3 float64 columns, codes, id map): see module doc.
+#: Bytes kept per pool row on a rank (ids, 3 float64 columns, codes): see module doc.
 ROW_BYTES = 250
+#: Bytes per row of each open checkpoint store (its id tuple and id -> row dict).
+STORE_ROW_BYTES = 200
 
 
 def memory_bound(rows: int, width: int, *, block_rows: int = 1024, checkpoints: int = 1,
                  targets: int = 64) -> int:
     """Bytes a select run holds per rank (module docstring formula)."""
-    return (checkpoints * block_rows * width * 4 + checkpoints * targets * width * 8
-            + rows * ROW_BYTES)
+    return (checkpoints * block_rows * width * 4 + block_rows * width * 8
+            + checkpoints * targets * width * 8 + rows * (ROW_BYTES + STORE_ROW_BYTES * checkpoints))
 
 
 @dataclass(frozen=True)
