@@ -6,7 +6,9 @@ The flags of ``tools/select.py`` are generated from these fields (``max_per_clus
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
+
+from dattri_ds import schema
 
 from dattri_ds.errors import ConfigError
 
@@ -28,13 +30,13 @@ class CurateConfig:
     """A registered curation method (``dattri_ds.curate.methods.METHODS``): cosine,
     adam-cosine, trajectory, content, combined."""
 
-    fraction: float | None = None
+    fraction: float | None = field(default=None, metadata=schema.bounds(gt=0, le=1))
     """Budget: this share of the pool's rows, in (0, 1] (round(fraction * N), at least 1)."""
 
-    examples: int | None = None
+    examples: int | None = field(default=None, metadata=schema.bounds(ge=1))
     """Budget: exactly this many examples (1 <= examples <= pool rows)."""
 
-    tokens: int | None = None
+    tokens: int | None = field(default=None, metadata=schema.bounds(ge=1))
     """Budget: at most this many loss-bearing tokens (the store's per-row token counts),
     filled greedily in rank order until no unselected example fits the remainder."""
 
@@ -49,24 +51,24 @@ class CurateConfig:
     combine_with: str = "cosine"
     """``combined``: the gradient method whose z-score is added to the content prior's."""
 
-    content_weight: float = 1.0
+    content_weight: float = field(default=1.0, metadata=schema.bounds(ge=0))
     """``combined``: ``z(gradient score) + content_weight * z(content prior)``."""
 
-    max_source_share: float | None = None
+    max_source_share: float | None = field(default=None, metadata=schema.bounds(gt=0, le=1))
     """Diversity: a source holds at most this share of the budget (examples, or tokens for
     a token budget), in (0, 1]; None: no cap."""
 
-    max_per_cluster: int | None = None
+    max_per_cluster: int | None = field(default=None, metadata=schema.bounds(ge=1))
     """Diversity: at most this many examples per near-duplicate cluster (hashed n-gram
     MinHash signature); None: no cap."""
 
     dedupe: bool = True
     """Keep one example per content hash (the sample id's ``#<hash>``), the best ranked."""
 
-    block_rows: int = 1024
+    block_rows: int = field(default=1024, metadata=schema.bounds(ge=1))
     """Rows read from the store at a time (memory: one block per checkpoint)."""
 
-    seed: int = 0
+    seed: int = field(default=0, metadata=schema.bounds(ge=0, le=2**32 - 1))
     """Seed of the tie-breaking order (rows with equal scores) and of the report's random
     baseline."""
 
