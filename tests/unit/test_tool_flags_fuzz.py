@@ -26,6 +26,7 @@ TOOLS = {
     "report": ["--attribution", "/nonexistent/a"],
     "lds": [],
     "plan": ["--model", "/nonexistent/m.json"],
+    "curate": ["--store", "/nonexistent/s", "--out", "/nonexistent/out"],
     "demo": [],
 }
 
