@@ -164,10 +164,12 @@ def loop_configs(*, steps: int, seed: int, seq_len: int, eval_every: int, select
     (``launch.train.train_in_process``, ``--backend torch``): the optimizer, lr schedule and
     clipping of configs/zero3_cpu.json, ``micro x gas`` trained examples per step, no
     checkpoint before the last step, ``selection`` (a SelectionConfig) as given."""
-    from dattri_ds.launch.config import RunConfig, TrainConfig, load_run_config
+    from dattri_ds.launch.config import BLOCK, RunConfig, TrainConfig
     from dattri_ds.launch.engine import EngineConfig
+    from dattri_ds.schema import read_json
 
-    ds, _ = load_run_config(os.path.join(ROOT, "configs/zero3_cpu.json"))
+    ds = read_json(os.path.join(ROOT, "configs/zero3_cpu.json"), "--deepspeed_config")
+    ds.pop(BLOCK, None)
     ds = {**ds, "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas}
     train = TrainConfig(model_config=os.path.join(ROOT, model_config), steps=steps, seed=seed,
                         seq_len=seq_len, eval_every=eval_every, log_every=steps)
