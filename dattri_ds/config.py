@@ -61,7 +61,7 @@ class CaptureConfig:
     projection: ProjectionConfig | None = None
     """Project each micro-batch right after backward (compact storage); None keeps factors.
     ``ProjectionConfig()`` is the measured projected default: ``auto`` (sparse JL, Kronecker
-    only on layers where it pays) at k = 4096 per layer (README, "Attribution fidelity")."""
+    only on layers where it pays) at k = 4096 per layer (docs/attribution_fidelity.md)."""
 
     whiten: Literal["kfac", "ekfac"] | None = None
     """Whiten every example by a checkpoint's curvature factors before projecting:

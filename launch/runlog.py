@@ -18,6 +18,7 @@ import logging
 import math
 import sys
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,7 +26,7 @@ from pathlib import Path
 from dattri_ds.errors import DattriDSError
 from dattri_ds.launch.config import TrainConfig, dump_json
 
-__all__ = ["RunLog", "RunRecord", "NonFiniteTrainingError", "make_run_id"]
+__all__ = ["RunLog", "RunRecord", "NonFiniteTrainingError", "make_run_id", "record_failure"]
 
 logger = logging.getLogger("dattri_ds.launch")
 
@@ -94,6 +95,7 @@ class RunLog:
             self.bar.update(len(self.record.lrs))
         self.t0 = time.perf_counter()
         self._seen0 = self.record.seen
+        _ACTIVE[:] = [weakref.ref(self)]
 
     def end_step(self, step: int, loss: float, lr: float, examples: int,
                  save: Callable[[str, int, float], None]) -> None:
@@ -166,6 +168,30 @@ class RunLog:
                 "seconds": round(time.perf_counter() - self.t0, 2),
                 "checkpoints": [c["tag"] for c in rec.checkpoints], "eval": rec.evals,
                 **extra}
+
+
+#: The RunLog of the run this process trains (for ``record_failure``).
+_ACTIVE: list[weakref.ref[RunLog]] = []
+
+
+def record_failure(err: BaseException) -> None:
+    """Rank 0 of a run that raised: ``summary.json`` says ``status: failed``, the step the
+    run reached (``steps``; its checkpoints are listed), the cause (``write_failed`` for a
+    failed write, ``interrupted``, else ``error``), the error's text and type. A
+    diverged run has written its summary already; before the first step nothing is written.
+    """
+    log = _ACTIVE[0]() if _ACTIVE else None
+    if log is None or log.rank != 0 or isinstance(err, NonFiniteTrainingError):
+        return
+    cause = ("interrupted" if isinstance(err, KeyboardInterrupt) else
+             "write_failed" if isinstance(err, OSError) else "error")
+    try:
+        dump_json(log.out / "summary.json", {
+            **log.summary(), "status": "failed", "cause": cause,
+            "error": " ".join(str(err).split()) or type(err).__name__,
+            "error_type": type(err).__name__})
+    except OSError:  # the disk that failed the run may refuse the summary too
+        logger.warning("could not write %s", log.out / "summary.json")
 
 
 def _losses(got: float | dict[str, float]) -> dict[str, float]:

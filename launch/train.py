@@ -36,6 +36,7 @@ from dattri_ds.launch.config import (  # noqa: E402
     RunConfig, check_outputs, dump_json, load_run_config,
 )
 from dattri_ds.launch.loop import backend_class, check_resume, resume, train  # noqa: E402
+from dattri_ds.launch.runlog import record_failure  # noqa: E402
 
 logger = logging.getLogger("dattri_ds.launch")
 # DeepSpeed calls torch collectives that torch 2.13 marks deprecated: noise for our users.
@@ -84,7 +85,11 @@ def main(argv: list[str] | None = None) -> dict:
     selector = _selector(backend, cfg, data, tok, out)
     evaluator = make_evaluator(backend.model, cfg, tok, data.seq_len, backend.ctx,
                                backend.device)
-    summary = train(backend, cfg, data, out, tok, rank, selector, evaluator, resumed)
+    try:
+        summary = train(backend, cfg, data, out, tok, rank, selector, evaluator, resumed)
+    except BaseException as err:  # summary.json: the step reached and the cause
+        record_failure(err)
+        raise
     if rank == 0:
         dump_json(out / "summary.json", summary)
         logger.info("done: %s", json.dumps(summary))

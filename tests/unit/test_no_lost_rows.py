@@ -127,3 +127,21 @@ def test_known_good_inputs_are_accepted(tmp_path):
     assert cfg.train.train_data == ("data/tiny/train.jsonl",)
     assert cfg.train.seed == -1 and cfg.capture.include == ("*mlp*",)
     assert RunConfig.from_dict({"train": {"seed": 2 ** 40}}).train.seed == 2 ** 40
+
+
+def test_a_run_that_raises_records_the_step_reached_and_the_cause(tmp_path):
+    """launch's main hands any error of the loop to record_failure: after 2 of 6 steps a
+    full disk leaves summary.json with status failed, steps 2, cause write_failed and the
+    error's text (a diverged run keeps its own summary)."""
+    import errno
+
+    from dattri_ds.launch.runlog import record_failure
+
+    log = _runlog(tmp_path)
+    for step in range(2):
+        log.end_step(step, 1.0, 0.1, 2, lambda *a: None)
+    record_failure(OSError(errno.ENOSPC, "No space left on device"))
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert (s["status"], s["steps"], s["steps_requested"], s["cause"]) == \
+        ("failed", 2, 6, "write_failed")
+    assert "No space left" in s["error"] and s["error_type"] == "OSError"
