@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -32,7 +31,7 @@ from torch import nn
 
 from dattri_ds.distributed import ParallelContext
 from dattri_ds.errors import ConfigError
-from dattri_ds.integrations.base import EngineAdapter
+from dattri_ds.integrations.base import SteppedAdapter
 from dattri_ds.launch.config import RunConfig
 from dattri_ds.launch.loop import Backend
 
@@ -91,15 +90,13 @@ def make_schedule(ds_config: dict, opt):
     return getattr(lr_schedules, s["type"])(opt, **s.get("params", {}))
 
 
-class _LoopAdapter(EngineAdapter):
+class _LoopAdapter(SteppedAdapter):
     """Capture's view of this backend: loss scaled by ``1 / gas``, steps marked by the
     backend (``step_done`` after each optimizer step)."""
 
-    counts_steps = True
-
     def __init__(self, model: nn.Module, gas: int, start_step: int) -> None:
-        self.model, self.gas, self._step = model, gas, start_step
-        self._hooks: list[Callable[[], None]] = []
+        super().__init__(start_step)
+        self.model, self.gas = model, gas
 
     def unwrap(self) -> nn.Module:
         return self.model
@@ -110,17 +107,6 @@ class _LoopAdapter(EngineAdapter):
     def backward_scale(self) -> float:
         return 1.0 / self.gas
 
-    def global_step(self) -> int:
-        return self._step
-
-    def on_step(self, fn: Callable[[], None]) -> Callable[[], None]:
-        self._hooks.append(fn)
-        return lambda: self._hooks.remove(fn) if fn in self._hooks else None
-
-    def step_done(self) -> None:
-        self._step += 1
-        for fn in list(self._hooks):
-            fn()
 
 
 class TorchBackend(Backend):

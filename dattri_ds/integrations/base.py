@@ -9,7 +9,7 @@ from torch import nn
 
 from dattri_ds.distributed import ParallelContext
 
-__all__ = ["EngineAdapter", "PlainAdapter"]
+__all__ = ["EngineAdapter", "PlainAdapter", "SteppedAdapter"]
 
 
 class EngineAdapter(ABC):
@@ -42,6 +42,31 @@ class EngineAdapter(ABC):
 
     @abstractmethod
     def on_step(self, fn: Callable[[], None]) -> Callable[[], None]: ...
+
+
+class SteppedAdapter(EngineAdapter):
+    """An adapter whose loop reports each optimizer step by calling ``step_done()``: it keeps
+    the step count and the ``on_step`` hooks (shared by the plain-torch launch backend and
+    Megatron)."""
+
+    counts_steps = True
+
+    def __init__(self, start_step: int = 0) -> None:
+        self._step = start_step
+        self._hooks: list[Callable[[], None]] = []
+
+    def global_step(self) -> int:
+        return self._step
+
+    def on_step(self, fn: Callable[[], None]) -> Callable[[], None]:
+        self._hooks.append(fn)
+        return lambda: self._hooks.remove(fn) if fn in self._hooks else None
+
+    def step_done(self) -> None:
+        """Call after every optimizer step: advances the step and notifies captures."""
+        self._step += 1
+        for fn in list(self._hooks):
+            fn()
 
 
 class PlainAdapter(EngineAdapter):

@@ -33,7 +33,7 @@ from dattri_ds.callbacks import TrainingCallback
 from dattri_ds.config import CaptureConfig
 from dattri_ds.distributed import ParallelContext
 from dattri_ds.errors import ConfigError
-from dattri_ds.integrations.base import EngineAdapter
+from dattri_ds.integrations.base import SteppedAdapter
 from dattri_ds.layers import kind_for
 from dattri_ds.layers.megatron import SEQUENCE_FIRST_ATTR, UNSUPPORTED_ATTR
 
@@ -109,7 +109,7 @@ def megatron_parallel_context() -> ParallelContext:
                            tp_rank=tp.rank(), tp_world=tp.size(), tp_group=tp)
 
 
-class MegatronAdapter(EngineAdapter):
+class MegatronAdapter(SteppedAdapter):
     """A Megatron-core model driven by the user's own loop (Megatron's own or a torch one).
 
     Args:
@@ -121,11 +121,10 @@ class MegatronAdapter(EngineAdapter):
 
     def __init__(self, model: nn.Module, backward_scale: float | Callable[[], float] = 1.0,
                  start_step: int = 0) -> None:
+        super().__init__(start_step)
         self.model = model
         self._inner = prepare_model(model)
         self._scale = backward_scale
-        self._step = start_step
-        self._hooks: list[Callable[[], None]] = []
 
     def unwrap(self) -> nn.Module:
         return self._inner
@@ -136,18 +135,6 @@ class MegatronAdapter(EngineAdapter):
     def backward_scale(self) -> float:
         return float(self._scale() if callable(self._scale) else self._scale)
 
-    def global_step(self) -> int:
-        return self._step
-
-    def on_step(self, fn: Callable[[], None]) -> Callable[[], None]:
-        self._hooks.append(fn)
-        return lambda: self._hooks.remove(fn) if fn in self._hooks else None
-
-    def step_done(self) -> None:
-        """Call after every optimizer step: advances the step and notifies captures."""
-        self._step += 1
-        for fn in list(self._hooks):
-            fn()
 
 
 def megatron_capture(model: nn.Module, config: CaptureConfig | None = None, *,
