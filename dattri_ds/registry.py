@@ -48,6 +48,14 @@ class Registry(Generic[T]):
         self._table[name] = entry
         return entry
 
+    def register_class(self, cls: type, name: str | None, *, instance: bool = False) -> None:
+        """A strategy class's ``__init_subclass__`` hook: ``class X(Base, name="x")`` sets
+        ``X.name`` and registers ``X`` (or one ``X()`` when ``instance``); ``name=None``
+        (an abstract intermediate class) registers nothing."""
+        if name is not None:
+            cls.name = name
+            self.register(name, cls() if instance else cls)
+
     def unregister(self, name: str) -> T:
         """Remove ``name`` and return its entry (e.g. a test's own kind, at teardown).
 

@@ -153,9 +153,7 @@ class Policy(ABC):
 
     def __init_subclass__(cls, name: str | None = None, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
-        if name is not None:
-            cls.name = name
-            POLICIES.register(name, cls())
+        POLICIES.register_class(cls, name, instance=True)
 
     def gram(self, source: GradBatch | torch.Tensor, cost: CostModel | None = None
              ) -> torch.Tensor:

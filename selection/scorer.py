@@ -99,9 +99,7 @@ class Score(ABC):
 
     def __init_subclass__(cls, name: str | None = None, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
-        if name is not None:
-            cls.name = name
-            SCORES.register(name, cls)
+        SCORES.register_class(cls, name)
 
     def __init__(self, config: SelectionConfig, *, cost: CostModel | None = None,
                  ctx: ParallelContext | None = None, documents: Batch | None = None) -> None:

@@ -66,9 +66,7 @@ class CurationMethod:
 
     def __init_subclass__(cls, name: str | None = None, **kw) -> None:
         super().__init_subclass__(**kw)
-        if name is not None:
-            cls.name = name
-            METHODS.register(name, cls)
+        METHODS.register_class(cls, name)
 
     def __init__(self, config: CurateConfig) -> None:
         self.config = config

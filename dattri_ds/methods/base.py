@@ -69,9 +69,7 @@ class Attributor(ABC):
 
     def __init_subclass__(cls, name: str | None = None, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
-        if name is not None:
-            cls.name = name
-            METHODS.register(name, cls)  # later registrations win, as for LayerKind
+        METHODS.register_class(cls, name)
 
     def __init__(self, *, layers: Iterable[str] | None = None,
                  cost: CostModel | None = None, projector: Projector | None = None) -> None:

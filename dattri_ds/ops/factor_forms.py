@@ -92,9 +92,7 @@ class FactorForm(ABC):
 
     def __init_subclass__(cls, name: str | None = None, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
-        if name is not None:
-            cls.name = name
-            FORMS.register(name, cls())
+        FORMS.register_class(cls, name, instance=True)
 
     def __reduce__(self):  # pickles / deep copies resolve to the registered instance
         return get_form, (self.name,)
