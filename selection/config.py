@@ -35,6 +35,16 @@ class SelectionConfig:
     candidate_multiple: float = field(default=2.0, metadata=schema.bounds(ge=1, le=1024))
     """Candidates scored per trained example (>= 1): 2 scores 2x the micro-batch."""
 
+    shortlist: float | None = field(default=None, metadata=schema.bounds(gt=0, le=1024))
+    """The cascade (selection/cascade.py): the content prior ranks all candidates (no
+    model), and only the top ``ceil(shortlist * n)`` are probed and scored, ``n = k -
+    round(uniform_mix * k)`` the examples the policy chooses; the rank stages and the policy
+    choose among that shortlist, the uniform share comes from all candidates. 1.5 probes
+    1.5x what the policy needs (at 4x candidates and ``uniform_mix`` 0.5, 3/16 of them).
+    Needs target documents (``target_data``), a probing score, scope ``rank``; >= 1. The
+    step-cost plan logged at the first step predicts each mode's cost
+    (selection/stepcost.py). None: every candidate is probed."""
+
     policy: Literal["topk", "fraction", "threshold", "greats", "soft"] = "topk"
     """``topk``: the micro-batch-size best; ``fraction``: the top fraction of candidates;
     ``threshold``: every candidate above ``tau`` (at most the micro-batch size); ``greats``:
@@ -197,12 +207,43 @@ class SelectionConfig:
             raise ConfigError("selection.reuse_forward keeps this rank's candidates' graphs "
                               "for training: examples chosen on another rank have none. Set "
                               "selection.scope='rank' or reuse_forward='auto'")
+        self._check_shortlist()
         if self.target_store is not None and self.projection is None:
             raise ConfigError("selection.target_store holds projected gradients: set "
                               "selection.projection to the store's projection")
         if self.policy == "greats" and self.scope == "global" and self.projection is None:
             raise ConfigError("policy 'greats' with scope 'global' compares candidates across "
                               "ranks: set selection.projection (e.g. {\"dim\": 256})")
+
+    def _check_shortlist(self) -> None:
+        """The settings the cascade (``shortlist``) cannot serve, refused at start."""
+        s = self.shortlist
+        if s is None:
+            return
+        why = None
+        if s < 1:
+            why = (f"probes fewer candidates than the policy must choose (ceil({s} * n) < n, "
+                   f"n = k - round(uniform_mix * k)); set shortlist >= 1 (e.g. 1.5)")
+        elif not SCORES.lookup(self.score).needs_probe:
+            why = (f"shortlists candidates for the gradient probe, which score="
+                   f"'{self.score}' does not run (it probes none already); unset shortlist "
+                   f"or use score='alignment'")
+        elif self.target_store is not None:
+            why = ("ranks candidates by the target documents' n-grams, which "
+                   "selection.target_store does not have; give selection.target_data "
+                   "instead or unset shortlist")
+        elif self.scope == "global":
+            why = ("shortlists each rank's own candidates: scope 'global' compares every "
+                   "rank's candidates by one score; set selection.scope='rank' or unset "
+                   "shortlist")
+        elif self.reuse_forward == "on":
+            why = ("leaves the uniform share's examples unprobed, so they have no forward "
+                   "graph to reuse; set selection.reuse_forward='auto' or 'off'")
+        elif self.uniform_mix >= 1:
+            why = ("has nothing to shortlist: uniform_mix=1 chooses every example "
+                   "uniformly; lower uniform_mix or unset shortlist")
+        if why is not None:
+            raise ConfigError(f"selection.shortlist={s} {why}")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SelectionConfig:

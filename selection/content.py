@@ -82,4 +82,7 @@ class ContentRanking:
         self.prior, self.weight = ContentPrior(documents), weight
 
     def __call__(self, ranked: torch.Tensor, text: CandidateText) -> torch.Tensor:
-        return with_content(ranked, self.prior.scores_of_counts(text.counts), self.weight)
+        content = getattr(text, "content", None)  # computed already by the cascade's shortlist
+        if content is None:
+            content = self.prior.scores_of_counts(text.counts)
+        return with_content(ranked, content, self.weight)

@@ -5,24 +5,28 @@ stages in order, each a small object built once from the config:
 
 1. **target**: the score's rows for this step (``Score.rows`` over the target gradient,
    refreshed every ``refresh_every`` steps; selection/target.py builds and shapes it);
-2. **probe**: one forward and a backward that computes only the captured layers'
+2. **shortlist** (the cascade, ``shortlist``; selection/cascade.py): the content prior
+   ranks all ``C`` candidates and only the top ``S = ceil(shortlist * n)`` go on to the
+   probe, ``n = k - round(uniform_mix * k)`` (stages 3-7 then see those ``S``; without
+   ``shortlist``: all ``C``);
+3. **probe**: one forward and a backward that computes only the captured layers'
    output-gradients (``GradientCapture.probe``): no parameter gradient, so DeepSpeed
    ZeRO-3's partitioned gradients and reductions are never touched (skipped when the
    ``Score`` needs no gradients);
-3. **score**: the registered ``Score`` of ``selection.score`` maps the candidates'
+4. **score**: the registered ``Score`` of ``selection.score`` maps the candidates'
    gradients and the rows to ``[C]`` scores (selection/scorer.py); non-finite ones dropped;
-4. **rank**: the ``Ranker`` stages (neighbour smoothing, the content prior) turn the scores
+5. **rank**: the ``Ranker`` stages (neighbour smoothing, the content prior) turn the scores
    into what the policy ranks (selection/rank.py);
-5. **repeat cap**: candidates trained ``max_repeats`` times already go last;
-6. **policy + uniform mix**: the registered ``Policy`` picks ``k - round(uniform_mix * k)``
-   (with the candidates' gram when it ``needs_gram``), a seeded uniform draw fills up to
-   ``k`` (selection/policy.py);
-7. **scope**: per rank, or globally: the candidates' scores and token tensors are gathered
+6. **repeat cap**: candidates trained ``max_repeats`` times already go last;
+7. **policy + uniform mix**: the registered ``Policy`` picks ``n`` (with the candidates'
+   gram when it ``needs_gram``), a seeded uniform draw from all ``C`` candidates it did not
+   pick fills up to ``k`` (selection/policy.py);
+8. **scope**: per rank, or globally: the candidates' scores and token tensors are gathered
    from every data-parallel rank (``C * T`` integers each, never gradients), ``k * world``
    picked and dealt out round-robin by score, so every rank trains exactly ``k``;
-8. **held-out check**: the chosen examples' advantage on the held-out target documents
+9. **held-out check**: the chosen examples' advantage on the held-out target documents
    (``validation_fraction``) decides a fallback to uniform choice (selection/fallback.py);
-9. **log**: chosen ids and scores to ``selection.jsonl`` and the run statistics.
+10. **log**: chosen ids and scores to ``selection.jsonl`` and the run statistics.
 
 The training loop then runs its ordinary forward/backward on the chosen examples only, so
 the update is exactly that of a batch which never contained the others (or back-propagates
@@ -51,10 +55,11 @@ from dattri_ds.ops import CostModel, default_cost_model
 from dattri_ds.ops.projection import stable_seed
 from dattri_ds.semantics import batch_info, content_id
 from dattri_ds.selection.blocks import probe_share, top_block_patterns
+from dattri_ds.selection.cascade import PriorText, cascade_for, needed
 from dattri_ds.selection.config import SelectionConfig
 from dattri_ds.selection.contrast import PoolSample
 from dattri_ds.selection.fallback import HeldOutCheck
-from dattri_ds.selection.policy import POLICIES, cap_repeats
+from dattri_ds.selection.policy import POLICIES, cap_repeats, fill_uniform
 from dattri_ds.selection.rank import CandidateText, content_weight, rankers
 from dattri_ds.selection.scorer import aligned, score_for
 from dattri_ds.selection.stepcost import StepCost, decide_reuse
@@ -83,6 +88,9 @@ class Selection:
         loss: with ``reuse_forward``, the model's loss on ``batch`` computed from the
             candidates' retained forward graphs: back-propagate it instead of forwarding
             ``batch`` again. None: forward ``batch`` as usual.
+        probed: the positions of the candidates ``scores`` covers when not all were
+            probed (the cascade's shortlist less dropped ones); ``chosen_scores`` is NaN for
+            chosen examples outside it (the uniform share). None: ``scores`` covers all.
     """
 
     batch: Batch
@@ -91,6 +99,7 @@ class Selection:
     chosen_ids: tuple[str, ...]
     chosen_scores: torch.Tensor
     loss: torch.Tensor | None = None
+    probed: torch.Tensor | None = None
 
 
 def check_engine_supported(engine: object) -> None:
@@ -215,6 +224,7 @@ class OnlineSelector:
             if self.rule.ranked else 0.0
         self._rankers = rankers(config, self.content_weight, goal.documents) \
             if self.rule.ranked else []  # the rank stage
+        self.cascade = cascade_for(config, self._rankers, goal.documents)  # the shortlist
         self.step_examples = step_examples
         self._step_others = max(0, (step_examples or 1) - 1)  # set per select() from k
         self.check = HeldOutCheck(config.fallback_every, ctx) if held_out is not None else None
@@ -236,6 +246,8 @@ class OnlineSelector:
         self._losses: list[torch.Tensor] | None = None  # reuse_forward: per-candidate losses
         self.reuse: bool | None = None  # decided at the first select (needs T)
         self._reuse_why = ""
+        if self.cascade is not None:
+            self.reuse, self._reuse_why = False, "the cascade's uniform share is not probed"
 
     @property
     def target(self) -> TargetProvider:
@@ -344,7 +356,8 @@ class OnlineSelector:
             share=probe_share(self.model, layers), normalize=cfg.normalize,
             target_examples=getattr(inner, "rows_per_rank", 0)
             + self.rule.pool_rows,  # the pool's refresh too
-            refresh_every=cfg.refresh_every, reuse=reuse, probe=self.rule.needs_probe)
+            refresh_every=cfg.refresh_every, reuse=reuse, probe=self.rule.needs_probe,
+            probed=None if self.cascade is None else self.cascade.size(trained, candidates))
         scored = (f"top {cfg.top_blocks} block(s), {len(layers)} layers" if cfg.top_blocks
                   else f"{len(layers)} layers") + (
             f", projected to {cfg.projection.dim}" if cfg.projection else ", exact ghost scores")
@@ -434,6 +447,10 @@ class OnlineSelector:
         if self.plan is None:
             self._explain(c, k, reuse)
         text = _text(batch)  # the candidates' n-grams, hashed at most once
+        if self.cascade is not None:
+            sel = self._cascaded(batch, k, step, user_ids, text)
+            self._record(step, sel)
+            return sel
         grads, scores = self.score(batch, step, user_ids, reuse=reuse, text=text)
         scores = scores.detach().float().cpu()
         kept = self.last_kept  # candidates left after dropping non-finite ones (None: all)
@@ -457,6 +474,48 @@ class OnlineSelector:
                 val = aligned(grads, self.held_out.get(step), self.config.normalize, self.cost)
                 self.check.add(val.detach().float().cpu(), idx)
         self._record(step, sel)
+        return sel
+
+    def _cascaded(self, batch: Batch, k: int, step: int, user_ids: list[str] | None,
+                  text: CandidateText) -> Selection:
+        """A step with the shortlist stage (selection/cascade.py): probe, score, rank, cap
+        and policy on the shortlist exactly as on a micro-batch of those candidates; the
+        uniform share from all candidates; the held-out check on the probed ones."""
+        c = batch["input_ids"].shape[0]
+        cap = self.probe.config
+        ids = batch_info((), batch, label_shift=cap.label_shift, ignore_index=cap.ignore_index,
+                         user_ids=user_ids).sample_ids
+        capped = None if self.config.max_repeats is None else \
+            torch.isinf(self._capped(ids, torch.zeros(c)))
+        short, short_text = self.cascade(text, k, capped)
+        grads, scores = self.score(
+            {n: v[short.to(v.device)] for n, v in batch.items()}, step,
+            None if user_ids is None else [user_ids[i] for i in short.tolist()],
+            text=short_text)
+        scores = scores.detach().float().cpu()
+        kept = self.last_kept  # of the shortlist (None: all probed)
+        if kept is not None:
+            short_text = PriorText.subset(short_text, kept, short_text.content)
+            short = short[kept]
+        self.last_kept = short
+        ranked = self._ranked(short_text, scores)
+        picked = self._choose(self._capped(grads.sample_ids, ranked), needed(k, c,
+                              self.config.uniform_mix), grads,
+                              self._generator(step, grads.sample_ids), uniform_mix=0.0)
+        chosen = short[picked]
+        if chosen.numel() < min(k, c):
+            chosen = fill_uniform(chosen, c, min(k, c), self._generator(step, ids))
+        chosen_scores = torch.full((chosen.numel(),), float("nan"))
+        where = {p: i for i, p in enumerate(short.tolist())}
+        for j, p in enumerate(chosen.tolist()):
+            if p in where:
+                chosen_scores[j] = scores[where[p]]
+        sel = Selection({n: v[chosen.to(v.device)] for n, v in batch.items()}, chosen, scores,
+                        tuple(ids[i] for i in chosen.tolist()), chosen_scores, probed=short)
+        self._count(sel.chosen_ids)
+        if self.check is not None:
+            val = aligned(grads, self.held_out.get(step), self.config.normalize, self.cost)
+            self.check.add(val.detach().float().cpu(), picked)
         return sel
 
     def _ranked(self, text: CandidateText, scores: torch.Tensor) -> torch.Tensor:
@@ -504,11 +563,13 @@ class OnlineSelector:
 
     def _choose(self, scores: torch.Tensor, k: int,
                 gram_source: GradBatch | torch.Tensor | None,
-                generator: torch.Generator) -> torch.Tensor:
-        """The policy + uniform mix stage (``Policy.mixed``) with this run's parameters."""
+                generator: torch.Generator, uniform_mix: float | None = None) -> torch.Tensor:
+        """The policy + uniform mix stage (``Policy.mixed``) with this run's parameters
+        (``uniform_mix``: default ``selection.uniform_mix``)."""
         cfg = self.config
         lr = cfg.greats_lr if cfg.greats_lr is not None else (self.lr_fn() if self.lr_fn else 1.0)
-        return self.policy.mixed(scores, k, uniform_mix=cfg.uniform_mix, gram_source=gram_source,
+        mix = cfg.uniform_mix if uniform_mix is None else uniform_mix
+        return self.policy.mixed(scores, k, uniform_mix=mix, gram_source=gram_source,
                                  cost=self.cost, generator=generator, lr=lr,
                                  fraction=cfg.fraction, tau=cfg.tau, temperature=cfg.temperature)
 
@@ -548,10 +609,14 @@ class OnlineSelector:
         finite = sel.chosen_scores[torch.isfinite(sel.chosen_scores)]
         st["chosen_score_sum"] += float(finite.sum())
         if self._log is not None:
-            self._log.write(json.dumps({
+            record = {
                 "step": step, "dp_rank": self.ctx.dp_rank, "chosen": list(sel.chosen_ids),
-                "chosen_scores": [round(float(s), 6) for s in sel.chosen_scores],
-                "candidate_scores": [round(float(s), 6) for s in sel.scores]}) + "\n")
+                "chosen_scores": [round(float(s), 6) if math.isfinite(s) else None
+                                  for s in sel.chosen_scores.tolist()],
+                "candidate_scores": [round(float(s), 6) for s in sel.scores]}
+            if sel.probed is not None:
+                record["probed"] = sel.probed.tolist()
+            self._log.write(json.dumps(record) + "\n")
 
     def summary(self) -> dict:
         """Selection statistics of the run so far, over all data-parallel ranks.
@@ -568,7 +633,19 @@ class OnlineSelector:
                 "mean_candidate_score": st["score_sum"] / max(1, st["candidates"]),
                 "mean_chosen_score": st["chosen_score_sum"] / max(1, st["chosen"]),
                 "target_refreshes": getattr(self.rows, "refreshes", 0),
+                **({"cascade": self._cascade_summary(local.device)}
+                   if self.cascade is not None else {}),
                 **({"held_out_check": self.check.summary()} if self.check is not None else {})}
+
+    def _cascade_summary(self, device: torch.device) -> dict:
+        """The cascade's statistics summed over the data-parallel ranks (collective)."""
+        mine = self.cascade.summary()
+        keys = ("micro_batches", "candidates", "probed")
+        t = torch.tensor([float(mine[k]) for k in keys], dtype=torch.float64, device=device)
+        total = all_reduce_sum(t, self.ctx.dp_group, self.ctx.dp_world).tolist()
+        out = {"shortlist": mine["shortlist"], **{k: int(round(v)) for k, v in zip(keys, total)}}
+        out["probed_share"] = out["probed"] / max(1, out["candidates"])
+        return out
 
     def close(self) -> None:
         self.probe.detach()

@@ -20,6 +20,24 @@ At ``C = 2k`` without forward reuse the ratio is at least ``(2 + 2s + 3) / 3``: 
 every layer scored, 1.67x as ``s -> 0``. Only reusing the candidates' forward for the
 training backward (``2 + 2s + 2``)/3 can reach 1.5x, and only with ``s <= 0.25``.
 
+The cascade (``selection.shortlist``, selection/cascade.py) probes only ``S`` of the ``C``
+candidates: probe forward, backward and scoring scale with ``S`` instead of ``C`` (the
+content prior that picks the ``S`` hashes n-grams: not counted, ~2% of a plain step
+measured). Every mode of a run, predicted before it (``StepCost.modes``, in the plan line):
+
+| mode       | probed       | ratio to a plain step                                   |
+|------------|--------------|---------------------------------------------------------|
+| uniform    | 0            | 1 (a plain step on ``k`` of the ``C``)                  |
+| content    | 0            | 1 (+ hashing)                                           |
+| cascade S  | ``S``        | ``(S (1 + s + s(1 + norm)) + 3k + refresh) / 3k``       |
+| full probe | ``C``        | ``(C (1 + s + s(1 + norm)) + 3k + refresh) / 3k``       |
+
+With every layer scored (``s = 1``, cosine) a probed candidate costs 4 units: at ``k = 8``,
+``C = 32``, ``uniform_mix = 0.5``, ``shortlist = 1.5`` (``S = 6``) that is 2.0x against
+6.3x for the full probe; ``top_blocks`` (small ``s``) brings a probed candidate towards 1.
+``shortlist_within(budget)`` inverts it: the most candidates a cascade may probe within a
+ratio budget.
+
 Forward reuse (``selection.reuse_forward``) needs one model call per candidate (a graph
 per example, so the chosen can be back-propagated alone). Measured here (GPT-2 4x256,
 T=128, 16 examples, CPU-s of one thread): 16 single calls cost 1.17x one batched call in
@@ -31,7 +49,7 @@ record per call and layer) costs more than the saved forwards at that size (a re
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import nn
 
@@ -52,6 +70,8 @@ class StepCost:
         reuse: the chosen are back-propagated from the probe's graphs (no second forward).
         probe: the score reads gradients (False: ``score="content"``, no probe, no target
             refresh: only the training step and hashing, ~1x a plain step).
+        probed: ``S``, candidates probed per micro-batch (the cascade's shortlist); None:
+            all ``candidates``.
     """
 
     candidates: int
@@ -62,9 +82,11 @@ class StepCost:
     refresh_every: int
     reuse: bool = False
     probe: bool = True
+    probed: int | None = None
 
     def units(self) -> dict[str, float]:
-        c, k, s = self.candidates, self.trained, self.share
+        c = self.candidates if self.probed is None else self.probed
+        k, s = self.trained, self.share
         p = 1.0 if self.probe else 0.0
         return {"probe forward": p * c, "probe backward": p * c * s,
                 "scoring": p * c * s * (2.0 if self.normalize else 1.0),
@@ -80,13 +102,47 @@ class StepCost:
         u = self.units()
         return (u["probe forward"] + u["probe backward"] + u["training step"]) / (3.0 * self.trained)
 
+    def per_probed(self) -> float:
+        """Units one probed candidate adds: forward, backward to the scored blocks, scoring
+        (``1 + s + s (1 + norm)``)."""
+        s = self.share
+        return 1.0 + s + s * (2.0 if self.normalize else 1.0)
+
+    def modes(self, shortlist: int | None = None) -> dict[str, float]:
+        """Predicted ratio to a plain step of every mode on this run's sizes (module table):
+        ``uniform``, ``content``, ``cascade S=<S>`` (``shortlist`` or this plan's ``probed``;
+        absent when neither), ``full probe``. Forward reuse is not assumed in any of them."""
+        base = replace(self, reuse=False, probe=True)
+        out = {"uniform": 1.0, "content": 1.0}
+        s = shortlist if shortlist is not None else self.probed
+        if s is not None and s < self.candidates:
+            out[f"cascade S={s}"] = replace(base, probed=s).ratio()
+        out["full probe"] = replace(base, probed=None).ratio()
+        return out
+
+    def shortlist_within(self, budget: float) -> int:
+        """The most candidates a cascade may probe so that a step costs at most ``budget``
+        times a plain step (0: not even one; capped at ``candidates``)."""
+        free = budget * 3.0 * self.trained - replace(self, probed=0, reuse=False, probe=True).units_sum()
+        if free <= 0:
+            return 0
+        # the refresh does not grow with S: each probed candidate adds per_probed() units
+        return min(self.candidates, int(free // self.per_probed() + 1e-9))
+
+    def units_sum(self) -> float:
+        """All units of the step; with ``probed=0`` the training step and target refresh."""
+        return sum(self.units().values())
+
     def explain(self, scored: str, reuse_why: str) -> str:
         parts = ", ".join(f"{name} {v:.3g}" for name, v in self.units().items())
-        return (f"online selection step plan: {scored}; {self.candidates} candidates for "
-                f"{self.trained} trained; forward reuse {'on' if self.reuse else 'off'} "
+        probed = "" if self.probed is None else f" (cascade: {self.probed} probed)"
+        modes = ", ".join(f"{name} {v:.2f}x" for name, v in self.modes().items())
+        return (f"online selection step plan: {scored}; {self.candidates} candidates{probed} "
+                f"for {self.trained} trained; forward reuse {'on' if self.reuse else 'off'} "
                 f"({reuse_why}); units (1 = one example's forward, plain step = "
                 f"{3 * self.trained}): {parts}; predicted {self.ratio():.2f}x a plain step "
-                f"(floor of this path {self.bound():.2f}x)")
+                f"(floor of this path {self.bound():.2f}x); modes on these sizes: {modes}; "
+                f"a cascade within 1.5x probes at most {self.shortlist_within(1.5)} candidates")
 
 
 #: Fixed CPU seconds per model call and captured layer that per-candidate calls add (Python,

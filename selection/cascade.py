@@ -1,0 +1,147 @@
+"""The cascade: the content prior shortlists the candidates the gradient probe may look at.
+
+A selection step must choose ``n = k - round(uniform_mix * k)`` examples by score (the rest
+is a uniform draw). The probe pass (forward of every candidate, backward to the scored
+layers) is most of a step's cost and grows with the candidates probed. The cascade spends it
+only where it can change the choice:
+
+1. the content prior (selection/content.py; hashed n-grams, no model) scores all ``C``
+   candidates, ``c [C]``;
+2. the top ``S = min(C, ceil(shortlist * n))`` by ``c`` form the shortlist (ties: lower
+   index first; candidates over ``max_repeats`` go last);
+3. only the shortlist is probed and scored; the rank stages and the policy choose the ``n``
+   among the ``S``, exactly as the full selector would on a micro-batch of those ``S``
+   candidates (``PriorText`` carries their ``c`` so the content rank stage does not count
+   them into the stream twice);
+4. the uniform share is drawn from all ``C`` candidates the policy did not pick.
+
+The probe then costs ``S`` instead of ``C`` candidates: at ``C = 4k``, ``uniform_mix = 0.5``
+and ``shortlist = 1.5``, ``S = 0.75k``, a fifth of the full probe (selection/stepcost.py
+predicts every mode's ratio before the run).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from dattri_ds.errors import ConfigError
+from dattri_ds.selection.content import ContentPrior, ContentRanking
+from dattri_ds.selection.policy import top_k
+from dattri_ds.selection.smoothing import CandidateText
+
+if TYPE_CHECKING:
+    from dattri_ds.selection.config import SelectionConfig
+    from dattri_ds.selection.rank import Ranker
+
+__all__ = ["needed", "shortlist_size", "shortlist", "PriorText", "Cascade", "cascade_for"]
+
+Batch = dict[str, torch.Tensor]
+
+
+def needed(k: int, candidates: int, uniform_mix: float) -> int:
+    """``n``: examples the policy chooses of ``k`` (capped at ``C``), the rest uniform:
+    ``min(k, C) - round(uniform_mix * min(k, C))`` (as ``Policy.mixed``)."""
+    k = min(k, candidates)
+    return k - round(uniform_mix * k)
+
+
+def shortlist_size(multiple: float, k: int, candidates: int, uniform_mix: float) -> int:
+    """``S = min(C, ceil(multiple * n))`` candidates probed, ``n = needed(k, C, mix)``."""
+    return min(candidates, math.ceil(multiple * needed(k, candidates, uniform_mix) - 1e-9))
+
+
+def shortlist(content: torch.Tensor, size: int) -> torch.Tensor:
+    """Sorted positions of the ``size`` highest ``content`` values ``[C]`` (ties: the lower
+    index; ``-inf``, e.g. over the repeat cap, last)."""
+    return top_k(content, size)
+
+
+@dataclass(frozen=True)
+class PriorText(CandidateText):
+    """Candidates' text whose content-prior scores this step already computed (the
+    cascade's shortlist): the content rank stage reads ``content`` instead of scoring (and
+    counting into the stream) the same candidates again.
+
+    Attributes:
+        content: ``[C]`` content-prior scores of these candidates.
+    """
+
+    content: torch.Tensor | None = None
+
+    @classmethod
+    def subset(cls, text: CandidateText, positions: torch.Tensor,
+               content: torch.Tensor) -> PriorText:
+        """The candidates at ``positions`` of ``text`` with their ``content`` ``[C]`` values
+        (the hashed counts are indexed, not recomputed)."""
+        pos = positions.to(text.ids.device)
+        out = cls(text.ids[pos], None if text.valid is None else text.valid[pos],
+                  content=content[positions])
+        out.__dict__["counts"] = text.counts[positions]  # prefill the cached_property
+        return out
+
+
+class Cascade:
+    """The shortlist stage: content prior over all candidates, top ``S`` go to the probe.
+
+    Args:
+        multiple: ``selection.shortlist`` (>= 1).
+        uniform_mix: ``selection.uniform_mix``.
+        prior: the content prior (shared with the ``ContentRanking`` rank stage when there
+            is one, so the stream counts each candidate once).
+    """
+
+    def __init__(self, multiple: float, uniform_mix: float, prior: ContentPrior) -> None:
+        self.multiple, self.uniform_mix, self.prior = multiple, uniform_mix, prior
+        self.stats = {"steps": 0, "candidates": 0, "probed": 0}
+
+    def size(self, k: int, candidates: int) -> int:
+        """``S`` for ``k`` trained of ``candidates``."""
+        return shortlist_size(self.multiple, k, candidates, self.uniform_mix)
+
+    def __call__(self, text: CandidateText, k: int,
+                 capped: torch.Tensor | None = None) -> tuple[torch.Tensor, PriorText]:
+        """``(positions [S], the shortlist's PriorText)`` for a micro-batch's ``text``.
+
+        Args:
+            text: all ``C`` candidates (they join the prior's stream counts).
+            k: examples trained from this micro-batch.
+            capped: ``[C]`` bool, candidates over ``max_repeats`` (ranked last), or None.
+        """
+        content = self.prior.scores_of_counts(text.counts)
+        ranked = content if capped is None else \
+            torch.where(capped, torch.full_like(content, float("-inf")), content)
+        c = content.numel()
+        positions = shortlist(ranked, self.size(k, c))
+        self.stats["steps"] += 1
+        self.stats["candidates"] += c
+        self.stats["probed"] += positions.numel()
+        return positions, PriorText.subset(text, positions, content)
+
+    def summary(self) -> dict:
+        """This rank's shortlist statistics (``probed_share``: probed / candidates)."""
+        st = self.stats
+        return {"shortlist": self.multiple, "micro_batches": st["steps"],
+                "candidates": st["candidates"], "probed": st["probed"],
+                "probed_share": st["probed"] / max(1, st["candidates"])}
+
+
+def cascade_for(config: SelectionConfig, stages: list[Ranker],
+                documents: Batch | None) -> Cascade | None:
+    """The cascade of ``config`` (None when ``shortlist`` is unset); its prior is the
+    ``ContentRanking`` stage's among ``stages`` when there is one.
+
+    Raises:
+        ConfigError: ``shortlist`` without target documents (a ``target_store``).
+    """
+    if config.shortlist is None:
+        return None
+    if documents is None:
+        raise ConfigError(f"selection.shortlist={config.shortlist} ranks the candidates by the "
+                          f"target documents' n-grams, which a target_store does not have: "
+                          f"give selection.target_data or unset shortlist")
+    prior = next((s.prior for s in stages if isinstance(s, ContentRanking)), None)
+    return Cascade(config.shortlist, config.uniform_mix, prior or ContentPrior(documents))
