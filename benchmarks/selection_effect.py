@@ -1,25 +1,32 @@
-"""Does online selection help? Paired seeds, selection variants vs uniform choice.
+"""Does online selection help, at equal data and at equal compute? Paired seeds vs uniform choice.
 
     python benchmarks/selection_effect.py --targets hamlet trivia code --multiples 4 2 \\
         --seeds 5 --steps 200 --variants default random [--log /work/notes/sel-bench.txt]
-    python benchmarks/selection_effect.py --targets carve:austen carve:kjv --seeds 3 \\
-        --variants random topk=policy:topk cos=normalize:1,per_token:1
+    python benchmarks/selection_effect.py --targets carve:austen noisy:trivia:all \\
+        --seeds 3 --steps 100 --eval-every 20 --random-steps 300 \\
+        --variants random content=score:content default grad=content_weight:0 --results F
+    python benchmarks/selection_effect.py --summarize F [G ...]
 
 One process, one thread (the effect of the choice does not depend on ZeRO), trained by the
 shipped loop (``launch.train.train_in_process``: launch/loop.py on ``--backend torch``,
 the selector of launch/train.py, forward reuse as configured): tiny GPT-2
 (configs/model_gpt2_tiny.json), the optimizer, lr schedule and clipping of
 configs/zero3_cpu.json (AdamW lr 2e-3, DeepSpeed WarmupCosineLR: 20 log-warmup steps then
-cosine to 0.1 at step 300, gradient clipping 1.0), micro-batch 8 x 2 accumulation = 16
-trained examples per step, seq_len 64. Every variant of a seed starts from the same
-initialization and sees the same candidate stream.
+cosine to 0.1 at step 300, then flat; gradient clipping 1.0), micro-batch 8 x 2
+accumulation = 16 trained examples per step, seq_len 64. Every variant of a seed starts
+from the same initialization and sees the same candidate stream.
 
 Targets: ``hamlet``, ``trivia``, ``code`` (data/target/*.jsonl: first half = the scoring
 set selection sees, second half = the held-out evaluation set) or ``carve:SOURCE`` (one
 source of data/corpus/train.jsonl; 64 of its documents score, 64 others evaluate, both
-removed from the pool, the source's other documents stay in it, ~11% of the pool). 20
-documents per source never enter the pool: the *general* held-out
-set, which shows what selection costs on everything else.
+removed from the pool, the source's other documents stay in it, ~11% of the pool), or
+``noisy:<target>:<kinds>`` (benchmarks/_noisy_pools.py: ``<target>``'s pool plus junk
+built from its non-evaluation text, ``--junk-per-kind`` documents of each kind: near-
+duplicates, boilerplate, shuffled words, garbled characters, corrupted words, QA pairs
+with wrong answers, code that does not parse; ``tune``/``heldout``/``all`` or a comma
+list; the ``heldout`` kinds are reported apart and no setting may be tuned on them). 20
+documents per source never enter the pool: the *general* held-out set, which shows what
+selection costs on everything else.
 
 Variants: ``name=key:value,key:value`` overrides of the default SelectionConfig
 (``default`` = the shipped default, ``random`` = uniform choice from the same candidates,
@@ -30,12 +37,22 @@ a model-free content baseline in the manner of DSIR: half of each micro-batch th
 candidates with the highest mean log-ratio of hashed unigram/bigram frequencies, target
 scoring set vs every candidate seen so far, the rest uniformly).
 
+Compute: every evaluation point records ``cpu_s``, the training process's CPU-seconds
+(``time.process_time``, one thread) since the step-0 evaluation, evaluations excluded (the
+process's first steps are paid by a discarded warm-up run). ``--random-steps N`` trains
+the random arm N steps (same lr schedule, so its first ``--steps`` are exactly the short
+run): benchmarks/_compute.py reads its curve at each variant's CPU-seconds.
+
 Prints, per target and candidate multiple, for every variant against random: the final
 gain (random's target loss - the variant's), the mean gain over evaluations after warm-up
 (step > 50), both with standard errors over paired seeds; data efficiency (trained
 examples the variant needs to reach random's final target loss / random's; > 1: never);
-general-corpus loss of both; per-step diagnostics (chosen sources, repeats, gradient norm
-before clipping, clipped steps).
+general-corpus loss of both; at equal compute: the gain against random read at the
+variant's CPU-seconds, the gain of the variant read at random's CPU-seconds, and the
+CPU-seconds each needs to reach random's final loss (ratio variant / random); the junk
+share of trained examples per kind (noisy pools, held-out kinds apart); the controller's
+report when the selector's summary has one; per-step diagnostics (chosen sources,
+repeats, gradient norm before clipping, clipped steps).
 """
 
 from __future__ import annotations
@@ -47,7 +64,7 @@ import statistics
 import sys
 import time
 from collections import Counter
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -55,7 +72,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import _noisy_pools as noisy  # noqa: E402
 from benchmarks._common import loop_configs  # noqa: E402
+from benchmarks._compute import equal_compute, truncate  # noqa: E402
 from dattri_ds.data import load_documents, tokenize_documents, train_tokenizer  # noqa: E402
 from dattri_ds.selection import OnlineSelector, SelectionConfig  # noqa: E402
 from dattri_ds.selection.policy import fill_uniform  # noqa: E402
@@ -88,7 +107,11 @@ def parse_variant(spec: str) -> tuple[str, dict]:
 class Setup:
     """Tokenized pool, target scoring/eval sets and the general held-out set of one target."""
 
-    def __init__(self, target: str, seq_len: int, target_docs: int) -> None:
+    def __init__(self, target: str, seq_len: int, target_docs: int,
+                 per_kind: int = noisy.PER_KIND) -> None:
+        kinds: tuple[str, ...] = ()
+        if target.startswith("noisy:"):
+            target, kinds = noisy.parse_noisy(target)
         corpus = load_documents(str(ROOT / "data/corpus/train.jsonl"))
         tok = train_tokenizer([d.text for d in corpus], vocab_size=1024,
                               cache_dir=str(ROOT / "runs/cache"))
@@ -102,14 +125,17 @@ class Setup:
                 raise SystemExit(f"unknown source '{src}'; known: {sorted(by_src)}")
             own = by_src[src][:-GENERAL_PER_SOURCE]
             score, evald = own[:CARVED_DOCS], own[CARVED_DOCS:2 * CARVED_DOCS]
+            extra = []
             held = {d.id for d in score + evald}
             pool = [d for docs in by_src.values() for d in docs[:-GENERAL_PER_SOURCE]
                     if d.id not in held]
         else:
-            docs = load_documents(str(ROOT / SHIPPED[target]))
-            half = len(docs) // 2
-            score, evald = docs[:half][:target_docs], docs[half:][:CARVED_DOCS]
+            score, extra, evald = noisy.shipped_split(
+                load_documents(str(ROOT / SHIPPED[target])), target_docs, CARVED_DOCS)
             pool = [d for docs in by_src.values() for d in docs[:-GENERAL_PER_SOURCE]]
+        if kinds:  # junk made of the scoring + leftover first-half docs, never of evald
+            pool += noisy.clean_extra(target, extra) + noisy.build_junk(
+                target, kinds, score + extra, per_kind)
         self.tok, self.seq_len = tok, seq_len
         self.pool = tokenize_documents(pool, tok, seq_len)
         self.score = tokenize_documents(score, tok, seq_len)
@@ -123,9 +149,9 @@ class Setup:
 
 
 @torch.no_grad()
-def mean_loss(model, data, bs: int = 32, params: dict | None = None) -> float:
-    """Token-mean loss of ``model`` on ``data`` (with ``params`` in place of its own
-    parameters, by ``torch.func.functional_call``, when given)."""
+def loss_sum(model, data, bs: int = 32, params: dict | None = None) -> tuple[float, float]:
+    """(summed token loss, tokens) of ``model`` on ``data`` (with ``params`` in place of its
+    own parameters, by ``torch.func.functional_call``, when given)."""
     forward = model if params is None else (
         lambda **b: torch.func.functional_call(model, params, (), b))
     model.eval()
@@ -136,6 +162,12 @@ def mean_loss(model, data, bs: int = 32, params: dict | None = None) -> float:
         tot += float(forward(**b).loss) * cnt
         n += cnt
     model.train()
+    return tot, n
+
+
+def mean_loss(model, data, bs: int = 32, params: dict | None = None) -> float:
+    """Token-mean loss of ``model`` on ``data`` (``loss_sum``'s ratio)."""
+    tot, n = loss_sum(model, data, bs, params)
     return tot / max(n, 1)
 
 
@@ -235,11 +267,12 @@ class Observed:
 
 def run(setup: Setup, sc: SelectionConfig, seed: int, steps: int, eval_every: int,
         micro: int = 8, gas: int = 2, diagnose_every: int = 0,
-        domain: str | None = None, ngram: bool = False) -> dict:
+        domain: str | None = None, ngram: bool = False, general_every: int = 0) -> dict:
     """Train once with the shipped loop (``train_in_process``, ``--backend torch``); return
     the eval curve and diagnostics. ``domain``: instead of the selector's choice, the label
     oracle ``domain_choice`` for that corpus source; ``ngram``: the content baseline
-    ``ngram_choice``."""
+    ``ngram_choice``; ``general_every``: evaluate the general held-out set at the multiples of
+    this step (0: at the last step only)."""
     import tempfile
 
     from dattri_ds.launch.train import train_in_process
@@ -247,7 +280,9 @@ def run(setup: Setup, sc: SelectionConfig, seed: int, steps: int, eval_every: in
     ds, cfg = loop_configs(steps=steps, seed=seed, seq_len=setup.seq_len,
                            eval_every=eval_every, selection=sc, micro=micro, gas=gas)
     content = ContentPrior(setup.score.batch(slice(None))) if ngram else None
-    seen: dict = {}
+    seen: dict = {"eval_cpu": 0.0, "calls": 0}
+    # the steps RunLog evaluates at: 0, every eval_every-th, the last
+    at = [0] + [n for n in range(1, steps + 1) if n % eval_every == 0 or n == steps]
 
     def observe(selector, backend) -> Observed:
         seen["obs"] = Observed(selector, setup, sc, seed, backend.model, diagnose_every,
@@ -256,11 +291,23 @@ def run(setup: Setup, sc: SelectionConfig, seed: int, steps: int, eval_every: in
         return seen["obs"]
 
     def evaluate() -> dict:
+        """Target loss; the general set (by source) at multiples of ``general_every`` only;
+        ``cpu_s``: training CPU-seconds since the step-0 evaluation, evaluations excluded
+        (the set-up before it is the same for every arm)."""
+        start = time.process_time()
+        seen.setdefault("t0", start)
+        step = at[min(seen["calls"], len(at) - 1)]
+        seen["calls"] += 1
         model = seen["model"]
-        return {"target_loss": mean_loss(model, setup.eval),
-                "general_loss": mean_loss(model, setup.general),
-                "by_source": {src: round(mean_loss(model, d), 4)
-                              for src, d in setup.general_by_source.items()}}
+        out = {"target_loss": mean_loss(model, setup.eval),
+               "cpu_s": start - seen["t0"] - seen["eval_cpu"]}
+        if step and step % (general_every or steps) == 0:
+            parts = {src: loss_sum(model, d) for src, d in setup.general_by_source.items()}
+            out["general_loss"] = sum(t for t, _ in parts.values()) / sum(
+                n for _, n in parts.values())
+            out["by_source"] = {src: round(t / n, 4) for src, (t, n) in parts.items()}
+        seen["eval_cpu"] += time.process_time() - start
+        return out
 
     with tempfile.TemporaryDirectory(prefix="selection_effect_") as out:
         summary, backend = train_in_process(ds, cfg, setup.pool, setup.tok, Path(out),
@@ -268,8 +315,8 @@ def run(setup: Setup, sc: SelectionConfig, seed: int, steps: int, eval_every: in
                                             evaluator=evaluate, wrap_selector=observe)
     obs, norms = seen["obs"], backend.grad_norms
     curve = [{"step": e["step"], "examples": e["examples"], "target": e["target_loss"],
-              "general": e["general_loss"], "by_source": e["by_source"]}
-             for e in summary["eval"]]
+              "general": e.get("general_loss"), "by_source": e.get("by_source"),
+              "cpu_s": round(e["cpu_s"], 3)} for e in summary["eval"]]
     v = [st["exp_avg_sq"].mean().item() for st in backend.optimizer.state.values()]
     total = sum(obs.sources.values())
     return {"curve": curve,
@@ -279,7 +326,22 @@ def run(setup: Setup, sc: SelectionConfig, seed: int, steps: int, eval_every: in
             "clip_frac": sum(n > backend.clip for n in norms) / steps,
             "adam_v": statistics.mean(v), "diagnostics": obs.diags,
             "mean_chosen_score": summary["selection"]["mean_chosen_score"],
-            "mean_candidate_score": summary["selection"]["mean_candidate_score"]}
+            "mean_candidate_score": summary["selection"]["mean_candidate_score"],
+            "selection_config": _jsonable(asdict(sc)),
+            "selection_summary": _jsonable(summary["selection"]),
+            "controller": _jsonable({k: v for k, v in summary["selection"].items()
+                                     if "controller" in k or "mode" in k}) or None}
+
+
+def _jsonable(x):
+    """``x`` with tensors and other non-JSON leaves as numbers or strings."""
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, torch.Tensor):
+        return x.tolist()
+    return x if isinstance(x, (int, float, str, bool, type(None))) else str(x)
 
 
 def interp_examples(curve: list[dict], level: float) -> float:
@@ -297,34 +359,69 @@ def se(xs: list[float]) -> float:
     return statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else float("nan")
 
 
-def compare(runs: dict[str, list[dict]], name: str) -> dict:
-    """Paired statistics of variant ``name`` against ``random`` (lists in seed order)."""
-    final, after, eff, gen = [], [], [], []
+def compare(runs: dict[str, list[dict]], name: str, steps: int) -> dict:
+    """Paired statistics of variant ``name`` (trained ``steps`` steps) against ``random``
+    (lists in seed order; random may be longer: its curve up to ``steps`` gives the
+    equal-examples columns, all of it the equal-compute ones, ``_compute.equal_compute``)."""
+    final, after, eff, gen, gcpu, grcpu, ratio, cpu, rcpu = ([] for _ in range(9))
     for r, v in zip(runs["random"], runs[name]):
-        final.append(r["curve"][-1]["target"] - v["curve"][-1]["target"])
-        pts = [(a["target"] - b["target"]) for a, b in zip(r["curve"], v["curve"])
-               if a["step"] > WARMUP_EVAL]
+        rc, vc = truncate(r["curve"], steps), v["curve"]
+        final.append(rc[-1]["target"] - vc[-1]["target"])
+        pts = [(a["target"] - b["target"]) for a, b in zip(rc, vc) if a["step"] > WARMUP_EVAL]
         after.append(statistics.mean(pts) if pts else float("nan"))
-        eff.append(interp_examples(v["curve"], r["curve"][-1]["target"])
-                   / r["curve"][-1]["examples"])
-        gen.append(v["curve"][-1]["general"] - r["curve"][-1]["general"])
+        eff.append(interp_examples(vc, rc[-1]["target"]) / rc[-1]["examples"])
+        gen.append(vc[-1]["general"] - rc[-1]["general"])
+        ec = equal_compute(r["curve"], vc, steps)
+        gcpu.append(ec["gain_cpu"])
+        grcpu.append(ec["gain_at_random_cpu"])
+        ratio.append(ec["cpu_ratio"])
+        cpu.append(ec["cpu"])
+        rcpu.append(ec["random_cpu"])
     finite = [e for e in eff if math.isfinite(e)]
+    g = [x for x in gcpu if math.isfinite(x)]
+    rr = [x for x in ratio if math.isfinite(x)]
+    gr = [x for x in grcpu if math.isfinite(x)]
+    nan = float("nan")
     return {"n": len(final), "final": statistics.mean(final), "final_se": se(final),
             "after": statistics.mean(after), "after_se": se(after),
-            "eff_median": statistics.median(eff) if eff else float("nan"),
+            "eff_median": statistics.median(eff) if eff else nan,
             "eff_reached": f"{len(finite)}/{len(eff)}",
             "general_cost": statistics.mean(gen), "general_cost_se": se(gen),
-            "random_general": statistics.mean(r["curve"][-1]["general"]
+            "random_general": statistics.mean(truncate(r["curve"], steps)[-1]["general"]
                                               for r in runs["random"]),
-            "wins": sum(f > 0 for f in final)}
+            "wins": sum(f > 0 for f in final),
+            "gain_cpu": statistics.mean(g) if g else nan, "gain_cpu_se": se(g),
+            "gain_cpu_n": len(g), "wins_cpu": sum(x > 0 for x in g),
+            "gain_rcpu": statistics.mean(gr) if gr else nan, "gain_rcpu_se": se(gr),
+            "gain_rcpu_n": len(gr), "wins_rcpu": sum(x > 0 for x in gr),
+            "cpu_ratio_median": statistics.median(ratio) if ratio else nan,
+            "cpu_ratio": statistics.mean(rr) if rr else nan, "cpu_ratio_se": se(rr),
+            "cpu_reached": f"{len(rr)}/{len(ratio)}",
+            "cpu": statistics.mean(cpu) if cpu else nan,
+            "random_cpu": statistics.mean(rcpu) if rcpu else nan,
+            "random_steps": min(r["curve"][-1]["step"] for r in runs["random"])}
 
 
 def fmt(name: str, c: dict) -> str:
-    return (f"  {name:<12} final gain {c['final']:+.4f} +- {c['final_se']:.4f} "
+    """The paired statistics of ``compare`` as text (the compute line only when the runs
+    recorded CPU-seconds per evaluation)."""
+    text = (f"  {name:<12} final gain {c['final']:+.4f} +- {c['final_se']:.4f} "
             f"(wins {c['wins']}/{c['n']}) | gain after warm-up {c['after']:+.4f} +- "
             f"{c['after_se']:.4f} | data efficiency median {c['eff_median']:.2f} "
             f"(reached {c['eff_reached']}) | general loss {c['general_cost']:+.4f} +- "
             f"{c['general_cost_se']:.4f} vs random's {c['random_general']:.4f}")
+    if math.isnan(c["cpu"]):
+        return text
+    return text + (
+            f"\n      equal compute: gain {c['gain_cpu']:+.4f} +- {c['gain_cpu_se']:.4f} "
+            f"(wins {c['wins_cpu']}/{c['gain_cpu_n']}; random read at the variant's CPU-s, "
+            f"its run {c['random_steps']} steps); at random's CPU-s {c['gain_rcpu']:+.4f} +- "
+            f"{c['gain_rcpu_se']:.4f} (wins {c['wins_rcpu']}/{c['gain_rcpu_n']}; the variant "
+            f"read there) | CPU-s to reach random's final loss / "
+            f"random's: median {c['cpu_ratio_median']:.2f}, mean {c['cpu_ratio']:.2f} +- "
+            f"{c['cpu_ratio_se']:.2f} (reached {c['cpu_reached']}) | training CPU-s "
+            f"{c['cpu']:.0f} vs random {c['random_cpu']:.0f} ({c['cpu'] / c['random_cpu']:.2f}x)"
+            f" at equal examples")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -346,6 +443,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--summarize", nargs="+", metavar="JSONL",
                    help="print the paired tables of these --results files and exit (every "
                    "variant against random on the seeds both ran; nothing is trained)")
+    p.add_argument("--random-steps", type=int, default=None,
+                   help="train the random arm this many steps (default --steps): its curve "
+                   "up to --steps gives the equal-examples columns, beyond them the "
+                   "equal-compute ones (random read at each variant's CPU-seconds)")
+    p.add_argument("--junk-per-kind", type=int, default=noisy.PER_KIND,
+                   help="junk documents per kind in a noisy:<target>:<kinds> pool")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--diagnose-every", type=int, default=0,
                    help="every N steps, also record how the candidates' scores correlate "
@@ -367,8 +470,13 @@ def main(argv: list[str] | None = None) -> None:
             log.flush()
 
     out(f"# {time.strftime('%H:%M:%S')} selection_effect {' '.join(sys.argv[1:])}")
+    warmed = False
     for target in args.targets:
-        setup = Setup(target, args.seq_len, args.target_docs)
+        setup = Setup(target, args.seq_len, args.target_docs, args.junk_per_kind)
+        if not warmed:  # the process's first steps pay one-off costs: not in any arm's CPU
+            run(setup, SelectionConfig(enabled=True, target_data="<benchmark>", random=True),
+                10**6, 3, 3)
+            warmed = True
         for mult in args.multiples:
             runs: dict[str, list[dict]] = {n: [] for n in variants}
             for seed in range(args.seed_offset, args.seed_offset + args.seeds):
@@ -376,12 +484,16 @@ def main(argv: list[str] | None = None) -> None:
                     sc = replace(SelectionConfig(enabled=True, target_data="<benchmark>"),
                                  candidate_multiple=mult, **over)
                     t0 = time.process_time()
-                    own = OWN_SOURCE.get(target, target.partition(":")[2] or None)
+                    base = noisy.parse_noisy(target)[0] if target.startswith("noisy:") \
+                        else target
+                    own = OWN_SOURCE.get(base, base.partition(":")[2] or None)
+                    steps = (args.random_steps or args.steps) if name == "random" \
+                        else args.steps
                     if name == "domain" and own is None:
                         raise SystemExit(f"the 'domain' variant needs a target with a corpus "
                                          f"source (hamlet, code, carve:SOURCE), not {target}")
-                    r = run(setup, sc, seed, args.steps, args.eval_every,
-                            diagnose_every=args.diagnose_every,
+                    r = run(setup, sc, seed, steps, args.eval_every,
+                            diagnose_every=args.diagnose_every, general_every=args.steps,
                             domain=own if name == "domain" else None,
                             ngram=name == "ngram")
                     r["cpu_s"] = time.process_time() - t0
@@ -389,9 +501,9 @@ def main(argv: list[str] | None = None) -> None:
                     if results:
                         results.write(json.dumps({"target": target, "multiple": mult,
                                                   "seed": seed, "variant": name,
-                                                  "steps": args.steps, **r}) + "\n")
+                                                  "steps": steps, **r}) + "\n")
                         results.flush()
-                    c = r["curve"][-1]
+                    c = truncate(r["curve"], args.steps)[-1]
                     out(f"{target} x{mult:g} seed {seed} {name:<12} target {c['target']:.4f} "
                         f"general {c['general']:.4f} cpu {r['cpu_s']:.0f}s | "
                         f"grad_norm {r['grad_norm']:.2f} clip {r['clip_frac']:.2f} "
@@ -404,28 +516,41 @@ def main(argv: list[str] | None = None) -> None:
                 continue  # nothing to pair with here (--summarize pairs across files)
             out(f"== {target} x{mult:g}, {args.seeds} paired seeds, {args.steps} steps "
                 f"(random final target loss "
-                f"{statistics.mean(r['curve'][-1]['target'] for r in runs['random']):.4f})")
+                f"{statistics.mean(truncate(r['curve'], args.steps)[-1]['target'] for r in runs['random']):.4f})")
             for name in variants:
                 if name != "random" and "random" in runs:
-                    out(fmt(name, compare(runs, name)))
+                    out(fmt(name, compare(runs, name, args.steps)))
+                    out("      " + details(runs, name))
     for f in (log, results):
         if f:
             f.close()
 
 
 def details(runs: dict[str, list[dict]], name: str) -> str:
-    """Diagnostics of ``name`` vs random: in-domain/source shares, per-source general loss
-    at the end (variant - random, mean over seeds), score correlations (--diagnose-every)."""
+    """Diagnostics of ``name`` vs random: in-domain/source shares, junk share per kind
+    (held-out kinds apart), the controller's mode mix, per-source general loss at the end
+    (variant - random, mean over seeds), score correlations (--diagnose-every)."""
     def mean_share(rs):
         keys = {k for r in rs for k in r["sources"]}
         return {k: statistics.mean(r["sources"].get(k, 0.0) for r in rs) for k in keys}
 
     share, rshare = mean_share(runs[name]), mean_share(runs["random"])
-    top = sorted(share, key=lambda k: share[k] - rshare.get(k, 0.0), reverse=True)[:2]
+    top = sorted((k for k in share if not k.startswith(noisy.JUNK_PREFIX)),
+                 key=lambda k: share[k] - rshare.get(k, 0.0), reverse=True)[:2]
     parts = [f"most enriched: " + ", ".join(f"{k} {share[k]:.0%} (random {rshare.get(k, 0):.0%})"
                                             for k in top)]
-    pairs = [(r["curve"][-1].get("by_source"), v["curve"][-1].get("by_source"))
-             for r, v in zip(runs["random"], runs[name])]
+    junk, rjunk = noisy.junk_shares(share), noisy.junk_shares(rshare)
+    for label, kinds in (("junk", [k for k in junk if k not in noisy.HELDOUT_KINDS]),
+                         ("held-out junk", [k for k in junk if k in noisy.HELDOUT_KINDS])):
+        if kinds:
+            parts.append(f"{label} {sum(junk[k] for k in kinds):.1%} (random "
+                         f"{sum(rjunk.get(k, 0) for k in kinds):.1%}): " + ", ".join(
+                             f"{k} {junk[k]:.1%}/{rjunk.get(k, 0):.1%}" for k in sorted(kinds)))
+    ctrl = [r.get("controller") for r in runs[name] if r.get("controller")]
+    if ctrl:
+        parts.append(f"controller (seed {runs[name][0]['seed']}): {json.dumps(ctrl[0])[:200]}")
+    pairs = [(truncate(r["curve"], v["curve"][-1]["step"])[-1].get("by_source"),
+              v["curve"][-1].get("by_source")) for r, v in zip(runs["random"], runs[name])]
     if all(a and b for a, b in pairs):
         srcs = sorted(pairs[0][0])
         d = {k: statistics.mean(b[k] - a[k] for a, b in pairs) for k in srcs}
@@ -438,42 +563,40 @@ def details(runs: dict[str, list[dict]], name: str) -> str:
         parts.append(f"spearman(score, |g|) {m['rho_norm']:+.2f}, (score, loss) "
                      f"{m['rho_loss']:+.2f}; chosen/candidates |g| {m['norm_ratio']:.2f}, "
                      f"loss {m['loss_ratio']:.2f} ({len(diags)} micro-batches)")
-    parts.append(f"adam v {statistics.mean(r['adam_v'] for r in runs[name]):.2e} (random "
-                 f"{statistics.mean(r['adam_v'] for r in runs['random']):.2e}), clipped "
-                 f"{statistics.mean(r['clip_frac'] for r in runs[name]):.2f} (random "
-                 f"{statistics.mean(r['clip_frac'] for r in runs['random']):.2f})")
     return " | ".join(parts)
 
 
 def summarize(paths: list[str]) -> None:
-    """Paired tables from ``--results`` files: per target and multiple, every variant against
-    random over the seeds both ran (a later record of the same run replaces an earlier one)."""
+    """Paired tables from ``--results`` files: per target and multiple, every variant (and
+    step count) against random over the seeds both ran; random's run of a seed is its
+    longest one with at least the variant's steps (a later record of the same run replaces
+    an earlier one)."""
     recs: dict[tuple, dict] = {}
     for path in paths:
         for line in Path(path).read_text(encoding="utf-8").splitlines():
             if line.strip():
                 r = json.loads(line)
-                recs[(r["target"], r["multiple"], r["steps"], r["variant"], r["seed"])] = r
-    groups = sorted({k[:3] for k in recs}, key=str)
-    for target, mult, steps in groups:
-        names = sorted({k[3] for k in recs if k[:3] == (target, mult, steps)})
-        if "random" not in names:
-            print(f"== {target} x{mult:g}, {steps} steps: no random runs to pair with")
+                recs[(r["target"], r["multiple"], r["variant"], r["steps"], r["seed"])] = r
+    for target, mult in sorted({k[:2] for k in recs}, key=str):
+        mine = {k[2:]: r for k, r in recs.items() if k[:2] == (target, mult)}
+        arms = sorted({(n, st) for n, st, _ in mine if n != "random"}, key=str)
+        longest: dict[int, dict] = {}
+        for (n, st, seed), r in mine.items():
+            if n == "random" and st >= longest.get(seed, {"steps": -1})["steps"]:
+                longest[seed] = r
+        if not longest:
+            print(f"== {target} x{mult:g}: no random runs to pair with")
             continue
-        rnd = {k[4] for k in recs if k[:4] == (target, mult, steps, "random")}
-        print(f"== {target} x{mult:g}, {steps} steps")
-        for name in names:
-            if name == "random":
-                continue
-            seeds = sorted(rnd & {k[4] for k in recs if k[:4] == (target, mult, steps, name)})
+        print(f"== {target} x{mult:g} (random runs of "
+              f"{sorted({r['steps'] for r in longest.values()})} steps)")
+        for name, steps in arms:
+            seeds = sorted(s for (n, st, s) in mine if (n, st) == (name, steps)
+                           and s in longest and longest[s]["steps"] >= steps)
             if not seeds:
                 continue
-            runs = {n: [recs[(target, mult, steps, n, s)] for s in seeds]
-                    for n in ("random", name)}
-            cpu = statistics.mean(r["cpu_s"] for r in runs[name])
-            rcpu = statistics.mean(r["cpu_s"] for r in runs["random"])
-            print(fmt(name, compare(runs, name)) + f" | seeds {seeds} | cpu {cpu:.0f}s "
-                  f"(random {rcpu:.0f}s)")
+            runs = {"random": [longest[s] for s in seeds],
+                    name: [mine[(name, steps, s)] for s in seeds]}
+            print(fmt(f"{name}@{steps}", compare(runs, name, steps)) + f" | seeds {seeds}")
             print("      " + details(runs, name))
 
 
