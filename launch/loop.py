@@ -16,9 +16,13 @@ selection benchmarks run through ``torch_backend.train_in_process``).
 
 Resume (``train.resume``): the backend restores weights, optimizer and lr schedule; the loop
 restores the step, every rank's RNG state and the ``RunRecord`` from
-``checkpoints/<tag>/loop_state.rank<R>.pt``, so the resumed run trains what the uninterrupted
-one would have trained (tests/dist/test_resume.py). It needs the process layout that wrote
-the checkpoint; with online selection it is refused (the selector's state is not saved).
+``checkpoints/<tag>/loop_state.rank<R>.pt``, and with online selection the selector's state
+from ``selection_state.rank<R>.pt`` (smoothing memory, content-prior counts, the target's
+cached rows and refresh clock, held-out check, pool sample, repeat counts, statistics;
+selection/state.py) and its log up to the checkpoint, so the resumed run trains and chooses
+what the uninterrupted one would have (tests/dist/test_resume.py,
+tests/dist/test_resume_selection.py). It needs the process layout that wrote the checkpoint
+and, with selection, the same resolved selection config (``selection_config.json``).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import importlib
 import json
 import logging
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -39,6 +43,7 @@ from dattri_ds.errors import ConfigError
 from dattri_ds.launch.config import RunConfig
 from dattri_ds.launch.engine import BACKENDS
 from dattri_ds.launch.runlog import RunLog, RunRecord, make_run_id
+from dattri_ds.selection.state import SelectionCheckpoint, config_difference, log_lines_before
 
 __all__ = ["Backend", "BACKENDS", "backend_class", "LoopState", "train", "resume",
            "micro_batch_indices", "fingerprint", "seal_captured_store"]
@@ -167,6 +172,10 @@ class LoopState:
     layout: dict[str, int]
     """``Backend.layout()`` of the run that wrote it (a resume must have the same)."""
 
+    selection: SelectionCheckpoint | None = None
+    """On resume with online selection: this rank's selector state and log lines (saved
+    apart from this file, by ``SelectionCheckpoint``); None otherwise."""
+
     FILE: ClassVar[str] = "loop_state.rank{rank:05d}.pt"
 
     @staticmethod
@@ -227,18 +236,35 @@ def fingerprint(cfg: RunConfig, tok) -> str:
     return f"run:{h.hexdigest()}"
 
 
-def check_resume(cfg: RunConfig) -> None:
-    """Refuse, before any process starts, what a resume cannot reproduce.
+def selection_config(cfg: RunConfig) -> dict:
+    """The resolved selection config as JSON data (what a checkpoint records)."""
+    import dataclasses
+
+    return json.loads(json.dumps(dataclasses.asdict(cfg.selection)))
+
+
+def check_resume(cfg: RunConfig, out: Path | str) -> None:
+    """Refuse, before any process starts, what a resume cannot reproduce: online selection
+    under a selection config other than the checkpoint's (its selector state would not fit
+    or would choose differently). Every other setting the selector holds is restored.
 
     Raises:
-        ConfigError: ``train.resume`` with online selection (the selector's running state,
-            statistics and log are not checkpointed).
+        ConfigError: no such checkpoint, or a selection key that differs from the
+            checkpoint's (named, with both values).
     """
-    if cfg.train.resume and cfg.selection.enabled:
-        raise ConfigError(f"--resume {cfg.train.resume} with --online-selection is not "
-                          f"supported: the selector's state is not checkpointed, so the "
-                          f"resumed run would choose differently. Rerun from step 0 (drop "
-                          f"--resume) or resume without --online-selection")
+    if not cfg.train.resume or not cfg.selection.enabled:
+        return
+    tag = resume_tag(Path(out), cfg.train.resume)
+    saved = SelectionCheckpoint.config_of(Path(out) / "checkpoints" / tag)
+    if saved is None:
+        return  # written without selection: ``resume`` starts a fresh selector (warned)
+    diff = config_difference(saved, selection_config(cfg))
+    if diff is not None:
+        key, was, now = diff
+        raise ConfigError(f"--resume {tag}: the checkpoint was written with {key}={was!r}, "
+                          f"this run has {key}={now!r}; a selector's state continues only "
+                          f"under the settings that wrote it: set {key} back to {was!r}, or "
+                          f"start a fresh run (drop --resume)")
 
 
 def resume_tag(out: Path, resume: str) -> str:
@@ -293,9 +319,30 @@ def resume(backend: Backend, cfg: RunConfig, out: Path, rank: int) -> LoopState 
         raise ConfigError(f"--resume {tag}: the checkpoint was written with the process layout "
                           f"{state.layout}, this run has {backend.layout()}; resume with the "
                           f"same number of processes and parallel sizes")
+    folder = out / "checkpoints" / tag
+    selection = None
+    if cfg.selection.enabled and SelectionCheckpoint.config_of(folder) is not None:
+        log = backend.selection_log(out)  # read before the selector rewrites its log
+        if log is not None and _writes_log(cfg, backend.ctx):
+            from dattri_ds.selection.online import log_file
+
+            log = log_file(log, backend.ctx.dp_rank)
+        else:
+            log = None
+        selection = SelectionCheckpoint.read(folder, rank, log_lines_before(log, state.step))
+    elif cfg.selection.enabled:
+        logger.warning("--resume %s: the checkpoint was written without online selection; "
+                       "the selector starts fresh at step %d", tag, state.step)
     backend.load(out / "checkpoints", tag)
     logger.info("resuming from %s at step %d", tag, state.step)
-    return state
+    return replace(state, selection=selection)
+
+
+def _writes_log(cfg: RunConfig, ctx: ParallelContext) -> bool:
+    """Whether this rank writes a selection log (as ``OnlineSelector`` decides)."""
+    sc = cfg.selection
+    per_rank = sc.scope != "global" and ctx.dp_world > 1
+    return sc.log_scores and (per_rank or ctx.dp_rank == 0)
 
 
 def train(backend: Backend, cfg: RunConfig, data, out: Path, tok, rank: int,
@@ -320,9 +367,14 @@ def train(backend: Backend, cfg: RunConfig, data, out: Path, tok, rank: int,
         backend.save(ckpt_dir, tag, {"tag": tag, "step": step, "lr": lr}, data)
         LoopState(step=step, record=log.record, rng=LoopState.capture_rng(),
                   layout=backend.layout()).save(ckpt_dir / tag, rank)
+        if selector is not None:  # every rank: under rank scope each rank's state differs
+            SelectionCheckpoint.write(ckpt_dir / tag, rank, selector.state_dict(),
+                                      selection_config(cfg) if rank == 0 else None)
         dist.barrier()
 
     backend.model.train()
+    if resumed is not None and resumed.selection is not None and selector is not None:
+        selector.load_state_dict(resumed.selection.state, resumed.selection.log)
     if resumed is not None:
         resumed.restore_rng()
     for step in range(start, tc.steps):

@@ -65,7 +65,7 @@ def prepare_data(cfg: RunConfig, out: Path, rank: int):
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     ds_config, cfg = load_run_config(args.deepspeed_config, args.overrides)
-    check_resume(cfg)
+    check_resume(cfg, args.out)  # a resume the checkpoint cannot continue
     check_outputs(Path(args.out), cfg)  # the output door, before any process group
     backend_cls = backend_class(cfg.engine.backend)
     rank, _ = backend_cls.setup(ds_config, cfg)
@@ -128,7 +128,7 @@ def train_in_process(ds_config: dict, cfg: RunConfig, data, tok, out: Path, *,
         raise ConfigError(f"train_in_process runs --backend torch, not "
                           f"'{cfg.engine.backend}': set engine.backend='torch' or launch "
                           f"launch/train.py")
-    check_resume(cfg)
+    check_resume(cfg, out)
     TorchBackend.setup(ds_config, cfg)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

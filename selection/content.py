@@ -69,6 +69,24 @@ class ContentPrior:
         log_stream = torch.log((self._stream + 1) / (self._stream.sum() + self.dim))
         return (c @ (self._log_target - log_stream)) / c.sum(1).clamp_min(1)
 
+    def state_dict(self) -> dict:
+        """The stream counts ``[dim]`` and the target's log-frequencies (for a checkpoint)."""
+        return {"stream": self._stream.clone(), "log_target": self._log_target.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the stream counts.
+
+        Raises:
+            ConfigError: the target documents differ from those the state was made with.
+        """
+        from dattri_ds.errors import ConfigError
+
+        if not torch.equal(state["log_target"], self._log_target):
+            raise ConfigError("The content prior's target documents differ from those the "
+                              "checkpoint was written with: resume with the same "
+                              "selection.target_data (and tokenizer), or start a fresh run")
+        self._stream = state["stream"].clone()
+
 
 class ContentRanking:
     """The ``content_weight`` rank stage (selection/rank.py): ``z(ranked) + weight * z(c)``.

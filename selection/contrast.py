@@ -57,6 +57,15 @@ class PoolSample:
     def data(self) -> Batch:
         return {k: torch.cat([p[k] for p in self._parts]) for k in self._parts[0]}
 
+    def state_dict(self) -> dict:
+        """The rows kept so far (model inputs, per observed batch)."""
+        return {"parts": [{k: v.clone() for k, v in p.items()} for p in self._parts],
+                "n": self._n}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._parts = [{k: v.clone() for k, v in p.items()} for p in state["parts"]]
+        self._n = int(state["n"])
+
 
 class PooledTarget(TargetProvider):
     """A target made from the target gradient and the pool sample's mean gradient.
@@ -97,6 +106,21 @@ class PooledTarget(TargetProvider):
             self._value = self.combine(t, r)
             self._key = key
         return self._value
+
+    def state_dict(self) -> dict:
+        """The target's and the pool reference's states (the combined rows are recombined
+        from them on the first ``get``: a pure function, so bit-identical)."""
+        return {"target": self.target.state_dict(),
+                "reference": None if self.reference is None else self.reference.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore both parts; the pool sample (restored first) rebuilds the reference."""
+        self.target.load_state_dict(state["target"])
+        self.reference = None
+        if state["reference"] is not None:
+            self.reference = self.make_reference(self.pool.data())
+            self.reference.load_state_dict(state["reference"])
+        self._key, self._value = None, None
 
     @abstractmethod
     def combine(self, target: GradBatch, reference: GradBatch | None) -> GradBatch:

@@ -65,3 +65,14 @@ class HeldOutCheck:
 
     def summary(self) -> dict:
         return {"fell_back_at_step": self.fell_back_at, "checks": self.history}
+
+    def state_dict(self) -> dict:
+        """The open window (sum and count), the clock, the history and the fallback step."""
+        return {"sum": self._sum, "n": self._n, "checked_at": self._checked_at,
+                "history": [dict(h) for h in self.history], "fell_back_at": self.fell_back_at}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._sum, self._n = float(state["sum"]), int(state["n"])
+        self._checked_at = int(state["checked_at"])
+        self.history = [dict(h) for h in state["history"]]
+        self.fell_back_at = None if state["fell_back_at"] is None else int(state["fell_back_at"])

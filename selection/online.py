@@ -652,3 +652,22 @@ class OnlineSelector:
         if self._log is not None:
             self._log.close()
             self._log = None
+
+    def state_dict(self) -> dict:
+        """The selector's running state for a checkpoint, one entry per stateful component
+        (selection/state.py lists them): plain tensors, numbers, strings, lists and dicts,
+        readable with ``torch.load(weights_only=True)``. Flushes the selection log."""
+        from dattri_ds.selection.state import selector_state
+
+        return selector_state(self)
+
+    def load_state_dict(self, state: dict, log: list[str] | tuple[str, ...] = ()) -> None:
+        """Restore ``state_dict()`` and continue the log with ``log`` (its lines of the
+        steps before the resumed one), so the run goes on as if never stopped.
+
+        Raises:
+            ConfigError: a state that does not fit this selector's stages.
+        """
+        from dattri_ds.selection.state import load_selector_state
+
+        load_selector_state(self, state, log)

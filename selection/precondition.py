@@ -178,6 +178,21 @@ class PreconditionedTarget(TargetProvider):
     def refreshes(self) -> int:
         return getattr(self.inner, "refreshes", 0)
 
+    def state_dict(self) -> dict:
+        """The inner provider's state and the cached ``P g`` (the second moments of the
+        refresh that made it are gone after more optimizer steps)."""
+        from dattri_ds.selection.state import grad_batch_state
+
+        return {"inner": self.inner.state_dict(), "value": grad_batch_state(self._value),
+                "seen": self._seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        from dattri_ds.selection.state import grad_batch_from_state
+
+        self.inner.load_state_dict(state["inner"])
+        self._value = grad_batch_from_state(state["value"], self.layers)
+        self._seen = int(state["seen"])
+
     def get(self, step: int) -> GradBatch:
         raw = self.inner.get(step)
         if self._value is None or self.refreshes != self._seen:

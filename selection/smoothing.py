@@ -22,6 +22,8 @@ from functools import cached_property
 
 import torch
 
+from dattri_ds.errors import ConfigError
+
 __all__ = ["NGRAM_DIM", "ngram_features", "unit_rows", "CandidateText", "NeighborSmoother"]
 
 _P1, _P2, _P3 = 1_000_003, 998_244_353, 911_382_323
@@ -113,3 +115,22 @@ class NeighborSmoother:
         self._feats = feats[:self.memory]
         self._scores = vals[:self.memory]
         return smoothed.to(scores.dtype)
+
+    def state_dict(self) -> dict:
+        """The memory for a checkpoint: features ``[M, dim]`` and scores ``[M]``."""
+        return {"feats": self._feats.clone(), "scores": self._scores.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the memory ``state_dict`` saved.
+
+        Raises:
+            ConfigError: a memory of another width or longer than ``memory``.
+        """
+        feats, scores = state["feats"], state["scores"]
+        if (feats.dim() != 2 or feats.shape[1] != self.dim or feats.shape[0] > self.memory
+                or scores.shape != (feats.shape[0],)):
+            raise ConfigError(f"The smoothing memory in the checkpoint holds "
+                              f"{tuple(feats.shape)} features, this smoother keeps up to "
+                              f"({self.memory}, {self.dim}): resume with the selection "
+                              f"settings that wrote it (selection.smooth_memory)")
+        self._feats, self._scores = feats.clone(), scores.clone()

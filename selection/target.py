@@ -55,6 +55,14 @@ class TargetProvider(ABC):
     def get(self, step: int) -> GradBatch:
         """One-row GradBatch: the target gradient to score candidates against at ``step``."""
 
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of this provider (default: nothing, a provider whose
+        ``get`` depends on the step alone, such as ``FixedTarget``)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what ``state_dict`` saved."""
+
 
 class ValidationTarget(TargetProvider):
     """Mean per-example gradient of a target set, refreshed every ``refresh_every`` steps.
@@ -96,6 +104,20 @@ class ValidationTarget(TargetProvider):
             self._at = step
             self.refreshes += 1
         return self._value
+
+    def state_dict(self) -> dict:
+        """The refresh clock (step of the last refresh, refresh count) and the cached rows:
+        saved, not recomputed, since they hold the model of the last refresh."""
+        from dattri_ds.selection.state import grad_batch_state
+
+        return {"value": grad_batch_state(self._value), "at": self._at,
+                "refreshes": self.refreshes}
+
+    def load_state_dict(self, state: dict) -> None:
+        from dattri_ds.selection.state import grad_batch_from_state
+
+        self._value = grad_batch_from_state(state["value"], self.probe.layers)
+        self._at, self.refreshes = int(state["at"]), int(state["refreshes"])
 
     @property
     def rows_per_rank(self) -> int:
