@@ -3,6 +3,8 @@
     python tools/attribute.py --run-dir runs/main/selection --store runs/main/grads \
         --queries data/target/hamlet.jsonl --query-max-docs 4 --method ekfac \
         --factors runs/main/factors.pt --out runs/main/attr-ekfac
+    python tools/attribute.py --checkpoints 'hf_out/checkpoint-*' --store grads ...
+        # Hugging Face checkpoint folders read as a run (docs/offline_tools.md)
     --method ekfac-trajectory (default) | kfac-trajectory | tracin | ekfac | kfac | graddot
              | gradcos
 
@@ -41,8 +43,8 @@ import torch  # noqa: E402
 
 from dattri_ds.schema import add_flag  # noqa: E402
 from dattri_ds.tools.common import (  # noqa: E402
-    Run, add_source_args, gradients, load_texts, logger, open_source, setup_logging,
-    store_paths, write_config,
+    Run, add_checkpoint_args, add_source_args, gradients, load_texts, logger, open_source,
+    setup_logging, store_paths, tag_choice, write_config,
 )
 from dattri_ds.methods import registered_attributors  # noqa: E402
 from dattri_ds.recipe import Recipe  # noqa: E402
@@ -67,9 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weighting", choices=["lr", "uniform", "normalized"], default=None,
                    help="trajectory methods: checkpoint weights (default: the method's, lr "
                         "for tracin, normalized for the curvature trajectories)")
-    p.add_argument("--checkpoints", default=None,
-                   help="tracin: all | tag,tag (default all stored); others: one tag "
-                        "(default: the newest stored)")
+    add_checkpoint_args(p, "checkpoints to score (trajectories: default every stored one; "
+                           "others: one tag, default the newest stored)")
     p.add_argument("--factors", help="curvature methods: factors file from tools/fit.py, or "
                    "a folder of <tag>.pt (tools/fit.py --checkpoint all) for trajectories")
     add_flag(p, "--top-k", int, ge=1, default=10)
@@ -145,9 +146,9 @@ def _choose_tags(args, run: Run, available: dict[str, Path]) -> list[str]:
     an error naming the expected path, never a fallback to the stores that exist."""
     from dattri_ds.errors import ConfigError, StoreCorruptError
 
-    root = Path(args.store)
-    if args.checkpoints not in (None, "all"):
-        order = [t.strip() for t in args.checkpoints.split(",")]
+    root, wanted = Path(args.store), tag_choice(args)
+    if wanted not in (None, "all"):
+        order = [t.strip() for t in wanted.split(",")]
         missing = [t for t in order if t not in available]
         if missing:
             raise ConfigError(f"No store for checkpoint(s) {missing} under {args.store}; "
@@ -204,7 +205,8 @@ def _factors(args, tag: str, proj):
         path = path / f"{tag}.pt"
     if path is None or not path.exists():
         every = " --checkpoint all" if _is_trajectory(args.method) else ""
-        source = f"--model {args.model}" if args.run is None else f"--run-dir {args.run}"
+        source = (f"--run-dir {args.run}" if args.run else f"--model {args.model}"
+                  if args.model else f"--checkpoints {' '.join(args.checkpoints)}")
         raise ConfigError(f"--method {args.method} needs curvature factors of checkpoint "
                           f"'{tag}' (got --factors {args.factors!r}, looked for {path}); fit "
                           f"them with tools/fit.py {source}{every} --out <dir>")
@@ -245,11 +247,23 @@ def _checkpoints(args, run: Run, available: dict[str, Path], tags: list[str], qu
             token_where[:] = [where]
         factors = _factors(args, tag, recipe.factor_projection) if recipe.curvature else None
         try:
-            yield Checkpoint(store.iter_batches(args.block_rows), q,
-                             float(run.checkpoint(tag)["lr"]), factors)
+            yield Checkpoint(store.iter_batches(args.block_rows), q, _lr(run, tag, recipe),
+                             factors)
         finally:
             store.close()
         logger.info("%s: scored %d queries (%s)", tag, len(q.sample_ids), args.method)
+
+
+def _lr(run, tag: str, recipe: Recipe) -> float:
+    """Checkpoint ``tag``'s learning rate when the scores are lr-weighted (a trajectory under
+    ``weighting="lr"``); 1.0 (``Checkpoint``'s default, unread) otherwise, so a checkpoint
+    folder without a recorded learning rate scores under the other weightings."""
+    from dattri_ds.methods import get_attributor
+
+    cls = get_attributor(recipe.method)
+    if recipe.trajectory and (recipe.weighting or cls.default_weighting) == "lr":
+        return float(run.checkpoint(tag)["lr"])
+    return 1.0
 
 
 def main(argv: list[str] | None = None) -> dict:

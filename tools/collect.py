@@ -5,6 +5,8 @@
     torchrun --standalone --nproc_per_node 2 tools/collect.py --run-dir ...  # shard per rank
     deepspeed --num_gpus 2 tools/collect.py --run-dir ...
     python tools/collect.py --model hf_folder --data tokens.jsonl --out grads  # any causal LM
+    python tools/collect.py --checkpoints 'hf_out/checkpoint-*' --data ... --out grads
+        # Hugging Face checkpoint folders read as a run (docs/offline_tools.md)
 
 Rows are projected per layer with ``--projection`` (a kind of
 ``dattri_ds.ops.projection.PROJECTION_KINDS``; default ``ProjectionConfig()``: ``auto``
@@ -41,8 +43,8 @@ import torch  # noqa: E402
 from dattri_ds.ops.projection import KINDS, ProjectionConfig  # noqa: E402
 from dattri_ds.schema import add_flag, field_flag  # noqa: E402
 from dattri_ds.tools.common import (  # noqa: E402
-    Run, add_source_args, checkpoint_tags, example_ids, gradients, init_distributed,
-    load_texts, logger, open_source, seq_len_of, setup_logging, write_config,
+    Run, add_checkpoint_args, add_source_args, example_ids, gradients, init_distributed,
+    load_texts, logger, open_source, seq_len_of, setup_logging, source_tags, write_config,
 )
 
 
@@ -51,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_source_args(p)
     p.add_argument("--data", default="data/corpus/train.jsonl", help="jsonl to collect")
     add_flag(p, "--max-docs", int, ge=1, default=None)
-    p.add_argument("--checkpoints", default="all", help="all | last | tag,tag,...")
+    add_checkpoint_args(p, "checkpoints to collect (default all)")
     p.add_argument("--out", required=True, help="store root (one store per checkpoint)")
     p.add_argument("--projection", choices=KINDS, default=ProjectionConfig().kind,
                    help="projection kind (ops/projection.py registry)")
@@ -216,7 +218,7 @@ def main(argv: list[str] | None = None) -> dict:
     rank, world = init_distributed()
     setup_logging(rank)
     run = open_source(args)
-    tags = checkpoint_tags(run, args.checkpoints, "--checkpoints")
+    tags = source_tags(run, args, "all")
     from dattri_ds.outputs import check_dir
     check_dir(args.out, flag="--out", folders=tags)  # the output door, before any work
     data = load_texts(args.data, run.tokenizer, seq_len_of(run, args), args.max_docs)

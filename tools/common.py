@@ -15,7 +15,8 @@ from dattri_ds.errors import ConfigError
 from dattri_ds.schema import add_flag, flag_type, read_json
 
 __all__ = ["Run", "setup_logging", "init_distributed", "write_config", "add_source_args",
-           "open_source", "checkpoint_tags", "store_paths", "store_of"]
+           "add_checkpoint_args", "open_source", "source_tags", "checkpoint_tags", "store_paths",
+           "store_of"]
 
 logger = logging.getLogger("dattri_ds.tools")
 
@@ -63,15 +64,16 @@ class Run:
             ConfigError: the file is missing or holds no integer ``train.seq_len``.
         """
         cfg = self.root / "resolved_dattri_ds_config.json"
-        hint = (f"it records the run's train.seq_len, which launch/train.py writes to its "
-                f"--out folder. Fix: pass --run the --out folder of a launch/train.py run")
+        hint = (f"it records the run's train.seq_len (launch/train.py writes it to the --out "
+                f"folder you pass as --run-dir). Fix: pass --seq-len N, the tokens per example")
         if not cfg.is_file():
-            raise ConfigError(f"{cfg} is missing: {hint}")
+            raise ConfigError(f"--seq-len is needed: {cfg} is missing; {hint}")
         data = read_json(cfg, "--run")
         train = data.get("train") if isinstance(data, dict) else None
         value = train.get("seq_len") if isinstance(train, dict) else None
         if type(value) is not int or value < 2:
-            raise ConfigError(f"{cfg}: train.seq_len = {value!r} is not an integer >= 2: {hint}")
+            raise ConfigError(f"--seq-len is needed: {cfg}: train.seq_len = {value!r} is not an "
+                              f"integer >= 2; {hint}")
         return value
 
     @property
@@ -104,7 +106,10 @@ class Run:
         path = self.root / "trajectory.json"
         hint = ("it records every checkpoint's tag, step and learning rate (TracIn's weights); "
                 "launch/train.py writes it to its --out folder at each checkpoint. Fix: pass "
-                "--run the --out folder of a launch/train.py run that saved a checkpoint")
+                "--run-dir the --out folder of a launch/train.py run that saved a checkpoint, "
+                "write it as {\"checkpoints\": [{\"tag\", \"step\", \"lr\"}, ...]} "
+                "(docs/offline_tools.md), or pass Hugging Face checkpoint folders as "
+                "--checkpoints DIR [DIR ...] instead of --run-dir")
         if not path.is_file():
             raise ConfigError(_failed_run(self.root) or f"{path} is missing: {hint}")
         data = read_json(path, "--run")
@@ -223,13 +228,15 @@ def add_source_args(p) -> None:
     ``--run-dir`` is also accepted as ``--run`` (plain ``python``); under torchrun use
     ``--run-dir`` (torchrun reads ``--run`` as an ambiguous prefix of its ``--run-path``).
     ``--local_rank`` (added by the ``deepspeed`` launcher) is accepted and ignored: ranks
-    come from the environment.
+    come from the environment. A list of Hugging Face checkpoint folders comes in through
+    :func:`add_checkpoint_args`.
     """
     import argparse
 
-    p.add_argument("--run-dir", "--run", dest="run", help="launch/train.py output directory")
-    p.add_argument("--model", help="a Hugging Face causal LM folder (save_pretrained) instead "
-                                   "of --run-dir")
+    p.add_argument("--run-dir", "--run", dest="run", help="launch/train.py output directory "
+                   "(or any folder laid out the same way: docs/offline_tools.md)")
+    p.add_argument("--model", help="one Hugging Face causal LM folder (save_pretrained) instead "
+                                   "of --run-dir; several: --checkpoints DIR [DIR ...]")
     p.add_argument("--tokenizer", help="Hugging Face tokenizer folder (default: the model's)")
     add_flag(p, "--seq-len", int, ge=1, default=None,
              help="tokens per example (default: the run's seq_len, else the model's "
@@ -240,22 +247,126 @@ def add_source_args(p) -> None:
                    help=argparse.SUPPRESS)
 
 
+def add_checkpoint_args(p, selects: str | None = "checkpoints") -> None:
+    """``--checkpoints`` (Hugging Face checkpoint folders, or with --run-dir / --model the
+    tags to read: ``selects`` says what that choice is for) and ``--steps`` / ``--lrs``
+    (each folder's step and learning rate when it has no ``trainer_state.json``)."""
+    also = f"; with --run-dir / --model: the {selects} to read (all | last | tag,tag)" \
+        if selects else ""
+    p.add_argument("--checkpoints", nargs="+", default=None, metavar="DIR",
+                   help="Hugging Face checkpoint folders of one training run (or a quoted "
+                        f"glob such as 'out/checkpoint-*'), read as a run{also}")
+    add_flag(p, "--steps", int, ge=0, nargs="+", default=None, metavar="STEP",
+             help="--checkpoints folders: the step of each (default: its trainer_state.json)")
+    add_flag(p, "--lrs", float, ge=0, nargs="+", default=None, metavar="LR",
+             help="--checkpoints folders: the learning rate after each (default: its "
+                  "trainer_state.json); lr-weighted scores need it")
+
+
+def folder_list(args) -> list[str] | None:
+    """The ``--checkpoints`` values when they name checkpoint folders (no --run-dir /
+    --model given), else None."""
+    values = getattr(args, "checkpoints", None)
+    if isinstance(values, list) and not (args.run or args.model):
+        return values
+    return None
+
+
+def tag_choice(args) -> str | None:
+    """``--checkpoints`` as a tag choice (``all`` | ``last`` | ``tag,tag``) of a run or model,
+    None when not given or when it names the checkpoint folders themselves."""
+    values = getattr(args, "checkpoints", None)
+    if values is None or folder_list(args) is not None:
+        return None
+    return ",".join(values) if isinstance(values, list) else values
+
+
+def _looks_like_folder(value: str) -> bool:
+    return os.sep in value or "/" in value or any(c in value for c in "*?[") or (
+        Path(value, "config.json").exists())
+
+
 def open_source(args):
-    """The Run or HFModelDir the parsed ``add_source_args`` flags name.
+    """The Run, HFModelDir or HFCheckpoints the parsed source flags name.
+
+    ``--run-dir`` takes a run folder (or one model folder); ``--model`` one model folder;
+    ``--checkpoints`` alone a list of checkpoint folders (``tools.hf_checkpoints``). A
+    folder given to the wrong flag is an error naming the flag that reads it.
 
     Raises:
-        ConfigError: neither or both of --run-dir and --model, or a folder that is neither.
+        ConfigError: not exactly one source, a folder of another layout than its flag
+            reads (the flag that reads it named), --steps / --lrs without folders.
     """
+    from dattri_ds.tools.hf_checkpoints import HFCheckpoints
+
+    folders = folder_list(args)
+    given = [f for f, v in (("--run-dir", args.run), ("--model", args.model),
+                            ("--checkpoints", folders)) if v]
+    if len(given) != 1:
+        raise ConfigError("Give exactly one of --run-dir (a launch/train.py run), --model (a "
+                          "Hugging Face model folder) and --checkpoints DIR [DIR ...] (Hugging "
+                          f"Face checkpoint folders); got run={args.run!r}, "
+                          f"model={args.model!r}")
+    if folders is not None:
+        return HFCheckpoints.open(folders, getattr(args, "steps", None),
+                                  getattr(args, "lrs", None), args.tokenizer)
+    for flag in ("--steps", "--lrs"):
+        if getattr(args, flag[2:], None) is not None:
+            raise ConfigError(f"{flag} goes with --checkpoints DIR [DIR ...] (Hugging Face "
+                              f"checkpoint folders); a run's steps and learning rates are in "
+                              f"its trajectory.json. Fix: drop {flag}")
+    wanted = tag_choice(args)
+    if wanted is not None and any(_looks_like_folder(v) for v in args.checkpoints):
+        raise ConfigError(
+            f"--checkpoints {' '.join(args.checkpoints)}: with {given[0]} it chooses checkpoint "
+            f"tags (all | last | tag,tag), not folders. Fix: to read Hugging Face checkpoint "
+            f"folders, pass them to --checkpoints without {given[0]}")
+    return _open_folder(Path(args.model or args.run), given[0], args.tokenizer)
+
+
+def _open_folder(path: Path, flag: str, tokenizer):
+    """``--run-dir`` / ``--model`` ``path`` by its layout; another layout names its flag."""
+    from dattri_ds.tools.hf_checkpoints import natural_key
     from dattri_ds.tools.sources import HFModelDir, is_hf_model_dir
 
-    if bool(args.run) == bool(args.model):
-        raise ConfigError("Give exactly one of --run-dir (a launch/train.py run) and --model "
-                          f"(a Hugging Face model folder); got run={args.run!r}, "
-                          f"model={args.model!r}")
-    path = Path(args.model or args.run)
-    if args.model or (is_hf_model_dir(path) and not (path / "model/config.json").exists()):
-        return HFModelDir.open(path, args.tokenizer)
-    return Run.open(path, args.tokenizer)
+    is_run = (path / "model/config.json").exists()
+    if is_hf_model_dir(path) and not is_run:
+        return HFModelDir.open(path, tokenizer)
+    if is_run and flag == "--run-dir":
+        return Run.open(path, tokenizer)
+    if is_run:
+        raise ConfigError(f"--model {path} is a run folder (model/config.json, checkpoints/), "
+                          f"not one model. Fix: pass it as --run-dir {path}")
+    inner = sorted((q for q in path.iterdir() if q.is_dir() and is_hf_model_dir(q)),
+                   key=lambda q: natural_key(q.name)) if path.is_dir() else []
+    if inner:
+        names = ", ".join(q.name for q in inner[:4]) + (", ..." if len(inner) > 4 else "")
+        raise ConfigError(
+            f"{flag} {path} holds Hugging Face checkpoint folders ({names}), not one model or "
+            f"a run. Fix: pass them as --checkpoints {path / inner[0].name} ... (or the quoted "
+            f"glob '{path}/*') in place of {flag}")
+    if flag == "--model":
+        return HFModelDir.open(path, tokenizer)  # names what the folder lacks
+    from dattri_ds.files import check_dir
+    check_dir(path, "--run-dir folder", "pass the --out folder of launch/train.py")
+    raise ConfigError(
+        f"--run-dir {path} is not a run folder (it has no model/config.json; the layout is in "
+        f"docs/offline_tools.md) nor a model folder (config.json + weights). Fix: pass --run-dir "
+        f"the --out folder of launch/train.py, or --checkpoints with Hugging Face checkpoint "
+        f"folders")
+
+
+def source_tags(source, args, default: str, flag: str = "--checkpoints",
+                chosen: str | None = None) -> list[str]:
+    """The checkpoints a tool reads: ``chosen`` (a tool's own tag flag) or the tag choice of
+    ``--checkpoints`` (``default`` when neither is given); every folder of a ``--checkpoints``
+    folder list unless ``chosen`` picks among them."""
+    from dattri_ds.tools.hf_checkpoints import HFCheckpoints
+
+    if isinstance(source, HFCheckpoints) and chosen is None:
+        return source.tags(None)
+    wanted = chosen if chosen is not None else tag_choice(args)
+    return checkpoint_tags(source, default if wanted is None else wanted, flag)
 
 
 def seq_len_of(source, args) -> int:

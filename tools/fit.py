@@ -4,6 +4,8 @@
         --data data/corpus/train.jsonl --max-docs 500 --out runs/main/factors
     torchrun --standalone --nproc_per_node 2 tools/fit.py --run-dir ...  # summed over ranks
     deepspeed --num_gpus 2 tools/fit.py --run-dir ...
+    python tools/fit.py --checkpoints 'hf_out/checkpoint-*' --data ... --out factors
+        # every listed Hugging Face checkpoint folder (docs/offline_tools.md)
 
 ``--checkpoint all`` (or a comma list) fits every checkpoint, one ``<out>/<tag>.pt`` each,
 for ``attribute --method ekfac-trajectory --factors <out>``; one tag with an ``--out``
@@ -32,16 +34,18 @@ from dattri_ds.ops.kronecker import KFACConfig  # noqa: E402
 from dattri_ds.ops.projection import ProjectionConfig  # noqa: E402
 from dattri_ds.schema import add_flag, field_flag  # noqa: E402
 from dattri_ds.tools.common import (  # noqa: E402
-    add_source_args, checkpoint_tags, gradients, init_distributed, load_texts, logger,
-    open_source, seq_len_of, setup_logging, store_of, write_config,
+    add_checkpoint_args, add_source_args, gradients, init_distributed, load_texts, logger,
+    open_source, seq_len_of, setup_logging, source_tags, store_of, tag_choice, write_config,
 )
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dattri-ds fit", description=__doc__.splitlines()[0])
     add_source_args(p)
-    p.add_argument("--checkpoint", default="last",
-                   help="'last', 'all' or comma-separated tags (several: --out is a folder)")
+    p.add_argument("--checkpoint", default=None,
+                   help="'last' (default), 'all' or comma-separated tags of --run-dir (several: "
+                        "--out is a folder)")
+    add_checkpoint_args(p, "checkpoints to fit, as --checkpoint")
     p.add_argument("--data", default="data/corpus/train.jsonl")
     add_flag(p, "--max-docs", int, ge=1, default=None)
     p.add_argument("--store", help="fit in this store's space if it is Kronecker-projected "
@@ -144,7 +148,12 @@ def main(argv: list[str] | None = None) -> list[Path]:
     rank, world = init_distributed()
     setup_logging(rank)
     run = open_source(args)
-    tags = checkpoint_tags(run, args.checkpoint, "--checkpoint")
+    if args.checkpoint is not None and tag_choice(args) is not None:
+        from dattri_ds.errors import ConfigError
+        raise ConfigError(f"Give one of --checkpoint {args.checkpoint} and --checkpoints "
+                          f"{' '.join(args.checkpoints)}: both choose the checkpoints to fit")
+    tags = source_tags(run, args, "last", "--checkpoint" if args.checkpoint else "--checkpoints",
+                       chosen=args.checkpoint)
     data = load_texts(args.data, run.tokenizer, seq_len_of(run, args), args.max_docs)
     rows = torch.arange(rank, len(data), world)
     from dattri_ds.plan import check_tool

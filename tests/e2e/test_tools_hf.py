@@ -95,7 +95,8 @@ def test_model_folder_collect_attribute(tmp_path):
     with pytest.raises(ConfigError, match="holds no tokenizer.*--tokenizer"):
         collect.main(["--model", str(bare), "--data", data, "--out", str(tmp_path / "g3")])
     with pytest.raises(ConfigError, match="not a Hugging Face model folder.*config.json"):
-        collect.main(["--model", str(tmp_path), "--data", data, "--out", str(tmp_path / "g4")])
+        collect.main(["--model", str(tmp_path / "g"), "--data", data, "--out",
+                      str(tmp_path / "g4")])
 
 
 def _hf_run(tmp_path: Path) -> Path:
@@ -213,3 +214,181 @@ def test_attribute_per_token_and_report_colours(tmp_path):
                  / "report.html").read_text()
     assert html_text.count("<span title=") == sum(len(t) for t in tokens)
     assert per_token.any() and np.isfinite(per_token).all() and scores.shape == (5, 2)
+
+
+# ---- a list of Hugging Face checkpoint folders (--checkpoints DIR [DIR ...]) ----------------
+
+#: step -> learning rate the fixture's trainer_state.json logs (a linear decay).
+def _lr(step: int) -> float:
+    return 1e-3 * (1 - step / 40)
+
+
+def _trainer_checkpoints(root: Path) -> Path:
+    """``root/checkpoint-<step>`` for steps 20, 5, 10 (created out of step order) as the
+    Hugging Face Trainer writes them: distinct weights of one tiny GPT-2, its tokenizer, and
+    ``trainer_state.json`` with ``global_step`` and ``log_history`` learning rates every 5
+    steps."""
+    from transformers import GPT2LMHeadModel
+
+    for i, step in enumerate((20, 5, 10)):
+        folder = _tiny_folder(root / f"checkpoint-{step}")
+        model = GPT2LMHeadModel.from_pretrained(folder)
+        g = torch.Generator().manual_seed(i + 1)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+        model.save_pretrained(folder)
+        log = [{"step": s, "learning_rate": _lr(s), "loss": 1.0} for s in range(5, step + 1, 5)]
+        (folder / "trainer_state.json").write_text(json.dumps({"global_step": step,
+                                                               "log_history": log}))
+    return root
+
+
+def _library(folders: list[Path], data: str, queries: str):
+    """The library call on the same checkpoints (no tool code but tokenization): exact rows
+    by ``dattri_ds.collect``, EK-FAC factors by ``fit_factors``, TracIn and the EK-FAC
+    trajectory by ``make_attributor(...).trajectory_scores``."""
+    from transformers import AutoModelForCausalLM
+
+    import dattri_ds
+    from dattri_ds import CaptureConfig, Checkpoint, GradBatch, fit_factors, make_attributor
+    from dattri_ds.tools.common import load_texts
+    from dattri_ds.tools.sources import HFTokenizer
+
+    tok = HFTokenizer(folders[0])
+    train, query = load_texts(data, tok, 24), load_texts(queries, tok, 24, context=24)
+    cks, factors = [], []
+    for f in folders:
+        model = AutoModelForCausalLM.from_pretrained(str(f), dtype=torch.float32).eval()
+        rows = {}
+        for name, d in (("train", train), ("query", query)):
+            batch = d.batch(torch.arange(len(d)))
+            rows[name] = GradBatch.cat(list(dattri_ds.collect(
+                model, [batch], CaptureConfig(), user_ids=[[doc.id for doc in d.docs]])))
+        factors.append(fit_factors([rows["train"]]))
+        step = int(f.name.split("-")[1])
+        cks.append(Checkpoint([rows["train"]], rows["query"], _lr(step)))
+    tracin = make_attributor("tracin").trajectory_scores(cks)
+    ekfac = make_attributor("ekfac-trajectory").trajectory_scores(
+        [ck._replace(factors=f) for ck, f in zip(cks, factors)])
+    return factors, tracin, ekfac
+
+
+def _in_order(scores, ids: list[str]) -> np.ndarray:
+    order = [list(scores.train_ids).index(i) for i in ids]
+    return scores.values.double().numpy()[order]
+
+
+def test_checkpoint_folders_equal_the_library_call_and_the_run_folder(tmp_path):
+    """``--checkpoints 'DIR/checkpoint-*'`` (a glob, expanded by the tool): steps and
+    learning rates read from each trainer_state.json, checkpoints ordered by step (5, 10,
+    20, not the glob's text order); fit writes the factors ``fit_factors`` gives on each
+    folder, attribute's TracIn (lr-weighted) and EK-FAC trajectory equal the library call
+    on the same checkpoints, and a hand-built run folder of the documented layout
+    (model/config.json, checkpoints/<tag> links, trajectory.json) gives the same scores.
+    Without learning rates (no trainer_state.json, --steps given) TracIn refuses to run,
+    naming --lrs, while the normalized EK-FAC trajectory needs none. Breaks if a learning
+    rate is misread, the checkpoints are misordered, or a folder is skipped."""
+    from dattri_ds.cli import run
+    from dattri_ds.tools import attribute, collect, fit
+
+    root = _trainer_checkpoints(tmp_path / "out")
+    glob_ = str(root / "checkpoint-*")
+    tags = ["checkpoint-5", "checkpoint-10", "checkpoint-20"]
+    data, queries = _texts(tmp_path / "train.jsonl", 6), _texts(tmp_path / "q.jsonl", 2, seed=5)
+    src = ["--checkpoints", glob_]
+    assert collect.main([*src, "--data", data, "--projection-dim", str(1 << 22), "--out",
+                         str(tmp_path / "g")]) == {t: 6 for t in tags}
+    written = fit.main([*src, "--data", data, "--out", str(tmp_path / "factors")])
+    assert [p.name for p in written] == [f"{t}.pt" for t in tags]
+    factors, tracin, ekfac = _library([root / t for t in tags], data, queries)
+    for f, path in zip(factors, written):
+        f.save(tmp_path / "lib.pt")
+        _assert_nested_close(torch.load(tmp_path / "lib.pt", weights_only=False),
+                             torch.load(path, weights_only=False))
+    base = ["--store", str(tmp_path / "g"), "--queries", queries]
+    got = {}
+    for method, want in (("tracin", tracin), ("ekfac-trajectory", ekfac)):
+        out = tmp_path / method
+        summary = attribute.main([*src, *base, "--method", method, "--factors",
+                                  str(tmp_path / "factors"), "--out", str(out)])
+        assert summary["checkpoints"] == tags
+        got[method] = np.load(out / "scores.npy")
+        ids = json.loads((out / "train_ids.json").read_text())
+        np.testing.assert_allclose(got[method], _in_order(want, ids), rtol=1e-4,
+                                   atol=1e-6 * float(abs(got[method]).max()))
+
+    run_dir = tmp_path / "run"  # the same checkpoints as a hand-built run folder
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "model").mkdir()
+    (run_dir / "model/config.json").write_bytes((root / tags[0] / "config.json").read_bytes())
+    for t in tags:
+        (run_dir / "checkpoints" / t).symlink_to(root / t)
+    for f in (root / tags[0]).iterdir():
+        if f.name.startswith(("tokenizer", "special")):
+            (run_dir / f.name).write_bytes(f.read_bytes())
+    (run_dir / "trajectory.json").write_text(json.dumps({"checkpoints": [
+        {"tag": t, "step": int(t.split("-")[1]), "lr": _lr(int(t.split("-")[1]))}
+        for t in tags]}))
+    (run_dir / "resolved_dattri_ds_config.json").write_text(json.dumps({"train": {"seq_len":
+                                                                                  24}}))
+    collect.main(["--run-dir", str(run_dir), "--data", data, "--projection-dim", str(1 << 22),
+                  "--out", str(tmp_path / "g-run")])
+    attribute.main(["--run-dir", str(run_dir), "--store", str(tmp_path / "g-run"), "--queries",
+                    queries, "--method", "tracin", "--out", str(tmp_path / "tracin-run")])
+    np.testing.assert_allclose(np.load(tmp_path / "tracin-run/scores.npy"), got["tracin"],
+                               rtol=1e-5, atol=1e-7 * float(abs(got["tracin"]).max()))
+
+    for t in tags:  # no trainer_state.json: steps by flag, no learning rate known
+        (root / t / "trainer_state.json").unlink()
+    src = ["--checkpoints", *(str(root / t) for t in reversed(tags)), "--steps", "20", "10", "5"]
+    code = run(attribute.main, [*src, *base, "--method", "tracin", "--out",
+                                str(tmp_path / "no-lr")])
+    assert code == 2 and not (tmp_path / "no-lr/scores.npy").exists()
+    attribute.main([*src, *base, "--factors", str(tmp_path / "factors"), "--out",
+                    str(tmp_path / "no-lr-ekfac")])
+    np.testing.assert_allclose(np.load(tmp_path / "no-lr-ekfac/scores.npy"),
+                               got["ekfac-trajectory"], rtol=1e-6)
+    lrs = [str(_lr(s)) for s in (20, 10, 5)]
+    attribute.main([*src, "--lrs", *lrs, *base, "--method", "tracin", "--out",
+                    str(tmp_path / "lrs")])
+    np.testing.assert_allclose(np.load(tmp_path / "lrs/scores.npy"), got["tracin"], rtol=1e-6)
+
+
+def test_source_errors_name_the_flag_that_fixes_them(tmp_path, capsys):
+    """Each wrong source is one ``dattri-ds: error:`` line, exit 2, naming the flag that
+    reads it, and writes nothing: a folder of checkpoint folders given to --run-dir or
+    --model (-> --checkpoints), a run folder given to --model (-> --run-dir, which then
+    reads it), a run folder without resolved_dattri_ds_config.json (-> --seq-len),
+    --steps of another length than the folders, a folder without trainer_state.json
+    (-> --steps), folders given with --run-dir (-> --checkpoints without it). The two
+    folder errors never send the user to the flag that just refused the folder."""
+    from dattri_ds.cli import run
+    from dattri_ds.tools import fit
+
+    root = _trainer_checkpoints(tmp_path / "out")
+    data = _texts(tmp_path / "train.jsonl", 3)
+    hand = _hf_run(tmp_path)
+    (hand / "resolved_dattri_ds_config.json").unlink()
+    bare = _tiny_folder(tmp_path / "bare")
+    ck5 = str(root / "checkpoint-5")
+    cases = [
+        (["--run-dir", str(root)], "--checkpoints", "--model"),
+        (["--model", str(root)], "--checkpoints", "--run-dir"),
+        (["--model", str(hand)], "--run-dir", "--checkpoints"),
+        (["--run-dir", str(hand)], "--seq-len", "--model"),
+        (["--checkpoints", ck5, str(root / "checkpoint-10"), "--steps", "5"], "--steps", None),
+        (["--checkpoints", str(bare)], "--steps", None),
+        (["--run-dir", str(hand), "--checkpoints", ck5], "--checkpoints", None),
+    ]
+    capsys.readouterr()  # the fixtures' progress bars
+    for argv, flag, not_fix in cases:
+        out = tmp_path / "f"
+        code = run(fit.main, [*argv, "--data", data, "--out", str(out)])
+        lines = capsys.readouterr().err.splitlines()
+        assert code == 2 and len(lines) == 1 and lines[0].startswith("dattri-ds: error: "), \
+            (argv, lines)
+        fix = lines[0].split("Fix:")[-1]
+        assert flag in fix, (argv, lines[0])
+        assert not_fix is None or not_fix not in fix, (argv, lines[0])
+        assert not out.exists(), argv

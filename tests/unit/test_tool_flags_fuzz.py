@@ -123,8 +123,11 @@ def test_malformed_flag_value_is_one_line_usage_error(tool, action, capsys):
                               if isinstance(a.type, FlagType)])
 def test_allowed_flag_value_parses_to_its_type(tool, action):
     """The lowest allowed value of each flag parses, to the flag's type (int or float), so the
-    strict rules do not refuse documented values."""
+    strict rules do not refuse documented values (a list flag: each of its values)."""
     flag, t = action.option_strings[0], action.type
     args = _module(tool).build_parser().parse_args(TOOLS[tool] + [flag, _good_value(t)])
     got = getattr(args, action.dest)
+    if action.nargs in ("+", "*"):
+        assert isinstance(got, list) and len(got) == 1, (flag, got)
+        got = got[0]
     assert type(got) is t.hint and got == t.hint(_good_value(t)), (flag, got)
