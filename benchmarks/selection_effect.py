@@ -234,6 +234,11 @@ class Observed:
         self.sources, self.repeats, self.diags = Counter(), Counter(), []
         self._step, self._mb = -1, 0
 
+    def __getattr__(self, name: str):  # the rest of the selector (state_dict, ...) as is
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
     def num_candidates(self, micro: int) -> int:
         return self.inner.num_candidates(micro)
 
