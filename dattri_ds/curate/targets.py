@@ -7,7 +7,9 @@ per-layer matrices), laid out in the store's column order: ``[Q, P]``.
 LESS's optimizer-aware target: the exact target gradient ``g_q`` is scaled by the
 checkpoint's Adam preconditioner ``D = 1 / (sqrt(v / (1 - beta2^t)) + eps)``
 (``selection.precondition.precondition_target``, second moments from the checkpoint's
-``training_state.pt``), then projected: ``t_q = Proj(D g_q)``.
+optimizer state: ``training_state.pt`` of ``--backend torch``, DeepSpeed ZeRO-1/2/3 or
+Megatron optimizer files, ``dattri_ds.integrations.optim_state``), then projected:
+``t_q = Proj(D g_q)``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from dattri_ds.errors import ConfigError
 from dattri_ds.gradient import Dense, GradBatch
 from dattri_ds.store.spec import StoreSpec
 
-__all__ = ["target_rows", "store_target_rows", "load_adam_moments", "adam_target",
+__all__ = ["target_rows", "store_target_rows", "load_adam_moments", "SavedAdamMoments",
+           "adam_target",
            "adam_precondition",
            "capture_of"]
 
@@ -63,20 +66,54 @@ def capture_of(spec: StoreSpec, *, exact: bool):
     return replace(cfg, projection=None if exact else ProjectionConfig(**spec.projection_config))
 
 
+class SavedAdamMoments:
+    """``SecondMoments`` (``selection.precondition``) of an ``AdamState`` read from a
+    checkpoint's optimizer files: the full ``v`` of each of ``model``'s parameters."""
+
+    partitioned = False
+
+    def __init__(self, model: torch.nn.Module, state) -> None:
+        self.beta2, self.eps, self._step = state.beta2, state.eps, state.step
+        self.source = state.source
+        self._by_param = {id(p): state.exp_avg_sq[n] for n, p in model.named_parameters()
+                          if n in state.exp_avg_sq}
+        missing = [n for n, p in model.named_parameters()
+                   if p.requires_grad and n not in state.exp_avg_sq]
+        if len(missing) == sum(p.requires_grad for p in model.parameters()):
+            raise ConfigError(f"The checkpoint's Adam moments ({state.source}) name none of "
+                              f"the model's parameters (e.g. '{missing[0]}'): pass the run "
+                              f"it was saved by")
+
+    def step(self) -> int:
+        return self._step
+
+    def local(self, param):
+        v = self._by_param.get(id(param))
+        return None if v is None else (v.detach().flatten(), 0)
+
+
 def load_adam_moments(model: torch.nn.Module, checkpoint: Path):
-    """The Adam second moments of a ``--backend torch`` checkpoint (``training_state.pt``).
+    """The Adam second moments of a checkpoint tag folder: ``training_state.pt`` of
+    ``--backend torch``, DeepSpeed ZeRO-1/2/3 ``*_optim_states.pt`` (every rank's partition,
+    merged) or Megatron ``megatron_optimizer.rank*.pt`` (TP shards joined)
+    (``dattri_ds.integrations.optim_state``).
 
     Raises:
         ConfigError: the checkpoint has no optimizer state, or not an Adam one, or its
             parameters do not match the model.
     """
+    from dattri_ds.integrations.optim_state import has_adam_state, read_adam_state
     from dattri_ds.selection.precondition import TorchAdamMoments
 
+    if has_adam_state(checkpoint):
+        return SavedAdamMoments(model, read_adam_state(checkpoint, model))
     path = Path(checkpoint) / "training_state.pt"
     if not path.is_file():
         raise ConfigError(f"--method adam-cosine needs the checkpoint's optimizer state: "
-                          f"{path} is missing (written by launch/train.py --backend torch); use "
-                          f"--method cosine, or a checkpoint trained with Adam on that backend")
+                          f"{Path(checkpoint)} has none (training_state.pt of launch/train.py "
+                          f"--backend torch, DeepSpeed *_optim_states.pt or Megatron "
+                          f"megatron_optimizer.rank*.pt; a Hugging Face model folder has "
+                          f"none); use --method cosine")
     saved = torch.load(path, map_location="cpu", weights_only=False)["optimizer"]
     groups = saved.get("param_groups", [])
     if not groups or "betas" not in groups[0]:

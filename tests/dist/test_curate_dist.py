@@ -71,3 +71,215 @@ def test_two_ranks_equal_one_rank(tmp_path, method):
             for d in ("one", "two"))
     assert [x["sample_id"] for x in a] == [x["sample_id"] for x in b]
     np.testing.assert_allclose([x["score"] for x in a], [x["score"] for x in b], rtol=1e-12)
+
+
+def _zero_train_save(rank, world, stage, out):
+    """Train a tiny GPT-2 3 steps under ZeRO-``stage`` (AdamW), save a checkpoint, and
+    return (rank 0) the engine's own full ``exp_avg_sq`` per named parameter."""
+    import deepspeed
+    import torch
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    from reference import tiny_gpt2
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = tiny_gpt2(seed=0)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True,
+                                                     "betas": [0.9, 0.95]}},
+           "steps_per_print": 10**9}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=cfg)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        ids = torch.randint(1, 97, (2, 8), generator=g)
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+    engine.save_checkpoint(out, tag="step3")
+    full = {n: safe_get_full_optimizer_state(p, "exp_avg_sq").clone()
+            for n, p in engine.module.named_parameters()}
+    return full if rank == 0 else None
+
+
+@pytest.mark.parametrize("stage,world", [(3, 3), (2, 2)])
+def test_adam_moments_from_zero_checkpoint_equal_engine_state(tmp_path, stage, world,
+                                                              need_deepspeed):
+    """The Adam moments read offline from a multi-rank ZeRO checkpoint (every rank's flat
+    ``exp_avg_sq`` partition mapped onto named parameters) equal the engine's own state
+    gathered in-process, exactly; so the LESS preconditioner ``D g_q`` that ``select
+    --method adam-cosine`` builds from the checkpoint equals the one built from that
+    gathered state. 3 ranks under ZeRO-3: most parameter sizes do not divide by 3, so every
+partition's zero padding is crossed. Breaks if a partition offset, the padding or the
+parameter order drift."""
+    import torch
+
+    import test_curate as tc
+    from dattri_ds import CaptureConfig
+    from dattri_ds.capture import GradientCapture
+    from dattri_ds.curate.targets import adam_precondition, load_adam_moments
+    from dattri_ds.integrations.optim_state import read_adam_state
+    from dattri_ds.ops.inner import materialize
+    from dattri_ds.selection.precondition import TorchAdamMoments
+    from reference import tiny_gpt2
+
+    full = run(_zero_train_save, world, timeout=300, stage=stage, out=str(tmp_path / "ckpt"))[0]
+    folder = tmp_path / "ckpt" / "step3"
+    state = read_adam_state(folder)
+    assert state.source == f"deepspeed-zero{stage}" and state.step == 3
+    assert (state.beta2, state.eps) == (0.95, 1e-8)
+    assert set(state.exp_avg_sq) == set(full)
+    for name, want in full.items():
+        assert torch.equal(state.exp_avg_sq[name], torch.as_tensor(want)), name
+    import shutil
+
+    from dattri_ds.errors import ConfigError
+
+    short = shutil.copytree(folder, tmp_path / "short")
+    next(short.glob("*rank_1*optim_states.pt")).unlink()
+    with pytest.raises(ConfigError, match="a rank's file is missing"):
+        read_adam_state(short)
+
+    model = tiny_gpt2(seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95))
+    for n, p in model.named_parameters():
+        opt.state[p] = {"step": torch.tensor(3.0), "exp_avg": torch.zeros_like(p),
+                        "exp_avg_sq": torch.as_tensor(full[n])}
+    ex_q = tc._grads(model, tc._docs(3, seed=7), None)
+    probe = GradientCapture(model, CaptureConfig(), probe_only=True).attach()
+    try:
+        layers = dict(probe.layers)
+        got = adam_precondition(ex_q, layers, load_adam_moments(model, folder))
+        want = adam_precondition(ex_q, layers, TorchAdamMoments(opt))
+    finally:
+        probe.detach()
+    for name in want.layers:
+        assert torch.equal(got.layers[name].data.values, want.layers[name].data.values), name
+        assert not torch.allclose(want.layers[name].data.values,
+                                  materialize(ex_q.layers[name]).reshape(3, -1)), name
+
+
+def _megatron_train(rank, world, argv):
+    from dattri_ds.launch.train import main
+
+    return main(argv)
+
+
+def _megatron_moments(rank, world, run_dir):
+    """The Adam moments of a Megatron run's last checkpoint, read offline onto the TP=1 model
+    the tools rebuild (in a worker: Megatron's groups are per process)."""
+    from dattri_ds.integrations.optim_state import read_adam_state
+    from dattri_ds.tools.common import Run
+
+    run_ = Run.open(run_dir)
+    tag = run_.tags("last")[0]
+    model = run_.model(tag)
+    st = read_adam_state(Path(run_dir) / "checkpoints" / tag, model)
+    return {"v": st.exp_avg_sq, "meta": [st.source, st.step, st.beta2, st.eps],
+            "tp": [n for n, p in model.named_parameters()
+                   if getattr(p, "tensor_model_parallel", False)]}
+
+
+def test_adam_moments_from_megatron_tp2_equal_tp1_run(tmp_path):
+    """``launch/train.py --backend megatron`` with TP=2 (2 gloo ranks, AdamW) trains what one
+    TP=1 rank trains; the Adam moments read offline from its two optimizer files (each
+    rank's TP shard, joined on the parameter's partition dim) equal those of the TP=1 run's
+    single file (rel. err <= 1e-4: the two runs differ by fp32 rounding only) on every
+    parameter, TP-split ones included. Breaks if shards are joined on the wrong dim or in
+    the wrong order."""
+    import json
+    import warnings
+
+    import torch
+    from _deps import require
+
+    from reference import rel_err
+
+    require("megatron.core", "megatron")
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|Torch Norm).*")
+    import megatron.core  # noqa: F401  (imported once in the parent, before forking)
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = json.loads((root / "configs/zero1_cpu.json").read_text())
+    cfg.update(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=1,
+               gradient_clipping=0.0,
+               optimizer={"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.95]}})
+    cfg.pop("scheduler")
+    (tmp_path / "ds.json").write_text(json.dumps(cfg))
+    (tmp_path / "model.json").write_text(json.dumps(
+        {"model_type": "gpt2", "n_layer": 2, "n_head": 4, "n_embd": 32, "n_positions": 64}))
+    got = {}
+    for tp in (2, 1):
+        out = tmp_path / f"tp{tp}"
+        run(_megatron_train, tp, timeout=300, argv=[
+            "--backend", "megatron", "--tensor-model-parallel-size", str(tp),
+            "--deepspeed_config", str(tmp_path / "ds.json"),
+            "--model-config", str(tmp_path / "model.json"), "--out", str(out),
+            "--steps", "2", "--save-every", "2", "--train-data",
+            str(root / "data/tiny/train.jsonl"), "--max-docs", "16", "--seq-len", "32",
+            "--vocab-size", "512", "--log-every", "1"])
+        got[tp] = run(_megatron_moments, 1, timeout=300, run_dir=str(out))[0]
+    assert got[2]["meta"] == ["megatron-tp2", 2, 0.95, 1e-8]
+    assert got[1]["meta"] == ["megatron-tp1", 2, 0.95, 1e-8]
+    assert got[2]["tp"], "no tensor-parallel parameter: the join is not exercised"
+    assert got[2]["v"].keys() == got[1]["v"].keys() and got[1]["v"]
+    errs = {n: rel_err(torch.as_tensor(got[2]["v"][n]).double(),
+                       torch.as_tensor(got[1]["v"][n]).double()) for n in got[1]["v"]}
+    assert max(errs.values()) <= 1e-4, sorted(errs.items(), key=lambda kv: -kv[1])[:3]
+
+
+def _collect_and_select(rank, world, run_dir, out):
+    """``collect`` the last checkpoint's pool store, then ``select`` with cosine and with
+    adam-cosine (the run's Adam state); the two score vectors (store order)."""
+    from dattri_ds.cli import run as cli
+    from dattri_ds.tools.collect import main as collect
+    from dattri_ds.tools.curate import main as select
+
+    root = Path(__file__).resolve().parents[2]
+    grads, pool = Path(out) / "grads", str(root / "data/tiny/train.jsonl")
+    assert cli(collect, ["--run-dir", run_dir, "--data", pool, "--max-docs", "12",
+                         "--checkpoints", "last", "--out", str(grads), "--projection",
+                         "sparse", "--projection-dim", "64"]) == 0
+    scores = {}
+    for method in ("cosine", "adam-cosine"):
+        sel = Path(out) / method
+        assert cli(select, ["--run-dir", run_dir, "--store", str(grads), "--target",
+                            str(root / "data/tiny/target.jsonl"), "--target-max-docs", "4",
+                            "--method", method, "--examples", "4", "--out", str(sel)]) == 0
+        scores[method] = np.load(sel / "scores.npy")
+    return scores
+
+
+@pytest.mark.parametrize("backend", ["deepspeed", "megatron"])
+def test_select_adam_cosine_from_sharded_run(tmp_path, backend, need_deepspeed):
+    """``dattri-ds select --method adam-cosine`` on a 2-rank ZeRO-3 run and on a TP=2
+    Megatron run of launch/train.py: the Adam state is read from the sharded checkpoint
+    (no training_state.pt there) and changes the scores against plain cosine."""
+    import json
+    import warnings
+
+    root = Path(__file__).resolve().parents[2]
+    if backend == "megatron":
+        from _deps import require
+
+        require("megatron.core", "megatron")
+        warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|Torch Norm).*")
+        import megatron.core  # noqa: F401  (imported once in the parent, before forking)
+    cfg = json.loads((root / "configs/zero3_cpu.json").read_text())
+    cfg.update(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=1)
+    cfg["optimizer"]["params"]["lr"] = 1e-2
+    (tmp_path / "ds.json").write_text(json.dumps(cfg))
+    (tmp_path / "model.json").write_text(json.dumps(
+        {"model_type": "gpt2", "n_layer": 2, "n_head": 4, "n_embd": 32, "n_positions": 64}))
+    out = tmp_path / "run"
+    parallel = ["--tensor-model-parallel-size", "2"] if backend == "megatron" else []
+    run(_megatron_train, 2, timeout=300, argv=[
+        "--backend", backend, *parallel, "--deepspeed_config", str(tmp_path / "ds.json"),
+        "--model-config", str(tmp_path / "model.json"), "--out", str(out), "--steps", "2",
+        "--save-every", "2", "--train-data", str(root / "data/tiny/train.jsonl"),
+        "--max-docs", "16", "--seq-len", "32", "--vocab-size", "512", "--log-every", "1"])
+    tag = next((out / "checkpoints").glob("step2"))
+    assert not (tag / "training_state.pt").exists()
+    got = run(_collect_and_select, 1, timeout=300, run_dir=str(out), out=str(tmp_path))[0]
+    assert got["cosine"].shape == got["adam-cosine"].shape == (12,)
+    assert not np.allclose(got["cosine"], got["adam-cosine"], rtol=1e-3, atol=0)

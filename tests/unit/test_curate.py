@@ -144,6 +144,15 @@ def test_projected_cosine_within_projection_error(setup):
     assert diff.max() <= 3 * 5 * err and diff.mean() <= 2 * err, (diff.max(), diff.mean())
 
 
+def test_adam_moments_of_a_folder_without_optimizer_state_is_a_usage_error(tmp_path):
+    """adam-cosine on a checkpoint with no optimizer state (a Hugging Face model folder, or
+    weights only) is one ConfigError naming the folder and the files it looks for."""
+    from dattri_ds.curate.targets import load_adam_moments
+
+    with pytest.raises(ConfigError, match=r"has none .*_optim_states.pt.*--method cosine"):
+        load_adam_moments(tiny_gpt2(), tmp_path)
+
+
 def test_adam_target_equals_preconditioned_reference(setup, tmp_path):
     """The target preconditioned from a checkpoint's training_state.pt equals the reference
     ``<g_b, D g_q>`` computed per parameter from the optimizer's exp_avg_sq (D = 1 /
