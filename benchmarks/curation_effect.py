@@ -1,26 +1,38 @@
 """Does an offline-curated subset train better than random, DSIR and the full pool? (LESS workflow)
 
-    python benchmarks/curation_effect.py --name main --seeds 0 1 2 3 4 --targets hamlet code \
-        carve:python_docs --fractions 0.05 0.1 0.25 --warmup-steps 40 --steps 120
-    python benchmarks/curation_effect.py --name main --summarize      # paired tables
+    python benchmarks/curation_effect.py --name main --results-dir results/curation_results_<date> \
+        --work-dir /tmp/curation --seeds 0 1 2 3 4 --targets hamlet code carve:python_docs \
+        hamlet@noise0.3 --fractions 0.05 0.1 0.25 --methods combined adam-cosine \
+        --pool-docs 400 --warmup-steps 40 --steps 60 --order pool
+    python benchmarks/curation_effect.py --name main --results-dir ... --summarize   # tables
 
-Per seed and target: (1) warm up a model with the shipped loop (``train_in_process``:
+Per seed and pool: (1) warm up a model with the shipped loop (``train_in_process``:
 launch/loop.py on ``--backend torch``) for ``--warmup-steps`` on the pool and save the
 checkpoint (with Adam state); (2) collect the pool's projected gradients from it
-(``tools/collect.py``); (3) select subsets at each fraction with ``tools/curate.py``
-(``dattri-ds select``) for every ``--methods`` entry, plus a seeded random subset of the
-same size and the content prior's subset (``--method content``: DSIR); (4) train a fresh
-model (same init seed) for ``--steps`` on each subset and on the full pool; (5) record the
-held-out target loss (documents never scored against) and the general-corpus loss.
+(``tools/collect.py``); (3) train a fresh model (same init seed) for ``--steps`` on the full
+pool and on a seeded random subset of each fraction; (4) per target, select subsets at each
+fraction with ``tools/curate.py`` (``dattri-ds select``) for every ``--methods`` entry and
+the content prior alone (``--method content``: DSIR), and train on each for ``--steps``;
+(5) record the held-out target loss (documents never scored against) and the
+general-corpus loss (the last 20 documents of every corpus source, never in a pool).
+Targets that share a pool (the shipped ones) share its warm-up, store, full-pool and random
+runs. The tools run in this process (``dattri_ds.cli.run``: their exit codes, no new
+interpreter per call).
 
-Targets: a shipped target (``hamlet``, ``trivia``, ``code``: first half scored, second
-half held out) or ``carve:<source>`` (documents of one corpus source, held out of the pool).
-``--noise F`` replaces a share F of the pool's texts by shuffled-word copies (a noisy pool).
-One jsonl line per trained run goes to ``<results-dir>/<name>/runs.jsonl`` (outside the code
-tree); ``--summarize`` prints, per target and fraction, each variant's mean target loss and
-the paired differences (variant - baseline, mean +- s.e. over seeds) against random, DSIR
-and the full pool. The issue's goal: at 10% ahead of random and DSIR by > 2 s.e. on every
-target; at 5% no worse than the full pool.
+Targets: a shipped target (``hamlet``, ``trivia``, ``code``: the first ``--target-docs`` of
+its first half scored, 64 of its second half held out) or ``carve:<source>`` (64 documents
+of one corpus source scored, 64 more held out, all 128 removed from the pool); a suffix
+``@noise<F>`` (``hamlet@noise0.3``) replaces a share F of that target's pool texts by
+shuffled-word copies (a noisy pool, drawn per seed). ``--pool-docs N``: the first N pool
+documents (the corpus is interleaved by source, so every source is there).
+``--oracle-only`` trains only on each target's own scored documents (a diagnostic: the best
+in-distribution data of that size). One jsonl line per trained run goes to
+``<results-dir>/<name>/runs.jsonl``, and every invocation to ``invocations.jsonl``; a
+restarted run skips the runs already recorded (same steps). ``--summarize`` prints, per
+target and fraction, each variant's mean target and general loss and the paired differences
+(variant - baseline, mean +- s.e. over seeds, wins = seeds with a lower loss) against random,
+DSIR and the full pool. The issue's goal: at 10% ahead of random and DSIR by > 2 s.e. on
+every target; at 5% no worse than the full pool.
 """
 
 from __future__ import annotations
@@ -30,6 +42,7 @@ import json
 import math
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -46,7 +59,10 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--name", default="curation")
-    p.add_argument("--results-dir", default=str(ROOT.parent / "results"))
+    p.add_argument("--results-dir", default=str(ROOT.parent / "results"),
+                   help="runs.jsonl and config.json go to <results-dir>/<name>/")
+    p.add_argument("--work-dir", default=None,
+                   help="checkpoints, stores and subsets (default: <results-dir>/<name>/work)")
     p.add_argument("--summarize", action="store_true")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     p.add_argument("--targets", nargs="+", default=["hamlet", "code", "carve:python_docs"])
@@ -60,14 +76,28 @@ def parse(argv=None) -> argparse.Namespace:
                    help="use the first N pool documents (default: all)")
     p.add_argument("--target-docs", type=int, default=32, help="target documents scored")
     p.add_argument("--projection-dim", type=int, default=256)
-    p.add_argument("--noise", type=float, default=0.0)
+    p.add_argument("--select-args", nargs=argparse.REMAINDER, default=[],
+                   help="extra flags for every select call (last on the line)")
+    p.add_argument("--baselines-at", type=float, nargs="+", default=None,
+                   help="fractions at which the random and DSIR subsets are trained "
+                        "(default: every --fractions entry)")
+    p.add_argument("--order", choices=["seed", "pool"], default="seed",
+                   help="seed: every pool per seed; pool: every seed of one pool's targets "
+                        "before the next pool (a cut-short run leaves whole targets)")
+    p.add_argument("--oracle-only", action="store_true",
+                   help="diagnostic: train only on each target's scored documents")
     return p.parse_args(argv)
 
 
-def _sh(cmd: list[str]) -> None:
-    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"failed: {' '.join(cmd)}\n{proc.stderr[-3000:]}")
+def _tool(main, argv: list[str]) -> float:
+    """Run a tool's ``main`` in this process (``dattri_ds.cli.run``: the same exit codes as
+    the command line, without a fresh interpreter per call); its wall seconds."""
+    from dattri_ds.cli import run
+
+    t0 = time.perf_counter()
+    if run(main, argv) != 0:
+        raise SystemExit(f"failed: {main.__module__} {' '.join(argv)}")
+    return round(time.perf_counter() - t0, 1)
 
 
 def _write(path: Path, docs) -> Path:
@@ -89,8 +119,19 @@ def _noisy(docs, share: float, seed: int):
     return out
 
 
-def _train(setup, docs, seed: int, steps: int, args, out: Path, save: bool = False) -> dict:
-    """One run of the shipped loop on ``docs``; the held-out target and general losses."""
+def parse_target(spec: str) -> tuple[str, float]:
+    """``"hamlet"`` -> ("hamlet", 0); ``"hamlet@noise0.3"`` -> ("hamlet", 0.3): the target
+    with a pool whose texts are shuffled-word copies with probability 0.3 (per seed)."""
+    base, _, rest = spec.partition("@")
+    if rest and not rest.startswith("noise"):
+        raise SystemExit(f"target '{spec}': expected <target>[@noise<share>]")
+    return base, float(rest[5:]) if rest else 0.0
+
+
+def _train(setups: dict, docs, seed: int, steps: int, args, out: Path,
+           save: bool = False) -> dict:
+    """One run of the shipped loop on ``docs``; per target label, its held-out target loss
+    and the general-corpus loss (every setup shares the tokenizer and general set)."""
     from benchmarks._common import loop_configs
     from benchmarks.selection_effect import mean_loss
     from dattri_ds.data import tokenize_documents
@@ -102,54 +143,108 @@ def _train(setup, docs, seed: int, steps: int, args, out: Path, save: bool = Fal
     if save:
         from dataclasses import replace
         cfg = replace(cfg, train=replace(cfg.train, save_every=steps))
-    data = tokenize_documents(list(docs), setup.tok, args.seq_len)
+    if not save and out.exists():
+        shutil.rmtree(out)  # a run cut short by a restart
+    first = next(iter(setups.values()))
+    data = tokenize_documents(list(docs), first.tok, args.seq_len)
     t0 = time.perf_counter()
-    _, backend = train_in_process(ds, cfg, data, setup.tok, out)
-    return {"target_loss": mean_loss(backend.model, setup.eval),
-            "general_loss": mean_loss(backend.model, setup.general),
-            "examples": len(docs), "seconds": round(time.perf_counter() - t0, 1)}
+    _, backend = train_in_process(ds, cfg, data, first.tok, out)
+    general = mean_loss(backend.model, first.general)
+    secs = round(time.perf_counter() - t0, 1)
+    return {label: {"target_loss": mean_loss(backend.model, st.eval), "general_loss": general,
+                    "examples": len(docs), "seconds": secs} for label, st in setups.items()}
 
 
-def run_one(args, seed: int, target: str, log) -> None:
+def _pool_key(spec: str) -> tuple[str, float]:
+    """Targets with the same key train on the same pool (shipped targets share the corpus
+    minus the general set; a carved target removes its own documents)."""
+    base, noise = parse_target(spec)
+    return (base if base.startswith("carve:") else "shipped", noise)
+
+
+_SETUPS: dict = {}  # target label -> Setup (seed-independent: built once per process)
+
+
+def run_group(args, seed: int, specs: list[str], log, done: set) -> None:
+    """Warm up, collect, full pool and random subsets once for targets sharing a pool; then
+    each target's selections (DSIR and ``--methods``) at every fraction."""
+    from dattri_ds.tools.collect import main as collect
     from benchmarks.selection_effect import Setup
+    from dattri_ds.tools.curate import main as select
 
-    setup = Setup(target, args.seq_len, args.target_docs)
-    work = Path(args.results_dir) / args.name / "work" / f"{target.replace(':', '-')}-s{seed}"
+    for s in specs:
+        if s not in _SETUPS:
+            _SETUPS[s] = Setup(parse_target(s)[0], args.seq_len, args.target_docs)
+    setups = {s: _SETUPS[s] for s in specs}
+    setup = setups[specs[0]]
+    key = _pool_key(specs[0])
+    root = Path(args.work_dir) if args.work_dir else Path(args.results_dir) / args.name / "work"
+    work = root / f"{key[0].replace(':', '-')}-noise{key[1]}-s{seed}"
     work.mkdir(parents=True, exist_ok=True)
     pool = list(setup.pool.docs)[:args.pool_docs] if args.pool_docs else list(setup.pool.docs)
-    if args.noise:
-        pool = _noisy(pool, args.noise, seed)
+    if key[1]:
+        pool = _noisy(pool, key[1], seed)
     pool_file = _write(work / "pool.jsonl", pool)
-    target_file = _write(work / "target.jsonl", setup.score.docs)
+    base = {"seed": seed, "pool": len(pool), "steps": args.steps,
+            "warmup_steps": args.warmup_steps}
+
+    def emit(res: dict, **kw) -> None:
+        for label, r in res.items():
+            log({**base, "target": label, "noise": parse_target(label)[1], **kw, **r})
+
+    def todo(variant: str, fraction: float, labels=tuple(specs)) -> bool:
+        """Whether a run is still missing from runs.jsonl (a restarted benchmark resumes)."""
+        return any((lab, fraction, variant, seed) not in done for lab in labels)
+
+    if args.oracle_only:  # diagnostic: train on the target's own scored documents
+        for s, st in setups.items():
+            if todo("oracle", len(st.score.docs) / len(pool), (s,)):
+                emit(_train({s: st}, list(st.score.docs), seed, args.steps, args,
+                            work / f"train-oracle-{s.replace(':', '-')}"),
+                     variant="oracle", fraction=len(st.score.docs) / len(pool))
+        return
     warm = work / "warm"
+    t0 = time.perf_counter()
     if not (warm / "trajectory.json").exists():
-        _train(setup, pool, seed, args.warmup_steps, args, warm, save=True)
+        _train(setups, pool, seed, args.warmup_steps, args, warm, save=True)
         setup.tok.save(warm / "tokenizer.model")
     grads = work / "grads"
     if not (grads / "collect_config.json").exists():
-        _sh([PY, "tools/collect.py", "--run-dir", str(warm), "--data", str(pool_file),
-             "--checkpoints", "last", "--out", str(grads), "--projection", "sparse",
-             "--projection-dim", str(args.projection_dim), "--batch-size", "16"])
-    base = {"seed": seed, "target": target, "pool": len(pool), "noise": args.noise,
-            "steps": args.steps, "warmup_steps": args.warmup_steps}
-    log({**base, "variant": "full", "fraction": 1.0,
-         **_train(setup, pool, seed, args.steps, args, work / "train-full")})
+        _tool(collect, ["--run-dir", str(warm), "--data", str(pool_file), "--checkpoints",
+                        "last", "--out", str(grads), "--projection", "sparse",
+                        "--projection-dim", str(args.projection_dim), "--batch-size", "16"])
+    print(f"# seed {seed} {key}: warm-up + collect {time.perf_counter() - t0:.1f} s",
+          flush=True)
+    if todo("full", 1.0):
+        emit(_train(setups, pool, seed, args.steps, args, work / "train-full"),
+             variant="full", fraction=1.0)
     by_id = {d.id: d for d in pool}
+    baselines = args.fractions if args.baselines_at is None else args.baselines_at
     for f in args.fractions:
         k = max(1, round(f * len(pool)))
         rnd = random.Random(seed).sample(pool, k)
-        log({**base, "variant": "random", "fraction": f,
-             **_train(setup, rnd, seed, args.steps, args, work / f"train-random-{f}")})
-        for method in ["content", *args.methods]:
-            sel = work / f"select-{method}-{f}"
-            _sh([PY, "tools/curate.py", "--run-dir", str(warm), "--store", str(grads),
-                 "--pool", str(pool_file), "--target", str(target_file), "--method", method,
-                 "--fraction", str(f), "--out", str(sel), "--force"])
-            ids = [json.loads(x)["id"] for x in (sel / "subset.jsonl").read_text().splitlines()]
-            variant = "dsir" if method == "content" else method
-            log({**base, "variant": variant, "fraction": f,
-                 **_train(setup, [by_id[i] for i in ids], seed, args.steps, args,
-                          work / f"train-{method}-{f}")})
+        if todo("random", f) and f in baselines:
+            emit(_train(setups, rnd, seed, args.steps, args, work / f"train-random-{f}"),
+                 variant="random", fraction=f)
+    for s, st in setups.items():
+        tdir = work / s.replace(":", "-")
+        tdir.mkdir(exist_ok=True)
+        target_file = _write(tdir / "target.jsonl", st.score.docs)
+        for f in args.fractions:
+            for method in ["content", *args.methods] if f in baselines else args.methods:
+                if not todo("dsir" if method == "content" else method, f, (s,)):
+                    continue
+                sel = tdir / f"select-{method}-{f}"
+                secs = _tool(select, [
+                    "--run-dir", str(warm), "--store", str(grads), "--pool", str(pool_file),
+                    "--target", str(target_file), "--method", method, "--fraction", str(f),
+                    "--out", str(sel), "--force", *args.select_args])
+                ids = [json.loads(x)["id"]
+                       for x in (sel / "subset.jsonl").read_text().splitlines()]
+                res = _train({s: st}, [by_id[i] for i in ids], seed, args.steps, args,
+                             tdir / f"train-{method}-{f}")
+                emit(res, variant="dsir" if method == "content" else method, fraction=f,
+                     select_seconds=secs)
 
 
 def _se(xs: list[float]) -> float:
@@ -159,17 +254,30 @@ def _se(xs: list[float]) -> float:
     return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs))
 
 
+def _cell(d: list[float]) -> str:
+    """``mean +- s.e. (wins/n)``: a paired difference, wins = seeds where it is < 0."""
+    if not d:
+        return ""
+    return f"{sum(d) / len(d):+.3f} +- {_se(d):.3f} ({sum(x < 0 for x in d)}/{len(d)})"
+
+
 def summarize(path: Path) -> str:
     """Paired tables: per target and fraction, each variant's mean target / general loss and
     its paired difference (variant - baseline; negative = lower loss) against random, DSIR
-    and the full pool, mean +- s.e. over the seeds both have."""
+    and the full pool, mean +- s.e. over the seeds both have, with the wins (seeds where
+    the variant's loss is lower)."""
     rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
     by = {(r["target"], r["fraction"], r["variant"], r["seed"]): r for r in rows}
     full = {(r["target"], r["seed"]): r for r in rows if r["variant"] == "full"}
     lines = []
     for target in sorted({r["target"] for r in rows}):
-        for f in sorted({r["fraction"] for r in rows if r["fraction"] < 1}):
-            lines += [f"\n## {target}, {f:.0%} of the pool", "",
+        fracs = sorted({r["fraction"] for r in rows if r["target"] == target
+                        and r["variant"] not in ("full", "oracle")})
+        oracle = sorted({r["fraction"] for r in rows if r["target"] == target
+                         and r["variant"] == "oracle"})
+        for f in fracs + oracle:
+            title = f"{f:.0%} of the pool" if f not in oracle else "the target's scored docs"
+            lines += [f"\n### {target}, {title}", "",
                       "| variant | seeds | target loss | general loss | - random | - dsir "
                       "| - full |", "|---|---|---|---|---|---|---|"]
             variants = sorted({r["variant"] for r in rows if r["target"] == target
@@ -185,10 +293,14 @@ def summarize(path: Path) -> str:
                                                                       {}))["target_loss"]
                          for s in seeds if (ref == "full" and (target, s) in full)
                          or (target, f, ref, s) in by]
-                    cells.append("" if not d or v == ref else
-                                 f"{sum(d) / len(d):+.4f} +- {_se(d):.4f}")
-                lines.append(f"| {v} | {len(seeds)} | {sum(tl) / len(tl):.4f} | "
-                             f"{sum(gl) / len(gl):.4f} | " + " | ".join(cells) + " |")
+                    cells.append("" if v == ref else _cell(d))
+                lines.append(f"| {v} | {len(seeds)} | {sum(tl) / len(tl):.3f} | "
+                             f"{sum(gl) / len(gl):.3f} | " + " | ".join(cells) + " |")
+        fl = [r for r in rows if r["target"] == target and r["variant"] == "full"]
+        if fl:
+            lines.append(f"\nfull pool ({len(fl)} seeds): target loss "
+                         f"{sum(r['target_loss'] for r in fl) / len(fl):.3f}, general loss "
+                         f"{sum(r['general_loss'] for r in fl) / len(fl):.3f}")
     return "\n".join(lines)
 
 
@@ -200,16 +312,30 @@ def main(argv=None) -> None:
     if args.summarize:
         print(summarize(runs))
         return
-    (out / "config.json").write_text(json.dumps(vars(args), indent=1) + "\n")
+    with open(out / "invocations.jsonl", "a") as fh:  # every (re)start, resumed or not
+        fh.write(json.dumps({**vars(args), "argv": sys.argv,
+                             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+                 + "\n")
 
     def log(rec: dict) -> None:
         with open(runs, "a") as fh:
             fh.write(json.dumps(rec) + "\n")
         print(json.dumps(rec), flush=True)
 
-    for seed in args.seeds:
-        for target in args.targets:
-            run_one(args, seed, target, log)
+    done = set()
+    if runs.exists():  # resume: runs already recorded (same steps and pool) are kept
+        for x in runs.read_text().splitlines():
+            r = json.loads(x)
+            if r["steps"] == args.steps and r["warmup_steps"] == args.warmup_steps:
+                done.add((r["target"], r["fraction"], r["variant"], r["seed"]))
+    groups: dict[tuple, list[str]] = {}
+    for spec in args.targets:
+        groups.setdefault(_pool_key(spec), []).append(spec)
+    order = ([(seed, specs) for seed in args.seeds for specs in groups.values()]
+             if args.order == "seed" else
+             [(seed, specs) for specs in groups.values() for seed in args.seeds])
+    for seed, specs in order:
+        run_group(args, seed, specs, log, done)
     print(summarize(runs))
 
 
