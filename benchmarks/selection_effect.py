@@ -74,7 +74,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import _noisy_pools as noisy  # noqa: E402
 from benchmarks._common import loop_configs  # noqa: E402
-from benchmarks._compute import equal_compute, truncate  # noqa: E402
+from benchmarks._compute import compare, details, fmt, summarize, truncate  # noqa: E402
 from dattri_ds.data import load_documents, tokenize_documents, train_tokenizer  # noqa: E402
 from dattri_ds.selection import OnlineSelector, SelectionConfig  # noqa: E402
 from dattri_ds.selection.policy import fill_uniform  # noqa: E402
@@ -86,7 +86,6 @@ SHIPPED = {"hamlet": "data/target/hamlet.jsonl", "trivia": "data/target/trivia.j
 OWN_SOURCE = {"hamlet": "shakespeare", "code": "python_code"}
 GENERAL_PER_SOURCE = 20
 CARVED_DOCS = 64
-WARMUP_EVAL = 50
 
 
 def parse_variant(spec: str) -> tuple[str, dict]:
@@ -349,86 +348,6 @@ def _jsonable(x):
     return x if isinstance(x, (int, float, str, bool, type(None))) else str(x)
 
 
-def interp_examples(curve: list[dict], level: float) -> float:
-    """Trained examples at which ``curve`` (linear between evals) first reaches ``level``."""
-    for a, b in zip(curve, curve[1:]):
-        if b["target"] <= level:
-            if a["target"] == b["target"]:
-                return b["examples"]
-            f = (a["target"] - level) / (a["target"] - b["target"])
-            return a["examples"] + max(0.0, f) * (b["examples"] - a["examples"])
-    return float("inf")
-
-
-def se(xs: list[float]) -> float:
-    return statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else float("nan")
-
-
-def compare(runs: dict[str, list[dict]], name: str, steps: int) -> dict:
-    """Paired statistics of variant ``name`` (trained ``steps`` steps) against ``random``
-    (lists in seed order; random may be longer: its curve up to ``steps`` gives the
-    equal-examples columns, all of it the equal-compute ones, ``_compute.equal_compute``)."""
-    final, after, eff, gen, gcpu, grcpu, ratio, cpu, rcpu = ([] for _ in range(9))
-    for r, v in zip(runs["random"], runs[name]):
-        rc, vc = truncate(r["curve"], steps), v["curve"]
-        final.append(rc[-1]["target"] - vc[-1]["target"])
-        pts = [(a["target"] - b["target"]) for a, b in zip(rc, vc) if a["step"] > WARMUP_EVAL]
-        after.append(statistics.mean(pts) if pts else float("nan"))
-        eff.append(interp_examples(vc, rc[-1]["target"]) / rc[-1]["examples"])
-        gen.append(vc[-1]["general"] - rc[-1]["general"])
-        ec = equal_compute(r["curve"], vc, steps)
-        gcpu.append(ec["gain_cpu"])
-        grcpu.append(ec["gain_at_random_cpu"])
-        ratio.append(ec["cpu_ratio"])
-        cpu.append(ec["cpu"])
-        rcpu.append(ec["random_cpu"])
-    finite = [e for e in eff if math.isfinite(e)]
-    g = [x for x in gcpu if math.isfinite(x)]
-    rr = [x for x in ratio if math.isfinite(x)]
-    gr = [x for x in grcpu if math.isfinite(x)]
-    nan = float("nan")
-    return {"n": len(final), "final": statistics.mean(final), "final_se": se(final),
-            "after": statistics.mean(after), "after_se": se(after),
-            "eff_median": statistics.median(eff) if eff else nan,
-            "eff_reached": f"{len(finite)}/{len(eff)}",
-            "general_cost": statistics.mean(gen), "general_cost_se": se(gen),
-            "random_general": statistics.mean(truncate(r["curve"], steps)[-1]["general"]
-                                              for r in runs["random"]),
-            "wins": sum(f > 0 for f in final),
-            "gain_cpu": statistics.mean(g) if g else nan, "gain_cpu_se": se(g),
-            "gain_cpu_n": len(g), "wins_cpu": sum(x > 0 for x in g),
-            "gain_rcpu": statistics.mean(gr) if gr else nan, "gain_rcpu_se": se(gr),
-            "gain_rcpu_n": len(gr), "wins_rcpu": sum(x > 0 for x in gr),
-            "cpu_ratio_median": statistics.median(ratio) if ratio else nan,
-            "cpu_ratio": statistics.mean(rr) if rr else nan, "cpu_ratio_se": se(rr),
-            "cpu_reached": f"{len(rr)}/{len(ratio)}",
-            "cpu": statistics.mean(cpu) if cpu else nan,
-            "random_cpu": statistics.mean(rcpu) if rcpu else nan,
-            "random_steps": min(r["curve"][-1]["step"] for r in runs["random"])}
-
-
-def fmt(name: str, c: dict) -> str:
-    """The paired statistics of ``compare`` as text (the compute line only when the runs
-    recorded CPU-seconds per evaluation)."""
-    text = (f"  {name:<12} final gain {c['final']:+.4f} +- {c['final_se']:.4f} "
-            f"(wins {c['wins']}/{c['n']}) | gain after warm-up {c['after']:+.4f} +- "
-            f"{c['after_se']:.4f} | data efficiency median {c['eff_median']:.2f} "
-            f"(reached {c['eff_reached']}) | general loss {c['general_cost']:+.4f} +- "
-            f"{c['general_cost_se']:.4f} vs random's {c['random_general']:.4f}")
-    if math.isnan(c["cpu"]):
-        return text
-    return text + (
-            f"\n      equal compute: gain {c['gain_cpu']:+.4f} +- {c['gain_cpu_se']:.4f} "
-            f"(wins {c['wins_cpu']}/{c['gain_cpu_n']}; random read at the variant's CPU-s, "
-            f"its run {c['random_steps']} steps); at random's CPU-s {c['gain_rcpu']:+.4f} +- "
-            f"{c['gain_rcpu_se']:.4f} (wins {c['wins_rcpu']}/{c['gain_rcpu_n']}; the variant "
-            f"read there) | CPU-s to reach random's final loss / "
-            f"random's: median {c['cpu_ratio_median']:.2f}, mean {c['cpu_ratio']:.2f} +- "
-            f"{c['cpu_ratio_se']:.2f} (reached {c['cpu_reached']}) | training CPU-s "
-            f"{c['cpu']:.0f} vs random {c['random_cpu']:.0f} ({c['cpu'] / c['random_cpu']:.2f}x)"
-            f" at equal examples")
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--targets", nargs="+", default=["hamlet", "trivia", "code"])
@@ -454,6 +373,8 @@ def main(argv: list[str] | None = None) -> None:
                    "equal-compute ones (random read at each variant's CPU-seconds)")
     p.add_argument("--junk-per-kind", type=int, default=noisy.PER_KIND,
                    help="junk documents per kind in a noisy:<target>:<kinds> pool")
+    p.add_argument("--markdown", action="store_true",
+                   help="with --summarize: print the tables as markdown")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--diagnose-every", type=int, default=0,
                    help="every N steps, also record how the candidates' scores correlate "
@@ -461,7 +382,7 @@ def main(argv: list[str] | None = None) -> None:
                    "gradient-norm and loss ratios (one extra probe; training unchanged)")
     args = p.parse_args(argv)
     if args.summarize:
-        summarize(args.summarize)
+        summarize(args.summarize, markdown=args.markdown)
         return
     torch.set_num_threads(args.threads)
     variants = dict(parse_variant(v) for v in args.variants)
@@ -529,80 +450,6 @@ def main(argv: list[str] | None = None) -> None:
     for f in (log, results):
         if f:
             f.close()
-
-
-def details(runs: dict[str, list[dict]], name: str) -> str:
-    """Diagnostics of ``name`` vs random: in-domain/source shares, junk share per kind
-    (held-out kinds apart), the controller's mode mix, per-source general loss at the end
-    (variant - random, mean over seeds), score correlations (--diagnose-every)."""
-    def mean_share(rs):
-        keys = {k for r in rs for k in r["sources"]}
-        return {k: statistics.mean(r["sources"].get(k, 0.0) for r in rs) for k in keys}
-
-    share, rshare = mean_share(runs[name]), mean_share(runs["random"])
-    top = sorted((k for k in share if not k.startswith(noisy.JUNK_PREFIX)),
-                 key=lambda k: share[k] - rshare.get(k, 0.0), reverse=True)[:2]
-    parts = [f"most enriched: " + ", ".join(f"{k} {share[k]:.0%} (random {rshare.get(k, 0):.0%})"
-                                            for k in top)]
-    junk, rjunk = noisy.junk_shares(share), noisy.junk_shares(rshare)
-    for label, kinds in (("junk", [k for k in junk if k not in noisy.HELDOUT_KINDS]),
-                         ("held-out junk", [k for k in junk if k in noisy.HELDOUT_KINDS])):
-        if kinds:
-            parts.append(f"{label} {sum(junk[k] for k in kinds):.1%} (random "
-                         f"{sum(rjunk.get(k, 0) for k in kinds):.1%}): " + ", ".join(
-                             f"{k} {junk[k]:.1%}/{rjunk.get(k, 0):.1%}" for k in sorted(kinds)))
-    ctrl = [r.get("controller") for r in runs[name] if r.get("controller")]
-    if ctrl:
-        parts.append(f"controller (seed {runs[name][0]['seed']}): {json.dumps(ctrl[0])[:200]}")
-    pairs = [(truncate(r["curve"], v["curve"][-1]["step"])[-1].get("by_source"),
-              v["curve"][-1].get("by_source")) for r, v in zip(runs["random"], runs[name])]
-    if all(a and b for a, b in pairs):
-        srcs = sorted(pairs[0][0])
-        d = {k: statistics.mean(b[k] - a[k] for a, b in pairs) for k in srcs}
-        parts.append("general loss by source vs random: " +
-                     " ".join(f"{k} {v:+.3f}" for k, v in d.items()))
-    diags = [x for r in runs[name] for x in r.get("diagnostics", [])]
-    if diags and "rho_norm" in diags[0]:
-        m = {k: statistics.mean(x[k] for x in diags)
-             for k in ("rho_norm", "rho_loss", "norm_ratio", "loss_ratio")}
-        parts.append(f"spearman(score, |g|) {m['rho_norm']:+.2f}, (score, loss) "
-                     f"{m['rho_loss']:+.2f}; chosen/candidates |g| {m['norm_ratio']:.2f}, "
-                     f"loss {m['loss_ratio']:.2f} ({len(diags)} micro-batches)")
-    return " | ".join(parts)
-
-
-def summarize(paths: list[str]) -> None:
-    """Paired tables from ``--results`` files: per target and multiple, every variant (and
-    step count) against random over the seeds both ran; random's run of a seed is its
-    longest one with at least the variant's steps (a later record of the same run replaces
-    an earlier one)."""
-    recs: dict[tuple, dict] = {}
-    for path in paths:
-        for line in Path(path).read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                r = json.loads(line)
-                recs[(r["target"], r["multiple"], r["variant"], r["steps"], r["seed"])] = r
-    for target, mult in sorted({k[:2] for k in recs}, key=str):
-        mine = {k[2:]: r for k, r in recs.items() if k[:2] == (target, mult)}
-        arms = sorted({(n, st) for n, st, _ in mine if n != "random"}, key=str)
-        longest: dict[int, dict] = {}
-        for (n, st, seed), r in mine.items():
-            if n == "random" and st >= longest.get(seed, {"steps": -1})["steps"]:
-                longest[seed] = r
-        if not longest:
-            print(f"== {target} x{mult:g}: no random runs to pair with")
-            continue
-        print(f"== {target} x{mult:g} (random runs of "
-              f"{sorted({r['steps'] for r in longest.values()})} steps)")
-        for name, steps in arms:
-            seeds = sorted(s for (n, st, s) in mine if (n, st) == (name, steps)
-                           and s in longest and longest[s]["steps"] >= steps)
-            if not seeds:
-                continue
-            runs = {"random": [longest[s] for s in seeds],
-                    name: [mine[(name, steps, s)] for s in seeds]}
-            print(fmt(f"{name}@{steps}", compare(runs, name, steps)) + f" | seeds {seeds}")
-            print("      " + details(runs, name))
 
 
 if __name__ == "__main__":

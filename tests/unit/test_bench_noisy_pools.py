@@ -17,10 +17,10 @@ import sys
 
 import pytest
 
-ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-noisy = pytest.importorskip("_noisy_pools")
-compute = pytest.importorskip("_compute")
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, ROOT)
+noisy = pytest.importorskip("benchmarks._noisy_pools")
+compute = pytest.importorskip("benchmarks._compute")
 
 from dattri_ds.data import load_documents  # noqa: E402
 
