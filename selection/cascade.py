@@ -37,7 +37,8 @@ if TYPE_CHECKING:
     from dattri_ds.selection.config import SelectionConfig
     from dattri_ds.selection.rank import Ranker
 
-__all__ = ["needed", "shortlist_size", "shortlist", "PriorText", "Cascade", "cascade_for"]
+__all__ = ["needed", "shortlist_size", "shortlist", "PriorText", "Cascade", "cascade_for",
+           "shared_prior"]
 
 Batch = dict[str, torch.Tensor]
 
@@ -143,5 +144,11 @@ def cascade_for(config: SelectionConfig, stages: list[Ranker],
         raise ConfigError(f"selection.shortlist={config.shortlist} ranks the candidates by the "
                           f"target documents' n-grams, which a target_store does not have: "
                           f"give selection.target_data or unset shortlist")
+    return Cascade(config.shortlist, config.uniform_mix, shared_prior(stages, documents))
+
+
+def shared_prior(stages: list[Ranker], documents: Batch) -> ContentPrior:
+    """The ``ContentRanking`` stage's prior among ``stages``, else a new one on
+    ``documents``: one prior per selector, so its stream counts every candidate once."""
     prior = next((s.prior for s in stages if isinstance(s, ContentRanking)), None)
-    return Cascade(config.shortlist, config.uniform_mix, prior or ContentPrior(documents))
+    return prior or ContentPrior(documents)

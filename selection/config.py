@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -155,6 +156,35 @@ class SelectionConfig:
     fallback_every: int = field(default=25, metadata=schema.bounds(ge=1, le=10**9))
     """Optimizer steps per held-out check window (``validation_fraction > 0``)."""
 
+    controller: bool = False
+    """Decide at run time which arm chooses each block of steps (selection/controller.py):
+    ``uniform`` (no scoring), ``content`` (the content prior, no probe) or ``gradient``
+    (this config's score, the cascade with ``shortlist``), by the held-out target-loss gain
+    per CPU-second each arm measurably buys. Every arm keeps ``controller_floor`` of every
+    window; the rest goes to the arm whose paired advantage over ``uniform`` is above zero
+    by more than its standard error. Needs ``validation_fraction > 0`` (the held-out
+    documents it measures on; the held-out check's fallback is then off: the controller
+    decides). The choices are in the run summary (``controller``)."""
+
+    controller_arms: tuple[str, ...] = ("uniform", "content", "gradient")
+    """Arms the controller allocates among (two or more of ``uniform``, ``content``,
+    ``gradient``); the first is the reference of the paired comparison."""
+
+    controller_block: int = field(default=5, metadata=schema.bounds(ge=1, le=10**6))
+    """Optimizer steps per block (one arm per block; the held-out loss is measured, with a
+    forward of the held-out documents, at every block edge)."""
+
+    controller_window: int = field(default=10, metadata=schema.bounds(ge=2, le=10**6))
+    """Blocks per window (each arm runs its floor in every window, in a seeded order)."""
+
+    controller_floor: float = field(default=0.1, metadata=schema.bounds(gt=0, lt=1))
+    """Least share of every window's blocks each arm runs (at least one block)."""
+
+    controller_cost: Literal["measured", "model"] = "measured"
+    """Cost of a block: ``measured`` CPU-seconds (all ranks), or ``model``: the step-cost
+    model's predicted plain-step units (selection/stepcost.py), deterministic, so a run
+    replays and resumes bit for bit."""
+
     include: tuple[str, ...] = ()
     """Module-name patterns scored (empty = every supported layer)."""
 
@@ -208,6 +238,7 @@ class SelectionConfig:
                               "for training: examples chosen on another rank have none. Set "
                               "selection.scope='rank' or reuse_forward='auto'")
         self._check_shortlist()
+        self._check_controller()
         if self.target_store is not None and self.projection is None:
             raise ConfigError("selection.target_store holds projected gradients: set "
                               "selection.projection to the store's projection")
@@ -244,6 +275,35 @@ class SelectionConfig:
                    "uniformly; lower uniform_mix or unset shortlist")
         if why is not None:
             raise ConfigError(f"selection.shortlist={s} {why}")
+
+    def _check_controller(self) -> None:
+        """The settings the run-time controller cannot serve, refused at start."""
+        if not self.controller:
+            return
+        arms = list(self.controller_arms)
+        if self.validation_fraction <= 0:
+            raise ConfigError("selection.controller=true measures each arm's gain on the "
+                              "held-out target documents, and selection.validation_fraction="
+                              f"{self.validation_fraction} holds none out: set "
+                              "validation_fraction (e.g. 0.2) or controller=false")
+        known = ("uniform", "content", "gradient")
+        if len(arms) < 2 or len(set(arms)) != len(arms) or not set(arms) <= set(known):
+            raise ConfigError(f"selection.controller_arms={arms}: give two or more distinct "
+                              f"arms of {', '.join(known)}")
+        floor_blocks = max(1, math.ceil(self.controller_floor * self.controller_window - 1e-9))
+        if floor_blocks * len(arms) > self.controller_window:
+            raise ConfigError(f"selection.controller_floor={self.controller_floor} gives each "
+                              f"of {len(arms)} arms {floor_blocks} of the "
+                              f"{self.controller_window} blocks of a window; lower "
+                              f"controller_floor or set controller_window >= "
+                              f"{floor_blocks * len(arms)}")
+        if self.random:
+            raise ConfigError("selection.random=true chooses uniformly at every step, so "
+                              "selection.controller has nothing to decide; set one of them")
+        if "content" in arms and POLICIES.lookup(self.policy).scaled:
+            raise ConfigError(f"selection.controller_arms has 'content', which ranks by the "
+                              f"content prior: policy='{self.policy}' reads the scores' own "
+                              f"scale; use policy topk, fraction or soft, or drop the arm")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SelectionConfig:

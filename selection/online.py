@@ -3,30 +3,36 @@
 A step (``select``, ``C = ceil(candidate_multiple * k)`` candidates, ``k`` trained) runs these
 stages in order, each a small object built once from the config:
 
-1. **target**: the score's rows for this step (``Score.rows`` over the target gradient,
+1. **arm** (the run-time controller, ``controller``; selection/controller.py): at each
+   block edge the held-out target loss is measured and the arm of the next block chosen:
+   ``uniform`` (a seeded uniform draw; no stage below runs), ``content`` (the content prior
+   ranks all candidates, then stages 7-8 and 11; no probe) or ``gradient`` (every stage
+   below); without a controller every step is ``gradient``;
+2. **target**: the score's rows for this step (``Score.rows`` over the target gradient,
    refreshed every ``refresh_every`` steps; selection/target.py builds and shapes it);
-2. **shortlist** (the cascade, ``shortlist``; selection/cascade.py): the content prior
+3. **shortlist** (the cascade, ``shortlist``; selection/cascade.py): the content prior
    ranks all ``C`` candidates and only the top ``S = ceil(shortlist * n)`` go on to the
-   probe, ``n = k - round(uniform_mix * k)`` (stages 3-7 then see those ``S``; without
+   probe, ``n = k - round(uniform_mix * k)`` (stages 4-8 then see those ``S``; without
    ``shortlist``: all ``C``);
-3. **probe**: one forward and a backward that computes only the captured layers'
+4. **probe**: one forward and a backward that computes only the captured layers'
    output-gradients (``GradientCapture.probe``): no parameter gradient, so DeepSpeed
    ZeRO-3's partitioned gradients and reductions are never touched (skipped when the
    ``Score`` needs no gradients);
-4. **score**: the registered ``Score`` of ``selection.score`` maps the candidates'
+5. **score**: the registered ``Score`` of ``selection.score`` maps the candidates'
    gradients and the rows to ``[C]`` scores (selection/scorer.py); non-finite ones dropped;
-5. **rank**: the ``Ranker`` stages (neighbour smoothing, the content prior) turn the scores
+6. **rank**: the ``Ranker`` stages (neighbour smoothing, the content prior) turn the scores
    into what the policy ranks (selection/rank.py);
-6. **repeat cap**: candidates trained ``max_repeats`` times already go last;
-7. **policy + uniform mix**: the registered ``Policy`` picks ``n`` (with the candidates'
+7. **repeat cap**: candidates trained ``max_repeats`` times already go last;
+8. **policy + uniform mix**: the registered ``Policy`` picks ``n`` (with the candidates'
    gram when it ``needs_gram``), a seeded uniform draw from all ``C`` candidates it did not
    pick fills up to ``k`` (selection/policy.py);
-8. **scope**: per rank, or globally: the candidates' scores and token tensors are gathered
+9. **scope**: per rank, or globally: the candidates' scores and token tensors are gathered
    from every data-parallel rank (``C * T`` integers each, never gradients), ``k * world``
    picked and dealt out round-robin by score, so every rank trains exactly ``k``;
-9. **held-out check**: the chosen examples' advantage on the held-out target documents
-   (``validation_fraction``) decides a fallback to uniform choice (selection/fallback.py);
-10. **log**: chosen ids and scores to ``selection.jsonl`` and the run statistics.
+10. **held-out check**: the chosen examples' advantage on the held-out target documents
+    (``validation_fraction``) decides a fallback to uniform choice (selection/fallback.py;
+    off under the controller, which decides instead);
+11. **log**: chosen ids and scores to ``selection.jsonl`` and the run statistics.
 
 The training loop then runs its ordinary forward/backward on the chosen examples only, so
 the update is exactly that of a batch which never contained the others (or back-propagates
@@ -55,9 +61,10 @@ from dattri_ds.ops import CostModel, default_cost_model
 from dattri_ds.ops.projection import stable_seed
 from dattri_ds.semantics import batch_info, content_id
 from dattri_ds.selection.blocks import probe_share, top_block_patterns
-from dattri_ds.selection.cascade import PriorText, cascade_for, needed
+from dattri_ds.selection.cascade import PriorText, cascade_for, needed, shared_prior
 from dattri_ds.selection.config import SelectionConfig
 from dattri_ds.selection.contrast import PoolSample
+from dattri_ds.selection.controller import controller_for
 from dattri_ds.selection.fallback import HeldOutCheck
 from dattri_ds.selection.policy import POLICIES, cap_repeats, fill_uniform
 from dattri_ds.selection.rank import CandidateText, content_weight, rankers
@@ -227,7 +234,20 @@ class OnlineSelector:
         self.cascade = cascade_for(config, self._rankers, goal.documents)  # the shortlist
         self.step_examples = step_examples
         self._step_others = max(0, (step_examples or 1) - 1)  # set per select() from k
-        self.check = HeldOutCheck(config.fallback_every, ctx) if held_out is not None else None
+        self.check = HeldOutCheck(config.fallback_every, ctx) \
+            if held_out is not None and not config.controller else None  # controller decides
+        held_docs = getattr(getattr(goal.held_out, "inner", goal.held_out), "data", None)
+        self.controller = controller_for(  # which arm chooses each block (run time)
+            config, model, held_docs, ctx=self.ctx, label_shift=probe.config.label_shift,
+            ignore_index=probe.config.ignore_index, units=self._arm_units)
+        self._arms: dict[str, Callable[..., Selection]] = {"uniform": self._select_random}
+        if self.controller is not None and "content" in config.controller_arms:
+            self._prior = self.cascade.prior if self.cascade is not None else \
+                shared_prior(self._rankers, goal.documents)
+            if not any(self._prior is getattr(r, "prior", None)
+                       for r in [*self._rankers, self.cascade]):
+                self.controller.prior = self._prior  # saved with the controller's state
+            self._arms["content"] = self._select_content
         self.probe = probe
         self.lr_fn = lr_fn
         self.cost = cost
@@ -439,13 +459,16 @@ class OnlineSelector:
         """
         if self.config.random or (self.check is not None and self.check.decide(step)):
             return self._select_random(batch, k, step, user_ids)
-        if self._pool is not None:
-            self._pool.observe(batch)
         c, t = batch["input_ids"].shape[0], batch["input_ids"].shape[-1]
         self._step_others = max(0, (self.step_examples or k * self.ctx.dp_world) - 1)
         reuse = train_loss and self.rule.needs_probe and self._reusing(t, c, k)
         if self.plan is None:
             self._explain(c, k, reuse)
+        arm = "gradient" if self.controller is None else self.controller.arm(step)
+        if arm in self._arms:  # the controller's cheaper arms: uniform, content
+            return self._arms[arm](batch, k, step, user_ids)
+        if self._pool is not None:
+            self._pool.observe(batch)
         text = _text(batch)  # the candidates' n-grams, hashed at most once
         if self.cascade is not None:
             sel = self._cascaded(batch, k, step, user_ids, text)
@@ -525,6 +548,27 @@ class OnlineSelector:
         for stage in self._rankers:
             ranked = stage(ranked, text)
         return ranked
+
+    def _arm_units(self, arm: str) -> float:
+        """The step-cost model's predicted ratio to a plain step of a controller arm."""
+        if arm == "gradient":
+            return self.plan.ratio() if self.plan is not None else 1.0
+        return self.plan.modes()[arm] if self.plan is not None else 1.0
+
+    def _select_content(self, batch: Batch, k: int, step: int,
+                        user_ids: list[str] | None) -> Selection:
+        """The controller's ``content`` arm: the content prior ranks all candidates (no
+        probe), repeat cap, then the policy and the uniform mix as configured."""
+        cap = self.probe.config
+        ids = batch_info((), batch, label_shift=cap.label_shift, ignore_index=cap.ignore_index,
+                         user_ids=user_ids).sample_ids
+        content = self._prior.scores_of_counts(_text(batch).counts)
+        idx = self._choose(self._capped(ids, content), k, None, self._generator(step, ids))
+        sel = Selection({n: v[idx.to(v.device)] for n, v in batch.items()}, idx, content,
+                        tuple(ids[i] for i in idx.tolist()), content[idx])
+        self._count(sel.chosen_ids)
+        self._record(step, sel)
+        return sel
 
     def _select_random(self, batch: Batch, k: int, step: int,
                        user_ids: list[str] | None) -> Selection:
@@ -635,6 +679,8 @@ class OnlineSelector:
                 "target_refreshes": getattr(self.rows, "refreshes", 0),
                 **({"cascade": self._cascade_summary(local.device)}
                    if self.cascade is not None else {}),
+                **({"controller": self.controller.summary()}
+                   if self.controller is not None else {}),
                 **({"held_out_check": self.check.summary()} if self.check is not None else {})}
 
     def _cascade_summary(self, device: torch.device) -> dict:
