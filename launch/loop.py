@@ -305,11 +305,14 @@ def _capture(backend: Backend, cfg: RunConfig, out: Path, tok, run_id: str, star
 
 def resume(backend: Backend, cfg: RunConfig, out: Path, rank: int) -> LoopState | None:
     """With ``train.resume``: check the checkpoint fits this run, load the backend's state
-    from it and return the loop's (``train`` restores its RNG right before the first step).
-    None for a fresh run. Call before anything is written to ``out``.
+    from it and return the loop's (``train`` restores its RNG right before the first step,
+    and the selector's state, with its log lines of the steps before, read here before the
+    selector rewrites its log). None for a fresh run. Call before anything is written to
+    ``out``.
 
     Raises:
-        ConfigError: no such checkpoint, or one written by another process layout.
+        ConfigError: no such checkpoint, one written by another process layout, or one
+            written with selection that lacks this rank's selector state.
     """
     if not cfg.train.resume:
         return None
@@ -330,7 +333,7 @@ def resume(backend: Backend, cfg: RunConfig, out: Path, rank: int) -> LoopState 
         else:
             log = None
         selection = SelectionCheckpoint.read(folder, rank, log_lines_before(log, state.step))
-    elif cfg.selection.enabled:
+    elif cfg.selection.enabled and rank == 0:
         logger.warning("--resume %s: the checkpoint was written without online selection; "
                        "the selector starts fresh at step %d", tag, state.step)
     backend.load(out / "checkpoints", tag)

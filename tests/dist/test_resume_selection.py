@@ -10,9 +10,10 @@ selection summary and equal final weights (``torch.equal``). The run stops betwe
 target refreshes (``refresh_every`` 3, stop at step 2), so recomputing the cached target
 instead of restoring it would change the choices of step 2. Checked for ``--backend torch``
 (one process; the default selection, ``score="content"``, a held-out check whose window
-spans the resume with a contrast pool and a repeat cap, and the seeded uniform baseline) and ``--backend deepspeed``
-ZeRO-3 on 2 gloo ranks (Adam preconditioning, per-rank logs). Breaks when any component is
-not restored, e.g. a fresh smoothing memory or content-prior stream after the resume.
+spans the resume with a contrast pool and a repeat cap, and the seeded uniform baseline)
+and ``--backend deepspeed`` ZeRO-3 on 2 gloo ranks (Adam preconditioning, per-rank logs).
+Breaks when any component is not restored, e.g. a fresh smoothing memory or content-prior
+stream after the resume.
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ def _check_equal(tmp_path: Path, backend: str, world: int, *extra: str) -> dict:
     ref = run(_train, world, timeout=300, argv=_argv(tmp_path, backend, full, STEPS, *extra))
     run(_train, world, timeout=300, argv=_argv(tmp_path, backend, part, HALF, *extra))
     with open(next(part.glob("selection*.jsonl")), "a", encoding="utf-8") as fh:
-        fh.write('{"step": 2, "torn')  # a crash after the checkpoint: dropped on resume
+        fh.write('{"step": 2, "chosen": []}\n{"step": 3, "torn')  # written after the
+        # checkpoint by a run that then crashed: dropped on resume
     sums = run(_train, world, timeout=300,
                argv=_argv(tmp_path, backend, part, STEPS, "--resume", "latest", *extra))
     assert (part / "checkpoints" / f"step{HALF}" / "selection_state.rank00000.pt").exists()
@@ -87,7 +89,7 @@ def _check_equal(tmp_path: Path, backend: str, world: int, *extra: str) -> dict:
     assert ref[0]["selection"] == sums[0]["selection"]
     wa, wb = _weights(backend, full), _weights(backend, part)
     assert wa.keys() == wb.keys()
-    assert all(torch.equal(wa[k], wb[k]) for k in wa), [k for k in wa if not torch.equal(wa[k], wb[k])]
+    assert [k for k in wa if not torch.equal(wa[k], wb[k])] == []
     return ref[0]["selection"]
 
 
