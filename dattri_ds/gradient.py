@@ -8,22 +8,27 @@ out as ``[O, I']`` (``I' = I + 1`` when a bias is folded in as a column of ones)
 row-major to ``[D]``. Every LayerKind maps its parameters onto that layout, so that all
 operations below agree no matter how the module stores its weight (``nn.Linear`` keeps
 ``[O, I]``, HF ``Conv1D`` keeps ``[I, O]``).
+
+Every LayerGrad lives in one ``Space`` (canonical, projected, kept exactly, whitened): a
+typed value compared as an object; its tag string (``Space.tag`` / ``Space.parse``, the one
+grammar) is what stores and factor files record.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dattri_ds.errors import ShapeError
+from dattri_ds.errors import ConfigError, ShapeError
 
 if TYPE_CHECKING:
     from dattri_ds.layers.base import LayerKind
 
-__all__ = ["Factorized", "Dense", "ShardInfo", "LayerGrad", "GradBatch"]
+__all__ = ["Factorized", "Dense", "ShardInfo", "Space", "LayerGrad", "GradBatch"]
 
 
 @dataclass(frozen=True)
@@ -148,6 +153,157 @@ class ShardInfo:
 
 
 @dataclass(frozen=True)
+class Space:
+    """The space a layer's gradient rows live in; ``tag`` / ``parse`` is the one tag grammar
+    (the strings stores and factor files record; ``Space.parse(t).tag == t`` for each).
+
+    Tags: None (canonical ``[O, I']``), ``<projection>`` (randomly projected),
+    ``identity:<projection>`` (small enough to be kept exactly under that projection),
+    ``whitened:<method>[:<projection>]`` (curvature-whitened rows, of an already projected
+    space if given) and ``<projection>+whitened:<method>`` (whitened, then projected), where
+    ``<projection>`` is a ``ProjectionConfig.tag``
+    ``<kind>:<distribution>:k<dim>:s<seed>[:x<speedup>]``. The projection's fields are read
+    once, when the space is made (``kind``, ``distribution``, ``k``, ``seed``,
+    ``kron_speedup``); a tag that is not a ``ProjectionConfig`` tag is kept as an opaque
+    name, and asking for its fields raises.
+
+    Attributes:
+        projection: the projection tag (``ProjectionConfig.tag``), or None (not projected).
+        identity: the layer was small enough to keep exactly under ``projection``.
+        whitened: curvature whitening method (``kfac``/``ekfac``) or None.
+        whitened_first: whitened, then projected (``<projection>+whitened:<method>``);
+            otherwise whitened rows of an already projected space (``whitened:m:<proj>``).
+    """
+
+    projection: str | None = None
+    identity: bool = False
+    whitened: str | None = None
+    whitened_first: bool = False
+    # Derived once from the four fields above (not compared, not given):
+    #: ``(kind, distribution, k, seed, kron_speedup)`` of ``projection``; None when it is
+    #: not a ``ProjectionConfig`` tag.
+    projection_fields: tuple[str, str, int, int, float | None] | None = field(
+        default=None, init=False, compare=False, repr=False)
+    #: The rows were randomly projected (or kept exactly by a projection).
+    projected: bool = field(default=False, init=False, compare=False, repr=False)
+    #: The canonical ``[O, I']`` layout: neither projected nor whitened.
+    canonical: bool = field(default=True, init=False, compare=False, repr=False)
+    #: Whitened rows not randomly projected yet (``ops.space.project`` may project them).
+    awaiting_projection: bool = field(default=False, init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.projection is not None and (not isinstance(self.projection, str)
+                                            or not self.projection):
+            raise ConfigError(f"Space.projection must be a non-empty projection tag or None, "
+                              f"got {self.projection!r}")
+        projected = self.projection is not None
+        set_ = object.__setattr__
+        set_(self, "projection_fields", _projection_fields(self.projection))
+        set_(self, "projected", projected)
+        set_(self, "canonical", not projected and self.whitened is None)
+        set_(self, "awaiting_projection", self.whitened is not None and not self.whitened_first
+             and not projected)
+
+    @property
+    def tag(self) -> str | None:
+        """The tag string of this space (None = canonical, unprojected, not whitened)."""
+        base = self.projection
+        if self.identity:
+            base = f"identity:{base}"
+        if self.whitened is None:
+            return base
+        if self.whitened_first:
+            return f"{base}+whitened:{self.whitened}"
+        return f"whitened:{self.whitened}" + ("" if base is None else f":{base}")
+
+    @classmethod
+    def parse(cls, tag: str | None) -> Space:
+        """The space a tag names (inverse of ``tag``).
+
+        Raises:
+            ConfigError: an empty tag or a malformed whitening part.
+        """
+        if tag is None:
+            return CANONICAL
+        if not isinstance(tag, str) or not tag:
+            raise ConfigError(f"projection tag must be a non-empty string or None, got {tag!r}")
+        whitened, first = None, False
+        if "+whitened:" in tag:
+            tag, whitened = tag.split("+whitened:", 1)
+            first = True
+        elif tag.startswith("whitened:"):
+            whitened, _, rest = tag[len("whitened:"):].partition(":")
+            tag = rest or None
+        if whitened is not None and not whitened:
+            raise ConfigError(f"projection tag {tag!r}: 'whitened:' needs a method name")
+        identity = tag is not None and tag.startswith("identity:")
+        if identity:
+            tag = tag[len("identity:"):]
+        return cls(tag, identity, whitened, first)
+
+    def _config_fields(self) -> tuple[str, str, int, int, float | None]:
+        if self.projection_fields is None:
+            raise ConfigError(f"projection tag {self.projection!r} is not a ProjectionConfig "
+                              f"tag '<kind>:<distribution>:k<dim>:s<seed>[:x<speedup>]'")
+        return self.projection_fields
+
+    @property
+    def kind(self) -> str:
+        """The projection kind (``kronecker``, ``sparse``, ``auto``, ...)."""
+        return self._config_fields()[0]
+
+    @property
+    def distribution(self) -> str:
+        """The projection's random distribution."""
+        return self._config_fields()[1]
+
+    @property
+    def k(self) -> int:
+        """The projection size ``ProjectionConfig.dim``."""
+        return self._config_fields()[2]
+
+    @property
+    def seed(self) -> int:
+        """The projection seed."""
+        return self._config_fields()[3]
+
+    @property
+    def kron_speedup(self) -> float | None:
+        """``ProjectionConfig.kron_speedup`` when the tag records it, else None."""
+        return self._config_fields()[4]
+
+    def config(self):
+        """The ``ProjectionConfig`` whose ``tag`` is ``projection`` (raises for none)."""
+        from dattri_ds.ops.projection import ProjectionConfig  # ops import this module
+
+        kind, dist, k, seed, speedup = self._config_fields()
+        extra = {} if speedup is None else {"kron_speedup": speedup}
+        return ProjectionConfig(kind=kind, distribution=dist, dim=k, seed=seed, **extra)
+
+    def replace(self, **changes) -> Space:
+        """A copy with ``changes`` applied (e.g. ``whitened="ekfac"``)."""
+        return dataclasses.replace(self, **changes)
+
+
+def _projection_fields(tag: str | None) -> tuple[str, str, int, int, float | None] | None:
+    """``(kind, distribution, k, seed, kron_speedup)`` of a ``ProjectionConfig`` tag, or
+    None for None or an opaque tag."""
+    parts = (tag or "").split(":")
+    if len(parts) not in (4, 5) or not parts[2].startswith("k") or \
+            not parts[3].startswith("s") or (len(parts) == 5 and not parts[4].startswith("x")):
+        return None
+    try:
+        speedup = float(parts[4][1:]) if len(parts) == 5 else None
+        return parts[0], parts[1], int(parts[2][1:]), int(parts[3][1:]), speedup
+    except ValueError:
+        return None
+
+
+#: The canonical space (not projected, not whitened).
+CANONICAL = Space()
+
+
+@dataclass(frozen=True, init=False)
 class LayerGrad:
     """Everything about one layer's per-example gradients in one object.
 
@@ -157,7 +313,9 @@ class LayerGrad:
             and resolved once here); it does the per-layer maths. ``kind_name`` is its name.
         data: the factorized or dense form.
         shape: canonical ``(O, I')`` shape of this layer's (local) parameter gradient.
-        projection: identifier of the projection that produced ``data`` (None = unprojected).
+        space: the ``Space`` of ``data`` (canonical, projected, kept exactly, whitened); a
+            tag string is accepted and parsed once here. Given as ``projection=<tag>`` too
+            (the keyword of the tag-string era); ``projection`` reads the tag back.
         shard: tensor-parallel shard description (None = the layer is not sharded).
     """
 
@@ -165,15 +323,31 @@ class LayerGrad:
     kind: LayerKind
     data: Factorized | Dense
     shape: tuple[int, int]
-    projection: str | None = None
+    space: Space = CANONICAL
     shard: ShardInfo | None = None
+
+    def __init__(self, name: str, kind: LayerKind | str, data: Factorized | Dense,
+                 shape: tuple[int, int], space: Space | str | None = None,
+                 shard: ShardInfo | None = None, *, projection: Space | str | None = None):
+        if space is not None and projection is not None:
+            raise TypeError("LayerGrad: give the space once, as space= or projection=")
+        set_ = object.__setattr__
+        set_(self, "name", name)
+        set_(self, "kind", kind)
+        set_(self, "data", data)
+        set_(self, "shape", shape)
+        set_(self, "space", projection if space is None else space)
+        set_(self, "shard", shard)
+        self.__post_init__()
 
     def __post_init__(self) -> None:
         if isinstance(self.kind, str):
             from dattri_ds.layers.base import get_kind  # layers import this module
 
             object.__setattr__(self, "kind", get_kind(self.kind))
-        if isinstance(self.data, Dense) and self.projection is None:
+        if not isinstance(self.space, Space):
+            object.__setattr__(self, "space", Space.parse(self.space))
+        if isinstance(self.data, Dense) and self.space.canonical:
             d = self.shape[0] * self.shape[1]
             if self.data.values.shape[1] != d:
                 raise ShapeError(
@@ -188,11 +362,9 @@ class LayerGrad:
             )
 
     @property
-    def space(self):
-        """The typed ``ops.space.Space`` of ``projection`` (the one tag grammar)."""
-        from dattri_ds.ops.space import Space  # ops import this module
-
-        return Space.parse(self.projection)
+    def projection(self) -> str | None:
+        """The tag of ``space`` (``Space.tag``): what stores and messages record."""
+        return self.space.tag
 
     @property
     def kind_name(self) -> str:
@@ -213,8 +385,11 @@ class LayerGrad:
         return isinstance(self.data, Factorized)
 
     def replace(self, **changes) -> LayerGrad:
+        """A copy with ``changes`` applied (``space=`` or, as a tag, ``projection=``)."""
+        if "projection" in changes:
+            changes["space"] = changes.pop("projection")
         fields = dict(name=self.name, kind=self.kind, data=self.data, shape=self.shape,
-                      projection=self.projection, shard=self.shard)
+                      space=self.space, shard=self.shard)
         fields.update(changes)
         return LayerGrad(**fields)
 
@@ -276,7 +451,7 @@ class GradBatch:
             for b in batches:
                 other = b.layers.get(name)
                 if other is None or type(other.data) is not type(lg.data) or (
-                        other.projection != lg.projection or other.shape != lg.shape):
+                        other.space != lg.space or other.shape != lg.shape):
                     raise ShapeError(
                         f"Layer '{name}' differs between the batches to concatenate (missing, "
                         f"or another form, projection or shape): collect them with one "

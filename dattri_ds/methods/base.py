@@ -14,7 +14,8 @@ Methods override ``precondition(query) -> GradBatch`` (and optionally ``query_sc
 ``train_scale``). Training gradients are read once, in batches, and never preconditioned:
 memory is the preconditioned query plus one train batch, and the ``[N, Q]`` result.
 Both sides may be factorized (from capture) or dense projected rows (from a store), as
-long as they are in the same space (same projection tag): see ``ops.inner.cross_gram``.
+long as they are in the same space (equal ``LayerGrad.space``): see
+``ops.inner.cross_gram``.
 """
 
 from __future__ import annotations
@@ -28,9 +29,7 @@ import torch
 from dattri_ds.errors import ShapeError
 from dattri_ds.gradient import Dense, Factorized, GradBatch
 from dattri_ds.ops.cost import CostModel
-from dattri_ds.ops.inner import (
-    cross_gram, default_cost_model, is_whitened, materialize, project,
-)
+from dattri_ds.ops.inner import cross_gram, default_cost_model, materialize, project
 from dattri_ds.ops.projection import Projector
 from dattri_ds.registry import Registry
 
@@ -152,8 +151,8 @@ class Attributor(ABC):
 
 def _into_space(pq: GradBatch, projector: Projector, cost: CostModel | None) -> GradBatch:
     """Project the (preconditioned or whitened) query's still unprojected layers."""
-    layers = {n: project(lg, projector, cost) if lg.projection is None
-              or is_whitened(lg.projection) else lg for n, lg in pq.layers.items()}
+    layers = {n: project(lg, projector, cost) if lg.space.canonical
+              or lg.space.awaiting_projection else lg for n, lg in pq.layers.items()}
     return GradBatch(pq.step, pq.sample_ids, layers, pq.micro_batch, pq.token_counts)
 
 

@@ -38,8 +38,7 @@ from dattri_ds.gradient import Dense, GradBatch, LayerGrad, ShardInfo
 from dattri_ds.layers.base import COMPUTE_DTYPE
 from dattri_ds.ops.cost import CostModel, default_cost_model
 from dattri_ds.ops.space import (
-    _reduce_shard, _to_local, gather_shards, is_whitened, project, project_batch, unshard,
-    unshard_batch,
+    _reduce_shard, _to_local, gather_shards, project, project_batch, unshard, unshard_batch,
 )
 
 __all__ = [
@@ -59,7 +58,7 @@ def materialize(lg: LayerGrad) -> torch.Tensor:
 
 
 def _check_pair(x: LayerGrad, y: LayerGrad) -> None:
-    if x.projection != y.projection or x.shape != y.shape:
+    if x.space != y.space or x.shape != y.shape:
         raise ShapeError(
             f"Layer '{x.name}': cannot take inner products between projection "
             f"{x.projection!r} shape {x.shape} and projection {y.projection!r} shape {y.shape} "

@@ -66,13 +66,13 @@ import torch
 
 from dattri_ds.distributed import ParallelContext, all_gather_object, all_reduce_sum
 from dattri_ds.errors import ConfigError, FactorFileError, FactorStateError, ShapeError, UnsupportedLayerError
-from dattri_ds.gradient import Dense, Factorized, GradBatch, LayerGrad
+from dattri_ds.gradient import CANONICAL, Dense, Factorized, GradBatch, LayerGrad, Space
 from dattri_ds.layers.base import COMPUTE_DTYPE, KINDS, LayerKind
 from dattri_ds.layers.outer import row_chunks
 from dattri_ds.ops.cost import default_cost_model
 from dattri_ds.ops.factor_forms import FORMS, FactorForm
 from dattri_ds.ops.projection import Projector, kron_dims
-from dattri_ds.ops.space import Space, project
+from dattri_ds.ops.space import project
 from dattri_ds.schema import bounds, check
 
 __all__ = ["KFACConfig", "LayerFactors", "KFACFactors", "METHODS"]
@@ -143,14 +143,17 @@ class KFACConfig:
         check(self, "kfac")  # types, choices and the damping range (dattri_ds/schema.py)
 
 
-@dataclass
+@dataclass(init=False)
 class LayerFactors:
     """One layer's factor sums and eigenbasis.
 
     Attributes:
         name, kind, shape: as in LayerGrad (``kind`` the LayerKind object, ``shape`` the
             canonical ``(O, I')``); a kind name is resolved once in ``__post_init__``.
-        projection: projection tag of the vectors these factors act on (None = unprojected).
+        space: the ``Space`` of the vectors these factors act on (canonical, projected or
+            kept exactly); a tag string is accepted and parsed once here, also as
+            ``projection=<tag>`` (the keyword of the tag-string era). ``projection`` reads
+            the tag back; factor files record it.
         form: the ``FactorForm`` (``kron``, ``kron_index``, ``full`` or ``diagonal``, module
             docstring) doing this layer's sums, eigenbasis and rotations; a form name is
             resolved once in ``__post_init__``. Factor files record the names.
@@ -165,18 +168,41 @@ class LayerFactors:
     name: str
     kind: LayerKind
     shape: tuple[int, int]
-    projection: str | None
+    space: Space
     form: FactorForm
     dims: tuple[int, int]
     sums: dict[str, torch.Tensor] = field(default_factory=dict)
     eig: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __init__(self, name: str, kind: LayerKind | str, shape: tuple[int, int],
+                 space: Space | str | None = None, form: FactorForm | str | None = None,
+                 dims: tuple[int, int] | None = None,
+                 sums: dict[str, torch.Tensor] | None = None,
+                 eig: dict[str, torch.Tensor] | None = None, *,
+                 projection: Space | str | None = None) -> None:
+        if space is not None and projection is not None:
+            raise TypeError("LayerFactors: give the space once, as space= or projection=")
+        if form is None or dims is None:
+            raise TypeError("LayerFactors: form and dims are required")
+        self.name, self.kind, self.shape, self.form, self.dims = name, kind, shape, form, dims
+        self.space = projection if space is None else space
+        self.sums = {} if sums is None else sums
+        self.eig = {} if eig is None else eig
+        self.__post_init__()
 
     def __post_init__(self) -> None:
         if isinstance(self.kind, str):
             self.kind = KINDS.lookup(self.kind)
         if isinstance(self.form, str):
             self.form = FORMS.lookup(self.form)
+        if not isinstance(self.space, Space):
+            self.space = Space.parse(self.space)
         self.shape, self.dims = tuple(self.shape), tuple(self.dims)
+
+    @property
+    def projection(self) -> str | None:
+        """The tag of ``space`` (``Space.tag``), as factor files record it."""
+        return self.space.tag
 
     def meta(self) -> dict:
         return {"name": self.name, "kind": self.kind.name, "shape": list(self.shape),
@@ -186,11 +212,6 @@ class LayerFactors:
     def from_meta(cls, m: dict) -> LayerFactors:
         return cls(m["name"], m["kind"], tuple(m["shape"]), m["projection"], m["form"],
                    tuple(m["dims"]))
-
-    @property
-    def space(self) -> Space:
-        """The typed space of ``projection`` (``Space.parse``)."""
-        return Space.parse(self.projection)
 
     def zero_sums(self, keys: Iterable[str], dtype: torch.dtype, device) -> None:
         """Create the missing sums ``keys`` as zeros (``FactorForm.zero_sums``)."""
@@ -236,12 +257,12 @@ class KFACFactors:
         o, i = lg.shape
         p = self.projector
         if kind.dense_only:
-            tag, rows = self._dense_rows(lg)
+            space, rows = self._dense_rows(lg)
             width = rows.shape[1]
-            return LayerFactors(lg.name, kind, lg.shape, tag,
+            return LayerFactors(lg.name, kind, lg.shape, space,
                                 kind.factor_form(width, self.config.full_max), (1, width))
         if not isinstance(lg.data, Factorized):
-            state = f"projected ({lg.projection})" if lg.projection else "unprojected dense"
+            state = "unprojected dense" if lg.space.canonical else f"projected ({lg.projection})"
             raise ShapeError(
                 f"Layer '{lg.name}' ({lg.kind}) holds {state} gradients: K-FAC factors need the "
                 f"factorized form (a, g). Fit factors from a capture without "
@@ -249,27 +270,27 @@ class KFACFactors:
                 f"to precondition projected stores")
         form = kind.factor_form(o * i, self.config.full_max)
         if p is None or o * i <= p.config.dim:
-            tag = None if p is None else Space(p.config.tag, identity=True).tag
-            return LayerFactors(lg.name, kind, lg.shape, tag, form, (o, i))
+            space = CANONICAL if p is None else p.exact_space
+            return LayerFactors(lg.name, kind, lg.shape, space, form, (o, i))
         if p.config.kind != "kronecker":
             raise ConfigError(
                 f"Layer '{lg.name}': K-FAC on a '{p.config.kind}' projection has no Kronecker "
                 f"structure; use ProjectionConfig(kind='kronecker') (LoGra) or unprojected data")
-        return LayerFactors(lg.name, kind, lg.shape, p.config.tag,
+        return LayerFactors(lg.name, kind, lg.shape, p.space,
                             kind.factor_form(o * i, self.config.full_max, side_projected=True),
                             kron_dims(p.config.dim, o, i))
 
-    def _dense_rows(self, lg: LayerGrad) -> tuple[str | None, torch.Tensor]:
-        """``(projection tag, rows [B, W])`` of a layer fitted on dense rows."""
-        if lg.projection is not None or self.projector is None:
-            return lg.projection, lg.kind.rows(lg.data, lg.shape)
+    def _dense_rows(self, lg: LayerGrad) -> tuple[Space, torch.Tensor]:
+        """``(space, rows [B, W])`` of a layer fitted on dense rows."""
+        if not lg.space.canonical or self.projector is None:
+            return lg.space, lg.kind.rows(lg.data, lg.shape)
         done = project(lg, self.projector)
-        return done.projection, done.data.values
+        return done.space, done.data.values
 
     def _factors(self, lf: LayerFactors, lg: LayerGrad) -> Factorized:
         """Factors in ``lf``'s working space (side-projected when Kronecker projected)."""
         f = lg.data
-        if lf.projection is None or lf.space.identity:
+        if not lf.space.projected or lf.space.identity:
             return f
         p_out, p_in = self.projector.kron_sides(lf.name, *lf.shape, f.g.device, self._dtype)
         return lf.kind.side_project(f, p_out, p_in)
@@ -289,8 +310,8 @@ class KFACFactors:
                     self._layout(lg)  # raises the explanatory error
                 x = self._factors(lf, lg)  # tokens with a zero output-grad row add nothing
             else:
-                tag, x = self._dense_rows(lg)
-                self._check(lf, lg, projection=tag)
+                space, x = self._dense_rows(lg)
+                self._check(lf, lg, space=space)
                 self._width(lf, x)
             lf.form.update(lf.sums, x, lf.dims, self._dtype)
 
@@ -456,8 +477,8 @@ class KFACFactors:
             r = self._rotate(lf, _rows(x, sl, b)) * inv
             out[sl] = (r if whiten else self._unrotate(lf, r)).reshape(-1, o * i)
         if not whiten:
-            return lg.replace(data=Dense(out), projection=lf.projection)
-        return lg.replace(data=Dense(out), projection=lf.space.replace(whitened=method).tag)
+            return lg.replace(data=Dense(out), space=lf.space)
+        return lg.replace(data=Dense(out), space=lf.space.replace(whitened=method))
 
     def _eigenvalues(self, lf: LayerFactors, method: str) -> torch.Tensor:
         if method == "kfac" or not lf.form.lam_keys:
@@ -478,16 +499,16 @@ class KFACFactors:
         return lf
 
     def _check(self, lf: LayerFactors, lg: LayerGrad, allow_projection_change: bool = False,
-               projection: str | None | bool = False):
-        """Kind and shape match the factors; and the projection (``lg``'s, or the given
-        ``projection`` tag of rows derived from it) unless ``allow_projection_change``."""
+               space: Space | None = None):
+        """Kind and shape match the factors; and the space (``lg``'s, or the given ``space``
+        of rows derived from it) unless ``allow_projection_change``."""
         if lg.kind is not lf.kind or tuple(lg.shape) != lf.shape:
             raise ShapeError(f"Layer '{lf.name}': factors are for kind '{lf.kind}' shape "
                              f"{lf.shape}, got kind '{lg.kind}' shape {lg.shape}")
-        tag = lg.projection if projection is False else projection
-        if not allow_projection_change and tag != lf.projection:
+        space = lg.space if space is None else space
+        if not allow_projection_change and space != lf.space:
             raise ShapeError(
-                f"Layer '{lf.name}': gradients have projection {tag!r} but the "
+                f"Layer '{lf.name}': gradients have projection {space.tag!r} but the "
                 f"factors act on {lf.projection!r}; project queries with the store's "
                 f"ProjectionConfig (or build KFACFactors with that projector)")
 
@@ -499,7 +520,7 @@ class KFACFactors:
 
     def _prepare(self, lf: LayerFactors, lg: LayerGrad) -> Factorized | torch.Tensor:
         """Query/train data in the factors' working space: factors (unprojected) or rows."""
-        if lg.projection is None and lf.projection is not None and self.projector is not None:
+        if lg.space.canonical and lf.space.projected and self.projector is not None:
             lg = project(lg, self.projector)
         self._check(lf, lg)
         dev = next(iter(lf.sums.values())).device  # compute where the factors live
@@ -576,9 +597,8 @@ class KFACFactors:
             lf = out.layers[m["name"]] = LayerFactors.from_meta(m)
             lf.sums, lf.eig = dict(state["sums"][lf.name]), dict(state["eig"][lf.name])
         if projector is not None:
-            tags = {lf.space.projection for lf in out.layers.values()
-                    if lf.projection is not None}
-            if tags - {projector.config.tag}:
+            tags = {lf.space.projection for lf in out.layers.values() if lf.space.projected}
+            if tags - {projector.space.projection}:
                 raise FactorFileError(f"{path}: factors were fitted under projection "
                                          f"{sorted(tags)}, the projector is "
                                          f"{projector.config.tag!r}")

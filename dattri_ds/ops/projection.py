@@ -44,6 +44,7 @@ from typing import ClassVar, Literal
 import torch
 
 from dattri_ds.errors import ConfigError
+from dattri_ds.gradient import Space
 from dattri_ds.registry import Registry
 from dattri_ds.schema import bounds, check
 
@@ -330,6 +331,9 @@ class Projector:
 
     def __init__(self, config: ProjectionConfig) -> None:
         self.config = config
+        #: The space of the rows it projects, and of layers small enough to be kept exactly.
+        self.space = Space(config.tag)
+        self.exact_space = Space(config.tag, identity=True)
         self._cache: dict[tuple, torch.Tensor] = {}
         self._cached_bytes = 0
         #: Matrix (non-Kronecker) layers use the sparse JL matrix (``auto`` falls back to it).

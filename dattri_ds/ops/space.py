@@ -1,10 +1,12 @@
 """Space: THE place a LayerGrad changes space (identity, projected, whitened, TP shards).
 
-A layer's per-example gradients live in one *space*, named by ``LayerGrad.projection`` (a
-tag, parsed by ``Space.parse``): the canonical ``[O, I']`` layout (None), kept exactly by a
+A layer's per-example gradients live in one *space*, ``LayerGrad.space`` (a
+``gradient.Space``, re-exported here; its tag string, ``Space.tag`` / ``Space.parse``, is
+what stores and factor files record): the canonical ``[O, I']`` layout, kept exactly by a
 projection (``identity:<projection>``), randomly projected (``<projection>``), whitened by
 curvature factors (``whitened:<method>[:<projection>]``) or whitened then projected
-(``<projection>+whitened:<method>``). Inner products need both sides in one space.
+(``<projection>+whitened:<method>``). Inner products need both sides in one space (equal
+``Space`` objects).
 
 * ``project(lg, projector)``: ``Dense [B, P]``. Layers with ``O*I' <= dim`` are kept exactly;
   Kronecker-structured kinds under a Kronecker projection get ``vec(P_out G P_in^T)``
@@ -20,118 +22,18 @@ curvature factors (``whitened:<method>[:<projection>]``) or whitened then projec
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from dattri_ds.distributed import all_gather_object, all_reduce_sum
-from dattri_ds.errors import ConfigError, ShapeError, UnsupportedLayerError
-from dattri_ds.gradient import Dense, Factorized, GradBatch, LayerGrad, ShardInfo
+from dattri_ds.errors import ShapeError, UnsupportedLayerError
+from dattri_ds.gradient import CANONICAL, Dense, Factorized, GradBatch, LayerGrad, ShardInfo, Space
 from dattri_ds.ops.cost import CostModel, default_cost_model
 from dattri_ds.ops.projection import Projector
 
 #: Projection kinds whose seeded matrices can be sliced to a tensor-parallel shard.
 _SHARDABLE = frozenset({"kronecker", "dense", "sparse"})
 
-__all__ = ["Space", "project", "project_batch", "is_whitened", "gather_shards",
-           "unshard", "unshard_batch"]
-
-
-@dataclass(frozen=True)
-class Space:
-    """The typed space of a layer's gradient rows; ``tag`` / ``parse`` is the one tag grammar
-    (the strings stores and factor files record; ``Space.parse(t).tag == t`` for each).
-
-    Attributes:
-        projection: the projection tag (``ProjectionConfig.tag``), or None (not projected).
-        identity: the layer was small enough to keep exactly under ``projection``.
-        whitened: curvature whitening method (``kfac``/``ekfac``) or None.
-        whitened_first: whitened, then projected (``<projection>+whitened:<method>``);
-            otherwise whitened rows of an already projected space (``whitened:m:<proj>``).
-    """
-
-    projection: str | None = None
-    identity: bool = False
-    whitened: str | None = None
-    whitened_first: bool = False
-
-    @property
-    def tag(self) -> str | None:
-        """The tag string of this space (None = canonical, unprojected, not whitened)."""
-        base = self.projection
-        if self.identity:
-            base = f"identity:{base}"
-        if self.whitened is None:
-            return base
-        if self.whitened_first:
-            return f"{base}+whitened:{self.whitened}"
-        return f"whitened:{self.whitened}" + ("" if base is None else f":{base}")
-
-    @classmethod
-    def parse(cls, tag: str | None) -> Space:
-        """The space a tag names (inverse of ``tag``).
-
-        Raises:
-            ConfigError: an empty tag or a malformed whitening part.
-        """
-        if tag is None:
-            return cls()
-        if not isinstance(tag, str) or not tag:
-            raise ConfigError(f"projection tag must be a non-empty string or None, got {tag!r}")
-        whitened, first = None, False
-        if "+whitened:" in tag:
-            tag, whitened = tag.split("+whitened:", 1)
-            first = True
-        elif tag.startswith("whitened:"):
-            whitened, _, rest = tag[len("whitened:"):].partition(":")
-            tag = rest or None
-        if whitened is not None and not whitened:
-            raise ConfigError(f"projection tag {tag!r}: 'whitened:' needs a method name")
-        identity = tag is not None and tag.startswith("identity:")
-        if identity:
-            tag = tag[len("identity:"):]
-        return cls(tag, identity, whitened, first)
-
-    @property
-    def projected(self) -> bool:
-        """Whether the rows were randomly projected (or kept exactly by a projection)."""
-        return self.projection is not None
-
-    def _fields(self) -> list[str]:
-        """``ProjectionConfig.tag`` fields: kind, distribution, ``k<dim>``, ``s<seed>``[, x..]."""
-        parts = (self.projection or "").split(":")
-        if len(parts) < 4 or not parts[2].startswith("k") or not parts[3].startswith("s"):
-            raise ConfigError(f"projection tag {self.projection!r} is not a ProjectionConfig "
-                              f"tag '<kind>:<distribution>:k<dim>:s<seed>[:x<speedup>]'")
-        return parts
-
-    @property
-    def kind(self) -> str:
-        """The projection kind (``kronecker``, ``sparse``, ``auto``, ...)."""
-        return self._fields()[0]
-
-    @property
-    def k(self) -> int:
-        """The projection size ``ProjectionConfig.dim``."""
-        return int(self._fields()[2][1:])
-
-    @property
-    def seed(self) -> int:
-        """The projection seed."""
-        return int(self._fields()[3][1:])
-
-    def config(self):
-        """The ``ProjectionConfig`` whose ``tag`` is ``projection`` (raises for none)."""
-        from dattri_ds.ops.projection import ProjectionConfig
-
-        f = self._fields()
-        extra = {"kron_speedup": float(f[4][1:])} if len(f) > 4 else {}
-        return ProjectionConfig(kind=f[0], distribution=f[1], dim=int(f[2][1:]),
-                                seed=int(f[3][1:]), **extra)
-
-    def replace(self, **changes) -> Space:
-        """A copy with ``changes`` applied (e.g. ``whitened="ekfac"``)."""
-        return Space(**{**self.__dict__, **changes})
+__all__ = ["Space", "project", "project_batch", "gather_shards", "unshard", "unshard_batch"]
 
 
 def project(lg: LayerGrad, projector: Projector, cost: CostModel | None = None,
@@ -144,29 +46,22 @@ def project(lg: LayerGrad, projector: Projector, cost: CostModel | None = None,
     ``project_rows`` otherwise; each routed by the cost model.
     """
     cfg = projector.config
-    if lg.projection is not None and not is_whitened(lg.projection):
-        raise ShapeError(f"Layer '{lg.name}' is already projected ({lg.projection})")
+    space = lg.space
+    if not (space.canonical or space.awaiting_projection):
+        raise ShapeError(f"Layer '{lg.name}' is already projected ({space.tag})")
     if lg.shard is not None:
         return _project_shard(lg, projector, cost, path)
-    if lg.projection is not None:  # whitened rows (KFACFactors.whiten): project them too
-        done = project(lg.replace(projection=None), projector, cost, path)
-        whitened = Space.parse(lg.projection).tag.removeprefix("whitened:")
-        return done.replace(projection=Space.parse(done.projection).replace(
-            whitened=whitened, whitened_first=True).tag)
+    if not space.canonical:  # whitened rows (KFACFactors.whiten): project them too
+        done = project(lg.replace(space=CANONICAL), projector, cost, path)
+        return done.replace(space=done.space.replace(whitened=space.whitened,
+                                                     whitened_first=True))
     o, i = lg.shape
     kind = lg.kind
     if o * i <= cfg.dim:
-        return lg.replace(data=Dense(kind.rows(lg.data, lg.shape)),
-                          projection=Space(cfg.tag, identity=True).tag)
+        return lg.replace(data=Dense(kind.rows(lg.data, lg.shape)), space=projector.exact_space)
     vals = projector.kind_for(o, i).project(projector, lg, cost or default_cost_model(lg.device),
                                             path)
-    return lg.replace(data=Dense(vals), projection=cfg.tag)
-
-
-def is_whitened(tag: str | None) -> bool:
-    """Whether a projection tag marks curvature-whitened rows not yet randomly projected."""
-    return tag is not None and Space.parse(tag).whitened is not None and not \
-        Space.parse(tag).whitened_first
+    return lg.replace(data=Dense(vals), space=projector.space)
 
 
 def project_batch(batch: GradBatch, projector: Projector, cost: CostModel | None = None,
@@ -179,7 +74,7 @@ def project_batch(batch: GradBatch, projector: Projector, cost: CostModel | None
     deferred: list[tuple[str, ShardInfo]] = []
     for n, lg in batch.layers.items():
         shard = lg.shard
-        if (shard is not None and lg.projection is None
+        if (shard is not None and lg.space.canonical
                 and shard.full_shape[0] * shard.full_shape[1] > projector.config.dim):
             layers[n] = _project_shard(lg, projector, cost, path, reduce=False)
             deferred.append((n, shard))
@@ -209,7 +104,7 @@ def _to_local(lg: LayerGrad, shard: ShardInfo, local_shape: tuple[int, int]) -> 
                 f"{lg.shape} with shard {shard} shape {local_shape}; both sides must come from "
                 f"the same rank of the same tensor-parallel layout")
         return lg.replace(shard=None)
-    if lg.projection is not None or tuple(lg.shape) != tuple(shard.full_shape):
+    if not lg.space.canonical or tuple(lg.shape) != tuple(shard.full_shape):
         raise ShapeError(
             f"Layer '{lg.name}': a tensor-parallel shard of full shape {shard.full_shape} can "
             f"only be paired with the same shard or an unprojected full layer, got projection "
@@ -244,7 +139,7 @@ def _project_shard(lg: LayerGrad, projector: Projector, cost: CostModel | None,
     o, i = shard.full_shape
     if o * i <= cfg.dim:
         return lg.replace(data=Dense(gather_shards(lg)), shape=tuple(shard.full_shape),
-                          shard=None, projection=Space(cfg.tag, identity=True).tag)
+                          shard=None, space=projector.exact_space)
     local = lg.replace(shard=None)
     pkind = projector.kind_of(o, i)
     if pkind not in _SHARDABLE:
@@ -268,7 +163,7 @@ def _project_shard(lg: LayerGrad, projector: Projector, cost: CostModel | None,
     if reduce:
         vals = _reduce_shard(vals, shard)
     return lg.replace(data=Dense(vals), shape=tuple(shard.full_shape), shard=None,
-                      projection=cfg.tag)
+                      space=projector.space)
 
 
 def _reduce_layers(layers: dict[str, LayerGrad], deferred: list[tuple[str, ShardInfo]]) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dattri_ds.errors import ConfigError, StoreMismatchError
-from dattri_ds.gradient import Dense, GradBatch, LayerGrad
+from dattri_ds.gradient import Dense, GradBatch, LayerGrad, Space
 from dattri_ds.ops.projection import ProjectionConfig
 from dattri_ds.store.config import STORE_DTYPES
 from dattri_ds.store.format import INFO_NAME, StoreCorruptError, load_info
@@ -90,7 +90,7 @@ class LayerSpec:
 
 def _layer_spec(key: str, lg: LayerGrad) -> LayerSpec:
     """The LayerSpec of a captured layer, refusing anything but projected Dense rows."""
-    if not isinstance(lg.data, Dense) or lg.projection is None:
+    if not isinstance(lg.data, Dense) or lg.space.canonical:
         form = "factorized" if lg.is_factorized else "unprojected dense"
         raise ConfigError(
             f"Layer '{key}' holds {form} gradients, but the gradient store keeps projected rows "
@@ -174,14 +174,14 @@ class StoreSpec:
                 another ProjectionConfig.
         """
         whitened = getattr(capture, "whiten", None)
-        tag = projection.tag
-        suffix = "" if whitened is None else f"+whitened:{whitened}"
+        want = Space(projection.tag, whitened=whitened, whitened_first=whitened is not None)
+        allowed = (want, want.replace(identity=True))  # kept exactly: small layers
         layers = tuple(_layer_spec(k, lg) for k, lg in batch.layers.items())
-        for ls in layers:
-            if ls.projection not in (tag + suffix, f"identity:{tag}{suffix}"):
+        for ls, lg in zip(layers, batch.layers.values()):
+            if lg.space not in allowed:
                 raise ConfigError(
                     f"Layer '{ls.name}' was projected with {ls.projection!r} but the store is "
-                    f"configured for projection {tag + suffix!r}: pass the ProjectionConfig "
+                    f"configured for projection {want.tag!r}: pass the ProjectionConfig "
                     f"(and whiten setting) that capture uses")
         return cls(layers=layers, projection=projection.tag, seed=projection.seed,
                    fingerprint=fingerprint, projection_config=_projection_dict(projection),

@@ -188,3 +188,35 @@ def test_space_tags_round_trip():
     assert sp.identity and sp.whitened == "ekfac" and sp.whitened_first
     assert (sp.kind, sp.k, sp.seed) == ("kronecker", 64, 3) and sp.config() == cfg
     assert Space.parse(f"whitened:ekfac:{cfg.tag}").replace(whitened=None).tag == cfg.tag
+
+
+def test_layer_grad_holds_a_typed_space():
+    """A LayerGrad holds a ``Space``: a tag given as ``projection=`` (or positionally, the
+    keyword of the tag-string era) is parsed once, ``projection`` reads the same tag back
+    (stores write it byte for byte), equal tags give equal, hashable spaces, and a batch
+    pickles with its spaces (breaks if a caller's tag or a store's bytes changed)."""
+    import pickle
+
+    from dattri_ds.errors import ConfigError
+    from dattri_ds.gradient import GradBatch, Space
+
+    cfg = ProjectionConfig(kind="kronecker", dim=4, seed=2)
+    rows = Dense(torch.randn(2, 4))
+    by_kw = LayerGrad("w", "linear", rows, (3, 5), projection=cfg.tag)
+    by_pos = LayerGrad("w", "linear", rows, (3, 5), cfg.tag)
+    typed = LayerGrad("w", "linear", rows, (3, 5), space=Projector(cfg).space)
+    assert by_kw.space == by_pos.space == typed.space == Space.parse(cfg.tag)
+    assert isinstance(by_kw.space, Space) and by_kw.projection == cfg.tag
+    assert (by_kw.space.kind, by_kw.space.k, by_kw.space.seed) == ("kronecker", 4, 2)
+    assert len({by_kw.space, by_pos.space, Space(cfg.tag)}) == 1
+    assert by_kw.replace(projection=f"identity:{cfg.tag}").space.identity
+    canonical = LayerGrad("w", "linear", Dense(torch.randn(2, 15)), (3, 5))
+    assert canonical.space.canonical and canonical.projection is None
+    whitened = canonical.replace(projection="whitened:ekfac")
+    assert whitened.space.awaiting_projection and not whitened.space.projected
+    back = pickle.loads(pickle.dumps(GradBatch(0, ("a", "b"), {"w": by_kw})))
+    assert back.layers["w"].space == by_kw.space and back.layers["w"].projection == cfg.tag
+    with pytest.raises(TypeError, match="once"):
+        LayerGrad("w", "linear", rows, (3, 5), cfg.tag, projection=cfg.tag)
+    with pytest.raises(ConfigError, match="not a ProjectionConfig tag"):
+        Space.parse("opaque").k  # an opaque tag is kept as a name; its fields raise
