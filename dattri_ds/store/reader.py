@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from dattri_ds.errors import ClosedError, ConfigError, StoreCorruptError
-from dattri_ds.gradient import Dense, GradBatch, LayerGrad
+from dattri_ds.gradient import Dense, GradBatch, LayerGrad, Space
 from dattri_ds.store.format import (
     INFO_NAME, DuplicateSampleError, ShardIndex, ShardPaths, check_sizes, from_storage,
     list_shards, numpy_dtype, read_committed_ids, row_bytes, shard_paths, verify_chunk,
@@ -79,6 +79,8 @@ class GradientStore:
         self._lazy = verify == "lazy"
         self._np_dtype = numpy_dtype(dtype)
         self._slices = spec.slices()
+        #: Each layer's space, read from the manifest's tags once (``Space.parse``).
+        self._spaces = {ls.name: Space.parse(ls.projection) for ls in spec.layers}
         ids = [i for sh in shards for i in sh.ids]
         shard_of = np.repeat(np.arange(len(shards), dtype=np.int32),
                              [len(sh.ids) for sh in shards])
@@ -318,7 +320,7 @@ class GradientStore:
         values = self.read(idx, dtype)
         views = self.layer_view(values)
         layers = {ls.name: LayerGrad(name=ls.name, kind=ls.kind, data=Dense(views[ls.name]),
-                                     shape=ls.shape, projection=ls.projection)
+                                     shape=ls.shape, space=self._spaces[ls.name])
                   for ls in self.spec.layers}
         counts = torch.from_numpy(self._meta[idx, 1])
         return GradBatch(step=-1, sample_ids=tuple(self._ids[i] for i in idx), layers=layers,
