@@ -9,9 +9,11 @@ equal per-step losses, equal ``selection.jsonl`` records (chosen ids and scores)
 selection summary and equal final weights (``torch.equal``). The run stops between two
 target refreshes (``refresh_every`` 3, stop at step 2), so recomputing the cached target
 instead of restoring it would change the choices of step 2. Checked for ``--backend torch``
-(one process; the default selection, ``score="content"``, a held-out check whose window
-spans the resume with a contrast pool and a repeat cap, and the seeded uniform baseline)
-and ``--backend deepspeed`` ZeRO-3 on 2 gloo ranks (Adam preconditioning, per-rank logs).
+(one process; the default selection, ``score="content"``, the cascade's shortlist, a
+held-out check whose window spans the resume with a contrast pool and a repeat cap, the
+seeded uniform baseline, and the run-time controller with model costs and one-step blocks;
+its measured CPU seconds are the one summary field a clock sets) and ``--backend
+deepspeed`` ZeRO-3 on 2 gloo ranks (Adam preconditioning, per-rank logs).
 Breaks when any component is not restored, e.g. a fresh smoothing memory or content-prior
 stream after the resume.
 """
@@ -71,6 +73,12 @@ def _logs(out: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(out.glob("selection*.jsonl"))}
 
 
+def _timeless(summary: dict) -> dict:
+    """A selection summary less its measured CPU seconds (the only field a clock sets)."""
+    return {k: _timeless(v) if isinstance(v, dict) else v for k, v in summary.items()
+            if not k.endswith("cpu_s")}
+
+
 def _check_equal(tmp_path: Path, backend: str, world: int, *extra: str) -> dict:
     full, part = tmp_path / "full", tmp_path / "part"
     ref = run(_train, world, timeout=300, argv=_argv(tmp_path, backend, full, STEPS, *extra))
@@ -86,21 +94,27 @@ def _check_equal(tmp_path: Path, backend: str, world: int, *extra: str) -> dict:
     assert len(la) == STEPS and la == lb, (la, lb)
     logs_a, logs_b = _logs(full), _logs(part)
     assert logs_a and logs_a == logs_b
-    assert ref[0]["selection"] == sums[0]["selection"]
+    assert _timeless(ref[0]["selection"]) == _timeless(sums[0]["selection"])
     wa, wb = _weights(backend, full), _weights(backend, part)
     assert wa.keys() == wb.keys()
     assert [k for k in wa if not torch.equal(wa[k], wb[k])] == []
     return ref[0]["selection"]
 
 
-@pytest.mark.parametrize("variant", ["default", "content", "held_out", "random"])
+@pytest.mark.parametrize("variant", ["default", "content", "cascade", "held_out", "random",
+                                     "controller"])
 def test_torch_resume_with_selection_equals_uninterrupted(tmp_path, variant):
     """One process, ``--backend torch``: 4 steps in one go == 2 steps, then ``--resume
     latest`` to 4 (losses, selection log, selection summary, weights bitwise)."""
     require("deepspeed", "deepspeed")  # the JSON's lr schedule is DeepSpeed's class
     extra = {"default": (),
              "content": ("--selection-score", "content"),
+             "cascade": ("--selection-shortlist", "1.5", "--candidate-multiple", "3"),
              "random": ("--random-selection",),
+             "controller": ("--selection-controller", "--selection-validation-fraction", "0.3",
+                            "--selection-controller-cost", "model",
+                            "--selection-controller-block", "1",
+                            "--selection-controller-window", "3"),
              "held_out": ("--selection-validation-fraction", "0.3",
                           "--selection-fallback-every", "3", "--selection-contrast", "0.5",
                           "--selection-contrast-rows", "6", "--selection-max-repeats", "1",
