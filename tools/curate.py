@@ -39,8 +39,8 @@ from dattri_ds.curate.config import AGGREGATES, PRECONDITIONS  # noqa: E402
 from dattri_ds.errors import ConfigError  # noqa: E402
 from dattri_ds.schema import add_flag, field_flag  # noqa: E402
 from dattri_ds.tools.common import (  # noqa: E402
-    add_source_args, gradients, init_distributed, load_texts, logger, open_source,
-    setup_logging, store_paths,
+    add_checkpoint_args, add_source_args, gradients, init_distributed, load_texts, logger,
+    open_source, setup_logging, store_paths, tag_choice,
 )
 
 _CHOICES = {"method": METHODS.names(), "aggregate": list(AGGREGATES),
@@ -61,9 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a target store (or folder of per-checkpoint ones) instead of --target "
                         "gradients")
     add_flag(p, "--target-max-docs", int, ge=1, default=None)
-    p.add_argument("--checkpoints", default=None,
-                   help="tags to read, comma separated (default: every stored checkpoint; "
-                        "non-trajectory methods use the newest of them)")
+    add_checkpoint_args(p, "stored checkpoints to read (default every one; non-trajectory "
+                           "methods use the newest of them)")
     p.add_argument("--with-text", action="store_true",
                    help="write the documents into subset.jsonl (trainable by launch/)")
     p.add_argument("--out", required=True)
@@ -92,11 +91,12 @@ def _tags(args, source, available: dict[str, Path]) -> list[str]:
     """Stored checkpoints to read, oldest first (the run's trajectory order)."""
     order = [c["tag"] for c in source.trajectory()]
     tags = [t for t in order if t in available] or sorted(available)
-    if args.checkpoints:
-        want = [t.strip() for t in args.checkpoints.split(",") if t.strip()]
+    chosen = tag_choice(args)
+    if chosen is not None:
+        want = [t.strip() for t in chosen.split(",") if t.strip()]
         missing = [t for t in want if t not in available]
         if missing or not want:
-            raise ConfigError(f"--checkpoints {args.checkpoints!r}: no store for {missing or want}"
+            raise ConfigError(f"--checkpoints {chosen!r}: no store for {missing or want}"
                               f" under {args.store} (stored: {sorted(available)})")
         tags = [t for t in tags if t in want]
     return tags
@@ -188,8 +188,7 @@ def _target_rows(args, source, stores, tags, config, docs) -> dict[str, torch.Te
         batch = GradBatch.cat(list(gradients(model, docs, torch.arange(len(docs)),
                                              capture=capture, batch_size=8)))
         if adam:
-            folder = (source.root / "checkpoints" / t) if hasattr(source, "checkpoint") \
-                else source.root
+            folder = source.folder(t) if hasattr(source, "folder") else source.root
             moments = load_adam_moments(model, folder)
             probe = GradientCapture(model, capture, probe_only=True).attach()
             try:

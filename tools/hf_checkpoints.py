@@ -194,8 +194,8 @@ class HFCheckpoints:
                 f"The learning rate of checkpoint '{tag}' is unknown ({self.folder(tag)} has "
                 f"no trainer_state.json logging a learning_rate at or before step "
                 f"{e['step']}), and lr-weighted scores need it. Fix: pass --lrs with one "
-                f"learning rate per --checkpoints folder (in their order), or --weighting "
-                f"uniform / normalized")
+                f"learning rate per --checkpoints folder (in their order), or score without "
+                f"lr weighting (attribute --weighting uniform or normalized)")
         return dict(e)
 
     def tags(self, wanted: str | None) -> list[str]:

@@ -286,7 +286,8 @@ def test_checkpoint_folders_equal_the_library_call_and_the_run_folder(tmp_path):
     folder, attribute's TracIn (lr-weighted) and EK-FAC trajectory equal the library call
     on the same checkpoints, and a hand-built run folder of the documented layout
     (model/config.json, checkpoints/<tag> links, trajectory.json) gives the same scores.
-    Without learning rates (no trainer_state.json, --steps given) TracIn refuses to run,
+    ``dattri-ds select`` reads the list with the same learning rates. Without learning
+    rates (no trainer_state.json, --steps given) TracIn refuses to run,
     naming --lrs, while the normalized EK-FAC trajectory needs none. Breaks if a learning
     rate is misread, the checkpoints are misordered, or a folder is skipped."""
     from dattri_ds.cli import run
@@ -338,6 +339,13 @@ def test_checkpoint_folders_equal_the_library_call_and_the_run_folder(tmp_path):
                     queries, "--method", "tracin", "--out", str(tmp_path / "tracin-run")])
     np.testing.assert_allclose(np.load(tmp_path / "tracin-run/scores.npy"), got["tracin"],
                                rtol=1e-5, atol=1e-7 * float(abs(got["tracin"]).max()))
+
+    from dattri_ds.tools import curate  # dattri-ds select reads the same list
+    curate.main([*src, "--store", str(tmp_path / "g"), "--pool", data, "--target", queries,
+                 "--method", "trajectory", "--fraction", "0.5", "--out", str(tmp_path / "sel")])
+    chosen = json.loads((tmp_path / "sel/config.json").read_text())
+    assert chosen["checkpoints"] == tags
+    assert chosen["lr_weights"] == {t: _lr(int(t.split("-")[1])) for t in tags}
 
     for t in tags:  # no trainer_state.json: steps by flag, no learning rate known
         (root / t / "trainer_state.json").unlink()
