@@ -41,18 +41,14 @@ if __package__ in (None, ""):
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from dattri_ds.schema import add_flag  # noqa: E402
+from dattri_ds.tools.configs import ATTRIBUTE, DEFAULT_METHOD, add_flags  # noqa: E402
 from dattri_ds.tools.common import (  # noqa: E402
     Run, add_checkpoint_args, add_source_args, gradients, load_texts, logger, open_source,
     setup_logging, store_paths, tag_choice, write_config,
 )
-from dattri_ds.methods import registered_attributors  # noqa: E402
 from dattri_ds.recipe import Recipe  # noqa: E402
 
-#: Every registered attribution method (``class M(Attributor, name="m")``), sorted.
-METHODS = tuple(sorted(registered_attributors()))
-#: The default: the most faithful at its cost in ``tools/lds.py`` (docs/attribution_fidelity.md).
-DEFAULT_METHOD = "ekfac-trajectory"
+__all__ = ["build_parser", "main", "DEFAULT_METHOD"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,26 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--store", required=True,
                    help="a gradient store, or a folder of per-checkpoint stores (collect --out)")
     p.add_argument("--queries", required=True, help="jsonl of query texts")
-    add_flag(p, "--query-max-docs", int, ge=1,
-             default=None)
-    p.add_argument("--method", choices=METHODS, default=DEFAULT_METHOD,
-                   help="attribution method (trajectories need a store and, for curvature, "
-                        "factors per checkpoint)")
-    p.add_argument("--weighting", choices=["lr", "uniform", "normalized"], default=None,
-                   help="trajectory methods: checkpoint weights (default: the method's, lr "
-                        "for tracin, normalized for the curvature trajectories)")
     add_checkpoint_args(p, "checkpoints to score (trajectories: default every stored one; "
                            "others: one tag, default the newest stored)")
     p.add_argument("--factors", help="curvature methods: factors file from tools/fit.py, or "
                    "a folder of <tag>.pt (tools/fit.py --checkpoint all) for trajectories")
-    add_flag(p, "--top-k", int, ge=1, default=10)
-    add_flag(p, "--block-rows", int, ge=1, default=1024)
-    p.add_argument("--truncate", action="store_true",
-                   help="score the first context-many tokens of queries longer than the "
-                        "model's context (default: error)")
-    p.add_argument("--per-token", action="store_true",
-                   help="also score every query token: per_token.npy [N, Q, T] and "
-                        "query_tokens.json (the report colours query tokens by influence)")
+    add_flags(p, ATTRIBUTE)  # Recipe.method (the attributor registry), weighting, options
     p.add_argument("--out", required=True)
     p.add_argument("--force", action="store_true", help="replace an earlier attribution in --out")
     return p
@@ -213,8 +194,10 @@ def _factors(args, tag: str, proj):
     factors = KFACFactors.load(path, projector=Projector(proj) if proj else None)
     if proj is not None and all(lf.projection is None for lf in factors.layers.values()):
         logger.warning("%s: exact factors on a %s-projected store of raw gradients: the query "
-                       "is preconditioned exactly, then projected, which loses most of the "
-                       "curvature's fidelity (LDS ~0.05 of 0.67, docs/attribution_fidelity.md); "
+                       "is preconditioned exactly, then projected, which can lose most of "
+                       "the curvature's fidelity on the layers the projection compresses "
+                       "(18-28%% of the exact LDS at sparse k = 1024 on tools/lds.py, "
+                       "docs/attribution_fidelity.md); "
                        "collect whitened rows instead (tools/collect.py --factors "
                        "%s: >= 90%% of the exact LDS)", path, proj.kind, args.factors)
     return factors

@@ -122,6 +122,10 @@ class Run:
                               f"objects, got {str(ckpts)[:80]}: {hint}")
         return ckpts
 
+    def folder(self, tag: str) -> Path:
+        """The folder of checkpoint ``tag`` (``checkpoints/<tag>``)."""
+        return self.root / "checkpoints" / tag
+
     def checkpoint(self, tag: str) -> dict:
         for c in self.trajectory():
             if c["tag"] == tag:
@@ -251,7 +255,7 @@ def add_checkpoint_args(p, selects: str | None = "checkpoints") -> None:
     """``--checkpoints`` (Hugging Face checkpoint folders, or with --run-dir / --model the
     tags to read: ``selects`` says what that choice is for) and ``--steps`` / ``--lrs``
     (each folder's step and learning rate when it has no ``trainer_state.json``)."""
-    also = f"; with --run-dir / --model: the {selects} to read (all | last | tag,tag)" \
+    also = f"; with --run-dir / --model, tags instead (all | last | tag,tag): {selects}" \
         if selects else ""
     p.add_argument("--checkpoints", nargs="+", default=None, metavar="DIR",
                    help="Hugging Face checkpoint folders of one training run (or a quoted "

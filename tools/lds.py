@@ -68,6 +68,7 @@ from dattri_ds.data import (
 )
 from dattri_ds.errors import ConfigError
 from dattri_ds.eval import lds, predicted, retrain_losses, subset_masks, tfidf_scores
+from dattri_ds.methods import registered_attributors
 from dattri_ds.recipe import Recipe
 from dattri_ds.ops.projection import KINDS, Projector, projection_kind
 from dattri_ds.schema import add_flag
@@ -75,13 +76,16 @@ from dattri_ds.schema import add_flag
 logger = logging.getLogger("dattri_ds.tools.lds")
 
 ROOT = Path(__file__).resolve().parents[1]
-METHODS = ("graddot", "gradcos", "tracin", "kfac", "ekfac", "kfac-trajectory", "ekfac-trajectory")
+#: Every registered attribution method (``class M(Attributor, name="m")``): plain ones first,
+#: then curvature, trajectories after single checkpoints.
+METHODS = tuple(sorted(registered_attributors(), key=lambda m: (
+    Recipe(method=m).curvature, Recipe(method=m).trajectory, m)))
 #: Model-free reference rows (exact setting only): TF-IDF of character n-grams
 #: (``dattri_ds.eval.tfidf_scores``), the text-overlap baseline of the issue-14 benchmark.
 BASELINES = ("tfidf",)
 #: What ``tools/attribute.py`` runs by default (chosen by this table: docs/attribution_fidelity.md).
 DEFAULT_METHOD = "ekfac-trajectory"
-CURVATURE = ("kfac", "ekfac", "kfac-trajectory", "ekfac-trajectory")
+CURVATURE = tuple(m for m in METHODS if Recipe(method=m).curvature)
 #: Projection settings: every kind of the projection registry, LoGra, and whitened rows.
 SETTING_KINDS = KINDS + ("logra",) + tuple(f"whitened-{k}" for k in KINDS)
 #: Settings that only curvature methods have (factors in the projected space, or whitened).
@@ -465,8 +469,7 @@ def score_all(grads: list[dict], args: argparse.Namespace,
             for damping, power in combos:
                 t0 = time.process_time()
                 values = attribute(method, setting, grads, args, damping, power)
-                used = grads if method == "tracin" or method.endswith("-trajectory") \
-                    else grads[-1:]
+                used = grads if Recipe(method=method).trajectory else grads[-1:]
                 seconds = time.process_time() - t0 + sum(g["seconds"] for g in used)
                 if curvature:
                     damping = KFACConfig().damping if damping is None else damping

@@ -29,3 +29,109 @@ def test_run_or_model_required():
 
     with pytest.raises(ConfigError, match="exactly one of --run-dir.*--model"):
         collect.main(["--out", "o"])
+
+
+#: Every flag collect, fit and attribute had before their flags were generated, with its
+#: default: generation must keep each name and default.
+KEPT = {
+    "collect": {"--projection": "auto", "--projection-dim": 4096, "--seed": 0, "--whiten": None,
+                "--dtype": "float32", "--flush-every": 256, "--batch-size": 8,
+                "--max-docs": None, "--data": "data/corpus/train.jsonl", "--factors": None,
+                "--checkpoints": None},
+    "fit": {"--projection-dim": None, "--seed": None, "--damping": None,
+            "--damping-mode": None, "--power": None, "--kfac-only": False, "--batch-size": 8,
+            "--max-docs": None, "--checkpoint": None, "--store": None, "--force": False},
+    "attribute": {"--method": "ekfac-trajectory", "--weighting": None, "--top-k": 10,
+                  "--block-rows": 1024, "--truncate": False, "--per-token": False,
+                  "--query-max-docs": None, "--checkpoints": None, "--factors": None,
+                  "--force": False},
+}
+
+
+def _actions(tool: str) -> dict:
+    import importlib
+
+    p = importlib.import_module(f"dattri_ds.tools.{tool}").build_parser()
+    return {s: a for a in p._actions for s in a.option_strings}
+
+
+@pytest.mark.parametrize("tool", sorted(KEPT))
+def test_existing_flags_keep_their_names_and_defaults(tool):
+    """Generating the flags from the config dataclasses kept every flag and default."""
+    actions = _actions(tool)
+    for flag, default in KEPT[tool].items():
+        assert flag in actions, (tool, flag)
+        assert actions[flag].default == default, (tool, flag, actions[flag].default)
+
+
+@pytest.mark.parametrize("tool,table", [("collect", "COLLECT"), ("fit", "FIT"),
+                                        ("attribute", "ATTRIBUTE")])
+def test_flags_are_generated_from_config_fields(tool, table):
+    """Each config flag takes its type, range, choices and default from its dataclass field:
+    a ``Literal`` field's choices are its values, a registry-checked field's are the
+    registry's names (attribute --method: every registered attributor), a numeric one
+    parses by the field's rule, and every field of the tool's own options dataclass has a
+    flag. Breaks if a flag table is written by hand again and drifts from the fields."""
+    import dataclasses
+    import typing
+
+    from dattri_ds.methods import registered_attributors
+    from dattri_ds.ops.projection import KINDS
+    from dattri_ds.schema import FlagType
+    from dattri_ds.tools import configs
+
+    actions = _actions(tool)
+    flags = getattr(configs, table)
+    for spec in flags:
+        a = actions[spec.name]
+        hint = typing.get_type_hints(spec.cls)[spec.field]
+        base = [m for m in typing.get_args(hint) if m is not type(None)] or [hint]
+        if typing.get_origin(hint) is typing.Literal:
+            base = [hint]
+        if typing.get_origin(base[0]) is typing.Literal:
+            assert a.choices == list(typing.get_args(base[0])), spec.name
+        elif base[0] in (int, float):
+            assert isinstance(a.type, FlagType) and a.type.hint is base[0], spec.name
+            f = next(f for f in dataclasses.fields(spec.cls) if f.name == spec.field)
+            assert a.type.meta.get("bounds") == f.metadata.get("bounds"), spec.name
+    owned = {"collect": configs.CollectOptions, "fit": configs.FitOptions,
+             "attribute": configs.AttributeOptions}[tool]
+    for f in dataclasses.fields(owned):
+        assert "--" + f.name.replace("_", "-") in actions, f.name
+    if tool == "attribute":
+        assert actions["--method"].choices == sorted(registered_attributors())
+    if tool == "collect":
+        assert actions["--projection"].choices == list(KINDS)
+
+
+def test_a_new_option_field_is_a_new_flag():
+    """A field added to a tool's options dataclass becomes a strict flag with its default and
+    range, with no flag table edited."""
+    import argparse
+    from dataclasses import dataclass, field
+
+    from dattri_ds.schema import bounds
+    from dattri_ds.tools.configs import add_flags, option_flags, options
+
+    @dataclass(frozen=True, kw_only=True)
+    class Toy:
+        block_size: int = field(default=3, metadata=bounds(ge=2))
+        """Rows per block."""
+        verbose: bool = False
+        """Say more."""
+
+    p = argparse.ArgumentParser()
+    add_flags(p, option_flags(Toy))
+    assert options(p.parse_args([]), Toy) == Toy()
+    assert options(p.parse_args(["--block-size", "5", "--verbose"]), Toy) == Toy(
+        block_size=5, verbose=True)
+    with pytest.raises(SystemExit):
+        p.parse_args(["--block-size", "1"])
+
+
+def test_lds_methods_are_the_registry():
+    """tools/lds.py runs every registered attribution method (no copied list)."""
+    from dattri_ds.methods import registered_attributors
+    from dattri_ds.tools import lds
+
+    assert sorted(lds.METHODS) == sorted(registered_attributors())

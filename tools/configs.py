@@ -1,0 +1,253 @@
+"""The flags of collect, fit and attribute, generated from the config dataclasses they set.
+
+Every option of these tools is one field of a frozen config dataclass: a library config
+(``ProjectionConfig``, ``CaptureConfig``, ``StoreConfig``, ``KFACConfig``, ``Recipe``) or
+the tool's own (``CollectOptions``, ``FitOptions``, ``AttributeOptions`` below, for what
+only the tool has: batch sizes, output knobs). :func:`add_flags` adds one flag per field,
+as ``tools/plan.py`` does for ``RunSpec`` and ``tools/curate.py`` for ``CurateConfig``: the
+field's type hint gives the parser (:func:`dattri_ds.schema.field_flag`: strict numbers in
+the declared range; ``Literal`` and registry names as choices; booleans as switches), its
+attribute docstring the help, its default the flag's default. A new field of a tool's
+options is a new flag; the tables below only name the library fields a tool exposes and
+the flag names they have always had (``--seed`` for ``ProjectionConfig.seed``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from dattri_ds.schema import bounds, field_docs, field_flag
+
+__all__ = ["Flag", "add_flags", "values", "options", "CollectOptions", "FitOptions",
+           "AttributeOptions", "COLLECT", "FIT", "ATTRIBUTE", "DEFAULT_METHOD"]
+
+#: attribute's default method: the most faithful at its cost in ``tools/lds.py``
+#: (docs/attribution_fidelity.md).
+DEFAULT_METHOD = "ekfac-trajectory"
+#: A flag default taken from the dataclass field's own default.
+FROM_FIELD: Any = object()
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One config field exposed as a flag.
+
+    Attributes:
+        cls: the config dataclass.
+        field: the field's name.
+        flag: the flag (default ``--<field-with-dashes>``).
+        default: the flag's default (default: the field's; None: "the config's default",
+            left out of the config so that the dataclass's own default applies).
+        choices: a callable returning the allowed names (a registry's), for ``str`` fields
+            that a registry validates.
+        help: a short help text (default: the first sentence of the field's docstring).
+    """
+
+    cls: type
+    field: str
+    flag: str | None = None
+    default: Any = FROM_FIELD
+    choices: Callable[[], Sequence[str]] | None = None
+    help: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.flag or "--" + self.field.replace("_", "-")
+
+    @property
+    def dest(self) -> str:
+        return self.name[2:].replace("-", "_")
+
+
+def _field(cls: type, name: str) -> dataclasses.Field:
+    return next(f for f in dataclasses.fields(cls) if f.name == name)
+
+
+def _field_default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return None
+
+
+def _first_sentence(doc: str) -> str:
+    text = " ".join(doc.split())
+    cut = text.find(". ")
+    return text if cut < 0 else text[:cut + 1]
+
+
+def _members(hint: Any) -> list[Any]:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return [a for a in typing.get_args(hint) if a is not type(None)]
+    return [hint]
+
+
+def add_flags(p: argparse.ArgumentParser, flags: Sequence[Flag]) -> None:
+    """One argparse flag per entry of ``flags``, derived from its dataclass field."""
+    for spec in flags:
+        f = _field(spec.cls, spec.field)
+        hint = typing.get_type_hints(spec.cls)[spec.field]
+        base = _members(hint)[0]
+        default = _field_default(f) if spec.default is FROM_FIELD else spec.default
+        doc = spec.help or _first_sentence(field_docs(spec.cls).get(spec.field, ""))
+        own = _field_default(f)
+        said = (f"default {default!r}" if default is not None or own is None
+                else f"default: the config's {own!r}")
+        text = f"{doc} ({spec.cls.__name__}.{spec.field}; {said})"
+        if base is bool:
+            p.add_argument(spec.name, dest=spec.dest, action="store_true", default=default,
+                           help=text)
+        elif typing.get_origin(base) is Literal or spec.choices is not None:
+            choices = list(spec.choices()) if spec.choices else list(typing.get_args(base))
+            p.add_argument(spec.name, dest=spec.dest, choices=choices, default=default,
+                           help=text)
+        elif base in (int, float):
+            p.add_argument(spec.name, dest=spec.dest, default=default, help=text,
+                           type=field_flag(spec.cls, spec.field, name=spec.name))
+        else:
+            p.add_argument(spec.name, dest=spec.dest, default=default, help=text)
+
+
+def values(args: argparse.Namespace, flags: Sequence[Flag], cls: type) -> dict[str, Any]:
+    """``{field: value}`` of the flags that set fields of ``cls`` (flags left at a None
+    default are left out, so the dataclass's own default applies)."""
+    out = {}
+    for spec in flags:
+        if spec.cls is cls:
+            v = getattr(args, spec.dest)
+            if not (v is None and spec.default is None):
+                out[spec.field] = v
+    return out
+
+
+def options(args: argparse.Namespace, cls: type) -> Any:
+    """The tool's own options dataclass ``cls`` from the parsed flags."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def option_flags(cls: type) -> list[Flag]:
+    """One flag per field of a tool's options dataclass (``--<field-with-dashes>``)."""
+    return [Flag(cls, f.name) for f in dataclasses.fields(cls)]
+
+
+# ---- the tools' own options ------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class CollectOptions:
+    """What ``collect`` does besides the library configs it sets."""
+
+    max_docs: int | None = field(default=None, metadata=bounds(ge=1))
+    """Collect the first N documents of --data (default: every one)."""
+
+    batch_size: int = field(default=8, metadata=bounds(ge=1))
+    """Examples per probe pass."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class FitOptions:
+    """What ``fit`` does besides the ``KFACConfig`` and projection it sets."""
+
+    max_docs: int | None = field(default=None, metadata=bounds(ge=1))
+    """Fit on the first N documents of --data (default: every one)."""
+
+    batch_size: int = field(default=8, metadata=bounds(ge=1))
+    """Examples per probe pass."""
+
+    kfac_only: bool = False
+    """Skip the EK-FAC pass (K-FAC factors only)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttributeOptions:
+    """What ``attribute`` does besides the ``Recipe`` it runs."""
+
+    query_max_docs: int | None = field(default=None, metadata=bounds(ge=1))
+    """Score the first N documents of --queries (default: every one)."""
+
+    top_k: int = field(default=10, metadata=bounds(ge=1))
+    """Proponents and opponents per query in topk.json."""
+
+    block_rows: int = field(default=1024, metadata=bounds(ge=1))
+    """Store rows streamed per block (memory: one block, the queries and the [N, Q] result)."""
+
+    truncate: bool = False
+    """Score the first context-many tokens of queries longer than the model's context
+    (default: error)."""
+
+    per_token: bool = False
+    """Also score every query token: per_token.npy [N, Q, T] and query_tokens.json (the
+    report colours query tokens by influence)."""
+
+
+# ---- which library fields each tool exposes, under the names its flags always had -------
+
+def _projection_kinds() -> Sequence[str]:
+    from dattri_ds.ops.projection import KINDS
+
+    return KINDS
+
+
+def _methods() -> Sequence[str]:
+    from dattri_ds.methods import registered_attributors
+
+    return sorted(registered_attributors())
+
+
+def _weightings() -> Sequence[str]:
+    from dattri_ds.methods.tracin import WEIGHTINGS
+
+    return WEIGHTINGS
+
+
+def _library_flags():
+    from dattri_ds import CaptureConfig, KFACConfig, ProjectionConfig
+    from dattri_ds.recipe import Recipe
+    from dattri_ds.store import StoreConfig
+
+    collect = [
+        Flag(ProjectionConfig, "kind", "--projection", choices=_projection_kinds,
+             help="projection kind (ops/projection.py registry)"),
+        Flag(ProjectionConfig, "dim", "--projection-dim",
+             help="per-layer size k (docs/attribution_fidelity.md: fidelity per byte)"),
+        Flag(ProjectionConfig, "seed", "--seed", help="projection seed"),
+        Flag(CaptureConfig, "whiten",
+             help="whiten rows by each checkpoint's factors before projecting (for --method "
+                  "kfac/ekfac[-trajectory]; default: ekfac when --factors is given, else "
+                  "plain rows)"),
+        Flag(StoreConfig, "dtype"),
+        Flag(StoreConfig, "flush_every", default=256),
+    ]
+    fit = [
+        Flag(ProjectionConfig, "dim", "--projection-dim", default=None,
+             help="Kronecker projection size (default: exact, or from --store)"),
+        Flag(ProjectionConfig, "seed", "--seed", default=None,
+             help="Kronecker projection seed (default: 0, or from --store)"),
+        Flag(KFACConfig, "damping", default=None),
+        Flag(KFACConfig, "damping_mode", default=None),
+        Flag(KFACConfig, "power", default=None),
+    ]
+    attribute = [
+        Flag(Recipe, "method", default=DEFAULT_METHOD, choices=_methods,
+             help="attribution method (trajectories need a store and, for curvature, "
+                  "factors per checkpoint)"),
+        Flag(Recipe, "weighting", choices=_weightings,
+             help="trajectory methods: checkpoint weights (default: the method's, lr for "
+                  "tracin, normalized for the curvature trajectories)"),
+    ]
+    return collect, fit, attribute
+
+
+_COLLECT, _FIT, _ATTRIBUTE = _library_flags()
+#: collect's flags: projection, whitening and store dtype/flush, then its own options.
+COLLECT: list[Flag] = _COLLECT + option_flags(CollectOptions)
+#: fit's flags: the Kronecker projection and KFACConfig, then its own options.
+FIT: list[Flag] = _FIT + option_flags(FitOptions)
+#: attribute's flags: the Recipe's method and weighting, then its own options.
+ATTRIBUTE: list[Flag] = _ATTRIBUTE + option_flags(AttributeOptions)
