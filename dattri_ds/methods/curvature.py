@@ -16,7 +16,10 @@ What is supported:
   accumulated from the store rows themselves; queries may be factorized (projected on the
   fly) or projected rows;
 * dense-projected factorized layers (``kind="dense"``) are refused (no Kronecker structure);
-  layernorm/rmsnorm use the diagonal Fisher on whatever rows are stored.
+* layernorm/rmsnorm (dense-only rows of ``W`` values) get their exact empirical Fisher block
+  ``[W, W]`` when ``W <= KFACConfig.full_max`` (form ``full``, the default for norms up to
+  1024 values), the diagonal Fisher only when wider (form ``diagonal``;
+  ``ops/factor_forms.py``).
 """
 
 from __future__ import annotations
