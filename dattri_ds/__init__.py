@@ -9,7 +9,7 @@ from dattri_ds.config import CaptureConfig
 from dattri_ds.errors import (
     CaptureError, ConfigError, DattriDSError, ShapeError, StoreMismatchError, UnsupportedLayerError,
 )
-from dattri_ds.gradient import Dense, Factorized, GradBatch, LayerGrad, ShardInfo
+from dattri_ds.gradient import Dense, Factorized, GradBatch, LayerGrad, ShardInfo, Space
 from dattri_ds.layers import LayerKind, kind_for, registered_kinds
 from dattri_ds.ops import (
     CostModel, GradAccumulator, ProjectionConfig, Projector, Roofline, cosine, cross_gram,
@@ -28,7 +28,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "GradientCapture", "collect", "Spill", "CaptureConfig", "ProjectionConfig", "TrainingCallback",
-    "Factorized", "Dense", "LayerGrad", "GradBatch", "ShardInfo",
+    "Factorized", "Dense", "LayerGrad", "GradBatch", "ShardInfo", "Space",
     "LayerKind", "kind_for", "registered_kinds",
     "CostModel", "Roofline", "Projector", "GradAccumulator",
     "materialize", "layer_cross_gram", "cross_gram", "sq_norms", "norms", "cosine",

@@ -6,7 +6,7 @@ counts are ``stays.py``'s (the shared ``hops.py`` definition) on the scenarios n
 file: a 1-layer GPT-2 (10 captured layers), one batch of 4 x 16 tokens.
 
 Measured when the bounds were set: ``fit_factors`` (EK-FAC: two passes and an
-eigendecomposition) 118 stays in 11 files (542 before the layer kind and factor form
+eigendecomposition) 128 stays in 11 files (542 before the layer kind and factor form
 travelled as objects); ``collect`` (one batch, including the capture's set-up, which asks
 every registered kind whether it matches each module that holds parameters) 200 stays in 11
 files. A regression that re-resolves names per access, or adds a hop per layer, breaks them.
