@@ -370,7 +370,8 @@ def test_source_errors_name_the_flag_that_fixes_them(tmp_path, capsys):
     reads it), a run folder without resolved_dattri_ds_config.json (-> --seq-len),
     --steps of another length than the folders, a folder without trainer_state.json
     (-> --steps), folders given with --run-dir (-> --checkpoints without it). The two
-    folder errors never send the user to the flag that just refused the folder."""
+    folder errors never send the user to the flag that just refused the folder, and the
+    flags they name then read the folder."""
     from dattri_ds.cli import run
     from dattri_ds.tools import fit
 
@@ -400,3 +401,11 @@ def test_source_errors_name_the_flag_that_fixes_them(tmp_path, capsys):
         assert flag in fix, (argv, lines[0])
         assert not_fix is None or not_fix not in fix, (argv, lines[0])
         assert not out.exists(), argv
+    # what the errors name works: one model folder under --run-dir, the folders under
+    # --checkpoints (steps by flag), a run folder under --run-dir with --seq-len
+    for argv in (["--run-dir", str(bare)], ["--checkpoints", str(bare), "--steps", "7"],
+                 ["--run-dir", str(hand), "--seq-len", "12"]):
+        out = tmp_path / "ok.pt"
+        assert run(fit.main, [*argv, "--data", data, "--kfac-only", "--out", str(out),
+                              "--force"]) == 0, (argv, capsys.readouterr().err[-2000:])
+        assert out.is_file()
