@@ -14,7 +14,14 @@ layer is scored: the backward must reach the embeddings; ``N / L`` for the top `
 |                      |                        | weight-gradient GEMM per scored layer;     |
 |                      |                        | cosine adds the ghost norms (``norm ~ 1``) |
 | training step        | ``3k``                 | the chosen are forwarded again (no reuse)  |
-| target refresh       | ``n * 2s / r``         | probe forward + backward of the target     |
+| target refresh       | ``n * (1 + 2s) / r``   | forward of the target examples (never      |
+|                      |                        | truncated), backward to the scored blocks, |
+|                      |                        | one weight-gradient GEMM for the dense sum |
+
+The refresh's forward is never truncated: at 64 target documents every 10 steps it costs
+0.8x a plain step with every layer scored and 0.4x with the top block of four (measured
+0.79-0.83x and 0.45-0.47x, benchmarks/selection_step.py, GPT-2 4x256, k = 8), which is what
+is left of a cascade's cost once the probe is small.
 
 At ``C = 2k`` without forward reuse the ratio is at least ``(2 + 2s + 3) / 3``: 2.33x with
 every layer scored, 1.67x as ``s -> 0``. Only reusing the candidates' forward for the
@@ -91,7 +98,8 @@ class StepCost:
         return {"probe forward": p * c, "probe backward": p * c * s,
                 "scoring": p * c * s * (2.0 if self.normalize else 1.0),
                 "training step": (2.0 if self.reuse else 3.0) * k,
-                "target refresh": p * self.target_examples * 2.0 * s / self.refresh_every}
+                "target refresh": p * self.target_examples * (1.0 + 2.0 * s)
+                / self.refresh_every}
 
     def ratio(self) -> float:
         """Predicted selection step / plain step (``3k``)."""

@@ -107,8 +107,8 @@ def test_step_cost_units_and_probe_share():
     plan = StepCost(candidates=16, trained=8, share=0.25, normalize=True, target_examples=64,
                     refresh_every=10)
     assert plan.units() == {"probe forward": 16.0, "probe backward": 4.0, "scoring": 8.0,
-                            "training step": 24.0, "target refresh": 3.2}
-    assert plan.ratio() == pytest.approx(55.2 / 24)
+                            "training step": 24.0, "target refresh": 9.6}
+    assert plan.ratio() == pytest.approx(61.6 / 24)
     assert plan.bound() == pytest.approx(44 / 24)
     model = tiny_gpt2(n_layer=3)
     every = [n for n, _ in model.named_modules() if n.startswith("transformer.")]
