@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dattri_ds.distributed import ParallelContext, all_reduce_sum
 from dattri_ds.errors import ConfigError
 from dattri_ds.selection.content import ContentPrior, ContentRanking
 from dattri_ds.selection.policy import top_k
@@ -122,12 +123,18 @@ class Cascade:
         self.stats["probed"] += positions.numel()
         return positions, PriorText.subset(text, positions, content)
 
-    def summary(self) -> dict:
-        """This rank's shortlist statistics (``probed_share``: probed / candidates)."""
-        st = self.stats
-        return {"shortlist": self.multiple, "micro_batches": st["steps"],
-                "candidates": st["candidates"], "probed": st["probed"],
-                "probed_share": st["probed"] / max(1, st["candidates"])}
+    def summary(self, ctx: ParallelContext | None = None,
+                device: torch.device | str = "cpu") -> dict:
+        """The shortlist statistics summed over the data-parallel ranks (collective when
+        ``ctx`` has several; ``probed_share``: probed / candidates)."""
+        ctx = ctx or ParallelContext()
+        keys = ("steps", "candidates", "probed")
+        t = torch.tensor([float(self.stats[k]) for k in keys], dtype=torch.float64,
+                         device=device)
+        steps, cands, probed = (int(round(v)) for v in
+                                all_reduce_sum(t, ctx.dp_group, ctx.dp_world).tolist())
+        return {"shortlist": self.multiple, "micro_batches": steps, "candidates": cands,
+                "probed": probed, "probed_share": probed / max(1, cands)}
 
 
 def cascade_for(config: SelectionConfig, stages: list[Ranker],

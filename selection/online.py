@@ -677,21 +677,11 @@ class OnlineSelector:
                 "mean_candidate_score": st["score_sum"] / max(1, st["candidates"]),
                 "mean_chosen_score": st["chosen_score_sum"] / max(1, st["chosen"]),
                 "target_refreshes": getattr(self.rows, "refreshes", 0),
-                **({"cascade": self._cascade_summary(local.device)}
+                **({"cascade": self.cascade.summary(self.ctx, local.device)}
                    if self.cascade is not None else {}),
                 **({"controller": self.controller.summary()}
                    if self.controller is not None else {}),
                 **({"held_out_check": self.check.summary()} if self.check is not None else {})}
-
-    def _cascade_summary(self, device: torch.device) -> dict:
-        """The cascade's statistics summed over the data-parallel ranks (collective)."""
-        mine = self.cascade.summary()
-        keys = ("micro_batches", "candidates", "probed")
-        t = torch.tensor([float(mine[k]) for k in keys], dtype=torch.float64, device=device)
-        total = all_reduce_sum(t, self.ctx.dp_group, self.ctx.dp_world).tolist()
-        out = {"shortlist": mine["shortlist"], **{k: int(round(v)) for k, v in zip(keys, total)}}
-        out["probed_share"] = out["probed"] / max(1, out["candidates"])
-        return out
 
     def close(self) -> None:
         self.probe.detach()
