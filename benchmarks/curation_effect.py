@@ -24,7 +24,7 @@ its first half scored, 64 of its second half held out) or ``carve:<source>`` (64
 of one corpus source scored, 64 more held out, all 128 removed from the pool); a suffix
 ``@noise<F>`` (``hamlet@noise0.3``) replaces a share F of that target's pool texts by
 shuffled-word copies (a noisy pool, drawn per seed). ``--pool-docs N``: the first N pool
-documents (the corpus is interleaved by source, so every source is there).
+documents in round-robin source order (every source equally; the same N for every seed).
 ``--oracle-only`` trains only on each target's own scored documents (a diagnostic: the best
 in-distribution data of that size). One jsonl line per trained run goes to
 ``<results-dir>/<name>/runs.jsonl``, and every invocation to ``invocations.jsonl``; a
@@ -119,6 +119,20 @@ def _noisy(docs, share: float, seed: int):
     return out
 
 
+def _interleave(docs) -> list:
+    """The pool in round-robin source order (source 1's first document, source 2's first,
+    ..., then every source's second ...), so that its first N documents hold every source
+    equally (Setup lists the pool source by source)."""
+    by: dict[str, list] = {}
+    for d in docs:
+        by.setdefault(d.source, []).append(d)
+    out, i = [], 0
+    while len(out) < len(docs):
+        out += [v[i] for v in by.values() if i < len(v)]
+        i += 1
+    return out
+
+
 def parse_target(spec: str) -> tuple[str, float]:
     """``"hamlet"`` -> ("hamlet", 0); ``"hamlet@noise0.3"`` -> ("hamlet", 0.3): the target
     with a pool whose texts are shuffled-word copies with probability 0.3 (per seed)."""
@@ -181,7 +195,8 @@ def run_group(args, seed: int, specs: list[str], log, done: set) -> None:
     root = Path(args.work_dir) if args.work_dir else Path(args.results_dir) / args.name / "work"
     work = root / f"{key[0].replace(':', '-')}-noise{key[1]}-s{seed}"
     work.mkdir(parents=True, exist_ok=True)
-    pool = list(setup.pool.docs)[:args.pool_docs] if args.pool_docs else list(setup.pool.docs)
+    pool = _interleave(setup.pool.docs)[:args.pool_docs] if args.pool_docs else \
+        list(setup.pool.docs)
     if key[1]:
         pool = _noisy(pool, key[1], seed)
     pool_file = _write(work / "pool.jsonl", pool)
@@ -304,6 +319,30 @@ def summarize(path: Path) -> str:
     return "\n".join(lines)
 
 
+def goals(path: Path, method: str = "combined") -> str:
+    """The issue's goals per target for ``method``: at 10% ahead of random and of DSIR by
+    more than 2 s.e. (paired target-loss difference < -2 s.e.), at 5% no worse than the full
+    pool (difference <= 0, or within 2 s.e. of 0)."""
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    by = {(r["target"], r["fraction"], r["variant"], r["seed"]): r["target_loss"] for r in rows}
+    lines = [f"\n### Goals ({method})", "",
+             "| target | 10%: - random | 10%: - dsir | 5%: - full | met |",
+             "|---|---|---|---|---|"]
+
+    def diff(t, f, ref, fref):
+        return [by[(t, f, method, s)] - by[(t, fref, ref, s)] for (tt, ff, v, s) in by
+                if (tt, ff, v) == (t, f, method) and (t, fref, ref, s) in by]
+
+    for t in sorted({r["target"] for r in rows}):
+        d = [diff(t, 0.1, "random", 0.1), diff(t, 0.1, "dsir", 0.1), diff(t, 0.05, "full", 1.0)]
+        ok = [bool(x) and len(x) > 1 and sum(x) / len(x) < -2 * _se(x) for x in d[:2]]
+        ok.append(bool(d[2]) and len(d[2]) > 1 and sum(d[2]) / len(d[2]) <= 2 * _se(d[2]))
+        lines.append(f"| {t} | " + " | ".join(_cell(x) for x in d) + " | "
+                     + ", ".join(n for n, o in zip(("random", "dsir", "full"), ok) if o)
+                     + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     args = parse(argv)
     out = Path(args.results_dir) / args.name
@@ -311,6 +350,8 @@ def main(argv=None) -> None:
     runs = out / "runs.jsonl"
     if args.summarize:
         print(summarize(runs))
+        for m in args.methods:
+            print(goals(runs, m))
         return
     with open(out / "invocations.jsonl", "a") as fh:  # every (re)start, resumed or not
         fh.write(json.dumps({**vars(args), "argv": sys.argv,
