@@ -195,3 +195,18 @@ def test_bad_cascade_settings_fail_at_start():
     with pytest.raises(ConfigError):
         SelectionConfig(shortlist=0)
     assert SelectionConfig.from_dict({"shortlist": 1.5}).shortlist == 1.5
+
+
+def test_repeat_cap_applies_before_the_shortlist():
+    """With max_repeats=1 and the same candidates twice, the examples trained at the first
+    step go to the end of the content ranking, so the second shortlist holds none of them
+    (there are enough others): the probe is not spent on candidates the cap rules out."""
+    model, tgt = tiny_gpt2(seed=0), _docs(6, 7)
+    ids = _docs(12, 9)
+    ids[:6, :4] = tgt[0, :4]
+    sel = _selector(model, tgt, shortlist=1.0, uniform_mix=0.0, max_repeats=1)
+    first = sel.select(_batch(ids), 3, 0)
+    second = sel.select(_batch(ids), 3, 1)
+    sel.close()
+    assert not set(first.indices.tolist()) & set(second.probed.tolist())
+    assert not set(first.indices.tolist()) & set(second.indices.tolist())
