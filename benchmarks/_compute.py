@@ -285,6 +285,22 @@ def markdown_tables(rows: list[tuple]) -> str:
             f"{sum(junk.get(k, 0) for k in held):.1%} ({sum(rjunk.get(k, 0) for k in held):.1%}) | "
             + ", ".join(f"{k} {junk.get(k, 0):.1%}" for k in held) +
             f" | {clean:.1%} ({rclean:.1%}) |")
+    ctrl_rows = []
+    for target, mult, name, steps, seeds, c, runs in rows:
+        reps = [(r.get("controller") or {}).get("controller") for r in runs[name]]
+        reps = [x for x in reps if x]
+        if not reps:
+            continue
+        arms = sorted({a for x in reps for a in x.get("arms", {})})
+        mix = {a: statistics.mean(x["arms"].get(a, {}).get("steps", 0) for x in reps)
+               for a in arms}
+        total = sum(mix.values()) or 1
+        ctrl_rows.append(f"| {target} | {mult:g}x | {name} | {len(reps)} | " + ", ".join(
+            f"{a} {mix[a] / total:.0%}" for a in arms) + " | " + ", ".join(
+            str(x.get("favoured")) for x in reps) + " |")
+    if ctrl_rows:
+        out += ["", "| target | mult | variant | seeds | controller's step mix (mean) | "
+                "favoured arm at the end (per seed) |", "|" + "---|" * 6] + ctrl_rows
     if junk_rows:
         out += ["", "| target | mult | variant | seeds | junk share, tuning kinds (random) | "
                 "by kind | junk share, held-out kinds (random) | by kind | clean in-domain "
