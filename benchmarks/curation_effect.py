@@ -86,6 +86,9 @@ def parse(argv=None) -> argparse.Namespace:
                         "before the next pool (a cut-short run leaves whole targets)")
     p.add_argument("--oracle-only", action="store_true",
                    help="diagnostic: train only on each target's scored documents")
+    p.add_argument("--oracle-docs", type=int, default=None,
+                   help="with --oracle-only: only the first N scored documents (variant "
+                        "oracle<N>, logged at fraction N / pool)")
     return p.parse_args(argv)
 
 
@@ -212,11 +215,14 @@ def run_group(args, seed: int, specs: list[str], log, done: set) -> None:
         return any((lab, fraction, variant, seed) not in done for lab in labels)
 
     if args.oracle_only:  # diagnostic: train on the target's own scored documents
+        n = args.oracle_docs
+        variant = "oracle" if n is None else f"oracle{n}"
         for s, st in setups.items():
-            if todo("oracle", len(st.score.docs) / len(pool), (s,)):
-                emit(_train({s: st}, list(st.score.docs), seed, args.steps, args,
-                            work / f"train-oracle-{s.replace(':', '-')}"),
-                     variant="oracle", fraction=len(st.score.docs) / len(pool))
+            docs = list(st.score.docs)[:n]
+            if todo(variant, len(docs) / len(pool), (s,)):
+                emit(_train({s: st}, docs, seed, args.steps, args,
+                            work / f"train-{variant}-{s.replace(':', '-')}"),
+                     variant=variant, fraction=len(docs) / len(pool))
         return
     warm = work / "warm"
     t0 = time.perf_counter()
