@@ -230,8 +230,10 @@ def main() -> None:
         pr.join()
     steps, note = results[0]
     mode = "plain torch + AdamW, 1 process" if args.world == 1 else "ZeRO-3, 2 gloo ranks"
+    multiple = dict(kv.split("=", 1) for kv in args.set).get(
+        "candidate_multiple", "2")  # the benchmark's own default (scfg below)
     print(f"{mode}; GPT-2 {args.layers}x{args.width}, vocab {args.vocab}, T={args.T}, "
-          f"micro-batch {args.micro}, 2x candidates, {args.target_docs} target docs, "
+          f"micro-batch {args.micro}, {multiple}x candidates, {args.target_docs} target docs, "
           f"selection overrides {args.set or 'none (defaults)'}; {args.steps} steps; "
           f"{environment()}")
     if note:
