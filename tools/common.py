@@ -138,14 +138,9 @@ class Run:
         tags = [c["tag"] for c in self.trajectory()]
         if not tags:
             raise ConfigError(f"No checkpoints in {self.root / 'checkpoints'}")
-        if wanted in (None, "all"):
-            return tags
-        if wanted == "last":
-            return tags[-1:]
-        chosen = [t.strip() for t in wanted.split(",") if t.strip()]
-        for t in chosen:
-            self.checkpoint(t)
-        return chosen
+        from dattri_ds.tools.hf_checkpoints import pick_tags
+
+        return pick_tags(tags, wanted, self.checkpoint)
 
     @property
     def run_id(self) -> str | None:

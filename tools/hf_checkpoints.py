@@ -97,6 +97,20 @@ def trainer_state(folder: Path) -> tuple[int | None, float | None]:
     return step, lr
 
 
+def pick_tags(tags: list[str], wanted: str | None, check) -> list[str]:
+    """The checkpoint tags ``wanted`` names among ``tags`` (oldest first): ``all``/None ->
+    every one, ``last`` -> the newest, else a comma list, each passed to ``check`` (which
+    raises ConfigError for a tag that is not there)."""
+    if wanted in (None, "all"):
+        return tags
+    if wanted == "last":
+        return tags[-1:]
+    chosen = [t.strip() for t in wanted.split(",") if t.strip()]
+    for t in chosen:
+        check(t)
+    return chosen
+
+
 @dataclass(frozen=True)
 class HFCheckpoints:
     """Hugging Face checkpoint folders of one training run, ordered by step, as a tool source.
@@ -200,15 +214,7 @@ class HFCheckpoints:
 
     def tags(self, wanted: str | None) -> list[str]:
         """``all``/None -> every listed checkpoint, ``last`` -> the newest, else a comma list."""
-        tags = [e["tag"] for e in self.entries]
-        if wanted in (None, "all"):
-            return tags
-        if wanted == "last":
-            return tags[-1:]
-        chosen = [t.strip() for t in wanted.split(",") if t.strip()]
-        for t in chosen:
-            self._index(t)
-        return chosen
+        return pick_tags([e["tag"] for e in self.entries], wanted, self._index)
 
     @property
     def run_id(self) -> None:
