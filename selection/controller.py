@@ -22,9 +22,10 @@ by default) in the same window removes what the stretch of training itself contr
 **Allocation.** The first window splits blocks evenly. Afterwards each arm keeps its floor
 and the remaining blocks of the window go to the arm with the highest lower confidence
 bound ``mean(d_a) - se(d_a)`` (exponentially weighted over windows, ``DECAY`` per window;
-the reference's bound is 0; an arm with fewer than two windows has none). A costlier arm
-must thus show a gain per CPU-second above the reference's by more than its standard
-error before it gets more than its floor. All inputs are reduced over ranks, so every rank
+the reference's bound is 0; after one window, before a standard error exists, the point
+estimate ``d_a``). From the third window on, a costlier arm must show a gain per
+CPU-second above the reference's by more than its standard error to get more than its
+floor. All inputs are reduced over ranks, so every rank
 makes the same choices; the order within a window is seeded by the window's index.
 """
 
@@ -47,6 +48,13 @@ Batch = dict[str, torch.Tensor]
 
 DECAY = 0.8
 """Weight of a window's paired difference per later window (effective memory ~5 windows)."""
+
+
+def _bound(mean: float, se: float) -> float:
+    """``mean - se``, or ``mean`` while ``se`` is unknown (one window: with the lower bound
+    at -inf every costlier arm would wait a second window behind the reference, and a
+    short run, two windows, would never leave it)."""
+    return mean - se if math.isfinite(se) else mean
 
 
 def window_counts(arms: tuple[str, ...], window: int, floor_blocks: int,
@@ -121,12 +129,13 @@ class Allocator:
         return mean, math.sqrt(var / max(n_eff - 1, 1e-9))
 
     def best(self) -> str | None:
-        """The arm with the highest lower bound (the reference's is 0); None before any
-        window completed."""
+        """The arm with the highest lower bound (the reference's is 0; an arm with one
+        window has no standard error yet and is judged by its point estimate); None before
+        any window completed."""
         if self.windows == 0:
             return None
-        bounds = {a: 0.0 if a == self.arms[0] else
-                  (lambda m, se: m - se)(*self.estimate(a)) for a in self.arms}
+        bounds = {a: 0.0 if a == self.arms[0] else _bound(*self.estimate(a))
+                  for a in self.arms}
         return max(self.arms, key=lambda a: (bounds[a], -self.arms.index(a)))
 
     def record(self, arm: str, gain: float, cost: float, steps: int) -> None:

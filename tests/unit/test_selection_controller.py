@@ -88,6 +88,17 @@ def test_allocation_is_deterministic_and_conservative():
     assert alloc.history[-1]["gradient"] == 1
 
 
+def test_second_window_follows_the_first_windows_point_estimate():
+    """With one finished window an arm's advantage has no standard error yet; the point
+    estimate decides the second window (a lower bound of -inf would keep every costlier arm
+    at its floor for two windows, the whole of a short run, even when it is clearly better)."""
+    rates = {"uniform": (1.0, 1.0), "content": (3.0, 1.02), "gradient": (2.0, 4.0)}
+    alloc = _simulate(rates, windows=1, noise=0.0)
+    assert alloc.windows == 1 and math.isinf(alloc.estimate("content")[1])
+    assert alloc.best() == "content"
+    assert alloc.history[-1] == {"uniform": 1, "content": 8, "gradient": 1}
+
+
 class _Sim:
     """A training run in miniature: the held-out loss falls by the running arm's gain per
     step; a fake CPU clock advances by the arm's cost per step."""
