@@ -176,14 +176,13 @@ class HFCheckpoints:
 
     @property
     def context(self) -> int:
-        from dattri_ds.tools.sources import required_context
-
-        return required_context(self.root / "config.json")
+        """The newest folder's model context (``HFModelDir.context``)."""
+        return self._single().context
 
     @property
     def seq_len(self) -> int:
         """The model's context (``--seq-len`` overrides it in the tools)."""
-        return self.context
+        return self._single().seq_len
 
     def tokenizer(self):
         return self._single().tokenizer()
