@@ -325,9 +325,7 @@ class OnlineSelector:
         text = _text(batch) if text is None else text
         if not self.rule.needs_probe:  # scored from text alone: no probe, no target refresh
             self.last_kept = None
-            cap = self.probe.config
-            ids = batch_info((), batch, label_shift=cap.label_shift, ignore_index=cap.ignore_index,
-                             user_ids=user_ids).sample_ids
+            ids = self._sample_ids(batch, user_ids)
             grads = GradBatch(step=step, sample_ids=ids, layers={})
             return grads, self._against(grads, None, text)
         rows = self.rows.get(step)
@@ -505,9 +503,7 @@ class OnlineSelector:
         and policy on the shortlist exactly as on a micro-batch of those candidates; the
         uniform share from all candidates; the held-out check on the probed ones."""
         c = batch["input_ids"].shape[0]
-        cap = self.probe.config
-        ids = batch_info((), batch, label_shift=cap.label_shift, ignore_index=cap.ignore_index,
-                         user_ids=user_ids).sample_ids
+        ids = self._sample_ids(batch, user_ids)
         capped = None if self.config.max_repeats is None else \
             torch.isinf(self._capped(ids, torch.zeros(c)))
         short, short_text = self.cascade(text, k, capped)
@@ -549,6 +545,14 @@ class OnlineSelector:
             ranked = stage(ranked, text)
         return ranked
 
+    def _sample_ids(self, batch: Batch, user_ids: list[str] | None) -> tuple[str, ...]:
+        """The candidates' sample ids as the probe would record them (content hashes under
+        the capture's label shift and ignore index, ``user_ids`` as prefixes), without a
+        probe pass."""
+        cap = self.probe.config
+        return batch_info((), batch, label_shift=cap.label_shift, ignore_index=cap.ignore_index,
+                          user_ids=user_ids).sample_ids
+
     def _arm_units(self, arm: str) -> float:
         """The step-cost model's predicted ratio to a plain step of a controller arm."""
         if arm == "gradient":
@@ -559,9 +563,7 @@ class OnlineSelector:
                         user_ids: list[str] | None) -> Selection:
         """The controller's ``content`` arm: the content prior ranks all candidates (no
         probe), repeat cap, then the policy and the uniform mix as configured."""
-        cap = self.probe.config
-        ids = batch_info((), batch, label_shift=cap.label_shift, ignore_index=cap.ignore_index,
-                         user_ids=user_ids).sample_ids
+        ids = self._sample_ids(batch, user_ids)
         content = self._prior.scores_of_counts(_text(batch).counts)
         idx = self._choose(self._capped(ids, content), k, None, self._generator(step, ids))
         sel = Selection({n: v[idx.to(v.device)] for n, v in batch.items()}, idx, content,
