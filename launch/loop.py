@@ -325,10 +325,10 @@ def resume(backend: Backend, cfg: RunConfig, out: Path, rank: int) -> LoopState 
     folder = out / "checkpoints" / tag
     selection = None
     if cfg.selection.enabled and SelectionCheckpoint.config_of(folder) is not None:
-        log = backend.selection_log(out)  # read before the selector rewrites its log
-        if log is not None and _writes_log(cfg, backend.ctx):
-            from dattri_ds.selection.online import log_file
+        from dattri_ds.selection.online import log_file, writes_log
 
+        log = backend.selection_log(out)  # read before the selector rewrites its log
+        if log is not None and writes_log(cfg.selection, backend.ctx):
             log = log_file(log, backend.ctx.dp_rank)
         else:
             log = None
@@ -339,13 +339,6 @@ def resume(backend: Backend, cfg: RunConfig, out: Path, rank: int) -> LoopState 
     backend.load(out / "checkpoints", tag)
     logger.info("resuming from %s at step %d", tag, state.step)
     return replace(state, selection=selection)
-
-
-def _writes_log(cfg: RunConfig, ctx: ParallelContext) -> bool:
-    """Whether this rank writes a selection log (as ``OnlineSelector`` decides)."""
-    sc = cfg.selection
-    per_rank = sc.scope != "global" and ctx.dp_world > 1
-    return sc.log_scores and (per_rank or ctx.dp_rank == 0)
 
 
 def train(backend: Backend, cfg: RunConfig, data, out: Path, tok, rank: int,

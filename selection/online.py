@@ -155,6 +155,13 @@ def log_file(log_path: str | Path, dp_rank: int) -> Path:
     return p if dp_rank == 0 else p.with_name(f"{p.stem}.dp{dp_rank}{p.suffix}")
 
 
+def writes_log(config: SelectionConfig, ctx: ParallelContext) -> bool:
+    """Whether this rank writes a selection log: every DP rank under local scope with
+    several ranks, else DP rank 0 only (``log_scores`` on)."""
+    per_rank = config.scope != "global" and ctx.dp_world > 1
+    return config.log_scores and (per_rank or ctx.dp_rank == 0)
+
+
 def _remove_stale_logs(log_path: str | Path, writers: int) -> None:
     """Delete ``<stem>.dp<r><suffix>`` for ``r >= writers`` (files no rank of this run owns)."""
     p = Path(log_path)
@@ -255,8 +262,7 @@ class OnlineSelector:
         if log_path is not None and self.ctx.dp_rank == 0:
             _remove_stale_logs(log_path, self.ctx.dp_world if per_rank else 1)
         self._log = open(log_file(log_path, self.ctx.dp_rank), "w", encoding="utf-8") if (
-            log_path is not None and config.log_scores
-            and (per_rank or self.ctx.dp_rank == 0)) else None
+            log_path is not None and writes_log(config, self.ctx)) else None
         self._trained: dict[str, int] = {}  # content id -> times trained (max_repeats)
         self._draws = 0
         self.stats = {"steps": 0, "candidates": 0, "chosen": 0, "score_sum": 0.0,
