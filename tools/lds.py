@@ -1,7 +1,9 @@
 """Built-in LDS benchmark: attribution methods scored against retraining on random subsets.
 
 A tiny GPT-2 (2 layers, n_embd 64, T = 64, SentencePiece vocabulary 512) is trained on N
-documents of ``data/tiny/train.jsonl``; the queries are Hamlet chunks of
+documents of ``data/tiny/train.jsonl`` (``--model-config``: another architecture, e.g. a
+Llama; ``--tokenizer char``: a character-level vocabulary, about 107 pieces, at T = 128,
+which holds about as much text as T = 64 BPE tokens); the queries are Hamlet chunks of
 ``data/tiny/target.jsonl`` and a few ``data/target/code.jsonl`` functions. Every method
 (``graddot``, ``gradcos``, ``tracin`` and ``kfac-trajectory`` / ``ekfac-trajectory`` over
 checkpoints of the full run, ``kfac``, ``ekfac`` on the final model; all through
@@ -93,6 +95,10 @@ CURVATURE_ONLY = ("logra",) + tuple(f"whitened-{k}" for k in KINDS)
 MODEL = {"model_type": "gpt2", "n_layer": 2, "n_head": 4, "n_embd": 64, "n_positions": 64,
          "activation_function": "gelu_new", "resid_pdrop": 0.0, "embd_pdrop": 0.0,
          "attn_pdrop": 0.0, "tie_word_embeddings": False}
+#: ``--tokenizer`` choices (``train_tokenizer``'s model type) and each one's default T: a
+#: character holds about half the text of a BPE-512 piece on this pool (2.07 chars/piece).
+TOKENIZERS = ("bpe", "char")
+SEQ_LEN = {"bpe": 64, "char": 128}
 #: Query sets of ``--queries`` (``load_data``).
 QUERY_SETS = ("target", "heldout")
 PRESETS = {
@@ -137,7 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tie-embeddings", action="store_true",
                    help="tie the output projection to the token embedding (GPT-2's default)")
     add_flag(p, "--seq-len", int, ge=1,
-             default=64, help="tokens per document (T)")
+             help="tokens per document (T; default: bpe 64, char 128, about the same text); "
+             "the model's positions are raised to T when it has fewer")
+    p.add_argument("--tokenizer", choices=TOKENIZERS, default="bpe",
+                   help="SentencePiece model type trained on the pool: bpe (subwords) or char "
+                   "(one piece per character seen, at most --vocab-size)")
     add_flag(p, "--vocab-size", int, ge=1,
              default=512, help="SentencePiece vocabulary")
     add_flag(p, "--batch-size", int, ge=1,
@@ -175,6 +185,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, k, v)
     if args.lr is None:
         args.lr = 0.1 if args.optimizer == "sgd" else 3e-3
+    if args.seq_len is None:
+        args.seq_len = SEQ_LEN[args.tokenizer]
     try:
         args.projections = [parse_setting(t) for t in str(args.projections).split(",")
                             if t.strip()]
@@ -204,10 +216,19 @@ def evenly_spaced(docs: list[Document], k: int) -> list[Document]:
     return [docs[(2 * i + 1) * len(docs) // (2 * k)] for i in range(k)]
 
 
+#: The position-table size of each ``model_type`` (raised to ``--seq-len`` when smaller).
+POSITIONS = {"gpt2": "n_positions", "llama": "max_position_embeddings"}
+
+
 def model_config(args: argparse.Namespace) -> dict:
-    """The benchmark's model: ``MODEL`` or ``--model-config``; ``--tie-embeddings`` ties."""
+    """The benchmark's model: ``MODEL`` or ``--model-config``; ``--tie-embeddings`` ties;
+    a position table shorter than ``--seq-len`` is lengthened to it."""
     config = MODEL if args.model_config is None else load_model_config(args.model_config)
-    return {**config, **({"tie_word_embeddings": True} if args.tie_embeddings else {})}
+    config = {**config, **({"tie_word_embeddings": True} if args.tie_embeddings else {})}
+    key = POSITIONS.get(config["model_type"])
+    if key in config and config[key] < args.seq_len:
+        config[key] = args.seq_len
+    return config
 
 
 def load_data(args: argparse.Namespace):
@@ -225,7 +246,7 @@ def load_data(args: argparse.Namespace):
                    + evenly_spaced(load_documents(ROOT / "data/target/code.jsonl"),
                                    args.n_code))
     tok = train_tokenizer([d.text for d in pool], vocab_size=args.vocab_size,
-                          cache_dir=args.cache_dir)
+                          model_type=args.tokenizer, cache_dir=args.cache_dir)
     ds = tokenize_documents(pool[:args.n_train], tok, args.seq_len)
     qds = tokenize_documents(queries, tok, args.seq_len)
     return tok, ds, qds
@@ -511,12 +532,14 @@ def main(argv: list[str] | None = None) -> dict:
 SETTINGS = ("n_train", "subsets", "seeds", "epochs", "projections", "methods", "fraction",
             "n_hamlet", "n_code", "queries", "n_heldout", "model_config", "tie_embeddings",
             "seq_len", "vocab_size", "batch_size", "optimizer", "lr", "checkpoints", "dampings",
-            "powers")
+            "powers", "tokenizer")
+#: Values of settings added later, for seeds saved before them (so those are still reused).
+_SAVED_BEFORE = {"tokenizer": "bpe"}
 
 
 def _settings(args: dict) -> str:
     """The benchmark settings of a run's args (JSON), without its seed and output folder."""
-    keep = {k: args.get(k) for k in SETTINGS}
+    keep = {k: args.get(k, _SAVED_BEFORE.get(k)) for k in SETTINGS}
     return json.dumps(json.loads(json.dumps(keep, default=str)), sort_keys=True)
 
 
@@ -567,11 +590,21 @@ def summarize(reports: list[dict], out: Path) -> dict:
         a, e = mean_se(agree)
         head += f"; seed-to-seed agreement of retrained losses {a:+.3f} ± {e:.3f}"
     print(f"\n{head}\n{md}")
-    summary = {"seeds": seeds, "results": rows, "head": head}
+    summary = {"seeds": seeds, "results": rows, "head": head,
+               "regime": reports[0].get("regime")}
     out.mkdir(parents=True, exist_ok=True)
     (out / "lds.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
     (out / "lds.md").write_text(f"{head}\n\n{md}\n", encoding="utf-8")
     return summary
+
+
+def regime(args: argparse.Namespace, tok) -> dict:
+    """What sets a benchmark apart (model family, tokenizer, data, training), for the report."""
+    return {"model_type": model_config(args)["model_type"], "model_config": args.model_config,
+            "tie_embeddings": args.tie_embeddings, "tokenizer": args.tokenizer,
+            "vocab_size": tok.vocab_size, "tokenizer_fingerprint": tok.fingerprint,
+            "seq_len": args.seq_len, "n_train": args.n_train, "queries": args.queries,
+            "optimizer": args.optimizer, "lr": args.lr, "epochs": args.epochs}
 
 
 def run_one(args: argparse.Namespace) -> dict:
@@ -582,9 +615,9 @@ def run_one(args: argparse.Namespace) -> dict:
     t_start = time.time()
 
     tok, ds, qds = load_data(args)
-    logger.info("%d training documents %s, %d queries (%s); T=%d, vocab %d", len(ds),
+    logger.info("%d training documents %s, %d queries (%s); T=%d, %s vocab %d", len(ds),
                 source_counts(ds.docs), len(qds), ", ".join(qds.ids), args.seq_len,
-                tok.vocab_size)
+                args.tokenizer, tok.vocab_size)
     init = build_model(model_config(args), tokenizer=tok, seed=args.seed)
     train = make_trainer(init, ds, args)
     states, full_loss = full_run(train, init, ds, qds, args)
@@ -628,6 +661,7 @@ def run_one(args: argparse.Namespace) -> dict:
     print(f"\n{head}\n{md}")
     report = {
         "args": vars(args), "head": head, "model": model_config(args), "tokenizer": tok.fingerprint,
+        "regime": regime(args, tok),
         "train_ids": ds.ids, "query_ids": qds.ids, "results": rows,
         "full_model_query_loss": full_loss.tolist(),
         "retrained_query_loss": actual.tolist(), "masks": masks.int().tolist(),

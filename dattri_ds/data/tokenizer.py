@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 #: Label of positions without loss (the Hugging Face / PyTorch cross-entropy default).
 IGNORE_INDEX = -100
-MODEL_TYPES = ("bpe", "unigram")
+MODEL_TYPES = ("bpe", "unigram", "char")
 #: Bump when the trainer options below change: old cache entries are then not reused.
 _CACHE_VERSION = "dattri-ds-spm-1"
 #: Longest training "sentence" in bytes; longer documents are cut at line ends.
@@ -200,8 +200,9 @@ def train_tokenizer(texts: Iterable[str], *, vocab_size: int = 1024, model_type:
     Args:
         texts: training texts (e.g. ``[d.text for d in docs]``); order is part of the key.
         vocab_size: number of pieces, special ids included (default 1024).
-        model_type: ``"bpe"`` (fast: about 0.5 s on 4.7 MB) or ``"unigram"`` (about 20x
-            slower).
+        model_type: ``"bpe"`` (fast: about 0.5 s on 4.7 MB), ``"unigram"`` (about 20x
+            slower) or ``"char"`` (one piece per character seen: the vocabulary is the
+            character set plus the 4 special ids, at most ``vocab_size``).
         cache_dir: where trained models live (default ``default_cache_dir()``); the file is
             ``<cache_dir>/tokenizers/spm-<model_type>-<vocab_size>-<key>.model`` with ``key``
             a hash of (texts, vocab size, model type, trainer options).

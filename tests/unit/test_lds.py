@@ -211,3 +211,27 @@ def test_frontier_ignores_ties_within_paired_noise(tmp_path):
                           tmp_path)
     rows = {r["method"]: r for r in clear["results"]}
     assert rows["kfac"]["best_at_cost"] and not rows["ekfac"]["best_at_cost"]
+
+
+def test_char_tokenizer_quick(tmp_path):
+    """--tokenizer char trains a character vocabulary (the pool's character set plus the 4
+    special ids), defaults T to 128, lengthens the model's position table to it, records the
+    tokenizer in the report and gives a finite LDS. Breaks if the flag is ignored (a BPE
+    vocabulary of 512), the model cannot hold T, or a char seed is reused for a BPE one."""
+    mod = _tool()
+    report = mod.main(["--quick", "--tokenizer", "char", "--out", str(tmp_path), "--n-train",
+                       "16", "--subsets", "3", "--epochs", "1", "--n-hamlet", "2", "--n-code",
+                       "1", "--projections", "exact", "--methods", "ekfac,graddot,tfidf"])
+    saved = json.loads((tmp_path / "lds.json").read_text())
+    regime = saved["regime"]
+    assert regime["tokenizer"] == "char" and regime["seq_len"] == 128
+    assert 8 < regime["vocab_size"] <= 128 and saved["model"]["n_positions"] == 128
+    assert saved["tokenizer"] == regime["tokenizer_fingerprint"]
+    assert {r["method"] for r in report["results"]} == {"ekfac", "graddot", "tfidf"}
+    assert all(math.isfinite(r["lds_mean"]) for r in report["results"])
+    bpe = mod.parse_args(["--quick"])
+    assert bpe.tokenizer == "bpe" and bpe.seq_len == 64 and mod.model_config(bpe) == mod.MODEL
+    char = vars(mod.parse_args(["--quick", "--tokenizer", "char", "--seq-len", "64"]))
+    assert mod._settings(char) != mod._settings(vars(bpe))  # no stale seed reuse
+    legacy = {k: v for k, v in vars(bpe).items() if k != "tokenizer"}  # saved before the flag
+    assert mod._settings(legacy) == mod._settings(vars(bpe))
