@@ -1,40 +1,65 @@
-"""Where a selection step's time goes, and its ratio to a plain step (1 process or ZeRO-3).
+"""Where a selection step of the shipped loop goes, and its ratio to a plain step (1 process or ZeRO-3).
 
-    python benchmarks/selection_step.py [--world 2] [--steps 20] [--quick] [--set top_blocks=1]
+    python benchmarks/selection_step.py [--world 2] [--steps 10] [--warmup 1] [--quick] \\
+        --set score=content --set candidate_multiple=4 [--set shortlist=1.5 ...]
 
-Two models from the same init are trained side by side, one optimizer step each in turn
-(same trained micro-batch size): *plain* (forward, backward, optimizer step on ``micro``
-random examples) and *selection* (the default ``SelectionConfig`` unless ``--set`` changes
-it: ``2 * micro`` candidates, a validation target of ``--target-docs`` texts refreshed
-every ``refresh_every`` steps, then the training step on the chosen). ``--world 1`` uses a
-plain torch model + AdamW; ``--world 2`` two gloo ranks of DeepSpeed ZeRO-3 (AdamW).
+Two runs of the shipped training loop (``launch.loop.train``) from the same initialization
+take turns, one optimizer step each: *plain* (online selection off: ``micro`` examples per
+step) and *selection* (``SelectionConfig`` of ``enabled=True, candidate_multiple=2`` and the
+``--set`` overrides; pass ``score`` explicitly, since the config's default score may change:
+the header prints the resolved settings). ``--world 1`` runs ``--backend torch``
+(launch/torch_backend.py, one process), ``--world 2`` ``--backend deepspeed`` with ZeRO-3 on
+two gloo ranks (launch/deepspeed_backend.py); both on the optimizer, lr schedule and clipping
+of configs/zero3_cpu.json, ``--micro`` examples per micro-batch, no accumulation. The
+selector is built as launch/train.py builds it (``make_selector``, its target ``--target-docs``
+texts, refreshed every ``refresh_every`` steps; its log in the run folder). Model: a random-
+init GPT-2 (``--layers`` x ``--width``, 4 heads, vocab ``--vocab``, T=``--T``); data: random
+tokens (the cost does not depend on the text), so the loop trains exactly what it would
+train in ``launch/train.py`` on these examples (tests/unit/test_bench_selection_step.py).
 
-CPU seconds (``time.process_time``, one thread per rank) are split into exclusive phases:
-target refresh (its own probe passes included), probe forward, probe backward (+ building
-the per-example factors), scoring, policy (+ bookkeeping), training forward (none when the
-candidates' forward is reused), training backward, optimizer step.
-Prints per-phase CPU-s per step and the selection/plain ratio (paired per step, median),
-rank 0's view (ranks do the same work).
+The runs are driven in two threads of one process per rank that hand a baton over at every
+optimizer step (the order alternates each step: plain-selection, selection-plain, ...), so
+the two loops never run at once, their collectives come in the same order on every rank, and
+each step is timed on the same machine state as its partner. Instrumentation wraps instance
+attributes only (nothing in the library is patched): the backend's ``forward_backward``,
+``backward_reused`` and ``optimizer_step`` (and the DeepSpeed engine's ``step``), and the
+selector's stages.
+
+CPU seconds (``time.process_time``, one thread per rank) per step, split into exclusive
+phases: target refresh (its own probe passes included), probe forward, probe backward
+(+ building the per-example factors), scoring, policy (the rest of ``select``: shortlist,
+content prior, choice, log), training forward (none when the candidates' forward is reused),
+training backward, optimizer step, and the loop itself (batching, the loss all-reduce, the
+run log). Prints per-phase CPU-ms per step and the selection/plain ratio (mean over steps;
+median of per-step ratios, paired per step), rank 0's view (ranks do the same work).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import queue
 import statistics
 import sys
+import tempfile
+import threading
 import time
 from collections import defaultdict
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._common import base_parser, environment, table  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks._common import base_parser, environment, loop_configs, table  # noqa: E402
 
 PHASES = ("target refresh", "probe forward", "probe backward", "scoring", "policy",
-          "train forward", "train backward", "optimizer step")
+          "train forward", "train backward", "optimizer step", "loop")
+#: The SelectionConfig this benchmark starts from (then ``--set``).
+BASE_SELECTION = {"enabled": True, "candidate_multiple": 2.0}
 
 
 class PhaseClock:
@@ -69,6 +94,60 @@ class PhaseClock:
         return out
 
 
+class Turns:
+    """Two training loops in two threads take turns, one optimizer step each.
+
+    ``schedule`` is the order of turns (0, 1, 1, 0, 0, 1, ..., then 0, 1): after each of its
+    optimizer steps a run hands over (``step_done``: the turn's CPU seconds and phases are
+    recorded) and waits for its next turn; its last turn (the run's end: final checkpoint,
+    summary) ends with ``finish``, after which it drops out of the schedule. So the two runs'
+    collectives never interleave and come in the same order on every rank.
+    """
+
+    def __init__(self, clock: PhaseClock, steps: int) -> None:
+        self.clock, self.cond = clock, threading.Condition()
+        self.schedule = [r for s in range(steps) for r in ((0, 1) if s % 2 == 0 else (1, 0))]
+        self.schedule += [0, 1]
+        self.pos, self.done = 0, [False, False]
+        self.turns: list[list[tuple[float, dict[str, float]]]] = [[], []]
+        self._t0 = 0.0
+
+    def _owner(self) -> int | None:
+        while self.pos < len(self.schedule) and self.done[self.schedule[self.pos]]:
+            self.pos += 1
+        return self.schedule[self.pos] if self.pos < len(self.schedule) else None
+
+    def wait(self, run: int) -> None:
+        """Block until it is ``run``'s turn; start its clock."""
+        with self.cond:
+            self.cond.wait_for(lambda: self._owner() in (run, None))
+        self.clock.take()
+        self._t0 = time.process_time()
+
+    def step_done(self, run: int) -> None:
+        """``run`` ended an optimizer step: record the turn, hand over, wait for the next."""
+        cpu = time.process_time() - self._t0
+        self.turns[run].append((cpu, self.clock.take()))
+        with self.cond:
+            self.pos += 1
+            self.cond.notify_all()
+        self.wait(run)
+
+    def finish(self, run: int) -> None:
+        """``run`` returned (or failed): the other continues alone."""
+        with self.cond:
+            self.done[run] = True
+            self.cond.notify_all()
+
+
+@dataclass(frozen=True)
+class RandomTokens:
+    """The tokenizer stand-in of random-token data: what the loop reads of a tokenizer."""
+
+    vocab_size: int
+    fingerprint: str
+
+
 def _coerce(v: str):
     for cast in (int, float):
         try:
@@ -78,12 +157,74 @@ def _coerce(v: str):
     return {"true": True, "false": False, "none": None}.get(v.lower(), v)
 
 
-def _instrument(selector, clock: PhaseClock) -> None:
-    """Wrap the selector's parts (instance attributes only: nothing global is patched)."""
+def overrides(pairs: list[str]) -> dict:
+    """``--set KEY=VALUE`` pairs as SelectionConfig fields."""
+    return {kv.split("=", 1)[0]: _coerce(kv.split("=", 1)[1]) for kv in pairs}
+
+
+def run_inputs(args, world: int, out: Path):
+    """``(ds_config, plain RunConfig, selection RunConfig, data, tok, target)`` of one
+    measurement: the shipped loop's config (configs/zero3_cpu.json via ``loop_configs``) on a
+    GPT-2 of the benchmark's size and random tokens."""
+    from dattri_ds.data import Document, TokenizedDocuments
+    from dattri_ds.launch.engine import EngineConfig
+    from dattri_ds.selection import SelectionConfig
+
+    sc = SelectionConfig.from_dict({**BASE_SELECTION, **overrides(args.set)})
+    model = out / "model_config.json"
+    model.parent.mkdir(parents=True, exist_ok=True)
+    model.write_text(json.dumps({
+        "model_type": "gpt2", "n_layer": args.layers, "n_head": 4, "n_embd": args.width,
+        "n_positions": args.T, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+        "tie_word_embeddings": False}))
+    steps = args.warmup + args.steps
+    ds, cfg = loop_configs(steps=steps, seed=0, seq_len=args.T, eval_every=0, selection=sc,
+                           micro=args.micro, gas=1, model_config=str(model))
+    if world > 1:
+        cfg = replace(cfg, engine=EngineConfig(backend="deepspeed"))
+    plain = replace(cfg, selection=replace(sc, enabled=False))
+    tok = RandomTokens(args.vocab, f"random-tokens-{args.vocab}")
+
+    def tokens(n: int, seed: int, name: str) -> TokenizedDocuments:
+        ids = torch.randint(0, args.vocab, (n, args.T), generator=torch.Generator().manual_seed(seed))
+        docs = tuple(Document(id=f"{name}{i}", source=name, title=name, text="") for i in range(n))
+        return TokenizedDocuments(ids, torch.ones_like(ids), ids.clone(), docs,
+                                  torch.zeros(n, dtype=torch.bool), tok.fingerprint)
+
+    n_cand = math.ceil(sc.candidate_multiple * args.micro - 1e-9)
+    data = tokens(n_cand * world * steps, 1000, "random")
+    target = tokens(args.target_docs, 7, "target").batch(slice(None))
+    return ds, plain, cfg, data, tok, target
+
+
+def build_run(backend_cls, ds, cfg, data, tok, target, out: Path):
+    """A backend and its selector (None without selection), as launch/train.py builds them."""
+    from dattri_ds.launch.train import make_selector
+
+    backend = backend_cls(ds, cfg, tok, data)
+    if not cfg.selection.enabled:
+        return backend, None
+    backend.check_selection()
+    selector = make_selector(backend.model, cfg, data, tok, backend.ctx, backend.device,
+                             backend.lr, backend.selection_log(out), optimizer=backend.optimizer,
+                             step_examples=backend.micro * backend.gas * backend.ctx.dp_world,
+                             target=target)
+    return backend, selector
+
+
+def _innermost(provider):
+    """The provider that computes the target (wrappers keep theirs in ``inner``)."""
+    while not hasattr(provider, "_compute") and hasattr(provider, "inner"):
+        provider = provider.inner
+    return provider
+
+
+def instrument_selector(selector, clock: PhaseClock) -> None:
+    """Wrap the selector's stages (instance attributes only: nothing global is patched)."""
     probe = selector.probe
-    target = selector.target
-    inner = getattr(target, "inner", target)  # PreconditionedTarget wraps the provider
-    inner._compute = clock.wrap("target refresh", inner._compute)
+    inner = _innermost(selector.target)
+    if hasattr(inner, "_compute"):
+        inner._compute = clock.wrap("target refresh", inner._compute)
     raw_probe = probe.probe
 
     def probe_timed(forward, **kw):
@@ -93,102 +234,167 @@ def _instrument(selector, clock: PhaseClock) -> None:
     selector.select = clock.wrap("policy", selector.select)
 
 
-def _worker(rank: int, world: int, port: int, args, q) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
-    torch.set_num_threads(1)
-    from benchmarks._common import gpt2
-    from dattri_ds.distributed import ParallelContext
-    from dattri_ds.selection import OnlineSelector, SelectionConfig
+def instrument_backend(backend, clock: PhaseClock, turns: Turns, run: int) -> None:
+    """Wrap the backend's training calls; its optimizer step ends the run's turn."""
+    backend.forward_backward = clock.wrap("train forward", backend.forward_backward)
+    backend.backward_reused = clock.wrap("train backward", backend.backward_reused)
+    engine = getattr(backend, "engine", None)
+    if engine is not None:  # DeepSpeed steps inside backward_reused (engine.step)
+        engine.step = clock.wrap("optimizer step", engine.step)
+    step = clock.wrap("optimizer step", backend.optimizer_step)
 
-    k, T, V = args.micro, args.T, args.vocab
-    overrides = {kv.split("=", 1)[0]: _coerce(kv.split("=", 1)[1]) for kv in args.set}
-    scfg = SelectionConfig.from_dict({"enabled": True, "candidate_multiple": 2.0,
-                                      **overrides})
+    def step_and_hand_over() -> None:
+        step()
+        turns.step_done(run)
+    backend.optimizer_step = step_and_hand_over
 
-    def build():
-        m = gpt2(args.layers, args.width, V, T, seed=0)
-        m.train()
-        return m
 
-    if world == 1:
-        models = [build(), build()]
-        opts = [torch.optim.AdamW(m.parameters(), lr=1e-4) for m in models]
+def measure(rank: int, world: int, args, out: Path) -> dict:
+    """Both runs on this rank (after ``Backend.setup``); per-step CPU seconds and phases of
+    the measured steps, the selector's plan line and the resolved selection settings."""
+    from dattri_ds.launch.loop import backend_class, train
 
-        def trainer(i):
-            m, opt = models[i], opts[i]
-
-            def backward(loss):
-                loss.backward()
-
-            def step():
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            return m, m, backward, step, opt
-        ctx = ParallelContext()
-    else:
-        import importlib
-        import logging
-
-        import deepspeed
-        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-        logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
-        deepspeed.init_distributed(dist_backend="gloo")
-        cfg = {"train_micro_batch_size_per_gpu": k, "steps_per_print": 10**9,
-               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}}
-        engines = []
-        for _ in range(2):
-            m = build()
-            engines.append(deepspeed.initialize(model=m, model_parameters=m.parameters(),
-                                                config=cfg)[0])
-
-        def trainer(i):
-            e = engines[i]
-            return e, e.module, e.backward, e.step, e.optimizer
-        ctx = ParallelContext.from_default_group()
-
+    ds, plain_cfg, sel_cfg, data, tok, target = run_inputs(args, world, out)
+    backend_cls = backend_class(sel_cfg.engine.backend)
+    backend_cls.setup(ds, sel_cfg)
     clock = PhaseClock()
-    gen = torch.Generator().manual_seed(1000 + rank)
-    tgt = torch.randint(0, V, (args.target_docs, T), generator=torch.Generator().manual_seed(7))
-    _, sel_module, _, _, sel_opt = trainer(1)
-    selector = OnlineSelector.for_target_data(sel_module, scfg,
-                                              {"input_ids": tgt, "labels": tgt}, ctx=ctx,
-                                              optimizer=sel_opt)
-    _instrument(selector, clock)
+    turns = Turns(clock, args.warmup + args.steps)
+    runs = []
+    for i, (name, cfg) in enumerate((("plain", plain_cfg), ("selection", sel_cfg))):
+        folder = out / name
+        folder.mkdir(parents=True, exist_ok=True)
+        backend, selector = build_run(backend_cls, ds, cfg, data, tok, target, folder)
+        instrument_backend(backend, clock, turns, i)
+        if selector is not None:
+            instrument_selector(selector, clock)
+        runs.append((backend, cfg, folder, selector))
+    errors: list[BaseException] = []
 
-    def one_step(i, step):
-        call, _, backward, opt_step, _ = trainer(i)
-        n = k if i == 0 else selector.num_candidates(k)
-        ids = torch.randint(0, V, (n, T), generator=gen)
-        batch = {"input_ids": ids, "labels": ids}
-        reused = None
-        if i == 1:
-            sel = selector.select(batch, k, step, train_loss=True)
-            batch, reused = sel.batch, sel.loss
-        loss = reused if reused is not None else \
-            clock.wrap("train forward", lambda: call(**batch).loss)()
-        clock.wrap("train backward", backward)(loss)
-        clock.wrap("optimizer step", opt_step)()
+    def loop(i: int) -> None:
+        backend, cfg, folder, selector = runs[i]
+        try:
+            turns.wait(i)
+            train(backend, cfg, data, folder, tok, rank, selector)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the calling thread
+            errors.append(e)
+        finally:
+            turns.finish(i)
 
-    per_step: list[tuple[dict, dict]] = []
-    for step in range(args.warmup + args.steps):
-        got = []
-        for i in ((0, 1) if step % 2 == 0 else (1, 0)):
-            if world > 1:
-                torch.distributed.barrier()
-            clock.take()
-            one_step(i, step)
-            got.append((i, clock.take()))
-        if step >= args.warmup:
-            per_step.append(tuple(d for _, d in sorted(got)))
-    selector.close()
+    threads = [threading.Thread(target=loop, args=(i,), name=f"run{i}") for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    selector = runs[1][3]
     plan = selector.plan
-    q.put((rank, per_step, f"selection/stepcost.py predicts {plan.ratio():.2f}x (floor of this "
-                           f"path {plan.bound():.2f}x): {plan.units()}"))
+    note = None if plan is None else (
+        f"selection/stepcost.py predicts {plan.ratio():.2f}x (floor of this path "
+        f"{plan.bound():.2f}x): {plan.units()}")
+    steps = [[_phases(cpu, ph) for cpu, ph in turns.turns[i][args.warmup:]] for i in (0, 1)]
+    sc = sel_cfg.selection
+    resolved = {"score": sc.score, "candidate_multiple": sc.candidate_multiple,
+                "shortlist": sc.shortlist, "top_blocks": sc.top_blocks,
+                "refresh_every": sc.refresh_every, "reuse_forward": selector.reuse}
+    return {"plain": steps[0], "selection": steps[1], "note": note, "resolved": resolved}
 
 
-def main() -> None:
+def _phases(cpu: float, phases: dict[str, float]) -> dict[str, float]:
+    """A turn's phases with the rest of its CPU seconds charged to ``loop``."""
+    return {**phases, "loop": max(cpu - sum(phases.values()), 0.0)}
+
+
+def _worker(rank: int, world: int, port: int, args, out: str, q) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
+    import logging
+    import warnings
+
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING)
+    for name in ("DeepSpeed", "dattri_ds", "transformers"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    try:  # DeepSpeed's logger sets its own level on import
+        from deepspeed.utils import logger as ds_logger
+
+        ds_logger.setLevel(logging.ERROR)
+    except ImportError:
+        pass
+    try:
+        q.put((rank, measure(rank, world, args, Path(out) / f"rank{rank}")))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(args, out: Path) -> dict:
+    """``measure`` on ``args.world`` spawned ranks; rank 0's result."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, args.world, port, args, str(out), q))
+             for r in range(args.world)]
+    for pr in procs:
+        pr.start()
+    results = {}
+    while len(results) < len(procs):
+        try:
+            r, got = q.get(timeout=10)
+            results[r] = got
+        except queue.Empty:
+            if any(pr.exitcode not in (None, 0) for pr in procs):
+                for pr in procs:
+                    pr.kill()
+                raise SystemExit("a benchmark rank failed (traceback above)") from None
+    for pr in procs:
+        pr.join()
+    return results[0]
+
+
+def report(args, result: dict) -> str:
+    """The printed report: header, plan line, phase table, ratio line, JSON line."""
+    plain, sel = result["plain"], result["selection"]
+    mode = ("launch/loop.py train, --backend torch (1 process)" if args.world == 1 else
+            "launch/loop.py train, --backend deepspeed ZeRO-3, 2 gloo ranks")
+    r = result["resolved"]
+    lines = [f"{mode}; GPT-2 {args.layers}x{args.width}, vocab {args.vocab}, T={args.T}, "
+             f"micro-batch {args.micro}, {r['candidate_multiple']:g}x candidates, "
+             f"{args.target_docs} target docs, selection overrides {args.set or 'none'} "
+             f"(resolved: {', '.join(f'{k}={v}' for k, v in r.items())}); optimizer, lr "
+             f"schedule and clipping of configs/zero3_cpu.json; {args.steps} steps after "
+             f"{args.warmup} warm-up; {environment()}"]
+    if result["note"]:
+        lines.append(result["note"])
+    tot_plain = [sum(s.values()) for s in plain]
+    tot_sel = [sum(s.values()) for s in sel]
+    mean_plain = statistics.mean(tot_plain)
+    rows = []
+    for ph in PHASES:
+        a = statistics.mean(s.get(ph, 0.0) for s in plain)
+        b = statistics.mean(s.get(ph, 0.0) for s in sel)
+        rows.append([ph, a * 1e3, b * 1e3, b / mean_plain])
+    ratio_mean = statistics.mean(tot_sel) / mean_plain
+    rows.append(["total", mean_plain * 1e3, statistics.mean(tot_sel) * 1e3, ratio_mean])
+    lines.append(table(["phase", "plain CPU-ms/step", "selection CPU-ms/step", "x plain step"],
+                       rows))
+    ratio_med = statistics.median(b / a for a, b in zip(tot_plain, tot_sel))
+    lines.append(f"selection step / plain step (CPU s, mean over steps incl. refreshes): "
+                 f"{ratio_mean:.2f}x; median paired per step: {ratio_med:.2f}x (goal <= 1.5x)")
+    lines.append(json.dumps({"ratio_mean": ratio_mean, "ratio_median": ratio_med,
+                             "resolved": r}))
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None):
     p = base_parser(__doc__)
     p.add_argument("--world", type=int, default=1, choices=(1, 2))
     p.add_argument("--layers", type=int, default=4)
@@ -198,61 +404,33 @@ def main() -> None:
     p.add_argument("--micro", type=int, default=8)
     p.add_argument("--target-docs", type=int, default=64,
                    help="target texts (SelectionConfig.target_max_docs' default: 64)")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=None, help="measured steps (20; --quick: 6)")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="steps not measured (at least 1: the first holds the loop's set-up)")
     p.add_argument("--set", action="append", default=[],
-                   help="SelectionConfig override KEY=VALUE (repeatable)")
-    args = p.parse_args()
+                   help="SelectionConfig override KEY=VALUE (repeatable; pass score=...)")
+    p.add_argument("--keep", default=None,
+                   help="keep the runs' folders here (rank<R>/plain, rank<R>/selection: "
+                        "selection.jsonl, trajectory.json, checkpoints)")
+    args = p.parse_args(argv)
     if args.quick:
         args.layers, args.width, args.vocab, args.T, args.micro = 2, 64, 512, 32, 4
-        args.target_docs, args.steps = 16, 6
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, args.world, port, args, q))
-             for r in range(args.world)]
-    for pr in procs:
-        pr.start()
-    results = {}
-    while len(results) < len(procs):
-        try:
-            r, steps, note = q.get(timeout=10)
-            results[r] = (steps, note)
-        except queue.Empty:
-            if any(pr.exitcode not in (None, 0) for pr in procs):
-                for pr in procs:
-                    pr.kill()
-                raise SystemExit("a benchmark rank failed (traceback above)") from None
-    for pr in procs:
-        pr.join()
-    steps, note = results[0]
-    mode = "plain torch + AdamW, 1 process" if args.world == 1 else "ZeRO-3, 2 gloo ranks"
-    multiple = dict(kv.split("=", 1) for kv in args.set).get(
-        "candidate_multiple", "2")  # the benchmark's own default (scfg below)
-    print(f"{mode}; GPT-2 {args.layers}x{args.width}, vocab {args.vocab}, T={args.T}, "
-          f"micro-batch {args.micro}, {multiple}x candidates, {args.target_docs} target docs, "
-          f"selection overrides {args.set or 'none (defaults)'}; {args.steps} steps; "
-          f"{environment()}")
-    if note:
-        print(note)
-    plain = [sum(a.values()) for a, _ in steps]
-    sel = [sum(b.values()) for _, b in steps]
-    rows = []
-    for ph in PHASES:
-        a = statistics.mean(s[0].get(ph, 0.0) for s in steps)
-        b = statistics.mean(s[1].get(ph, 0.0) for s in steps)
-        rows.append([ph, a * 1e3, b * 1e3, b / statistics.mean(plain)])
-    rows.append(["total", statistics.mean(plain) * 1e3, statistics.mean(sel) * 1e3,
-                 statistics.mean(sel) / statistics.mean(plain)])
-    print(table(["phase", "plain CPU-ms/step", "selection CPU-ms/step", "x plain step"], rows))
-    ratio_mean = statistics.mean(sel) / statistics.mean(plain)
-    ratio_med = statistics.median(b / a for a, b in zip(plain, sel))
-    print(f"selection step / plain step (CPU s, mean over steps incl. refreshes): "
-          f"{ratio_mean:.2f}x; median paired per step: {ratio_med:.2f}x (goal <= 1.5x)")
-    print(json.dumps({"ratio_mean": ratio_mean, "ratio_median": ratio_med}))
+        args.target_docs = 16
+    if args.steps is None:
+        args.steps = 6 if args.quick else 20
+    if args.warmup < 1 or args.steps < 1:
+        p.error("--warmup and --steps must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.keep:
+        result = run_ranks(args, Path(args.keep))
+    else:
+        with tempfile.TemporaryDirectory(prefix="selection_step_") as out:
+            result = run_ranks(args, Path(out))
+    print(report(args, result))
 
 
 if __name__ == "__main__":
