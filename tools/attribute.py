@@ -231,7 +231,7 @@ def _checkpoints(args, run: Run, available: dict[str, Path], tags: list[str], qu
         factors = _factors(args, tag, recipe.factor_projection) if recipe.curvature else None
         try:
             yield Checkpoint(store.iter_batches(args.block_rows), q, _lr(run, tag, recipe),
-                             factors)
+                             factors, step=run.checkpoint(tag).get("step"))
         finally:
             store.close()
         logger.info("%s: scored %d queries (%s)", tag, len(q.sample_ids), args.method)

@@ -342,10 +342,11 @@ def attribute(method: str, setting: tuple[str | None, int], grads: list[dict],
     config = KFACConfig(**{k: v for k, v in (("damping", damping), ("power", power))
                            if v is not None})
     cks = []
+    per_epoch = -(-sum(len(b.sample_ids) for b in grads[-1]["train"]) // args.batch_size)
     for g in recipe.select(grads):
         factors = recipe.fit(g["train"], config) if recipe.curvature else None
         cks.append(Checkpoint(recipe.rows(g["train"], factors), recipe.query(g["query"][0]),
-                              g["lr"], factors))
+                              g["lr"], factors, step=g["epoch"] * per_epoch))
     return recipe.score(cks).values
 
 

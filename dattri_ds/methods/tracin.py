@@ -50,12 +50,15 @@ class Checkpoint(NamedTuple):
             ``weighting="lr"``).
         factors: eigendecomposed ``KFACFactors`` fitted at this checkpoint (curvature inner
             methods only).
+        step: the optimizer step of this checkpoint (``source`` counts each segment's
+            steps from it; the other methods do not read it).
     """
 
     train: Iterable[GradBatch]
     query: GradBatch
     lr: float = 1.0
     factors: Any = None
+    step: int | None = None
 
 
 class Trajectory(Attributor):
