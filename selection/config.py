@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from dattri_ds import schema
@@ -13,7 +13,16 @@ from dattri_ds.ops.projection import ProjectionConfig
 from dattri_ds.selection.policy import POLICIES
 from dattri_ds.selection.scorer import SCORES
 
-__all__ = ["SelectionConfig"]
+__all__ = ["SelectionConfig", "PROBE_SETTINGS"]
+
+#: Settings that only the gradient path reads (the probe, the target gradient, the rank
+#: stages over gradient scores, the held-out check): one of them away from its default,
+#: with ``score`` unset, resolves the score to ``"alignment"`` (``SelectionConfig.score``).
+#: ``target_store`` is here too: a gradient store has no text to rank by.
+PROBE_SETTINGS = ("target_store", "shortlist", "precondition", "contrast", "content_weight",
+                  "smooth_neighbors", "smooth_memory", "top_blocks", "include", "projection",
+                  "probe_autocast", "per_token", "normalize", "refresh_every",
+                  "target_batch_size", "reuse_forward", "validation_fraction", "controller")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,16 +83,32 @@ class SelectionConfig:
     ZeRO-3 each rank to its own partition). Needs an Adam-family optimizer and exact
     (unprojected) scoring."""
 
-    score: Literal["alignment", "step", "content"] = "alignment"
-    """``alignment``: ``<g_b, g_target>`` (a cosine when ``normalize``; ``contrast`` and
-    ``precondition`` shape the target). ``step``: the expected cosine of the training step's
-    summed gradient with the target when the candidate takes one of its slots and typical
-    examples (the pool sample's mean gradient, ``contrast_rows``) the others
-    (selection/stepscore.py): the pool's weight is measured, so ``contrast`` and
-    ``normalize`` do not apply. ``content``: the content prior alone
-    (see ``content_weight``; no probe pass, so a step costs about a plain one; the rank
-    stages do not apply and the values only rank: policies topk, fraction or soft). Each is
-    a registered ``Score`` (selection/scorer.py): a new rule is one class and its name here."""
+    score: Literal["alignment", "step", "content"] | None = None
+    """What ranks the candidates. ``content``: the content prior alone (see
+    ``content_weight``): the target documents' hashed n-grams, no model, no gradient and no
+    probe pass, so a step costs about a plain one (0.97x measured at 4x candidates); the
+    rank stages do not apply and the values only rank (policies topk, fraction or soft).
+    ``alignment``: ``<g_b, g_target>`` from a per-example gradient probe of every candidate
+    (a cosine when ``normalize``; ``contrast`` and ``precondition`` shape the target;
+    ~8x a plain step at 4x candidates, less with ``shortlist`` or ``controller``).
+    ``step``: the expected cosine of the training step's summed gradient with the target
+    when the candidate takes one of its slots and typical examples (the pool sample's mean
+    gradient, ``contrast_rows``) the others (selection/stepscore.py): the pool's weight is
+    measured, so ``contrast`` and ``normalize`` do not apply. Each is a registered
+    ``Score`` (selection/scorer.py): a new rule is one class and its name here.
+
+    None (default) is resolved when the config is built, and the resolved name is what the
+    resolved config, the selector summary and the step plan show: ``alignment`` for a
+    ``target_store`` (it has no text), or when a setting only the gradient path reads is
+    away from its default (``PROBE_SETTINGS``: shortlist, precondition, contrast,
+    content_weight, smooth_neighbors, smooth_memory, top_blocks, include, projection,
+    probe_autocast, per_token, normalize, refresh_every, target_batch_size, reuse_forward,
+    validation_fraction, controller; or policy threshold/greats, which read the scores'
+    scale): the setting implies the probe. Otherwise ``content`` (the target is documents:
+    ``target_data``, or the model inputs given to the selector). Measured through launch
+    (docs/selection_compute.md), content reaches random's final target loss in 0.35-0.78x
+    random's CPU and is within noise of or ahead of the gradient arms at equal data.
+    ``dataclasses.replace`` keeps a resolved name; pass ``score=None`` to resolve again."""
 
     contrast: float = field(default=0.0, metadata=schema.bounds(ge=0))
     """Score against ``g_t/|g_t| - contrast * g_pool/|g_pool|`` (selection/contrast.py):
@@ -101,7 +126,8 @@ class SelectionConfig:
     batch and the last ``smooth_memory`` scored candidates (selection/smoothing.py): the
     choice follows what a *kind* of text does for the target, not one text's own tokens.
     The memory is per data-parallel rank, so the choice (not the update's exactness) depends
-    on how micro-batches are dealt to ranks. None: raw scores."""
+    on how micro-batches are dealt to ranks. Gradient scores only (``score="content"`` is not
+    smoothed: the default 16 then has no effect). None: raw scores."""
 
     smooth_memory: int = field(default=1024, metadata=schema.bounds(ge=1, le=2**24))
     """Earlier scored candidates (this rank's) kept as neighbours for ``smooth_neighbors``."""
@@ -110,10 +136,12 @@ class SelectionConfig:
     """Rank ``z(score) + content_weight * z(content)``, where ``content`` is the mean
     log-ratio of the candidate's hashed unigrams/bigrams under the target documents vs the
     candidate stream seen so far (selection/content.py; DSIR-style, no model) and ``z``
-    standardizes over the micro-batch's candidates. None (default): 1.0 when the target is
-    documents (``target_data``) and the policy ranks (topk, fraction, soft); off for a
-    ``target_store`` (it has no text) and for ``threshold``/``greats`` (they read the
-    scores' scale); a value > 0 there is an error. 0: gradient scores only."""
+    standardizes over the micro-batch's candidates; applies to the gradient scores
+    (``alignment``, ``step``: setting it without ``score`` resolves the score to
+    ``alignment``), not to ``score="content"`` (the prior is the score). None (default): 1.0
+    when the target is documents (``target_data``) and the policy ranks (topk, fraction,
+    soft); off for a ``target_store`` (it has no text) and for ``threshold``/``greats`` (they
+    read the scores' scale); a value > 0 there is an error. 0: gradient scores only."""
 
     fraction: float = field(default=0.5, metadata=schema.bounds(gt=0, le=1))
     """Kept fraction for ``policy="fraction"``."""
@@ -213,6 +241,8 @@ class SelectionConfig:
 
     def __post_init__(self) -> None:
         schema.check(self, "selection")
+        if self.score is None:
+            object.__setattr__(self, "score", self._default_score())
         if self.validation_fraction > 0 and self.scope == "global":
             raise ConfigError("selection.validation_fraction (the held-out check) supports "
                               "scope 'rank' only; set selection.scope='rank' or "
@@ -245,6 +275,18 @@ class SelectionConfig:
         if self.policy == "greats" and self.scope == "global" and self.projection is None:
             raise ConfigError("policy 'greats' with scope 'global' compares candidates across "
                               "ranks: set selection.projection (e.g. {\"dim\": 256})")
+
+    def probe_settings(self) -> list[str]:
+        """The settings of ``PROBE_SETTINGS`` (and a scaled policy) away from their
+        defaults: each one only the gradient path reads."""
+        defaults = {f.name: f.default for f in fields(self)}
+        out = [name for name in PROBE_SETTINGS if getattr(self, name) != defaults[name]]
+        return out + (["policy"] if POLICIES.lookup(self.policy).scaled else [])
+
+    def _default_score(self) -> str:
+        """``score`` when unset: ``alignment`` for a target store or a probe-only setting
+        (``probe_settings``), else ``content`` (see the field's docstring)."""
+        return "alignment" if self.probe_settings() else "content"
 
     def _check_shortlist(self) -> None:
         """The settings the cascade (``shortlist``) cannot serve, refused at start."""

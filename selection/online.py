@@ -385,6 +385,8 @@ class OnlineSelector:
         scored = (f"top {cfg.top_blocks} block(s), {len(layers)} layers" if cfg.top_blocks
                   else f"{len(layers)} layers") + (
             f", projected to {cfg.projection.dim}" if cfg.projection else ", exact ghost scores")
+        scored = f"score '{cfg.score}' " + (
+            f"({scored})" if self.rule.needs_probe else "(the target's n-grams, no probe)")
         if self.ctx.dp_rank == 0:
             why = self._reuse_why if reuse or not self.reuse else \
                 "the caller forwards the chosen itself (select(train_loss=False))"
@@ -680,7 +682,8 @@ class OnlineSelector:
                              device=next(self.model.parameters()).device)
         total = all_reduce_sum(local, self.ctx.dp_group, self.ctx.dp_world).tolist()
         st = {k: (v if k.endswith("sum") else int(round(v))) for k, v in zip(keys, total)}
-        return {"micro_batches": st["steps"], "candidates": st["candidates"],
+        return {"score": self.config.score, "micro_batches": st["steps"],
+                "candidates": st["candidates"],
                 "chosen": st["chosen"],
                 "mean_candidate_score": st["score_sum"] / max(1, st["candidates"]),
                 "mean_chosen_score": st["chosen_score_sum"] / max(1, st["chosen"]),

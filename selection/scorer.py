@@ -205,9 +205,10 @@ class ContentScore(Score, name="content"):
     def __init__(self, config, *, cost=None, ctx=None, documents=None):
         super().__init__(config, cost=cost, ctx=ctx, documents=documents)
         if documents is None:
-            raise ConfigError("selection.score='content' needs the target documents' tokens "
-                              "(selection.target_data or content_rows=); a target store has "
-                              "none")
+            raise ConfigError("selection.score='content' (the default when the target is "
+                              "not a store) needs the target documents' tokens "
+                              "(selection.target_data or content_rows=); a gradient target "
+                              "alone has none: pass them, or set selection.score='alignment'")
         self.prior = ContentPrior(documents)
 
     def __call__(self, grads, rows, *, others, text):

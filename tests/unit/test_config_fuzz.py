@@ -260,9 +260,12 @@ def test_valid_configs_and_explicit_defaults_are_accepted(tmp_path):
         load_run_config(cfg)
     explicit = RunConfig.from_dict(_default_block())
     base = RunConfig.from_dict({})
+    # the written-out projection block is a probe setting (selection.score resolves to
+    # alignment with it); score=None resolves again without it
+    assert explicit.selection.score == "alignment" and base.selection.score == "content"
     assert dataclasses.replace(explicit, store={}, capture=dataclasses.replace(
         explicit.capture, projection=None), selection=dataclasses.replace(
-        explicit.selection, projection=None)) == base
+        explicit.selection, projection=None, score=None)) == base
     assert explicit.store_config(tmp_path) == base.store_config(tmp_path)
     assert explicit.capture.projection == explicit.selection.projection is not None
     good = _write(tmp_path, "good.json", BASE)

@@ -179,7 +179,7 @@ def test_trainer_selection_equals_subset_update(tmp_path):
                           train_dataset=data)
         cb = None
         if select:
-            sc = SelectionConfig(enabled=True, candidate_multiple=2.0)
+            sc = SelectionConfig(enabled=True, score="alignment", candidate_multiple=2.0)
             probe = OnlineSelector.probe_capture(model, sc)
             tgt = ValidationTarget(probe, lambda b: model(**b).loss, target)
             cb = TrainerCapture(trainer, selector=OnlineSelector(model, sc, tgt, probe=probe))

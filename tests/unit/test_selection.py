@@ -17,7 +17,7 @@ from dattri_ds.selection import (
 from reference import reference_grads, rel_err, tiny_gpt2
 
 
-RAW = dict(normalize=False, per_token=False, uniform_mix=0.0, contrast=0.0,
+RAW = dict(score="alignment", normalize=False, per_token=False, uniform_mix=0.0, contrast=0.0,
            smooth_neighbors=None, content_weight=0.0)  # plain <g_b, g_target>, top-k
 
 

@@ -71,7 +71,8 @@ def test_shortlist_on_hand_made_content():
 
 
 def _selector(model, tgt, **over):
-    cfg = SelectionConfig(enabled=True, per_token=False, refresh_every=100, **over)
+    cfg = SelectionConfig(enabled=True, score="alignment", per_token=False, refresh_every=100,
+                          **over)
     return OnlineSelector.for_target_data(model, cfg, _batch(tgt))
 
 
@@ -166,7 +167,7 @@ def test_cascade_log_and_summary(tmp_path):
     from dattri_ds.selection import read_selection_log
 
     model, tgt = tiny_gpt2(seed=0), _docs(6, 7)
-    cfg = SelectionConfig(enabled=True, shortlist=1.0, uniform_mix=0.5)
+    cfg = SelectionConfig(enabled=True, score="alignment", shortlist=1.0, uniform_mix=0.5)
     sel = OnlineSelector.for_target_data(model, cfg, _batch(tgt),
                                          log_path=tmp_path / "selection.jsonl")
     got = sel.select(_batch(_docs(8, 5)), 4, 0)

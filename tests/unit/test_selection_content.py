@@ -77,8 +77,8 @@ def test_selector_ranks_gradient_plus_content():
     cand[:3, :6] = tgt[:3, :6]  # three candidates share text with the target
     batch = {"input_ids": cand, "labels": cand}
     target = {"input_ids": tgt, "labels": tgt}
-    cfg = SelectionConfig(per_token=False, uniform_mix=0.0, smooth_neighbors=2,
-                          content_weight=1.5)
+    cfg = SelectionConfig(score="alignment", per_token=False, uniform_mix=0.0,
+                          smooth_neighbors=2, content_weight=1.5)
     sel = OnlineSelector.for_target_data(model, cfg, target)
     out = sel.select(batch, 3, 0)
     ones = torch.ones_like(cand)
@@ -86,11 +86,12 @@ def test_selector_ranks_gradient_plus_content():
                         ContentPrior(target).scores(cand, ones), 1.5)
     assert torch.equal(out.indices, torch.argsort(-want.double(), stable=True)[:3].sort().values)
     plain = OnlineSelector.for_target_data(
-        model, SelectionConfig(per_token=False, uniform_mix=0.0, smooth_neighbors=2), target)
+        model, SelectionConfig(score="alignment", per_token=False, uniform_mix=0.0,
+                               smooth_neighbors=2), target)
     assert torch.allclose(plain.select(batch, 3, 0).scores, out.scores)
     heavy = OnlineSelector.for_target_data(  # content dominates: the three shared texts
-        model, SelectionConfig(per_token=False, uniform_mix=0.0, content_weight=100.0),
-        target)
+        model, SelectionConfig(score="alignment", per_token=False, uniform_mix=0.0,
+                               content_weight=100.0), target)
     assert heavy.select(batch, 3, 0).indices.tolist() == [0, 1, 2]
     for s in (sel, plain, heavy):
         s.close()
@@ -120,11 +121,12 @@ def test_bad_content_settings_fail_at_start(tmp_path):
     assert unset.content_weight == 0.0
     unset.close()
     target = {"input_ids": ids, "labels": ids}
-    docs = OnlineSelector.for_target_data(model, SelectionConfig(), target)
-    assert docs.content_weight == 1.0  # the default with target documents
+    docs = OnlineSelector.for_target_data(model, SelectionConfig(score="alignment"), target)
+    assert docs.content_weight == 1.0  # the default with target documents and a gradient
     docs.close()
     for policy in ("threshold", "greats"):  # they read the scores' scale: off by default
-        sel = OnlineSelector.for_target_data(model, SelectionConfig(policy=policy), target)
+        sel = OnlineSelector.for_target_data(
+            model, SelectionConfig(score="alignment", policy=policy), target)
         assert sel.content_weight == 0.0
         sel.close()
         with pytest.raises(ConfigError, match=f"policy='{policy}' cannot use"):

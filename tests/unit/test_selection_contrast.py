@@ -14,7 +14,7 @@ from dattri_ds import ConfigError
 from dattri_ds.selection import OnlineSelector, SelectionConfig, ValidationTarget
 from reference import reference_grads, rel_err, tiny_gpt2
 
-RAW = dict(per_token=False, uniform_mix=0.0, refresh_every=100)
+RAW = dict(score="alignment", per_token=False, uniform_mix=0.0, refresh_every=100)
 
 
 def _ids(n, seed, t=10):

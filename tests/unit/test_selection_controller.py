@@ -194,9 +194,9 @@ def test_selector_runs_the_arms_and_reports_them():
     model = tiny_gpt2(seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     tgt = torch.randint(0, 97, (9, 8), generator=torch.Generator().manual_seed(7))
-    cfg = SelectionConfig(enabled=True, validation_fraction=0.34, controller=True,
-                          controller_block=1, controller_window=3, controller_cost="model",
-                          refresh_every=100)
+    cfg = SelectionConfig(enabled=True, score="alignment", validation_fraction=0.34,
+                          controller=True, controller_block=1, controller_window=3,
+                          controller_cost="model", refresh_every=100)
     sel = OnlineSelector.for_target_data(model, cfg, _batch(tgt))
     assert sel.check is None
     probes = []
@@ -248,7 +248,8 @@ def test_controller_settings_fail_at_start():
     from dattri_ds.selection import ValidationTarget
 
     model = tiny_gpt2(seed=0)
-    cfg = SelectionConfig(enabled=True, controller=True, validation_fraction=0.2)
+    cfg = SelectionConfig(enabled=True, score="alignment", controller=True,
+                          validation_fraction=0.2)
     probe = OnlineSelector.probe_capture(model, cfg)
     tgt = torch.randint(0, 97, (4, 8))
     target = ValidationTarget(probe, lambda b: model(**b).loss, _batch(tgt))

@@ -18,7 +18,7 @@ from dattri_ds.selection.policy import cap_repeats, fill_uniform, soft_top_k, to
 from reference import reference_grads, rel_err, tiny_gpt2
 
 
-RAW = dict(normalize=False, per_token=False, uniform_mix=0.0, contrast=0.0,
+RAW = dict(score="alignment", normalize=False, per_token=False, uniform_mix=0.0, contrast=0.0,
            smooth_neighbors=None, content_weight=0.0)  # plain <g_b, g_target>, top-k
 
 
@@ -127,10 +127,10 @@ def test_preconditioning_without_second_moments_fails_at_start():
     model = tiny_gpt2()
     tgt = {"input_ids": _ids(3, 1), "labels": _ids(3, 1)}
     with pytest.raises(ConfigError, match="Adam-family optimizer"):
-        _selector(model, SelectionConfig(precondition="adam"), tgt,
+        _selector(model, SelectionConfig(score="alignment", precondition="adam"), tgt,
                   optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(ConfigError, match="needs the training optimizer"):
-        _selector(model, SelectionConfig(precondition="adam"), tgt)
+        _selector(model, SelectionConfig(score="alignment", precondition="adam"), tgt)
     from dattri_ds import ProjectionConfig
     with pytest.raises(ConfigError, match="projection"):
         SelectionConfig(precondition="adam", projection=ProjectionConfig(dim=16))
@@ -224,7 +224,7 @@ def test_selector_with_held_out_part_reports_check():
     carries the held-out check; a bad fraction or global scope fails at construction."""
     model = tiny_gpt2()
     tgt = {"input_ids": _ids(6, 1), "labels": _ids(6, 1)}
-    cfg = SelectionConfig(validation_fraction=0.5, fallback_every=1)
+    cfg = SelectionConfig(score="alignment", validation_fraction=0.5, fallback_every=1)
     sel = OnlineSelector.for_target_data(model, cfg, tgt)
     assert sel.target.n == 3 and sel.held_out.n == 3
     cand = _ids(8, 2)

@@ -77,13 +77,14 @@ def test_selector_ranks_smoothed_scores():
     cand = torch.randint(0, 97, (8, 10), generator=g)
     cand[4:, :5] = cand[:4, :5]  # pairs of similar texts
     batch = {"input_ids": cand, "labels": cand}
-    cfg = SelectionConfig(per_token=False, uniform_mix=0.0, smooth_neighbors=2,
-                          content_weight=0.0)
+    cfg = SelectionConfig(score="alignment", per_token=False, uniform_mix=0.0,
+                          smooth_neighbors=2, content_weight=0.0)
     sel = OnlineSelector.for_target_data(model, cfg, {"input_ids": tgt, "labels": tgt})
     out = sel.select(batch, 3, 0)
     want = _smooth(NeighborSmoother(2, 1024), cand, torch.ones_like(cand), out.scores)
     assert torch.equal(out.indices, torch.argsort(-want.double(), stable=True)[:3].sort().values)
-    plain = OnlineSelector.for_target_data(model, SelectionConfig(per_token=False,
+    plain = OnlineSelector.for_target_data(model, SelectionConfig(score="alignment",
+                                                                  per_token=False,
                                                                   uniform_mix=0.0),
                                            {"input_ids": tgt, "labels": tgt})
     assert torch.allclose(plain.select(batch, 3, 0).scores, out.scores)

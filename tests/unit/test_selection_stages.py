@@ -95,7 +95,7 @@ def test_stage_properties_come_from_the_classes():
         ToyConfig(score="unscaled_toy", policy="threshold", content_weight=0.0)
     ToyConfig(score="unscaled_toy", policy="soft")  # ranking policies take it
     for kw, rows in (({"score": "alignment"}, 0), ({"score": "step", "contrast_rows": 5}, 5),
-                     ({"contrast": 0.5, "contrast_rows": 7}, 7)):
+                     ({"score": "alignment", "contrast": 0.5, "contrast_rows": 7}, 7)):
         cfg = SelectionConfig(**kw)
         assert SCORES.lookup(cfg.score).pool_size(cfg) == rows, kw
 
@@ -123,7 +123,7 @@ def test_build_target_keeps_documents_gradient_and_held_out_apart():
     """With validation_fraction the documents are the scoring part, the gradient is a
     ValidationTarget on them and the held-out part has its own provider."""
     model = tiny_gpt2(seed=1)
-    cfg = SelectionConfig(validation_fraction=0.34)
+    cfg = SelectionConfig(score="alignment", validation_fraction=0.34)
     probe = OnlineSelector.probe_capture(model, cfg)
     docs = {"input_ids": _ids(6, 7), "labels": _ids(6, 7)}
     t = build_target(cfg, model, docs, probe=probe)
@@ -156,7 +156,8 @@ def test_content_score_runs_no_probe():
     assert calls == [] and sel.rows.refreshes == 0 and sel.plan.ratio() == 1.0
     assert all(p.grad is None for p in model.parameters())
     sel.close()
-    probed = OnlineSelector.for_target_data(model, SelectionConfig(content_weight=0.0), docs)
+    probed = OnlineSelector.for_target_data(
+        model, SelectionConfig(score="alignment", content_weight=0.0), docs)
     grads, _ = probed.score(batch, 0)
     probed.close()
     assert out.chosen_ids == tuple(grads.sample_ids[i] for i in out.indices.tolist())

@@ -122,7 +122,7 @@ def _perturb(model):
 def test_target_cached_rows_and_clock_round_trip():
     """Restored into a provider on a model that has moved since the last refresh, the target
     returns the saved rows until its clock says refresh (not rows of the moved model)."""
-    cfg = SelectionConfig(enabled=True)
+    cfg = SelectionConfig(enabled=True, score="alignment")
     model = tiny_gpt2(seed=1)
     a = _target(model, OnlineSelector.probe_capture(model, cfg))
     first = a.get(1)
@@ -138,7 +138,7 @@ def test_preconditioned_and_contrast_targets_round_trip():
     """``P g`` cached at the last refresh (Adam moments of then) and a contrastive target
     with its pool reference come back equal, after further optimizer steps."""
     torch.manual_seed(0)
-    cfg = SelectionConfig(enabled=True)
+    cfg = SelectionConfig(enabled=True, score="alignment")
     model = tiny_gpt2(seed=2)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     model(input_ids=_ids(3), labels=_ids(3)).loss.backward()
@@ -167,7 +167,8 @@ def test_preconditioned_and_contrast_targets_round_trip():
 
 
 def _selector(model, log=None, **kw):
-    cfg = SelectionConfig(**{"enabled": True, "refresh_every": 2, "smooth_memory": 10,
+    cfg = SelectionConfig(**{"enabled": True, "score": "alignment", "refresh_every": 2,
+                             "smooth_memory": 10,
                              "max_repeats": 2, "validation_fraction": 0.3,
                              "fallback_every": 2, **kw})
     tgt = _ids(20, n=8)

@@ -50,7 +50,7 @@ def test_top_block_scores_equal_exact_scores_of_those_layers(n):
     model = tiny_gpt2(n_layer=3)
     tgt, cand = _ids(4, 1), _ids(6, 2)
     tgt, cand = {"input_ids": tgt, "labels": tgt}, {"input_ids": cand, "labels": cand}
-    sel = _selector(model, SelectionConfig(top_blocks=n, contrast=0.0), tgt)
+    sel = _selector(model, SelectionConfig(score="alignment", top_blocks=n, contrast=0.0), tgt)
     got = sel.score(cand, 0)[1]
     layers = _block_layers(model, 3 - n)
     rc = reference_grads(model, cand["input_ids"], per_example_loss="mean", layers=layers)
@@ -84,8 +84,8 @@ def test_truncated_probe_backward_stops_above_the_scored_blocks():
     """top_blocks=2 of 3: no gradient is ever computed for block 0's output (the backward
     stops at block 1); full scoring does reach it (so the hook really observes)."""
     model = tiny_gpt2(n_layer=3)
-    assert _hits_below(model, SelectionConfig()) == 1
-    assert _hits_below(model, SelectionConfig(top_blocks=2)) == 0
+    assert _hits_below(model, SelectionConfig(score="alignment")) == 1
+    assert _hits_below(model, SelectionConfig(score="alignment", top_blocks=2)) == 0
 
 
 def test_bad_top_blocks_fail_early():
@@ -133,11 +133,12 @@ def test_reused_forward_gives_the_batch_loss_gradients_and_scores():
     probe; no candidate's graph is forwarded twice (one model call per candidate)."""
     model = tiny_gpt2(n_layer=2)
     tgt, cand = _padded(4, 1), _padded(6, 2)
-    base = SelectionConfig(uniform_mix=0.0)
+    base = SelectionConfig(score="alignment", uniform_mix=0.0)
     plain = _selector(model, base, tgt)
     want_scores = plain.score(cand, 0)[1]
     plain.close()
-    sel = _selector(model, SelectionConfig(uniform_mix=0.0, reuse_forward="on"), tgt)
+    sel = _selector(model, SelectionConfig(score="alignment", uniform_mix=0.0,
+                                           reuse_forward="on"), tgt)
     sel.target.get(0)
     calls = []
     handle = model.register_forward_pre_hook(lambda *_: calls.append(1))
@@ -170,17 +171,17 @@ def test_reuse_forward_decision_and_refusals(monkeypatch):
     model = tiny_gpt2()
     ids = _ids(4, 1)
     batch = {"input_ids": ids, "labels": ids}
-    small = _selector(model, SelectionConfig(), batch)
+    small = _selector(model, SelectionConfig(score="alignment"), batch)
     assert small.select(batch, 2, 0, train_loss=True).loss is None and not small.reuse
     monkeypatch.setattr(stepcost, "REUSE_CALL_OVERHEAD_S", 0.0)
-    auto = _selector(model, SelectionConfig(), batch)
+    auto = _selector(model, SelectionConfig(score="alignment"), batch)
     assert auto.select(batch, 2, 0, train_loss=True).loss is not None and auto.plan.reuse
     assert auto.select(batch, 2, 1).loss is None
-    glob = _selector(model, SelectionConfig(scope="global"), batch)
+    glob = _selector(model, SelectionConfig(score="alignment", scope="global"), batch)
     assert glob.select(batch, 2, 0, train_loss=True).loss is None and not glob.reuse
     with GradientCapture(model):
         assert auto.select(batch, 2, 2, train_loss=True).loss is None and not auto.reuse
-        on = _selector(model, SelectionConfig(reuse_forward="on"), batch)
+        on = _selector(model, SelectionConfig(score="alignment", reuse_forward="on"), batch)
         with pytest.raises(ConfigError, match="capture"):
             on.select(batch, 2, 0, train_loss=True)
     for s in (small, auto, glob, on):
