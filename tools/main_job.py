@@ -2,10 +2,10 @@
 
     python tools/main_job.py [--out runs/main] [--steps 150] [--world 2] [--quick]
 
-1. trains a small GPT-2 with DeepSpeed ZeRO-3 on ``world`` CPU processes, scoring 4x
-   candidates per micro-batch against the gradient of the first half of the Hamlet chunks
-   with the default selection (``--online-selection``), capturing projected per-example
-   gradients and saving checkpoints (data choices: ``DemoData``);
+1. trains a small GPT-2 with DeepSpeed ZeRO-3 on ``world`` CPU processes, ranking 4x
+   candidates per micro-batch against the first half of the Hamlet chunks with the default
+   selection (``--online-selection``: their n-gram content, no gradient probe), capturing
+   projected per-example gradients and saving checkpoints (data choices: ``DemoData``);
 2. trains the same model on the same candidate stream choosing uniformly at random
    (``--random-selection``): the "without selection" baseline at equal trained examples;
 3. prints held-out Hamlet loss (second half, never scored) and held-out general-corpus loss
