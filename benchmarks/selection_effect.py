@@ -407,8 +407,8 @@ def main(argv: list[str] | None = None) -> None:
             runs: dict[str, list[dict]] = {n: [] for n in variants}
             for seed in range(args.seed_offset, args.seed_offset + args.seeds):
                 for name, over in variants.items():
-                    sc = replace(SelectionConfig(enabled=True, target_data="<benchmark>"),
-                                 candidate_multiple=mult, **over)
+                    sc = SelectionConfig(enabled=True, target_data="<benchmark>",
+                                         candidate_multiple=mult, **over)
                     t0 = time.process_time()
                     base = noisy.parse_noisy(target)[0] if target.startswith("noisy:") \
                         else target

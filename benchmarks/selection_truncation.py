@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seq-len", type=int, default=64)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    base = SelectionConfig(enabled=True, target_data="<benchmark>",
+    base = SelectionConfig(enabled=True, target_data="<benchmark>", score="alignment",
                            candidate_multiple=args.multiple)
     k_pol = 8 - round(base.uniform_mix * 8)
     chance = k_pol / math.ceil(args.multiple * 8)  # E|A & B| / k of two uniform k-subsets

@@ -63,7 +63,7 @@ def _worker(rank, world, port, args, q):
     cap = GradientCapture.for_engine(cap_eng, CaptureConfig(
         projection=ProjectionConfig(dim=args.k)), callbacks=[Drop()]).attach()
     scfg = SelectionConfig(
-        enabled=True, candidate_multiple=2.0, refresh_every=10**6,
+        enabled=True, score="alignment", candidate_multiple=2.0, refresh_every=10**6,
         projection=ProjectionConfig(dim=args.sel_k) if args.sel_k else None,
         include=tuple(args.sel_include.split(",")) if args.sel_include else (),
         probe_autocast="bfloat16" if args.sel_bf16 else None)
