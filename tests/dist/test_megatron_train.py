@@ -54,7 +54,8 @@ def _launch(tmp: Path, name: str, world: int, tp: int, gas: int, *extra: str):
             "--out", str(out), "--steps", str(STEPS), "--capture", "--verify-checkpoints",
             "--train-data", str(ROOT / "data/tiny/train.jsonl"), "--max-docs", "32",
             "--seq-len", "32", "--vocab-size", "512", "--log-every", "1",
-            "--save-every", str(STEPS), "--online-selection", "--target-data",
+            "--save-every", str(STEPS), "--online-selection", "--selection-score",
+            "alignment", "--target-data",
             str(ROOT / "data/tiny/target.jsonl"), "--target-max-docs", "4",
             # neighbour smoothing keeps a per-rank memory of earlier candidates, so its choice
             # depends on how micro-batches are dealt to DP ranks: compared without it

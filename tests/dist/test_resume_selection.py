@@ -9,9 +9,9 @@ equal per-step losses, equal ``selection.jsonl`` records (chosen ids and scores)
 selection summary and equal final weights (``torch.equal``). The run stops between two
 target refreshes (``refresh_every`` 3, stop at step 2), so recomputing the cached target
 instead of restoring it would change the choices of step 2. Checked for ``--backend torch``
-(one process; the default selection, ``score="content"``, the cascade's shortlist, a
-held-out check whose window spans the resume with a contrast pool and a repeat cap, the
-seeded uniform baseline, and the run-time controller with model costs and one-step blocks;
+(one process; the gradient score ``score="alignment"`` with smoothing and the content
+prior, the content score, the cascade's shortlist, a held-out check whose window spans the
+resume with a contrast pool and a repeat cap, the seeded uniform baseline, and the run-time controller with model costs and one-step blocks;
 its measured CPU seconds are the one summary field a clock sets) and ``--backend
 deepspeed`` ZeRO-3 on 2 gloo ranks (Adam preconditioning, per-rank logs).
 Breaks when any component is not restored, e.g. a fresh smoothing memory or content-prior
@@ -101,13 +101,13 @@ def _check_equal(tmp_path: Path, backend: str, world: int, *extra: str) -> dict:
     return ref[0]["selection"]
 
 
-@pytest.mark.parametrize("variant", ["default", "content", "cascade", "held_out", "random",
+@pytest.mark.parametrize("variant", ["alignment", "content", "cascade", "held_out", "random",
                                      "controller"])
 def test_torch_resume_with_selection_equals_uninterrupted(tmp_path, variant):
     """One process, ``--backend torch``: 4 steps in one go == 2 steps, then ``--resume
     latest`` to 4 (losses, selection log, selection summary, weights bitwise)."""
     require("deepspeed", "deepspeed")  # the JSON's lr schedule is DeepSpeed's class
-    extra = {"default": (),
+    extra = {"alignment": ("--selection-score", "alignment"),
              "content": ("--selection-score", "content"),
              "cascade": ("--selection-shortlist", "1.5", "--candidate-multiple", "3"),
              "random": ("--random-selection",),
@@ -120,7 +120,9 @@ def test_torch_resume_with_selection_equals_uninterrupted(tmp_path, variant):
                           "--selection-contrast-rows", "6", "--selection-max-repeats", "1",
                           "--selection-reuse-forward", "off")}[variant]
     summary = _check_equal(tmp_path, "torch", 1, *extra)
-    if variant == "default":
+    if variant in ("alignment", "content"):
+        assert summary["score"] == variant
+    if variant == "alignment":
         assert summary["target_refreshes"] == 2  # steps 0 and 3: the resume falls between
     if variant == "held_out":  # its window spans the resume, decided at step 3
         assert [c["step"] for c in summary["held_out_check"]["checks"]] == [3]

@@ -48,7 +48,8 @@ def _cascade_vs_one_process(rank, world):
 
     engine, ctx, ref = _zero3_engine()
     tgt = torch.randint(0, 97, (6, T), generator=torch.Generator().manual_seed(7))
-    cfg = SelectionConfig(enabled=True, per_token=False, shortlist=1.5, uniform_mix=0.5,
+    cfg = SelectionConfig(enabled=True, score="alignment",
+                          per_token=False, shortlist=1.5, uniform_mix=0.5,
                           smooth_neighbors=2, refresh_every=100)
     docs = {"input_ids": tgt, "labels": tgt}
     zero = OnlineSelector.for_target_data(engine.module, cfg, docs, ctx=ctx)
@@ -92,7 +93,8 @@ def _controller_arms(rank, world):
 
     engine, ctx, ref = _zero3_engine()
     tgt = torch.randint(0, 97, (9, T), generator=torch.Generator().manual_seed(7))
-    cfg = SelectionConfig(enabled=True, validation_fraction=0.34, controller=True,
+    cfg = SelectionConfig(enabled=True, score="alignment",
+                          validation_fraction=0.34, controller=True,
                           controller_block=1, controller_window=3, shortlist=1.5,
                           refresh_every=100)
     sel = OnlineSelector.for_target_data(engine.module, cfg, {"input_ids": tgt, "labels": tgt},

@@ -37,7 +37,7 @@ def _scores_under_zero3(rank, world, top_blocks):
     ctx = ParallelContext.from_default_group()
     tgt = torch.randint(0, 97, (6, T), generator=torch.Generator().manual_seed(7))
     cand = torch.randint(0, 97, (4, T), generator=torch.Generator().manual_seed(20 + rank))
-    cfg = SelectionConfig(enabled=True, top_blocks=top_blocks, contrast=0.0)
+    cfg = SelectionConfig(enabled=True, score="alignment", top_blocks=top_blocks, contrast=0.0)
     probe = OnlineSelector.probe_capture(engine.module, cfg)
     target = ValidationTarget(probe, lambda b: engine.module(**b).loss,
                               {"input_ids": tgt, "labels": tgt}, ctx=ctx)
@@ -111,7 +111,8 @@ def _reuse_vs_subset(rank, world, top_blocks):
     mask = torch.ones_like(cand)
     mask[0, 5:] = 0
     cand = {"input_ids": cand, "attention_mask": mask, "labels": cand.masked_fill(mask == 0, -100)}
-    cfg = SelectionConfig(enabled=True, reuse_forward="on", top_blocks=top_blocks)
+    cfg = SelectionConfig(enabled=True, score="alignment",
+                          reuse_forward="on", top_blocks=top_blocks)
     probe = OnlineSelector.probe_capture(eng_sel.module, cfg)
     target = ValidationTarget(probe, lambda b: eng_sel.module(**b).loss,
                               {"input_ids": tgt, "labels": tgt}, ctx=ctx)

@@ -65,7 +65,7 @@ def _selection_vs_subset(rank, world, gas, scope):
     cands = [torch.randint(0, 97, (2 * K, T), generator=gen) for _ in range(gas)]
     cands = [{"input_ids": c, "labels": c} for c in cands]
     tgt = torch.randint(0, 97, (6, T), generator=torch.Generator().manual_seed(7))
-    cfg = SelectionConfig(enabled=True, scope=scope)
+    cfg = SelectionConfig(enabled=True, score="alignment", scope=scope)
     probe = OnlineSelector.probe_capture(eng_sel.module, cfg)
     from dattri_ds.distributed import ParallelContext
     ctx = ParallelContext.from_default_group()
@@ -124,7 +124,8 @@ def _preconditioned_scores(rank, world, stage):
     ctx = ParallelContext.from_default_group()
     tgt = torch.randint(0, 97, (6, T), generator=torch.Generator().manual_seed(7))
     cand = torch.randint(0, 97, (4, T), generator=torch.Generator().manual_seed(8))
-    cfg = SelectionConfig(enabled=True, precondition="adam", normalize=False, per_token=False,
+    cfg = SelectionConfig(enabled=True, score="alignment",
+                          precondition="adam", normalize=False, per_token=False,
                           contrast=0.0)
     probe = OnlineSelector.probe_capture(engine.module, cfg)
     target = ValidationTarget(probe, lambda b: engine.module(**b).loss,
@@ -190,7 +191,8 @@ def _contrast_scores(rank, world):
     firsts = [torch.randint(0, 97, (5, T), generator=torch.Generator().manual_seed(20 + r))
               for r in range(world)]
     later = torch.randint(0, 97, (4, T), generator=torch.Generator().manual_seed(30 + rank))
-    cfg = SelectionConfig(enabled=True, normalize=True, per_token=False, uniform_mix=0.0,
+    cfg = SelectionConfig(enabled=True, score="alignment",
+                          normalize=True, per_token=False, uniform_mix=0.0,
                           contrast=0.8, contrast_rows=3, refresh_every=100)
     selector = OnlineSelector.for_target_data(engine.module, cfg,
                                               {"input_ids": tgt, "labels": tgt}, ctx=ctx)
@@ -278,7 +280,8 @@ def _content_choice(rank, world):
     tgt = torch.randint(0, 97, (6, T), generator=torch.Generator().manual_seed(7))
     cands = torch.randint(0, 97, (3 * K, T), generator=torch.Generator().manual_seed(40 + rank))
     cands[:2, :5] = tgt[:2, :5]  # two candidates share text with the target
-    cfg = SelectionConfig(enabled=True, per_token=False, uniform_mix=0.0, smooth_neighbors=2,
+    cfg = SelectionConfig(enabled=True, score="alignment",
+                          per_token=False, uniform_mix=0.0, smooth_neighbors=2,
                           content_weight=1.0, refresh_every=100)
     selector = OnlineSelector.for_target_data(engine.module, cfg,
                                               {"input_ids": tgt, "labels": tgt}, ctx=ctx)

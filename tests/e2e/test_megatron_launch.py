@@ -63,8 +63,9 @@ def run_dir(tmp_path_factory) -> Path:
     (tmp / "model.json").write_text(json.dumps(
         {"model_type": "gpt2", "n_layer": 2, "n_head": 4, "n_embd": 32, "n_positions": 64}))
     return _train(tmp, tmp / "run", 2, "--save-every", "2", "--online-selection",
-                  "--target-data", str(ROOT / "data/tiny/target.jsonl"), "--target-max-docs",
-                  "4", "--eval-every", "3", "--eval-data", str(ROOT / "data/tiny/target.jsonl"))
+                  "--selection-score", "alignment", "--target-data",
+                  str(ROOT / "data/tiny/target.jsonl"), "--target-max-docs", "4",
+                  "--eval-every", "3", "--eval-data", str(ROOT / "data/tiny/target.jsonl"))
 
 
 def _train(tmp: Path, out: Path, tp: int, *extra: str) -> Path:

@@ -38,6 +38,7 @@ def _run(tmp: Path, name: str, env_extra: dict) -> Path:
            "1", str(ROOT / "launch/train.py"), "--backend", "megatron",
            "--deepspeed_config", str(tmp / "ds.json"), "--model-config", str(tmp / "model.json"),
            "--out", str(out), "--steps", "3", "--capture", "--online-selection",
+           "--selection-score", "alignment",
            "--target-data", str(ROOT / "data/tiny/target.jsonl"), "--target-max-docs", "4",
            "--train-data", str(ROOT / "data/tiny/train.jsonl"), "--max-docs", "32",
            "--seq-len", "32", "--vocab-size", "512", "--save-every", "3"]
