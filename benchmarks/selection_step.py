@@ -1,4 +1,4 @@
-"""Where a selection step of the shipped loop goes, and its ratio to a plain step (1 process or ZeRO-3).
+"""A selection step of the shipped loop against a plain step, phase by phase (1 process, ZeRO-3).
 
     python benchmarks/selection_step.py [--world 2] [--steps 10] [--warmup 1] [--quick] \\
         --set score=content --set candidate_multiple=4 [--set shortlist=1.5 ...]
@@ -186,7 +186,8 @@ def run_inputs(args, world: int, out: Path):
     tok = RandomTokens(args.vocab, f"random-tokens-{args.vocab}")
 
     def tokens(n: int, seed: int, name: str) -> TokenizedDocuments:
-        ids = torch.randint(0, args.vocab, (n, args.T), generator=torch.Generator().manual_seed(seed))
+        gen = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, args.vocab, (n, args.T), generator=gen)
         docs = tuple(Document(id=f"{name}{i}", source=name, title=name, text="") for i in range(n))
         return TokenizedDocuments(ids, torch.ones_like(ids), ids.clone(), docs,
                                   torch.zeros(n, dtype=torch.bool), tok.fingerprint)
