@@ -390,6 +390,8 @@ class OnlineSelector:
         if self.ctx.dp_rank == 0:
             why = self._reuse_why if reuse or not self.reuse else \
                 "the caller forwards the chosen itself (select(train_loss=False))"
+            if not self.rule.needs_probe:
+                why = "no probe forward to reuse"
             logger.info(self.plan.explain(scored, why))
 
     def _against(self, grads: GradBatch, rows: GradBatch | None,

@@ -103,6 +103,7 @@ def test_default_selector_runs_no_probe_and_reports_its_score(caplog):
     assert sel.summary()["score"] == "content" and sel.summary()["target_refreshes"] == 0
     sel.close()
     assert "score 'content' (the target's n-grams, no probe)" in caplog.text
+    assert "forward reuse off (no probe forward to reuse)" in caplog.text
     caplog.clear()
     grad = OnlineSelector.for_target_data(model, SelectionConfig(enabled=True,
                                                                  score="alignment"), docs)
