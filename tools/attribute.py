@@ -230,23 +230,26 @@ def _checkpoints(args, run: Run, available: dict[str, Path], tags: list[str], qu
             token_where[:] = [where]
         factors = _factors(args, tag, recipe.factor_projection) if recipe.curvature else None
         try:
-            yield Checkpoint(store.iter_batches(args.block_rows), q, _lr(run, tag, recipe),
-                             factors, step=run.checkpoint(tag).get("step"))
+            lr, step = _schedule(run, tag, recipe)
+            yield Checkpoint(store.iter_batches(args.block_rows), q, lr, factors, step)
         finally:
             store.close()
         logger.info("%s: scored %d queries (%s)", tag, len(q.sample_ids), args.method)
 
 
-def _lr(run, tag: str, recipe: Recipe) -> float:
-    """Checkpoint ``tag``'s learning rate when the scores are lr-weighted (a trajectory under
-    ``weighting="lr"``); 1.0 (``Checkpoint``'s default, unread) otherwise, so a checkpoint
-    folder without a recorded learning rate scores under the other weightings."""
+def _schedule(run, tag: str, recipe: Recipe) -> tuple[float, int | None]:
+    """``(lr, step)`` of checkpoint ``tag`` when the scores read them (a trajectory under
+    ``weighting="lr"``, or one whose class sets ``reads_schedule``: ``source``); ``(1.0,
+    None)`` (``Checkpoint``'s defaults, unread) otherwise, so a checkpoint folder without a
+    recorded learning rate scores under the other weightings."""
     from dattri_ds.methods import get_attributor
 
     cls = get_attributor(recipe.method)
-    if recipe.trajectory and (recipe.weighting or cls.default_weighting) == "lr":
-        return float(run.checkpoint(tag)["lr"])
-    return 1.0
+    if recipe.trajectory and ((recipe.weighting or cls.default_weighting) == "lr"
+                              or getattr(cls, "reads_schedule", False)):
+        entry = run.checkpoint(tag)
+        return float(entry["lr"]), entry.get("step")
+    return 1.0, None
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 
@@ -119,6 +119,9 @@ class Source(Trajectory, name="source"):
 
     default_inner = "ekfac"
     default_weighting = "lr"
+    #: Every checkpoint's ``step`` and ``lr`` are read whatever the weighting (the tools
+    #: fill them in for methods that set this).
+    reads_schedule: ClassVar[bool] = True
 
     def __init__(self, *, inner: str | None = None,
                  weighting: Literal["lr", "normalized"] | None = None,
