@@ -238,15 +238,13 @@ def _checkpoints(args, run: Run, available: dict[str, Path], tags: list[str], qu
 
 
 def _schedule(run, tag: str, recipe: Recipe) -> tuple[float, int | None]:
-    """``(lr, step)`` of checkpoint ``tag`` when the scores read them (a trajectory under
-    ``weighting="lr"``, or one whose class sets ``reads_schedule``: ``source``); ``(1.0,
+    """``(lr, step)`` of checkpoint ``tag`` when the scores read them (``Trajectory.
+    reads_schedule``: a trajectory under ``weighting="lr"``, and ``source`` always); ``(1.0,
     None)`` (``Checkpoint``'s defaults, unread) otherwise, so a checkpoint folder without a
     recorded learning rate scores under the other weightings."""
     from dattri_ds.methods import get_attributor
 
-    cls = get_attributor(recipe.method)
-    if recipe.trajectory and ((recipe.weighting or cls.default_weighting) == "lr"
-                              or getattr(cls, "reads_schedule", False)):
+    if recipe.trajectory and get_attributor(recipe.method).reads_schedule(recipe.weighting):
         entry = run.checkpoint(tag)
         return float(entry["lr"]), entry.get("step")
     return 1.0, None

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import ClassVar, Literal
+from typing import Literal
 
 import torch
 
@@ -119,9 +119,11 @@ class Source(Trajectory, name="source"):
 
     default_inner = "ekfac"
     default_weighting = "lr"
-    #: Every checkpoint's ``step`` and ``lr`` are read whatever the weighting (the tools
-    #: fill them in for methods that set this).
-    reads_schedule: ClassVar[bool] = True
+    @classmethod
+    def reads_schedule(cls, weighting: str | None = None) -> bool:
+        """Always: every segment's ``eta_l K_l`` needs its checkpoint's ``lr`` and ``step``,
+        whatever the weighting."""
+        return True
 
     def __init__(self, *, inner: str | None = None,
                  weighting: Literal["lr", "normalized"] | None = None,

@@ -81,6 +81,14 @@ class Trajectory(Attributor):
     default_inner: ClassVar[str] = "graddot"
     default_weighting: ClassVar[str] = "lr"
 
+    @classmethod
+    def reads_schedule(cls, weighting: str | None = None) -> bool:
+        """Whether scoring reads every checkpoint's ``lr`` and ``step`` (``Checkpoint``):
+        under ``weighting="lr"`` (None: the class's ``default_weighting``). The tools read
+        them from the run only then, so a run without recorded rates scores under the other
+        weightings."""
+        return (weighting or cls.default_weighting) == "lr"
+
     def __init__(self, *, inner: str | Attributor | None = None,
                  weighting: Literal["lr", "uniform", "normalized"] | None = None,
                  layers: Iterable[str] | None = None, cost: CostModel | None = None,
