@@ -382,17 +382,18 @@ class OnlineSelector:
             + self.rule.pool_rows,  # the pool's refresh too
             refresh_every=cfg.refresh_every, reuse=reuse, probe=self.rule.needs_probe,
             probed=None if self.cascade is None else self.cascade.size(trained, candidates))
-        scored = (f"top {cfg.top_blocks} block(s), {len(layers)} layers" if cfg.top_blocks
-                  else f"{len(layers)} layers") + (
-            f", projected to {cfg.projection.dim}" if cfg.projection else ", exact ghost scores")
-        scored = f"score '{cfg.score}' " + (
-            f"({scored})" if self.rule.needs_probe else "(the target's n-grams, no probe)")
-        if self.ctx.dp_rank == 0:
+        if self.ctx.dp_rank != 0:
+            return
+        if not self.rule.needs_probe:
+            scored, why = "(the target's n-grams, no probe)", "no probe forward to reuse"
+        else:
+            blocks = f"top {cfg.top_blocks} block(s), " if cfg.top_blocks else ""
+            space = f"projected to {cfg.projection.dim}" if cfg.projection else \
+                "exact ghost scores"
+            scored = f"({blocks}{len(layers)} layers, {space})"
             why = self._reuse_why if reuse or not self.reuse else \
                 "the caller forwards the chosen itself (select(train_loss=False))"
-            if not self.rule.needs_probe:
-                why = "no probe forward to reuse"
-            logger.info(self.plan.explain(scored, why))
+        logger.info(self.plan.explain(f"score '{cfg.score}' {scored}", why))
 
     def _against(self, grads: GradBatch, rows: GradBatch | None,
                  text: CandidateText) -> torch.Tensor:
