@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dattri_ds.layers import kind_for
@@ -63,3 +64,28 @@ def reference_grads(model, ids, attention_mask=None, labels=None, per_example_lo
 
 def rel_err(x: torch.Tensor, y: torch.Tensor) -> float:
     return float((x - y).norm() / y.norm().clamp_min(1e-30))
+
+
+def ref_kfac_factors(lg, p_out=None, p_in=None):
+    """Plain-torch K-FAC factors of one factorized LayerGrad (float64): ``A`` = sum over
+    contributing tokens ``a a^T / M``, ``S`` = sum ``g g^T / N`` (index inputs one-hot;
+    ``p_out``/``p_in``: Kronecker sides applied first)."""
+    a, g = lg.data.a, lg.data.g.double()
+    mask = (g != 0).any(-1).double()
+    a = F.one_hot(a, lg.shape[1]).double() if not a.is_floating_point() else a.double()
+    if p_in is not None:
+        a, g = a @ p_in.double().T, g @ p_out.double().T
+    A = torch.einsum("bti,btj,bt->ij", a, a, mask) / mask.sum()
+    S = torch.einsum("bto,btp->op", g, g) / g.shape[0]
+    return A, S
+
+
+def ref_kron_eigenbasis(A, S):
+    """``(l_s, l_a, Q)``: eigenvalues of ``S`` and ``A`` and the Kronecker eigenbasis
+    ``Q = Q_S kron Q_A`` (a diagonal ``A``, e.g. an embedding's, keeps the identity basis)."""
+    l_s, q_s = torch.linalg.eigh(S)
+    if torch.equal(A, torch.diag(torch.diagonal(A))):
+        l_a, q_a = torch.diagonal(A), torch.eye(A.shape[0], dtype=A.dtype)
+    else:
+        l_a, q_a = torch.linalg.eigh(A)
+    return l_s, l_a, torch.kron(q_s.contiguous(), q_a.contiguous())

@@ -14,13 +14,14 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from dattri_ds import GradientCapture, GradBatch, LayerGrad, Dense
 from dattri_ds.errors import DattriDSError, ShapeError
 from dattri_ds.ops import ProjectionConfig, Projector, cross_gram, kron_dims, project_batch
 from dattri_ds.ops.kronecker import KFACConfig, KFACFactors
-from reference import reference_grads, rel_err, tiny_gpt2
+from reference import (
+    ref_kfac_factors, ref_kron_eigenbasis, reference_grads, rel_err, tiny_gpt2,
+)
 
 TOL = 1e-5
 VOCAB = 31
@@ -63,18 +64,6 @@ def _fit(batches, config=F64, projector=None, ekfac=True):
     return f
 
 
-def _ref_factors(lg: LayerGrad, p_out=None, p_in=None):
-    """Plain-torch A = sum over contributing tokens a a^T / M, S = sum g g^T / N (float64)."""
-    a, g = lg.data.a, lg.data.g.double()
-    mask = (g != 0).any(-1).double()
-    a = F.one_hot(a, lg.shape[1]).double() if not a.is_floating_point() else a.double()
-    if p_in is not None:
-        a, g = a @ p_in.double().T, g @ p_out.double().T
-    A = torch.einsum("bti,btj,bt->ij", a, a, mask) / mask.sum()
-    S = torch.einsum("bto,btp->op", g, g) / g.shape[0]
-    return A, S
-
-
 def _ref_influence(gt, gq, A, S, method, damping, mode="relative", full=True,
                    power=KFACConfig().power):
     """``gt (F + lambda I)^-1 gq^T`` with F explicit ``[D, D]``; when A is None (dense-only
@@ -84,12 +73,7 @@ def _ref_influence(gt, gq, A, S, method, damping, mode="relative", full=True,
         evals = gt.pow(2).mean(0)  # the diagonal: same mean as the eigenvalues (trace / D)
         fisher = gt.T @ gt / gt.shape[0] if full else torch.diag(evals)
     else:
-        l_s, q_s = torch.linalg.eigh(S)
-        if torch.equal(A, torch.diag(torch.diagonal(A))):
-            l_a, q_a = torch.diagonal(A), torch.eye(A.shape[0], dtype=A.dtype)
-        else:
-            l_a, q_a = torch.linalg.eigh(A)
-        q = torch.kron(q_s.contiguous(), q_a.contiguous())
+        q = ref_kron_eigenbasis(A, S)[2]
         if method == "kfac":
             fisher = torch.kron(S, A)
             evals = torch.diagonal(fisher)  # same mean as the eigenvalues: trace(F) / D
@@ -111,7 +95,7 @@ def _per_layer_reference(train, rtrain, rquery, method, damping, mode="relative"
         gt, gq = rtrain[name], rquery[name]
         if lg.is_factorized:
             sides = proj.get(name) if proj else None
-            A, S = _ref_factors(lg, *(sides or ()))
+            A, S = ref_kfac_factors(lg, *(sides or ()))
             if sides is not None:
                 k = torch.kron(*sides)
                 gt, gq = gt @ k.T, gq @ k.T
@@ -241,7 +225,7 @@ def test_kronecker_projected_factors(setup):
         ko, ki = kron_dims(16, o, i)
         sides[name] = (proj.side(name, "out", ko, o, torch.device("cpu")),
                        proj.side(name, "in", ki, i, torch.device("cpu")))
-        A, S = _ref_factors(lg)
+        A, S = ref_kfac_factors(lg)
         fa, fs = f.layers[name].form.covariances(f.layers[name].sums)
         p_out, p_in = (s.double() for s in sides[name])
         assert rel_err(fa, p_in @ A @ p_in.T) <= 1e-6 and rel_err(fs, p_out @ S @ p_out.T) <= 1e-6

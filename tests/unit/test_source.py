@@ -21,7 +21,9 @@ from dattri_ds.errors import ConfigError, DattriDSError
 from dattri_ds.methods import Checkpoint, fit_factors, make_attributor, registered_attributors
 from dattri_ds.methods.source import Source, unroll_coefficients
 from dattri_ds.ops.kronecker import KFACConfig
-from reference import reference_grads, rel_err, tiny_gpt2
+from reference import (
+    ref_kfac_factors, ref_kron_eigenbasis, reference_grads, rel_err, tiny_gpt2,
+)
 
 VOCAB = 31
 F64 = KFACConfig(dtype="float64", power=1.0)
@@ -77,17 +79,8 @@ def _dense_curvature(lg, gt, method, damping):
         fisher = gt.T @ gt / gt.shape[0]
         evals = torch.linalg.eigvalsh(fisher).clamp_min(0)
     else:
-        a, g = lg.data.a, lg.data.g.double()
-        mask = (g != 0).any(-1).double()
-        a = F.one_hot(a, lg.shape[1]).double() if not a.is_floating_point() else a.double()
-        A = torch.einsum("bti,btj,bt->ij", a, a, mask) / mask.sum()
-        S = torch.einsum("bto,btp->op", g, g) / g.shape[0]
-        l_s, q_s = torch.linalg.eigh(S)
-        if torch.equal(A, torch.diag(torch.diagonal(A))):
-            l_a, q_a = torch.diagonal(A), torch.eye(A.shape[0], dtype=A.dtype)
-        else:
-            l_a, q_a = torch.linalg.eigh(A)
-        q = torch.kron(q_s.contiguous(), q_a.contiguous())
+        A, S = ref_kfac_factors(lg)
+        l_s, l_a, q = ref_kron_eigenbasis(A, S)
         if method == "kfac":
             evals = torch.kron(l_s.clamp_min(0), l_a.clamp_min(0))
         else:
