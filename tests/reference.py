@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -89,3 +91,13 @@ def ref_kron_eigenbasis(A, S):
     else:
         l_a, q_a = torch.linalg.eigh(A)
     return l_s, l_a, torch.kron(q_s.contiguous(), q_a.contiguous())
+
+
+def perturbed(model: nn.Module, scale: float, gen: torch.Generator) -> nn.Module:
+    """A copy of ``model`` with ``scale * N(0, 1)`` (from ``gen``) added to every parameter:
+    a stand-in for a later checkpoint of a training run."""
+    snap = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in snap.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=gen))
+    return snap

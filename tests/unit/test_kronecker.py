@@ -9,7 +9,6 @@ change nothing; bad inputs raise errors naming the layer.
 
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest
@@ -20,7 +19,7 @@ from dattri_ds.errors import DattriDSError, ShapeError
 from dattri_ds.ops import ProjectionConfig, Projector, cross_gram, kron_dims, project_batch
 from dattri_ds.ops.kronecker import KFACConfig, KFACFactors
 from reference import (
-    ref_kfac_factors, ref_kron_eigenbasis, reference_grads, rel_err, tiny_gpt2,
+    perturbed, ref_kfac_factors, ref_kron_eigenbasis, reference_grads, rel_err, tiny_gpt2,
 )
 
 TOL = 1e-5
@@ -305,10 +304,7 @@ def test_trajectory_equals_sum_of_per_checkpoint_dense_references(setup, method,
     lrs = [0.3, 0.2, 0.1]
     cks, want = [], 0.0
     for c, lr in enumerate(lrs):
-        snap = copy.deepcopy(model)
-        with torch.no_grad():
-            for p in snap.parameters():
-                p.add_(0.1 * c * torch.randn(p.shape, generator=gen))
+        snap = perturbed(model, 0.1 * c, gen)
         train, rtrain = _capture(snap, ids)
         query, rquery = _capture(snap, qids)
         cks.append(Checkpoint([train], query, lr, fit_factors([train], config=F64)))

@@ -10,7 +10,6 @@ errors naming the flag that fixes them; the registry and the tools see the metho
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
@@ -22,7 +21,7 @@ from dattri_ds.methods import Checkpoint, fit_factors, make_attributor, register
 from dattri_ds.methods.source import Source, unroll_coefficients
 from dattri_ds.ops.kronecker import KFACConfig
 from reference import (
-    ref_kfac_factors, ref_kron_eigenbasis, reference_grads, rel_err, tiny_gpt2,
+    perturbed, ref_kfac_factors, ref_kron_eigenbasis, reference_grads, rel_err, tiny_gpt2,
 )
 
 VOCAB = 31
@@ -61,10 +60,7 @@ def trajectory():
     qids = torch.randint(1, VOCAB, (2, 7), generator=gen)
     out = []
     for c in range(3):
-        snap = copy.deepcopy(model)
-        with torch.no_grad():
-            for p in snap.parameters():
-                p.add_(0.1 * c * torch.randn(p.shape, generator=gen))
+        snap = perturbed(model, 0.1 * c, gen)
         train, rtrain = _capture(snap, ids)
         query, rquery = _capture(snap, qids)
         out.append({"train": train, "rtrain": rtrain, "query": query, "rquery": rquery,
