@@ -526,7 +526,9 @@ def _spec_of(ds_cfg: dict, seq_len: int, examples: int, **kw):
                 dtype="bfloat16" if ds_cfg.get("bf16", {}).get("enabled") else "float32",
                 optimizer="adamw" if opt.startswith("adam") else "sgd", capture=True,
                 k=ds_cfg["dattri_ds"]["capture"]["projection"]["dim"], method="selection",
-                candidate_multiple=2.0, examples=examples, **knobs)
+                candidate_multiple=2.0, examples=examples, **knobs,
+                # the config's selection score probes (alignment): plan its probe pass
+                selection_probe=ds_cfg["dattri_ds"]["selection"].get("score") != "content")
     spec.update(kw)
     return RunSpec(**spec)
 

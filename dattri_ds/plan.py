@@ -297,7 +297,12 @@ class RunSpec:
         k: projected size per layer (0 = recommend one). method: what the gradients feed
         (``graddot``/``tracin``: inner products; ``kfac``/``ekfac``: curvature factors;
         ``selection``: online selection with ``candidate_multiple`` candidates per trained
-        example). examples: rows written to the store (for its size).
+        example). selection_probe: the selection's scoring rule reads the candidates'
+        gradients (``alignment``, ``step``: every candidate is forwarded and
+        back-propagated, so their activations, capture buffers and that pass's time are
+        planned); False (``content``, the default for target documents) scores their text
+        only, so a step plans like a plain one.
+        examples: rows written to the store (for its size).
         store_dtype: the store's element type.
         train: the run trains (optimizer, gradients); False plans a ``collect`` /
             attribution pass over frozen weights (parameters only).
@@ -322,6 +327,7 @@ class RunSpec:
     k: int = 0
     method: str = "graddot"
     candidate_multiple: float = 2.0
+    selection_probe: bool = False
     examples: int = 10_000
     store_dtype: Literal["float32", "float16", "bfloat16"] = "float16"
     train: bool = True
@@ -358,8 +364,16 @@ class RunSpec:
     def weight_bytes(self) -> int:
         return 4 if self.dtype == "float32" else 2
 
+    @property
+    def probes(self) -> bool:
+        """Online selection that forwards and back-propagates every candidate (the probe)."""
+        return self.method == "selection" and self.selection_probe
+
 
 _STORE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+#: How the report names a selection run's scoring pass.
+_MODE = {("selection", True): " (gradient probe of the candidates)",
+         ("selection", False): " (content score: no probe)"}
 _K_LADDER = (64, 256, 1024, 4096)
 
 
@@ -415,7 +429,8 @@ class Plan:
                  f"run: {s.world} x {self.device.name}, ZeRO-{s.zero_stage}, offload "
                  f"{s.offload}, {s.dtype}, "
                  f"{s.optimizer if s.train else 'no optimizer (collect)'}, T={s.seq_len}, "
-                 f"micro-batch {s.micro_batch}, {s.method}, {s.projection} k={s.k} per layer",
+                 f"micro-batch {s.micro_batch}, {s.method}{_MODE.get((s.method, s.probes), '')}, "
+                 f"{s.projection} k={s.k} per layer",
                  "", f"{'memory per rank':<22}{'GB':>10}"]
         lines += [f"  {k:<20}{v / GB:>10.3f}" for k, v in self.memory.items()]
         lines.append(f"  {'total':<20}{self.total / GB:>10.3f}   (device "
@@ -587,7 +602,7 @@ def _times(m: ModelShape, s: RunSpec, dev: DeviceSpec, proj_s: float,
              "all": 4 * shard * e}  # + the parameter shard fetched for forward and backward
     t["offload"] = moved[s.offload] / dev.host_link_bytes_per_s
     t["train_step"] = 3 * fwd + comm + t["offload"]
-    if s.method == "selection":  # probe: forward + input-grad backward on the candidates
+    if s.probes:  # probe: forward + input-grad backward on the candidates
         c = s.candidate_multiple
         t["selection"] = c * 2 * fwd + cand_proj_s
     t["step"] = t["train_step"] + t["capture"] + t.get("selection", 0.0)
@@ -670,17 +685,17 @@ def _plan_fixed(model: ModelShape, dev: DeviceSpec, spec: RunSpec) -> Plan:
     B = spec.micro_batch
     states, host = _states(model, spec)
     act_e = 4 if spec.dtype == "float32" else 2
-    rows = B * (spec.candidate_multiple if spec.method == "selection" else 1)
+    rows = B * (spec.candidate_multiple if spec.probes else 1)
     rows = int(math.ceil(rows))
     memory = dict(states)
     memory.update(_zero_buffers(model, spec, dev))
     memory["activations"] = model.activation_elems(rows, spec.seq_len) * act_e
-    cap = _capture_terms(model, spec, rows) if (spec.capture or spec.method == "selection") \
+    cap = _capture_terms(model, spec, rows) if (spec.capture or spec.probes) \
         else {"factors": 0.0, "projections": 0.0, "kfac": 0.0}
     memory.update(cap)
     memory["runtime"] = dev.runtime_bytes
     routes, proj_s = _routing(model, spec, dev, B)
-    _, cand_s = _routing(model, spec, dev, rows) if spec.method == "selection" else ({}, 0.0)
+    _, cand_s = _routing(model, spec, dev, rows) if spec.probes else ({}, 0.0)
     times = _times(model, spec, dev, proj_s, cand_s)
     store = spec.examples * _width(model, spec.k, spec.projection) * \
         _STORE_BYTES[spec.store_dtype] if spec.k else 0.0

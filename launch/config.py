@@ -198,6 +198,7 @@ def check_memory(ds: dict[str, Any], cfg: RunConfig) -> None:
     if cfg.skip_memory_check:
         return
     from dattri_ds.plan import Knob, ModelShape, RunSpec, check_fits
+    from dattri_ds.selection.scorer import SCORES
 
     tc = cfg.train
     src = Path(tc.model_path) / "config.json" if tc.model_path else Path(tc.model_config)
@@ -229,11 +230,12 @@ def check_memory(ds: dict[str, Any], cfg: RunConfig) -> None:
                        projection=proj.kind if proj is not None else "kronecker",
                        k=proj.dim if proj is not None and cfg.capture_enabled else 0,
                        method="selection" if sel.enabled else "graddot",
-                       candidate_multiple=float(sel.candidate_multiple))
+                       candidate_multiple=float(sel.candidate_multiple),
+                       selection_probe=SCORES.lookup(sel.score).needs_probe)
     except ConfigError:  # a projection kind the planner does not model: nothing to check
         return
     values = {"seq_len": tc.seq_len, "micro_batch": micro,
-              "candidate_multiple": sel.candidate_multiple if sel.enabled else None,
+              "candidate_multiple": sel.candidate_multiple if spec.probes else None,
               "vocab": None if tc.model_path else tc.vocab_size,
               "k": spec.k or None, "model": tc.model_path or tc.model_config}
     knobs = [Knob(f, key, flag, values[f], default)

@@ -217,3 +217,32 @@ def test_guard_refuses_what_cannot_fit_this_machine_and_names_the_knob():
     assert "--skip-memory-check" in msg
     tiny = ModelShape.from_config("configs/model_gpt2_tiny.json", vocab_size=1024)
     assert check_fits(tiny, RunSpec(seq_len=128, k=256, micro_batch=4), knobs).total < limit
+
+
+def test_selection_plans_the_probe_only_when_its_score_reads_gradients(monkeypatch):
+    """Content-scored selection forwards no candidate: its step plans like a plain step
+    (same activations, capture buffers and time); a probing score adds the candidates'
+    activations (``candidate_multiple`` x the micro-batch) and the probe pass's time. The
+    launch guard plans what the resolved score does (target documents: content; the
+    gradient probe when asked for)."""
+    import dattri_ds.plan as planner
+    from launch.config import RunConfig, check_memory
+
+    model = ModelShape.from_config("configs/model_gpt2_tiny.json", vocab_size=1024)
+    base = dict(seq_len=128, micro_batch=4, k=256, dtype="float32", zero_stage=0)
+    plain = plan(model, "cpu", RunSpec(**base))
+    content = plan(model, "cpu", RunSpec(**base, method="selection", candidate_multiple=4))
+    probe = plan(model, "cpu", RunSpec(**base, method="selection", candidate_multiple=4,
+                                       selection_probe=True))
+    assert content.memory == plain.memory
+    assert content.times["step"] == plain.times["step"] and "selection" not in content.times
+    assert probe.memory["activations"] == 4 * plain.memory["activations"]
+    assert probe.times["selection"] > 0 and probe.times["step"] > plain.times["step"]
+
+    seen = []
+    monkeypatch.setattr(planner, "check_fits", lambda model, spec, *a, **k: seen.append(spec))
+    on = {"enabled": True, "target_data": "data/target/hamlet.jsonl", "candidate_multiple": 4}
+    train = {"model_config": "configs/model_gpt2_tiny.json", "vocab_size": 1024}
+    for sel, probes in (({}, False), ({"score": "alignment"}, True)):
+        check_memory({}, RunConfig.from_dict({"train": train, "selection": {**on, **sel}}))
+        assert seen[-1].method == "selection" and seen[-1].probes is probes
