@@ -41,7 +41,11 @@ excluded. ``--quick`` is a smaller preset (about 30 s); the default (N = 128, S 
 subsets x 2 seeds) about 3 minutes on an idle core. ``--repeats R`` runs seeds
 ``--seed .. --seed+R-1`` (each into ``<out>/seed<s>/``; a seed already run with the same
 settings is reused) and tabulates mean +- standard error over seeds, with each row's share
-of the same method's exact LDS.
+of the same method's exact LDS. A saved seed whose settings differ only in how it is
+scored (``SCORING``: methods, projections, dampings, powers) keeps its ground truth
+(subset masks, retrained query losses, seed agreement, full-model query losses): the full
+run is trained and captured again for the scores, the subsets are not retrained
+(``--retrain`` forces it); the report's ``ground_truth.reused_from`` names the source.
 
 Training is plain Adam (or ``--optimizer sgd``) at a constant learning rate; every run,
 full or subset, starts from the same initialization and visits its documents in the
@@ -169,6 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(p, "--repeats", int, ge=1, default=1,
              help="run seeds --seed .. --seed+R-1 into <out>/seed<s>/ (a finished "
              "seed with the same settings is reused) and tabulate mean +- s.e.")
+    p.add_argument("--retrain", action="store_true",
+                   help="retrain the subsets even when <out> (or <out>/seed<s>/) holds a "
+                   "saved seed with the same ground-truth settings (by default its masks "
+                   "and retrained losses are reused and only the scores are recomputed)")
     add_flag(p, "--threads", int, ge=1,
              default=1, help="torch CPU threads")
     p.add_argument("--cache-dir", default=None, help="tokenizer cache directory")
@@ -514,18 +522,18 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)
     if args.repeats == 1:
-        return run_one(args)
+        return run_one(args, saved_truth(args))
     reports = []
     for seed in range(args.seed, args.seed + args.repeats):
         one = argparse.Namespace(**{**vars(args), "seed": seed, "repeats": 1,
                                     "out": str(Path(args.out) / f"seed{seed}")})
-        saved = Path(one.out) / "lds.json"
-        old = json.loads(saved.read_text()) if saved.is_file() else None
+        old = saved_truth(one)
         if old is not None and _settings(old["args"]) == _settings(vars(one)):
-            logger.info("seed %d: reusing %s", seed, saved)
+            logger.info("seed %d: reusing %s (every setting matches)", seed,
+                        Path(one.out) / "lds.json")
             reports.append(old)
         else:
-            reports.append(run_one(one))
+            reports.append(run_one(one, old))
     return summarize(reports, Path(args.out))
 
 
@@ -534,14 +542,37 @@ SETTINGS = ("n_train", "subsets", "seeds", "epochs", "projections", "methods", "
             "n_hamlet", "n_code", "queries", "n_heldout", "model_config", "tie_embeddings",
             "seq_len", "vocab_size", "batch_size", "optimizer", "lr", "checkpoints", "dampings",
             "powers", "tokenizer")
+#: Settings that change only how the saved models are scored: a saved seed whose other
+#: settings match keeps its ground truth (subset masks, retrained query losses, seed
+#: agreement, full-model query losses) and only the scores are computed again.
+SCORING = ("projections", "methods", "dampings", "powers")
+#: The settings that define a seed's ground truth.
+TRUTH = tuple(k for k in SETTINGS if k not in SCORING)
 #: Values of settings added later, for seeds saved before them (so those are still reused).
 _SAVED_BEFORE = {"tokenizer": "bpe"}
 
 
-def _settings(args: dict) -> str:
-    """The benchmark settings of a run's args (JSON), without its seed and output folder."""
-    keep = {k: args.get(k, _SAVED_BEFORE.get(k)) for k in SETTINGS}
+def _settings(args: dict, keys: tuple[str, ...] = SETTINGS) -> str:
+    """The benchmark settings ``keys`` of a run's args (JSON), without its seed and output
+    folder."""
+    keep = {k: args.get(k, _SAVED_BEFORE.get(k)) for k in keys}
     return json.dumps(json.loads(json.dumps(keep, default=str)), sort_keys=True)
+
+
+def saved_truth(args: argparse.Namespace) -> dict | None:
+    """The report saved in ``<out>/lds.json`` when its ground-truth settings (``TRUTH``)
+    equal this run's, else ``None`` (also with ``--retrain``, or no per-seed report there)."""
+    saved = Path(args.out) / "lds.json"
+    if getattr(args, "retrain", False) or not saved.is_file():
+        return None
+    old = json.loads(saved.read_text(encoding="utf-8"))
+    if "args" not in old or "masks" not in old:
+        return None
+    if _settings(old["args"], TRUTH) != _settings(vars(args), TRUTH):
+        logger.info("seed %d: %s has other ground-truth settings; retraining", args.seed, saved)
+        return None
+    old["path"] = str(saved)
+    return old
 
 
 def summarize(reports: list[dict], out: Path) -> dict:
@@ -608,8 +639,52 @@ def regime(args: argparse.Namespace, tok) -> dict:
             "optimizer": args.optimizer, "lr": args.lr, "epochs": args.epochs}
 
 
-def run_one(args: argparse.Namespace) -> dict:
-    """One seed of the benchmark into ``args.out`` (``lds.json``, ``lds.md``)."""
+def ground_truth(args: argparse.Namespace, train: Callable, ds: TokenizedDocuments,
+                 qds: TokenizedDocuments, full_loss: torch.Tensor,
+                 saved: dict | None = None) -> dict:
+    """Subset masks ``[S, N]``, retrained query losses ``[S, Q]`` (mean over ``--seeds``
+    training seeds), their seed agreement and the full model's query losses.
+
+    ``saved`` (a report with the same ``TRUTH`` settings, ``saved_truth``) is reused when it
+    holds the same training and query documents: the S x seeds retraining is skipped and its
+    full-model losses are kept (the ones just recomputed are compared with them and the
+    largest difference is recorded).
+    """
+    if saved is not None and (saved["train_ids"] != list(ds.ids)
+                              or saved["query_ids"] != list(qds.ids)):
+        logger.warning("seed %d: %s holds other training or query documents; retraining",
+                       args.seed, saved["path"])
+        saved = None
+    if saved is not None:
+        masks = torch.tensor(saved["masks"], dtype=torch.bool)
+        diff = float((torch.tensor(saved["full_model_query_loss"]) - full_loss).abs().max())
+        logger.info("seed %d: reusing the ground truth of %s (%d subset masks, retrained "
+                    "query losses, seed agreement, full-model losses; full-model query loss "
+                    "recomputed within %.2e): retraining skipped", args.seed, saved["path"],
+                    len(masks), diff)
+        old = saved.get("ground_truth") or {}
+        return {"masks": masks, "actual": torch.tensor(saved["retrained_query_loss"]),
+                "agreement": saved["seed_agreement"],
+                "full_loss": saved["full_model_query_loss"],
+                "retrain_s": saved["runtime_s"]["retrain"],
+                "record": {"reused_from": old.get("reused_from") or saved["path"],
+                           "full_loss_max_diff": diff}}
+    masks = subset_masks(len(ds), args.subsets, args.fraction, seed=args.seed)
+    t0 = time.time()
+    per_seed = [retrain_losses(train, masks, lambda m: doc_losses(m, qds), seeds=[args.seed + r])
+                for r in range(args.seeds)]  # one call per seed: seed agreement below
+    # Reproducibility of the target itself: rank correlation of two seeds' retrained losses
+    # (a rough ceiling for the LDS of any method against a single seed).
+    agree = lds(per_seed[0], per_seed[1]) if args.seeds > 1 else None
+    return {"masks": masks, "actual": torch.stack(per_seed).mean(0),
+            "agreement": None if agree is None else {"mean": agree.mean, "std": agree.std},
+            "full_loss": full_loss.tolist(), "retrain_s": round(time.time() - t0, 2),
+            "record": {"reused_from": None}}
+
+
+def run_one(args: argparse.Namespace, truth: dict | None = None) -> dict:
+    """One seed of the benchmark into ``args.out`` (``lds.json``, ``lds.md``); ``truth``: a
+    saved report whose ground truth is reused (``ground_truth``)."""
     torch.manual_seed(args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -626,15 +701,9 @@ def run_one(args: argparse.Namespace) -> dict:
     scores = score_all(grads, args, (text_of(ds, tok), text_of(qds, tok)))
     shapes = {n: lg.shape for n, lg in grads[-1]["train"][0].layers.items()}
 
-    masks = subset_masks(len(ds), args.subsets, args.fraction, seed=args.seed)
-    t0 = time.time()
-    per_seed = [retrain_losses(train, masks, lambda m: doc_losses(m, qds), seeds=[args.seed + r])
-                for r in range(args.seeds)]  # one call per seed: seed agreement below
-    actual = torch.stack(per_seed).mean(0)
-    retrain_s = time.time() - t0
-    # Reproducibility of the target itself: rank correlation of two seeds' retrained losses
-    # (a rough ceiling for the LDS of any method against a single seed).
-    agree = lds(per_seed[0], per_seed[1]) if args.seeds > 1 else None
+    truth = ground_truth(args, train, ds, qds, full_loss, truth)
+    masks, actual = truth["masks"], truth["actual"]
+    agree = truth["agreement"]
 
     rows = []
     for (method, setting, damping, power), (values, seconds) in scores.items():
@@ -657,24 +726,25 @@ def run_one(args: argparse.Namespace) -> dict:
     head = (f"LDS over {args.subsets} subsets of {round(args.fraction * len(ds))}/{len(ds)} "
             f"documents ({args.seeds} training seed(s) each), {len(qds)} queries")
     if agree is not None:
-        head += (f"; seed-to-seed agreement of retrained losses {agree.mean:+.3f} ± "
-                 f"{agree.std:.3f}")
+        head += (f"; seed-to-seed agreement of retrained losses {agree['mean']:+.3f} ± "
+                 f"{agree['std']:.3f}")
     print(f"\n{head}\n{md}")
     report = {
         "args": vars(args), "head": head, "model": model_config(args), "tokenizer": tok.fingerprint,
         "regime": regime(args, tok),
         "train_ids": ds.ids, "query_ids": qds.ids, "results": rows,
-        "full_model_query_loss": full_loss.tolist(),
+        "full_model_query_loss": truth["full_loss"],
         "retrained_query_loss": actual.tolist(), "masks": masks.int().tolist(),
-        "seed_agreement": None if agree is None else {"mean": agree.mean, "std": agree.std},
+        "seed_agreement": agree, "ground_truth": truth["record"],
         "checkpoints": [{"epoch": g["epoch"], "lr": g["lr"]} for g in grads],
-        "runtime_s": {"retrain": round(retrain_s, 2),
+        "runtime_s": {"retrain": truth["retrain_s"],
                       "total": round(time.time() - t_start, 2)},
     }
     (out / "lds.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
     (out / "lds.md").write_text(f"{head}\n\n{md}\n", encoding="utf-8")
-    logger.info("wrote %s and %s (total %.1f s, retraining %.1f s)", out / "lds.json",
-                out / "lds.md", report["runtime_s"]["total"], retrain_s)
+    logger.info("wrote %s and %s (total %.1f s, retraining %.1f s%s)", out / "lds.json",
+                out / "lds.md", report["runtime_s"]["total"], truth["retrain_s"],
+                ", reused" if truth["record"]["reused_from"] else "")
     return report
 
 

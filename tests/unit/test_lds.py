@@ -235,3 +235,38 @@ def test_char_tokenizer_quick(tmp_path):
     assert mod._settings(char) != mod._settings(vars(bpe))  # no stale seed reuse
     legacy = {k: v for k, v in vars(bpe).items() if k != "tokenizer"}  # saved before the flag
     assert mod._settings(legacy) == mod._settings(vars(bpe))
+
+
+def test_ground_truth_reused_when_only_scoring_changes(tmp_path, monkeypatch):
+    """A saved seed whose settings differ only in scoring (here --methods) keeps its subset
+    masks and retrained losses: the second run never retrains and gives the same LDS for
+    the shared methods; a ground-truth setting (--subsets) or --retrain retrains. Breaks if
+    adding a method reruns the retraining, or if a seed is reused across ground truths."""
+    mod = _tool()
+    base = ["--quick", "--out", str(tmp_path), "--n-train", "16", "--subsets", "3",
+            "--epochs", "1", "--n-hamlet", "2", "--n-code", "1", "--projections", "exact"]
+    first = mod.main(base + ["--methods", "ekfac,tfidf"])
+    assert first["ground_truth"] == {"reused_from": None}
+    calls = []
+    real = mod.retrain_losses
+    monkeypatch.setattr(mod, "retrain_losses", lambda *a, **k: calls.append(1) or real(*a, **k))
+    second = mod.main(base + ["--methods", "ekfac,graddot,tfidf"])
+    assert calls == [] and second["ground_truth"]["reused_from"] == str(tmp_path / "lds.json")
+    assert second["ground_truth"]["full_loss_max_diff"] < 1e-5  # the full run is deterministic
+    for key in ("masks", "retrained_query_loss", "seed_agreement", "full_model_query_loss",
+                "train_ids", "query_ids"):
+        assert second[key] == first[key], key
+    lds1 = {r["method"]: r["lds_mean"] for r in first["results"]}
+    lds2 = {r["method"]: r["lds_mean"] for r in second["results"]}
+    assert set(lds2) == {"ekfac", "graddot", "tfidf"}
+    assert lds2["ekfac"] == pytest.approx(lds1["ekfac"], abs=1e-6)
+    assert lds2["tfidf"] == pytest.approx(lds1["tfidf"], abs=1e-6)
+    one = vars(mod.parse_args(base + ["--methods", "ekfac"]))
+    other = vars(mod.parse_args(base + ["--methods", "graddot", "--powers", "1"]))
+    assert mod._settings(one, mod.TRUTH) == mod._settings(other, mod.TRUTH)
+    assert mod._settings(one) != mod._settings(other)
+    mod.main(base + ["--methods", "tfidf", "--retrain"])
+    assert len(calls) == 1  # --retrain: retrained (one call per training seed; quick: 1)
+    calls.clear()
+    mod.main(base[:-6] + ["--subsets", "4"] + base[-6:] + ["--methods", "tfidf"])
+    assert len(calls) == 1  # another ground truth: retrained
