@@ -1,10 +1,13 @@
 """Built-in LDS benchmark: attribution methods scored against retraining on random subsets.
 
 A tiny GPT-2 (2 layers, n_embd 64, T = 64, SentencePiece vocabulary 512) is trained on N
-documents of ``data/tiny/train.jsonl`` (``--model-config``: another architecture, e.g. a
-Llama; ``--tokenizer char``: a character-level vocabulary, about 107 pieces, at T = 128,
-which holds about as much text as T = 64 BPE tokens); the queries are Hamlet chunks of
-``data/tiny/target.jsonl`` and a few ``data/target/code.jsonl`` functions. Every method
+documents of ``data/tiny/train.jsonl`` (its first N; ``--train-data``: another pool, drawn
+round-robin over its sources, e.g. ``data/corpus/train.jsonl --exclude-data
+data/tiny/train.jsonl``; ``--model-config``: another architecture, e.g. a Llama;
+``--tokenizer char``: a character-level vocabulary, about 107 pieces, at T = 128, which
+holds about as much text as T = 64 BPE tokens); the queries are Hamlet chunks of
+``data/tiny/target.jsonl`` and a few ``data/target/code.jsonl`` functions (``--queries
+heldout``: documents of the same pool that are not trained on). Every method
 (``graddot``, ``gradcos``, ``tracin`` and ``kfac-trajectory`` / ``ekfac-trajectory`` over
 checkpoints of the full run, ``kfac``, ``ekfac`` on the final model; all through
 ``make_attributor``) scores the N documents against the queries with ``GradientCapture``
@@ -57,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import json
 import logging
 import sys
@@ -103,6 +107,9 @@ MODEL = {"model_type": "gpt2", "n_layer": 2, "n_head": 4, "n_embd": 64, "n_posit
 #: character holds about half the text of a BPE-512 piece on this pool (2.07 chars/piece).
 TOKENIZERS = ("bpe", "char")
 SEQ_LEN = {"bpe": 64, "char": 128}
+#: The default pool of training documents, and ``--draw`` orders (``eligible_pool``).
+DEFAULT_TRAIN_DATA = "data/tiny/train.jsonl"
+DRAWS = ("prefix", "round-robin")
 #: Query sets of ``--queries`` (``load_data``).
 QUERY_SETS = ("target", "heldout")
 PRESETS = {
@@ -118,7 +125,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/lds", help="output directory (lds.json, lds.md)")
     p.add_argument("--quick", action="store_true", help="smaller preset (about 30 s)")
     add_flag(p, "--n-train", int, ge=1,
-             help="training documents (prefix of the pool)")
+             help="training documents (the first of the --train-data pool, in --draw order)")
+    p.add_argument("--train-data", default=DEFAULT_TRAIN_DATA,
+                   help="JSONL pool of training documents (and of --queries heldout queries); "
+                   "a relative path is read from the repository root")
+    p.add_argument("--draw", choices=DRAWS, default=None,
+                   help="order in which the pool is drawn: prefix (file order) or "
+                   "round-robin (shuffled within each source by --seed, one source at a "
+                   "time); default: prefix for the default pool, round-robin for another")
+    p.add_argument("--exclude-data", default=None,
+                   help="comma-separated JSONL files whose documents (same id or text) are "
+                   "never drawn, e.g. data/tiny/train.jsonl to draw a disjoint pool from "
+                   "data/corpus/train.jsonl")
     add_flag(p, "--subsets", int, ge=1,
              help="random subsets retrained (S)")
     add_flag(p, "--seeds", int, ge=1,
@@ -195,6 +213,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.lr = 0.1 if args.optimizer == "sgd" else 3e-3
     if args.seq_len is None:
         args.seq_len = SEQ_LEN[args.tokenizer]
+    if args.draw is None:
+        args.draw = "prefix" if args.train_data == DEFAULT_TRAIN_DATA else "round-robin"
+    args.exclude_data = ([t.strip() for t in args.exclude_data.split(",") if t.strip()]
+                         if args.exclude_data else None)
     try:
         args.projections = [parse_setting(t) for t in str(args.projections).split(",")
                             if t.strip()]
@@ -239,9 +261,65 @@ def model_config(args: argparse.Namespace) -> dict:
     return config
 
 
+def _text_hash(doc: Document) -> str:
+    return hashlib.sha256(doc.text.encode("utf-8")).hexdigest()
+
+
+def _resolve(path: str) -> Path:
+    return Path(path) if Path(path).is_absolute() else ROOT / path
+
+
+def round_robin(docs: list[Document], seed: int) -> list[Document]:
+    """``docs`` shuffled within each source (seeded), then taken one per source in turn
+    (sources by name): any prefix holds the sources as evenly as they allow."""
+    gen = torch.Generator().manual_seed(seed)
+    by_source: dict[str, list[Document]] = {}
+    for d in docs:
+        by_source.setdefault(d.source, []).append(d)
+    queues = [[group[i] for i in torch.randperm(len(group), generator=gen).tolist()]
+              for _, group in sorted(by_source.items())]
+    return [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]
+
+
+def eligible_pool(args: argparse.Namespace, targets: list[Document]) -> list[Document]:
+    """The documents of ``--train-data`` that may be drawn, in the order they are drawn.
+
+    Dropped: a document whose id or text (SHA-256) is that of a target query or of a
+    document of ``--exclude-data``, and any repeat of an earlier document's text. ``--draw
+    prefix`` keeps the file order (the shipped pool is in a seeded random order);
+    ``round-robin`` is ``round_robin(docs, --seed)``.
+    """
+    docs = load_documents(_resolve(args.train_data))
+    banned = list(targets)
+    for path in args.exclude_data or []:
+        banned += load_documents(_resolve(path))
+    ids, texts = {d.id for d in banned}, {_text_hash(d) for d in banned}
+    keep, seen = [], set()
+    for d in docs:
+        h = _text_hash(d)
+        if d.id in ids or h in texts or h in seen:
+            continue
+        seen.add(h)
+        keep.append(d)
+    if len(keep) < len(docs):
+        logger.info("%s: %d of %d documents eligible (the rest are queries, --exclude-data "
+                    "documents or repeated texts)", args.train_data, len(keep), len(docs))
+    return keep if args.draw == "prefix" else round_robin(keep, args.seed)
+
+
 def load_data(args: argparse.Namespace):
-    """Tokenizer, training documents ``[N, T]`` and queries ``[Q, T]``."""
-    pool = load_documents(ROOT / "data/tiny/train.jsonl")
+    """Tokenizer, training documents ``[N, T]`` and queries ``[Q, T]``.
+
+    The N training documents are the first of ``eligible_pool``; ``--queries heldout``
+    takes its queries evenly from the rest of the same pool. The tokenizer is trained on
+    the whole eligible pool. Training and query documents never share an id or a text.
+    """
+    targets = (evenly_spaced(load_documents(ROOT / "data/tiny/target.jsonl"), args.n_hamlet)
+               + evenly_spaced(load_documents(ROOT / "data/target/code.jsonl"), args.n_code))
+    pool = eligible_pool(args, targets)
+    if len(pool) < args.n_train:
+        raise ConfigError(f"--n-train {args.n_train}: {args.train_data} holds only "
+                          f"{len(pool)} eligible documents; lower --n-train")
     if args.queries == "heldout":
         rest = pool[args.n_train:]
         if not rest:
@@ -249,13 +327,15 @@ def load_data(args: argparse.Namespace):
                               f"{args.n_train}: the pool holds {len(pool)}; lower --n-train")
         queries = evenly_spaced(rest, args.n_heldout)
     else:
-        queries = (evenly_spaced(load_documents(ROOT / "data/tiny/target.jsonl"),
-                                 args.n_hamlet)
-                   + evenly_spaced(load_documents(ROOT / "data/target/code.jsonl"),
-                                   args.n_code))
+        queries = targets
+    train = pool[:args.n_train]
+    if ({d.id for d in train} & {d.id for d in queries}
+            or {_text_hash(d) for d in train} & {_text_hash(d) for d in queries}):
+        raise ConfigError("a training document is also a query (same id or text); "
+                          "check --train-data and --exclude-data")
     tok = train_tokenizer([d.text for d in pool], vocab_size=args.vocab_size,
                           model_type=args.tokenizer, cache_dir=args.cache_dir)
-    ds = tokenize_documents(pool[:args.n_train], tok, args.seq_len)
+    ds = tokenize_documents(train, tok, args.seq_len)
     qds = tokenize_documents(queries, tok, args.seq_len)
     return tok, ds, qds
 
@@ -541,7 +621,7 @@ def main(argv: list[str] | None = None) -> dict:
 SETTINGS = ("n_train", "subsets", "seeds", "epochs", "projections", "methods", "fraction",
             "n_hamlet", "n_code", "queries", "n_heldout", "model_config", "tie_embeddings",
             "seq_len", "vocab_size", "batch_size", "optimizer", "lr", "checkpoints", "dampings",
-            "powers", "tokenizer")
+            "powers", "tokenizer", "train_data", "draw", "exclude_data")
 #: Settings that change only how the saved models are scored: a saved seed whose other
 #: settings match keeps its ground truth (subset masks, retrained query losses, seed
 #: agreement, full-model query losses) and only the scores are computed again.
@@ -549,7 +629,8 @@ SCORING = ("projections", "methods", "dampings", "powers")
 #: The settings that define a seed's ground truth.
 TRUTH = tuple(k for k in SETTINGS if k not in SCORING)
 #: Values of settings added later, for seeds saved before them (so those are still reused).
-_SAVED_BEFORE = {"tokenizer": "bpe"}
+_SAVED_BEFORE = {"tokenizer": "bpe", "train_data": DEFAULT_TRAIN_DATA, "draw": "prefix",
+                 "exclude_data": None}
 
 
 def _settings(args: dict, keys: tuple[str, ...] = SETTINGS) -> str:
@@ -636,6 +717,8 @@ def regime(args: argparse.Namespace, tok) -> dict:
             "tie_embeddings": args.tie_embeddings, "tokenizer": args.tokenizer,
             "vocab_size": tok.vocab_size, "tokenizer_fingerprint": tok.fingerprint,
             "seq_len": args.seq_len, "n_train": args.n_train, "queries": args.queries,
+            "train_data": args.train_data, "draw": args.draw,
+            "exclude_data": args.exclude_data,
             "optimizer": args.optimizer, "lr": args.lr, "epochs": args.epochs}
 
 

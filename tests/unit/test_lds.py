@@ -270,3 +270,41 @@ def test_ground_truth_reused_when_only_scoring_changes(tmp_path, monkeypatch):
     calls.clear()
     mod.main(base[:-6] + ["--subsets", "4"] + base[-6:] + ["--methods", "tfidf"])
     assert len(calls) == 1  # another ground truth: retrained
+
+
+def test_train_data_round_robin_disjoint(tmp_path):
+    """--train-data draws N documents round-robin over the file's sources (seeded), never a
+    query (same id or same text under another id) nor an --exclude-data document; held-out
+    queries come from the same pool; the pool is part of the ground-truth settings. Breaks
+    if a query leaks into training, the draw ignores the seed, or a seed of the default pool
+    is reused for another pool."""
+    mod = _tool()
+    tiny = {json.loads(line)["id"] for line in open(ROOT / "data/tiny/train.jsonl")}
+    base = ["--train-data", "data/corpus/train.jsonl", "--exclude-data",
+            "data/tiny/train.jsonl", "--n-train", "21"]
+    args = mod.parse_args(base + ["--queries", "heldout", "--n-heldout", "5"])
+    assert args.draw == "round-robin" and args.exclude_data == ["data/tiny/train.jsonl"]
+    _, ds, qds = mod.load_data(args)
+    assert mod.source_counts(ds.docs) == {s: 3 for s in (
+        "austen", "jargon", "kjv", "python_code", "python_docs", "shakespeare", "wordnet")}
+    assert not (set(ds.ids) | set(qds.ids)) & tiny and not set(ds.ids) & set(qds.ids)
+    assert len({d.text for d in ds.docs} | {d.text for d in qds.docs}) == 26
+    _, ds1, _ = mod.load_data(mod.parse_args(base + ["--seed", "1"]))
+    assert set(ds1.ids) != set(ds.ids) and mod.source_counts(ds1.docs) == mod.source_counts(
+        ds.docs)
+    assert mod._settings(vars(args), mod.TRUTH) != mod._settings(
+        vars(mod.parse_args(["--queries", "heldout", "--n-heldout", "5", "--n-train", "21"])),
+        mod.TRUTH)
+    # A pool holding a target query's text under another id: that document is never drawn.
+    hamlet = mod.evenly_spaced(mod.load_documents(ROOT / "data/tiny/target.jsonl"), 8)[0]
+    pool = tmp_path / "pool.jsonl"
+    rows = [{"id": f"d{i}", "source": "ab"[i % 2], "title": "t", "text": f"text number {i}"}
+            for i in range(6)] + [{"id": "copy", "source": "a", "title": "t",
+                                   "text": hamlet.text}]
+    pool.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _, small, q = mod.load_data(mod.parse_args(["--train-data", str(pool), "--n-train", "6",
+                                                "--vocab-size", "40", "--n-code", "0"]))
+    assert "copy" not in small.ids and len(small) == 6 and hamlet.id in q.ids
+    with pytest.raises(ConfigError):
+        mod.load_data(mod.parse_args(["--train-data", str(pool), "--n-train", "7",
+                                      "--vocab-size", "40"]))
