@@ -20,7 +20,9 @@ factors, then projected: what ``collect --whiten`` stores). Curvature methods ru
 ``--dampings`` x ``--powers`` value on the exact setting (projected settings at the
 first of each). ``tfidf``
 (TF-IDF of character n-grams of the text each row holds, ``dattri_ds.eval.tfidf_scores``)
-is the model-free text-overlap baseline of the issue-14 benchmark.
+is the model-free text-overlap baseline of the issue-14 benchmark. ``--hybrid-weights``
+adds, for every exact-setting row of a method m, the rows ``m+<w>*tfidf``: per query
+``z(m) + w z(tfidf)`` with ``z`` the standardization over the training rows (``add_hybrids``).
 The same model is then retrained from the same initialization on S random half subsets,
 and each method's Linear Datamodeling Score is the mean over queries of the Spearman
 correlation between ``-(mask @ scores)`` and the retrained query losses
@@ -188,6 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated exponents of the curvature inverse "
                         "(KFACConfig.power), crossed with --dampings on the exact setting "
                         "(default: the library default)")
+    p.add_argument("--hybrid-weights", default=None,
+                   help="comma-separated weights w >= 0: for every method m of --methods on "
+                   "the exact setting (each damping and power) add the row "
+                   "'m+<w>*tfidf' scoring z(m) + w z(tfidf) per query (needs tfidf in "
+                   "--methods; no new captures)")
     add_flag(p, "--repeats", int, ge=1, default=1,
              help="run seeds --seed .. --seed+R-1 into <out>/seed<s>/ (a finished "
              "seed with the same settings is reused) and tabulate mean +- s.e.")
@@ -223,6 +230,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ValueError as e:
         p.error(str(e))
     args.dampings, args.powers = _floats(args.dampings), _floats(args.powers)
+    args.hybrid_weights = ([float(w) for w in args.hybrid_weights.split(",") if w.strip()]
+                           if args.hybrid_weights else None)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for name in ("seeds", "epochs", "checkpoints", "n_train"):
         if getattr(args, name) < 1:
@@ -230,6 +239,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = sorted(set(args.methods) - set(METHODS) - set(BASELINES))
     if unknown:
         p.error(f"unknown method(s) {unknown}; choose from {list(METHODS + BASELINES)}")
+    if args.hybrid_weights and ("tfidf" not in args.methods
+                                or min(args.hybrid_weights) < 0):
+        p.error(f"--hybrid-weights {args.hybrid_weights}: the weights must be >= 0 and "
+                "--methods must include tfidf (the text-overlap scores they mix in)")
     return args
 
 
@@ -591,6 +604,43 @@ def score_all(grads: list[dict], args: argparse.Namespace,
     return scores
 
 
+def zscore(values: torch.Tensor) -> torch.Tensor:
+    """``[N, Q]`` scores standardized per query over the N training rows (a constant column
+    becomes 0): ``(s - mean_N s) / std_N s``."""
+    centred = values - values.mean(0, keepdim=True)
+    return centred / values.std(0, keepdim=True).clamp_min(1e-30)
+
+
+def hybrid_name(method: str, weight: float) -> str:
+    """The row name of ``z(method) + weight z(tfidf)``, e.g. ``ekfac-trajectory+0.5*tfidf``."""
+    return f"{method}+{weight:g}*tfidf"
+
+
+def hybrid_weight(name: str) -> float | None:
+    """The tfidf weight of a hybrid row's name (``hybrid_name``), ``None`` for other rows."""
+    return float(name.rsplit("+", 1)[1][:-len("*tfidf")]) if name.endswith("*tfidf") else None
+
+
+def add_hybrids(scores: dict, weights: list[float] | None) -> None:
+    """Add to ``scores`` (``score_all``'s dict) one row per exact-setting method row and
+    weight w: ``z(method) + w z(tfidf)`` (``zscore``), CPU seconds the sum of both rows'.
+
+    ``z`` leaves a method's LDS unchanged (a positive per-query scale and a shift that adds
+    the same amount to every subset of the same size), so w = 0 is the method itself.
+    """
+    text = scores.get(("tfidf", "exact", None, None))
+    if not weights or text is None:
+        return
+    tz = zscore(text[0].double())
+    for (method, setting, damping, power), (values, seconds) in list(scores.items()):
+        if method in BASELINES or setting != "exact":
+            continue
+        mz = zscore(values.double())
+        for w in weights:
+            scores[(hybrid_name(method, w), setting, damping, power)] = (
+                (mz + w * tz).float(), seconds + text[1])
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark; returns the report also written to ``<out>/lds.json``.
 
@@ -621,11 +671,11 @@ def main(argv: list[str] | None = None) -> dict:
 SETTINGS = ("n_train", "subsets", "seeds", "epochs", "projections", "methods", "fraction",
             "n_hamlet", "n_code", "queries", "n_heldout", "model_config", "tie_embeddings",
             "seq_len", "vocab_size", "batch_size", "optimizer", "lr", "checkpoints", "dampings",
-            "powers", "tokenizer", "train_data", "draw", "exclude_data")
+            "powers", "tokenizer", "train_data", "draw", "exclude_data", "hybrid_weights")
 #: Settings that change only how the saved models are scored: a saved seed whose other
 #: settings match keeps its ground truth (subset masks, retrained query losses, seed
 #: agreement, full-model query losses) and only the scores are computed again.
-SCORING = ("projections", "methods", "dampings", "powers")
+SCORING = ("projections", "methods", "dampings", "powers", "hybrid_weights")
 #: The settings that define a seed's ground truth.
 TRUTH = tuple(k for k in SETTINGS if k not in SCORING)
 #: Values of settings added later, for seeds saved before them (so those are still reused).
@@ -782,6 +832,7 @@ def run_one(args: argparse.Namespace, truth: dict | None = None) -> dict:
     states, full_loss = full_run(train, init, ds, qds, args)
     grads = capture_checkpoints(states, copy.deepcopy(init), ds, qds)
     scores = score_all(grads, args, (text_of(ds, tok), text_of(qds, tok)))
+    add_hybrids(scores, args.hybrid_weights)
     shapes = {n: lg.shape for n, lg in grads[-1]["train"][0].layers.items()}
 
     truth = ground_truth(args, train, ds, qds, full_loss, truth)
@@ -800,6 +851,7 @@ def run_one(args: argparse.Namespace, truth: dict | None = None) -> dict:
                      "r_vs_exact": r_exact,
                      "bytes_per_row": None if method in BASELINES
                      else row_bytes(shapes, parse_setting(setting)),
+                     "hybrid_weight": hybrid_weight(method),
                      "default": (method == DEFAULT_METHOD and setting == "exact"
                                  and damping == KFACConfig().damping
                                  and power == KFACConfig().power),

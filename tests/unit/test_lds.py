@@ -308,3 +308,37 @@ def test_train_data_round_robin_disjoint(tmp_path):
     with pytest.raises(ConfigError):
         mod.load_data(mod.parse_args(["--train-data", str(pool), "--n-train", "7",
                                       "--vocab-size", "40"]))
+
+
+def test_hybrid_rows_mix_standardized_scores(tmp_path):
+    """--hybrid-weights adds 'm+<w>*tfidf' rows scoring z(m) + w z(tfidf) per query from the
+    existing score vectors: w = 0 has the method's own LDS (z is a per-query affine map),
+    a large w tends to tfidf's ranking, and the weight is recorded. Breaks if the hybrid
+    standardizes over queries instead of training rows, or mixes raw scales."""
+    mod = _tool()
+    s = torch.tensor([[1.0, 10.0], [2.0, 20.0], [3.0, 60.0]])
+    z = mod.zscore(s)
+    assert torch.allclose(z.mean(0), torch.zeros(2), atol=1e-6)
+    assert torch.allclose(z.std(0), torch.ones(2))
+    assert torch.equal(mod.zscore(torch.ones(3, 1)), torch.zeros(3, 1))
+    scores = {("ekfac", "exact", 0.003, 0.8): (s, 1.0),
+              ("tfidf", "exact", None, None): (s.flip(0), 0.5)}
+    mod.add_hybrids(scores, [0.0, 2.0])
+    mixed, seconds = scores[("ekfac+2*tfidf", "exact", 0.003, 0.8)]
+    assert seconds == 1.5 and mod.hybrid_weight("ekfac+2*tfidf") == 2.0
+    assert torch.allclose(mixed, z + 2 * mod.zscore(s.flip(0)), atol=1e-6)
+    assert mod.hybrid_weight("ekfac-trajectory") is None
+    with pytest.raises(SystemExit):
+        mod.parse_args(["--hybrid-weights", "0.5", "--methods", "ekfac"])
+    report = mod.main(["--quick", "--out", str(tmp_path), "--n-train", "16", "--subsets", "4",
+                       "--epochs", "1", "--n-hamlet", "3", "--n-code", "1", "--projections",
+                       "exact", "--methods", "ekfac,tfidf", "--hybrid-weights", "0,1,1000"])
+    rows = {r["method"]: r for r in report["results"]}
+    assert set(rows) == {"ekfac", "tfidf", "ekfac+0*tfidf", "ekfac+1*tfidf",
+                         "ekfac+1000*tfidf"}
+    assert rows["ekfac+0*tfidf"]["lds_mean"] == pytest.approx(rows["ekfac"]["lds_mean"],
+                                                              abs=1e-6)
+    assert rows["ekfac+1000*tfidf"]["per_query"] == pytest.approx(rows["tfidf"]["per_query"],
+                                                                  abs=1e-3)
+    assert rows["ekfac+1*tfidf"]["hybrid_weight"] == 1.0 and rows["ekfac"][
+        "hybrid_weight"] is None
