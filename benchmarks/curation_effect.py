@@ -26,7 +26,11 @@ of one corpus source scored, 64 more held out, all 128 removed from the pool); a
 shuffled-word copies (a noisy pool, drawn per seed). ``--pool-docs N``: the first N pool
 documents in round-robin source order (every source equally; the same N for every seed).
 ``--oracle-only`` trains only on each target's own scored documents (a diagnostic: the best
-in-distribution data of that size). One jsonl line per trained run goes to
+in-distribution data of that size). ``--tag T`` is a screening pass: each ``--methods`` entry
+(with ``--select-args``, e.g. ``--content-weight 2``) is recorded as ``<method>+T`` against the
+untagged pass's random, DSIR and full-pool runs. The method ``cascade`` (benchmark only) takes
+the content prior's first ``--shortlist`` budgets of rows and keeps the budget that the
+gradient cosine ranks first among them. One jsonl line per trained run goes to
 ``<results-dir>/<name>/runs.jsonl``, and every invocation to ``invocations.jsonl``; a
 restarted run skips the runs already recorded (same steps). ``--summarize`` prints, per
 target and fraction, each variant's mean target and general loss and the paired differences
@@ -73,11 +77,18 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--micro", type=int, default=8)
     p.add_argument("--pool-docs", type=int, default=None,
-                   help="use the first N pool documents (default: all)")
+                   help="use the first N pool documents in round-robin source order "
+                        "(default: all)")
     p.add_argument("--target-docs", type=int, default=32, help="target documents scored")
     p.add_argument("--projection-dim", type=int, default=256)
     p.add_argument("--select-args", nargs=argparse.REMAINDER, default=[],
                    help="extra flags for every select call (last on the line)")
+    p.add_argument("--tag", default=None,
+                   help="a screening pass: record each method as <method>+<tag> (its own "
+                        "selections and runs; --select-args says what the tag changes) and "
+                        "train no DSIR subset (the untagged pass's is the baseline)")
+    p.add_argument("--shortlist", type=float, default=2.0,
+                   help="method 'cascade': the DSIR shortlist's size, in budgets")
     p.add_argument("--baselines-at", type=float, nargs="+", default=None,
                    help="fractions at which the random and DSIR subsets are trained "
                         "(default: every --fractions entry)")
@@ -252,20 +263,49 @@ def run_group(args, seed: int, specs: list[str], log, done: set) -> None:
         tdir.mkdir(exist_ok=True)
         target_file = _write(tdir / "target.jsonl", st.score.docs)
         for f in args.fractions:
-            for method in ["content", *args.methods] if f in baselines else args.methods:
-                if not todo("dsir" if method == "content" else method, f, (s,)):
+            methods = ["content", *args.methods] if f in baselines and not args.tag else \
+                args.methods
+            for method in methods:
+                variant = "dsir" if method == "content" else \
+                    method if not args.tag else f"{method}+{args.tag}"
+                if not todo(variant, f, (s,)):
                     continue
-                sel = tdir / f"select-{method}-{f}"
-                secs = _tool(select, [
-                    "--run-dir", str(warm), "--store", str(grads), "--pool", str(pool_file),
-                    "--target", str(target_file), "--method", method, "--fraction", str(f),
-                    "--out", str(sel), "--force", *args.select_args])
-                ids = [json.loads(x)["id"]
-                       for x in (sel / "subset.jsonl").read_text().splitlines()]
+                sel = tdir / f"select-{variant}-{f}"
+
+                def select_with(m: str, out: Path, extra=()) -> float:
+                    return _tool(select, [
+                        "--run-dir", str(warm), "--store", str(grads), "--pool",
+                        str(pool_file), "--target", str(target_file), "--method", m,
+                        "--fraction", str(f), "--out", str(out), "--force", *extra])
+
+                if method == "cascade":
+                    secs = select_with("content", tdir / f"cascade-content-{f}") + \
+                        select_with("cosine", sel, args.select_args)
+                    ids = cascade(tdir / f"cascade-content-{f}", sel,
+                                  max(1, round(f * len(pool))), args.shortlist)
+                else:
+                    secs = select_with(method, sel, args.select_args)
+                    ids = [json.loads(x)["id"]
+                           for x in (sel / "subset.jsonl").read_text().splitlines()]
                 res = _train({s: st}, [by_id[i] for i in ids], seed, args.steps, args,
-                             tdir / f"train-{method}-{f}")
-                emit(res, variant="dsir" if method == "content" else method, fraction=f,
-                     select_seconds=secs)
+                             tdir / f"train-{variant}-{f}")
+                emit(res, variant=variant, fraction=f, select_seconds=secs)
+
+
+def cascade(prior: Path, grad: Path, k: int, shortlist: float) -> list[str]:
+    """Method ``cascade`` (a screening variant, benchmark only): the ``round(shortlist k)``
+    rows the content prior ranks first (``prior/scores.npy``), re-ranked by the gradient
+    score (``grad/scores.npy``, same store order); the first ``k`` document ids."""
+    import numpy as np
+    from dattri_ds.curate.pool import doc_id_of
+
+    ids = json.loads((prior / "ids.json").read_text())
+    if ids != json.loads((grad / "ids.json").read_text()):
+        raise SystemExit(f"cascade: {prior} and {grad} score different rows")
+    c, g = np.load(prior / "scores.npy"), np.load(grad / "scores.npy")
+    short = np.argsort(-c, kind="stable")[:max(k, round(shortlist * k))]
+    keep = short[np.argsort(-g[short], kind="stable")][:k]
+    return [doc_id_of(ids[r]) for r in keep.tolist()]
 
 
 def _se(xs: list[float]) -> float:
