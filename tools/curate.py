@@ -1,13 +1,14 @@
 """Select a training subset from a pool's stored gradients against a target (offline, LESS-style).
 
     python tools/curate.py --run-dir runs/warm --store runs/warm/grads --pool data/pool.jsonl \
-        --target data/target/hamlet.jsonl --method adam-cosine --fraction 0.05 \
-        --with-text --out runs/warm/subset
+        --target data/target/hamlet.jsonl --fraction 0.05 --with-text --out runs/warm/subset
     torchrun --standalone --nproc_per_node 2 tools/curate.py --run-dir ...   # rows per rank
-    --method cosine | adam-cosine | trajectory | content | combined   (dattri_ds.curate)
+    --method content (default) | combined | cosine | adam-cosine | trajectory
 
 The method, budget (exactly one of --fraction, --examples, --tokens) and diversity flags
-are generated from ``dattri_ds.curate.CurateConfig`` (one flag per field). The pool store
+are generated from ``dattri_ds.curate.CurateConfig`` (one flag per field, its default and
+help text). The default method is the content prior (``content``, DSIR): in the curation
+benchmark no gradient method was ahead of it (docs/curation.md, "Measured effect"). The pool store
 is one store or a folder of per-checkpoint stores (``collect --out``); the target is
 documents (``--target``: their gradients are captured with the store's own projection and
 capture semantics, at each checkpoint read) or a target store (``--target-store``, of the
@@ -37,7 +38,7 @@ import torch  # noqa: E402
 from dattri_ds.curate import CurateConfig, METHODS  # noqa: E402
 from dattri_ds.curate.config import AGGREGATES, PRECONDITIONS  # noqa: E402
 from dattri_ds.errors import ConfigError  # noqa: E402
-from dattri_ds.schema import add_flag, field_flag  # noqa: E402
+from dattri_ds.schema import add_flag, field_docs, field_flag  # noqa: E402
 from dattri_ds.tools.common import (  # noqa: E402
     add_checkpoint_args, add_source_args, gradients, init_distributed, load_texts, logger,
     open_source, setup_logging, store_paths, tag_choice,
@@ -68,10 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--force", action="store_true", help="replace an earlier selection in --out")
     defaults = CurateConfig(examples=1)
-    for f in fields(CurateConfig):  # one flag per field, defaults from the dataclass
+    docs = field_docs(CurateConfig)
+    for f in fields(CurateConfig):  # one flag per field, default and help from the dataclass
         flag = "--" + f.name.replace("_", "-")
         value = getattr(defaults, f.name) if f.name != "examples" else None
-        doc = f"CurateConfig.{f.name} (default {value!r})"
+        text = " ".join(docs.get(f.name, "").split()).replace("``", "").replace("%", "%%")
+        doc = f"{text} (CurateConfig.{f.name}, default {value!r})"
         if isinstance(value, bool):
             p.add_argument(flag, default=value, action=argparse.BooleanOptionalAction,
                            help=doc)
@@ -211,8 +214,10 @@ def main(argv: list[str] | None = None) -> dict:
         raise ConfigError("Give exactly one of --target (documents) and --target-store; got "
                           f"target={args.target!r}, target_store={args.target_store!r}")
     if METHODS.lookup(config.method).content and args.target is None:
-        raise ConfigError(f"--method {config.method} uses the content prior: pass --target "
-                          f"documents (their n-grams)")
+        default = " (the default)" if config.method == CurateConfig.method else ""
+        raise ConfigError(f"--method {config.method}{default} uses the content prior: pass "
+                          f"--target documents (their n-grams), or with only a "
+                          f"--target-store a gradient method (--method cosine)")
     setup_logging()
     rank, world = init_distributed()
     from dattri_ds.curate import Pool, resolve_budget

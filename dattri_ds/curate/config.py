@@ -1,6 +1,6 @@
 """CurateConfig: what ``dattri-ds select`` does (method, budget, diversity), one frozen record.
 
-The flags of ``tools/select.py`` are generated from these fields (``max_per_cluster`` ->
+The flags of ``tools/curate.py`` (``dattri-ds select``) are generated from these fields (``max_per_cluster`` ->
 ``--max-per-cluster``); the resolved record is written to the output's ``config.json``.
 """
 
@@ -26,9 +26,13 @@ class CurateConfig:
         ConfigError: no budget or more than one, a value out of range, an unknown method.
     """
 
-    method: str = "cosine"
+    method: str = "content"
     """A registered curation method (``dattri_ds.curate.methods.METHODS``): cosine,
-    adam-cosine, trajectory, content, combined."""
+    adam-cosine, trajectory, content, combined. The default, content (the DSIR-style
+    content prior), is what the curation benchmark supports: no measured method was ahead
+    of it on any target, and cosine, adam-cosine and combined were behind it
+    (docs/curation.md, "Measured effect"). It needs --target documents; with only a
+    --target-store choose a gradient method (--method cosine)."""
 
     fraction: float | None = field(default=None, metadata=schema.bounds(gt=0, le=1))
     """Budget: this share of the pool's rows, in (0, 1] (round(fraction * N), at least 1)."""

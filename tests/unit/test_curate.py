@@ -123,7 +123,8 @@ def test_cosine_equals_cross_gram(setup):
     rows: breaks if the column layout, the normalization or the aggregation drifts."""
     ref = _cos_ref(setup["store"].to_gradbatch(slice(None)), setup["q"])
     for agg, want in (("mean", ref.mean(1)), ("max", ref.max(1).values)):
-        got = _score(setup, CurateConfig(examples=3, aggregate=agg, block_rows=5)).scores
+        got = _score(setup, CurateConfig(method="cosine", examples=3, aggregate=agg,
+                                          block_rows=5)).scores
         np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-6)
 
 
@@ -224,7 +225,7 @@ def test_trajectory_is_lr_weighted_sum(setup):
     cfg = CurateConfig(method="trajectory", examples=2, block_rows=7)
     got = _score(setup, cfg, targets={"a": setup["q_rows"], "b": q2},
                  weights={"a": 0.5, "b": 2.0}, stores={"a": store, "b": s2}).scores
-    one = _score(setup, CurateConfig(examples=2)).scores
+    one = _score(setup, CurateConfig(method="cosine", examples=2)).scores
     ref_b = _cos_ref(store.to_gradbatch(slice(None)), setup["q"]).numpy()  # q2: same layout
     del ref_b
     two = score_pool(get_method("cosine")(CurateConfig(examples=2)), {"b": store},
@@ -343,13 +344,40 @@ def cli(setup):
             "pool": setup["pool_file"]}
 
 
-def _select(cli, *extra):
+def _select(cli, *extra, method: str | None = "cosine"):
+    """``dattri-ds select`` on the fixture's run and pool store (the tests' target is a
+    target store, so a gradient method: ``method=None`` leaves the default)."""
     from dattri_ds.cli import run
     from dattri_ds.tools.curate import main
 
     base = ["--run-dir", str(cli["run"]), "--store", str(cli["grads"]), "--pool",
-            str(cli["pool"])]
+            str(cli["pool"])] + (["--method", method] if method else [])
     return run(main, base + list(extra))
+
+
+def test_default_method_travels_from_the_config():
+    """The tool's --method default and help come from CurateConfig.method (one source of
+    truth), and it is the content prior, the method the curation benchmark supports
+    (docs/curation.md): breaks if the flag table or the config drifts."""
+    from dattri_ds.tools.curate import build_parser
+
+    p = build_parser()
+    args = p.parse_args(["--store", "s", "--out", "o", "--examples", "1"])
+    assert args.method == CurateConfig(examples=1).method == "content"
+    action = next(a for a in p._actions if a.dest == "method")
+    assert "default 'content'" in action.help and "Measured effect" in action.help
+
+
+def test_cli_default_method_needs_target_documents(cli, capsys):
+    """The default (content prior) with only a --target-store is a one-line usage error
+    that names the fix (--method cosine) and writes nothing."""
+    out = cli["tmp"] / "sel-default"
+    capsys.readouterr()
+    assert _select(cli, "--target-store", str(cli["tstore"]), "--examples", "5",
+                   "--out", str(out), method=None) == 2
+    err = capsys.readouterr().err.strip()
+    assert "(the default)" in err and "--method cosine" in err and "\n" not in err, err
+    assert not out.exists()
 
 
 def test_cli_selects_writes_and_refuses_overwrite(cli, setup, capsys):
@@ -360,7 +388,8 @@ def test_cli_selects_writes_and_refuses_overwrite(cli, setup, capsys):
     assert _select(cli, "--target-store", str(cli["tstore"]), "--examples", "5",
                    "--with-text", "--out", str(out)) == 0
     lines = [json.loads(x) for x in (out / "subset.jsonl").read_text().splitlines()]
-    want = curate(CurateConfig(examples=5), {"step1": setup["store"]}, setup["pool"],
+    want = curate(CurateConfig(method="cosine", examples=5), {"step1": setup["store"]},
+                  setup["pool"],
                   targets={"step1": setup["q_rows"]})
     assert [x["sample_id"] for x in lines] == want.sample_ids(setup["pool"])
     assert all(set(x) >= {"id", "source", "title", "text"} for x in lines)
