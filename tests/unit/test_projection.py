@@ -118,6 +118,8 @@ def test_sparse_projection_is_its_matrix_and_shards_sum():
     halves = torch.arange(d).chunk(2)
     parts = sum(proj.apply_at("w", x[:, h], 64, h, d) for h in halves)
     assert torch.allclose(parts, x @ p.T, rtol=1e-5, atol=1e-4)
+    # the whole row (no index) is the every-column index's result bit for bit
+    assert torch.equal(proj.apply("w", x, 64), proj.apply_at("w", x, 64, torch.arange(d), d))
     gen = torch.Generator().manual_seed(6)
     f = Factorized(torch.randn(3, 5, 20, generator=gen), torch.randn(3, 5, 30, generator=gen))
     lg = LayerGrad("v", "linear", f, (30, 20))
