@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):  # run as a script: make `dattri_ds.tools` importable
     sys.path.insert(0, str(ROOT))
 
+from dattri_ds import ProjectionConfig  # noqa: E402
 from dattri_ds.tools.progress import phase  # noqa: E402
 
 
@@ -173,14 +174,16 @@ def report_rows(sel: list[dict], base: list[dict]) -> list[str]:
             f"{g(e)} | {g(b)} |" for e, b in zip(sel, base)]
 
 
-#: The offline attribution recipe of step 4 (one place): Kronecker-projected rows
-#: (``P_out G P_in^T`` from the captured factors, no per-example gradient materialized; the
-#: library's ``auto`` rule picks ``sparse`` on every layer of the demo model, which
-#: materializes each per-example gradient first: docs/main_job.md), TracIn on the plain
-#: rows of every checkpoint, EK-FAC as a trajectory over every checkpoint on rows whitened
-#: by that checkpoint's own exact factors (factors first: the faithful recipe of
-#: docs/attribution_fidelity.md, not EK-FAC on raw projected rows).
-RECIPE = {"projection": "kronecker", "dim": 256, "fit_docs": 256,
+#: The offline attribution recipe of step 4 (one place). TracIn on plain Kronecker-projected
+#: rows of every checkpoint (``P_out G P_in^T`` from the captured factors, no per-example
+#: gradient materialized; cheap, and a first-order method keeps most of its ranking there).
+#: EK-FAC as a trajectory over every checkpoint on rows whitened by that checkpoint's own
+#: exact factors, projected as the library's default (``auto``, k = 4096 per layer): the
+#: faithful recipe of docs/attribution_fidelity.md. Curvature needs the smaller projection
+#: error: on this job's model whitened Kronecker k=256 rows ranked the training documents
+#: almost unrelated to exact whitened scoring (docs/main_job.md).
+RECIPE = {"plain": ("kronecker", 256),
+          "whitened": (ProjectionConfig().kind, ProjectionConfig().dim), "fit_docs": 256,
           "methods": ("tracin", "ekfac-trajectory")}
 
 
@@ -194,19 +197,24 @@ def attribute_offline(run: Path, out: Path, args) -> list[Path]:
     queries = out / "data_queries.jsonl"  # held-out target passages (DemoData.write)
     tags = [c["tag"] for c in json.loads((run / "trajectory.json").read_text())["checkpoints"]]
     factors, plain, white = out / "factors", out / "grads", out / "grads_whitened"
-    proj = ["--projection", RECIPE["projection"], "--projection-dim", str(RECIPE["dim"])]
+
+    def proj(rows: str) -> list[str]:
+        kind, dim = RECIPE[rows]
+        return ["--projection", kind, "--projection-dim", str(dim)]
+
     fit_docs = min(args.attr_docs, RECIPE["fit_docs"])
     with phase("fit", f"exact EK-FAC factors of {len(tags)} checkpoints on {fit_docs} "
                       f"training documents"):
         fit.main(["--run", str(run), "--checkpoint", "all", "--data", corpus, "--max-docs",
                   str(fit_docs), "--out", str(factors), "--force"])
-    with phase("collect", f"{RECIPE['projection']} k={RECIPE['dim']} rows of "
-                          f"{args.attr_docs} documents x {len(tags)} checkpoints (plain)"):
+    with phase("collect", "{} k={} rows of {} documents x {} checkpoints (plain)".format(
+            *RECIPE["plain"], args.attr_docs, len(tags))):
         collect.main(["--run", str(run), "--data", corpus, "--max-docs", str(args.attr_docs),
-                      "--out", str(plain), *proj])
-    with phase("collect whitened", f"the same rows whitened by each checkpoint's factors"):
+                      "--out", str(plain), *proj("plain")])
+    with phase("collect whitened", "{} k={} rows whitened by each checkpoint's factors".format(
+            *RECIPE["whitened"])):
         collect.main(["--run", str(run), "--data", corpus, "--max-docs", str(args.attr_docs),
-                      "--out", str(white), *proj, "--factors", str(factors)])
+                      "--out", str(white), *proj("whitened"), "--factors", str(factors)])
     reports = []
     for method, store in zip(RECIPE["methods"], (plain, white)):
         dest = out / f"attribution-{method}"
