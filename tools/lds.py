@@ -47,10 +47,11 @@ subsets x 2 seeds) about 3 minutes on an idle core. ``--repeats R`` runs seeds
 ``--seed .. --seed+R-1`` (each into ``<out>/seed<s>/``; a seed already run with the same
 settings is reused) and tabulates mean +- standard error over seeds, with each row's share
 of the same method's exact LDS. A saved seed whose settings differ only in how it is
-scored (``SCORING``: methods, projections, dampings, powers) keeps its ground truth
-(subset masks, retrained query losses, seed agreement, full-model query losses): the full
-run is trained and captured again for the scores, the subsets are not retrained
-(``--retrain`` forces it); the report's ``ground_truth.reused_from`` names the source.
+scored (``SCORING``: methods, projections, dampings, powers, hybrid weights) keeps its
+ground truth (subset masks, retrained query losses, seed agreement, full-model query
+losses): the full run is trained and captured again for the scores, the subsets are not
+retrained (``--retrain`` forces it); the report's ``ground_truth.reused_from`` names the
+source.
 
 Training is plain Adam (or ``--optimizer sgd``) at a constant learning rate; every run,
 full or subset, starts from the same initialization and visits its documents in the
@@ -230,8 +231,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ValueError as e:
         p.error(str(e))
     args.dampings, args.powers = _floats(args.dampings), _floats(args.powers)
-    args.hybrid_weights = ([float(w) for w in args.hybrid_weights.split(",") if w.strip()]
-                           if args.hybrid_weights else None)
+    try:
+        args.hybrid_weights = ([float(w) for w in args.hybrid_weights.split(",") if w.strip()]
+                               if args.hybrid_weights else None)
+    except ValueError:
+        p.error(f"--hybrid-weights '{args.hybrid_weights}': give comma-separated numbers, "
+                "e.g. 0.25,0.5,1")
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for name in ("seeds", "epochs", "checkpoints", "n_train"):
         if getattr(args, name) < 1:

@@ -330,6 +330,8 @@ def test_hybrid_rows_mix_standardized_scores(tmp_path):
     assert mod.hybrid_weight("ekfac-trajectory") is None
     with pytest.raises(SystemExit):
         mod.parse_args(["--hybrid-weights", "0.5", "--methods", "ekfac"])
+    with pytest.raises(SystemExit):
+        mod.parse_args(["--hybrid-weights", "half", "--methods", "ekfac,tfidf"])
     report = mod.main(["--quick", "--out", str(tmp_path), "--n-train", "16", "--subsets", "4",
                        "--epochs", "1", "--n-hamlet", "3", "--n-code", "1", "--projections",
                        "exact", "--methods", "ekfac,tfidf", "--hybrid-weights", "0,1,1000"])
