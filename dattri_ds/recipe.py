@@ -31,9 +31,15 @@ from dattri_ds.methods import (
 from dattri_ds.ops.kronecker import KFACConfig, KFACFactors
 from dattri_ds.ops.projection import ProjectionConfig, Projector
 
-__all__ = ["Recipe"]
+__all__ = ["Recipe", "TEXT_WEIGHTS"]
 
 T = TypeVar("T")
+
+#: The weight of the text-overlap prior (``dattri_ds.eval.with_text_prior``) that
+#: ``attribute`` adds to each method's scores by default: chosen leave-one-regime-out on 16
+#: LDS regimes, where it raised the method on every held-out regime or tied
+#: (docs/attribution_fidelity.md, "The text prior"). Methods not measured with it: 0.
+TEXT_WEIGHTS = {"ekfac-trajectory": 0.25, "ekfac": 0.5}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,6 +80,11 @@ class Recipe:
     def trajectory(self) -> bool:
         """Whether the method reads every checkpoint (TracIn and the trajectories)."""
         return issubclass(get_attributor(self.method), Trajectory)
+
+    @property
+    def text_weight(self) -> float:
+        """The text-overlap prior's default weight for this method (``TEXT_WEIGHTS``)."""
+        return TEXT_WEIGHTS.get(self.method, 0.0)
 
     @property
     def inner(self) -> str:

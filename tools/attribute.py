@@ -25,6 +25,12 @@ queries plus the ``[N, Q]`` result). Writes ``scores.npy`` (``[N, Q]``, positive
 training example lowers the query's loss), ``train_ids.json``, ``queries.json``,
 ``topk.json`` (proponents and opponents per query), for trajectories ``per_checkpoint.npy``
 (``[C, N, Q]`` lr-weighted contributions), and the resolved config.
+
+The text prior (``--text-weight``; default ``Recipe.text_weight``: 0.25 for
+``ekfac-trajectory``, 0.5 for ``ekfac``, 0 otherwise; docs/attribution_fidelity.md): per
+query ``score + w * std(score) * z(overlap)``, the overlap the TF-IDF similarity of the text
+each training row and query holds (``dattri_ds.eval``). With it ``scores.npy`` is the mix,
+``model_scores.npy`` the method's own scores and ``text_overlap.npy`` the overlap.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -268,6 +275,7 @@ def main(argv: list[str] | None = None) -> dict:
     proj, whitened, requests = store_requests(args, run, available, tags)
     recipe = Recipe(method=args.method, projection=proj, whitened=whitened is not None,
                     weighting=args.weighting)
+    prior = text_prior(args, recipe, queries)  # its texts are checked before any scoring
     token_where: list[torch.Tensor] = []  # --per-token: where each token row belongs
     cks = _checkpoints(args, run, available, tags, queries, recipe, requests, token_where)
     per_ckpt: list[torch.Tensor] = []
@@ -281,9 +289,103 @@ def main(argv: list[str] | None = None) -> dict:
         tokens = scatter_tokens(total[:, q:], token_where[0], q, queries.seq_len)
         write_per_token(Path(args.out), run, queries, tokens)
         total, per_ckpt = total[:, :q], [c[:, :q] for c in per_ckpt]
+    model_total = total
+    if prior.weight > 0:
+        from dattri_ds.eval import with_text_prior
+
+        prior = with_overlap(prior, run, queries, ids)
+        total = with_text_prior(total, prior.overlap.to(total.dtype), prior.weight)
     with writing(args.out):
         return write_outputs(Path(args.out), args, run, tags, queries, ids, total, per_ckpt,
-                             seconds)
+                             seconds, prior, model_total)
+
+
+@dataclass(frozen=True)
+class TextPrior:
+    """The text-overlap prior an attribution runs with: its weight (0: off), why, where the
+    training texts are (``path``, read at ``seq_len``; None: the run's) and, once computed,
+    the ``[N, Q]`` TF-IDF overlap of the training rows' and the queries' texts."""
+
+    weight: float
+    reason: str
+    path: str | None = None
+    seq_len: int | None = None
+    overlap: torch.Tensor | None = None
+
+
+def text_prior(args, recipe: Recipe, queries) -> TextPrior:
+    """Resolve ``--text-weight`` (default: ``Recipe.text_weight``) and find the training
+    texts, before any scoring.
+
+    Raises:
+        ConfigError: ``--text-weight`` > 0 was asked for and the texts are not there (the
+            default turns the prior off instead, and says why).
+    """
+    from dattri_ds.errors import ConfigError
+    from dattri_ds.files import check_file
+
+    asked = args.text_weight
+    weight = recipe.text_weight if asked is None else asked
+    if weight == 0:
+        return TextPrior(0.0, "--text-weight 0" if asked is not None else
+                         f"--method {args.method} has no measured text weight")
+    try:
+        path, seq_len = _train_data(args)
+        check_file(path, "training data file", "pass an existing jsonl file of documents")
+        if queries.tokenizer_fingerprint == "token-ids":
+            raise ConfigError("--queries holds token ids, not texts")
+    except ConfigError as e:
+        if asked is not None:
+            raise ConfigError(f"--text-weight {asked:g} needs the training texts: {e}. Fix: "
+                              f"--train-data the jsonl the store was collected from, or "
+                              f"--text-weight 0") from None
+        logger.warning("text prior off (%s); pass --train-data to use it", e)
+        return TextPrior(0.0, f"off: {e}")
+    return TextPrior(float(weight), f"TF-IDF overlap of the row texts of '{path}'", path,
+                     seq_len)
+
+
+def with_overlap(prior: TextPrior, run, queries, train_ids) -> TextPrior:
+    """``prior`` with its overlap: each training row's document, tokenized and truncated
+    as collect read it and decoded (the text the model read), against the queries' rows.
+
+    Raises:
+        ConfigError: a store row has no document in the training texts.
+    """
+    from dattri_ds.errors import ConfigError
+    from dattri_ds.eval import tfidf_scores
+
+    tok = run.tokenizer()
+    rows = load_texts(prior.path, tok, prior.seq_len or queries.seq_len, truncate=True)
+    by_id = {d.id: i for i, d in enumerate(rows.docs)}
+    missing = [i for i in train_ids if i.split("#")[0] not in by_id]
+    if missing:
+        raise ConfigError(f"{len(missing)} store rows have no document in '{prior.path}' (e.g. "
+                          f"'{missing[0]}'). Fix: --train-data the jsonl the store was "
+                          f"collected from, or --text-weight 0")
+    train = [_decoded(tok, rows, by_id[i.split("#")[0]]) for i in train_ids]
+    query = [_decoded(tok, queries, j) for j in range(len(queries))]
+    return replace(prior, overlap=tfidf_scores(train, query))
+
+
+def _train_data(args) -> tuple[str, int | None]:
+    """The training documents' file and the sequence length collect read them at (None:
+    the run's)."""
+    from dattri_ds.errors import ConfigError
+
+    rec = Path(args.store) / "collect_config.json"
+    recorded = json.loads(rec.read_text()) if rec.is_file() else {}
+    if args.train_data:
+        return args.train_data, recorded.get("seq_len")
+    if not isinstance(recorded.get("data"), str):
+        raise ConfigError(f"{rec} records no single collect --data file")
+    return recorded["data"], recorded.get("seq_len")
+
+
+def _decoded(tok, rows, i: int) -> str:
+    """The text row ``i`` of tokenized documents holds (its tokens decoded, padding dropped)."""
+    ids = rows.input_ids[i][rows.attention_mask[i].bool()].tolist()
+    return tok.decode(ids)
 
 
 def write_per_token(out: Path, run, queries, per_token: torch.Tensor) -> None:
@@ -311,9 +413,15 @@ def _piece(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id])
 
 
-def write_outputs(out: Path, args, run, tags, queries, train_ids, total, per_ckpt, seconds):
+def write_outputs(out: Path, args, run, tags, queries, train_ids, total, per_ckpt, seconds,
+                  prior: TextPrior, model_total):
     out.mkdir(parents=True, exist_ok=True)
     np.save(out / "scores.npy", total.numpy())
+    for name, values in (("model_scores.npy", model_total), ("text_overlap.npy", prior.overlap)):
+        if prior.weight > 0:  # the method's own scores, and the prior's overlap
+            np.save(out / name, values.numpy())
+        else:  # never leave an earlier run's (--force) next to these scores
+            (out / name).unlink(missing_ok=True)
     if per_ckpt:
         np.save(out / "per_checkpoint.npy", torch.stack(per_ckpt).numpy())
     (out / "train_ids.json").write_text(json.dumps(list(train_ids)))
@@ -331,7 +439,8 @@ def write_outputs(out: Path, args, run, tags, queries, train_ids, total, per_ckp
     (out / "topk.json").write_text(json.dumps(top, indent=1))
     summary = {"method": args.method, "checkpoints": tags, "train": len(train_ids),
                "queries": len(queries), "seconds": round(seconds, 3),
-               "pairs_per_second": round(len(train_ids) * len(queries) / max(seconds, 1e-9))}
+               "pairs_per_second": round(len(train_ids) * len(queries) / max(seconds, 1e-9)),
+               "text_weight": prior.weight, "text_prior": prior.reason}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     write_config(out, "attribute", args)
     logger.info("attribution -> %s (%s)", out, json.dumps(summary))

@@ -185,6 +185,20 @@ class AttributeOptions:
     """Also score every query token: per_token.npy [N, Q, T] and query_tokens.json (the
     report colours query tokens by influence)."""
 
+    text_weight: float | None = field(default=None, metadata=bounds(ge=0))
+    """Weight w of the text-overlap prior added to the method's scores (per query: score +
+    w * std(score) * z(TF-IDF overlap of the rows' and the queries' texts)); default: the
+    method's measured weight (dattri_ds.recipe.TEXT_WEIGHTS; 0 for a method not measured
+    with it), on when the training texts are found; 0: the method's own scores.
+
+    Chosen leave-one-regime-out on 16 LDS regimes (docs/attribution_fidelity.md). The
+    training texts are --train-data, else collect's recorded --data; when the default is
+    on and they are not found, the prior is off and the summary says so."""
+
+    train_data: str | None = None
+    """The jsonl of training documents the store was collected from, for the text prior
+    (default: the --data collect recorded in the store folder's collect_config.json)."""
+
 
 # ---- which library fields each tool exposes, under the names its flags always had -------
 

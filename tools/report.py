@@ -39,6 +39,15 @@ def build_parser() -> argparse.ArgumentParser:
 _FIX = "pass --attribution the --out folder of tools/attribute.py"
 
 
+def _prior_note(summary: dict) -> str:
+    """How the scores mix in the text prior (attribute --text-weight), if they do."""
+    w = summary.get("text_weight") or 0
+    if not w:
+        return ""
+    return (f" (scores include the text-overlap prior at weight {w:g}: + {w:g} x std x "
+            f"z(TF-IDF overlap) per query; the method's own scores are model_scores.npy)")
+
+
 def _docs(path: str) -> dict[str, dict]:
     """``--train-data`` documents by id (any JSON object with an ``id`` per line)."""
     out = {}
@@ -183,7 +192,7 @@ def main(argv: list[str] | None = None) -> Path:
     md = [f"# Attribution report ({summary['method']})", "",
           f"{summary['train']} training examples x {summary['queries']} queries, checkpoints "
           f"{', '.join(summary['checkpoints'])}; score > 0: training on the example lowers the "
-          f"query's loss.", ""]
+          f"query's loss" + _prior_note(summary) + ".", ""]
     body = [f"<h1>Attribution report ({html.escape(summary['method'])})</h1>",
             f"<p>{md[2]}</p>"]
     tokens = _token_view(att, train_ids)

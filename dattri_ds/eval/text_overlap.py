@@ -16,7 +16,9 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["char_ngrams", "tfidf_scores"]
+from dattri_ds.errors import ConfigError
+
+__all__ = ["char_ngrams", "tfidf_scores", "with_text_prior"]
 
 
 def char_ngrams(text: str, ngrams: Sequence[int] = (3, 4, 5)) -> Counter[str]:
@@ -29,6 +31,10 @@ def tfidf_scores(train: Sequence[str], queries: Sequence[str],
                  ngrams: Sequence[int] = (3, 4, 5)) -> torch.Tensor:
     """``[N, Q]`` cosine similarities of TF-IDF character n-gram vectors (module docstring).
 
+    Sparse: two passes over ``train`` (document frequencies, then each document's norm and
+    its dot products with the queries' vectors); memory is the n-gram vocabulary's counts,
+    the queries' vectors and the ``[N, Q]`` result, never an ``[N, V]`` matrix.
+
     Args:
         train: the N training texts (they define the vocabulary and the idf).
         queries: the Q query texts (n-grams absent from the training texts are dropped).
@@ -37,22 +43,55 @@ def tfidf_scores(train: Sequence[str], queries: Sequence[str],
     Returns:
         float64 ``[N, Q]``; a text without any known n-gram has zero similarity to all.
     """
-    counts = [char_ngrams(t, ngrams) for t in train]
     df: Counter[str] = Counter()
-    for c in counts:
-        df.update(c.keys())
-    vocab = {g: j for j, g in enumerate(sorted(df))}
-    idf = torch.tensor([math.log((1 + len(train)) / (1 + df[g])) + 1 for g in vocab],
-                       dtype=torch.float64)
+    n = 0
+    for text in train:
+        df.update(char_ngrams(text, ngrams).keys())
+        n += 1
 
-    def matrix(texts_counts: list[Counter[str]]) -> torch.Tensor:
-        m = torch.zeros(len(texts_counts), len(vocab), dtype=torch.float64)
-        for r, c in enumerate(texts_counts):
-            cols = [(vocab[g], v) for g, v in c.items() if g in vocab]
-            if cols:
-                j, v = zip(*cols)
-                m[r, list(j)] = torch.tensor(v, dtype=torch.float64)
-        m = m * idf
-        return m / m.norm(dim=1, keepdim=True).clamp_min(1e-300)
+    def idf(g: str) -> float:
+        return math.log((1 + n) / (1 + df[g])) + 1
 
-    return matrix(counts) @ matrix([char_ngrams(q, ngrams) for q in queries]).T
+    qvec: dict[str, list[float]] = {}  # n-gram -> its weight in each query (unit vectors)
+    for j, q in enumerate(queries):
+        w = {g: c * idf(g) for g, c in char_ngrams(q, ngrams).items() if g in df}
+        norm = max(math.sqrt(sum(v * v for v in w.values())), 1e-300)
+        for g, v in w.items():
+            qvec.setdefault(g, [0.0] * len(queries))[j] = v / norm
+    out = torch.zeros(n, len(queries), dtype=torch.float64)
+    for r, text in enumerate(train):
+        w = {g: c * idf(g) for g, c in char_ngrams(text, ngrams).items()}
+        norm = max(math.sqrt(sum(v * v for v in w.values())), 1e-300)
+        row = [0.0] * len(queries)
+        for g, v in w.items():
+            hit = qvec.get(g)
+            if hit is not None:
+                for j, u in enumerate(hit):
+                    row[j] += v * u
+        out[r] = torch.tensor(row, dtype=torch.float64) / norm
+    return out
+
+
+def with_text_prior(scores: torch.Tensor, overlap: torch.Tensor, weight: float) -> torch.Tensor:
+    """A method's ``[N, Q]`` scores plus a text-overlap prior, in the scores' own units.
+
+    Per query column: ``s + weight * std(s) * z(overlap)``, ``z`` standardized over the N
+    training rows. Within a query this ranks as ``z(s) + weight * z(overlap)`` (what
+    ``tools/lds.py --hybrid-weights`` measures), while a score keeps its scale and, for
+    weight 0, is the method's own. A column whose overlap is constant adds nothing.
+
+    Raises:
+        ConfigError: shapes differ, or ``weight`` is negative or not finite.
+    """
+    if scores.shape != overlap.shape or scores.dim() != 2:
+        raise ConfigError(f"with_text_prior: scores {tuple(scores.shape)} and overlap "
+                          f"{tuple(overlap.shape)} must both be [N, Q]")
+    if not math.isfinite(weight) or weight < 0:
+        raise ConfigError(f"text weight must be a finite number >= 0, got {weight}")
+    if weight == 0 or scores.shape[0] < 2:
+        return scores
+    ov = overlap.to(torch.float64)
+    sd = ov.std(0, keepdim=True)
+    z = torch.where(sd > 0, (ov - ov.mean(0, keepdim=True)) / sd.clamp_min(1e-300),
+                    torch.zeros_like(ov))
+    return scores + (weight * scores.to(torch.float64).std(0, keepdim=True) * z).to(scores.dtype)

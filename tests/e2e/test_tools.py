@@ -85,14 +85,14 @@ def test_collect_fit_attribute_report(run_dir, tmp_path):
     assert [p.name for p in written] == ["step2.pt", "step4.pt"]
     attribute.main([*base, "--factors", str(tmp_path / "factors"), "--out",
                     str(tmp_path / "traj")])  # the default method: ekfac-trajectory
-    traj = np.load(tmp_path / "traj/scores.npy")
-    assert json.loads((tmp_path / "traj/summary.json").read_text())["method"] == \
-        "ekfac-trajectory"
+    traj = np.load(tmp_path / "traj/model_scores.npy")  # its own scores (before the prior)
+    summary = json.loads((tmp_path / "traj/summary.json").read_text())
+    assert summary["method"] == "ekfac-trajectory" and summary["text_weight"] == 0.25
     parts = []
     for tag in ("step2", "step4"):
         attribute.main([*base, "--method", "ekfac", "--checkpoints", tag, "--factors",
-                        str(tmp_path / "factors" / f"{tag}.pt"), "--out",
-                        str(tmp_path / f"ek-{tag}")])
+                        str(tmp_path / "factors" / f"{tag}.pt"), "--text-weight", "0",
+                        "--out", str(tmp_path / f"ek-{tag}")])
         parts.append(np.load(tmp_path / f"ek-{tag}/scores.npy"))
     # default weighting "normalized": each checkpoint's scores at unit std per query
     want = sum(p / p.std(0, ddof=1, keepdims=True) for p in parts)
@@ -159,8 +159,8 @@ def test_tracin_and_ekfac_match_independent_references(run_dir, tmp_path):
     fit.main(["--run", str(run_dir), "--data", TINY, "--max-docs", "6", "--store",
               str(grads / "step4"), "--damping", str(damping), "--damping-mode", "absolute",
               "--power", "1", "--out", str(tmp_path / "f.pt")])
-    attribute.main([*base, "--method", "ekfac", "--factors", str(tmp_path / "f.pt"), "--out",
-                    str(tmp_path / "ekfac")])
+    attribute.main([*base, "--method", "ekfac", "--factors", str(tmp_path / "f.pt"),
+                    "--text-weight", "0", "--out", str(tmp_path / "ekfac")])
     ek = np.load(tmp_path / "ekfac/scores.npy")
     ref = (dots["step4"] / damping).numpy()
     np.testing.assert_allclose(ek, ref, rtol=1e-3, atol=1e-4 * float(abs(ref).max()))

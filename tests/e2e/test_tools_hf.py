@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from dattri_ds.errors import ConfigError
+from dattri_ds.eval import tfidf_scores, with_text_prior
 from _deps import require
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -97,6 +98,43 @@ def test_model_folder_collect_attribute(tmp_path):
     with pytest.raises(ConfigError, match="not a Hugging Face model folder.*config.json"):
         collect.main(["--model", str(tmp_path / "g"), "--data", data, "--out",
                       str(tmp_path / "g4")])
+
+
+def test_text_prior_needs_the_training_texts(tmp_path, capsys):
+    """Single-checkpoint EK-FAC adds the text prior by default (weight 0.5) when the
+    training texts are found (collect's recorded --data); when they are gone the default
+    prior is off and the summary says why (the method's own scores, no model_scores.npy),
+    an explicit --text-weight is a one-line usage error naming --train-data that writes
+    nothing, and --train-data restores it."""
+    from dattri_ds.cli import run
+    from dattri_ds.tools import attribute, collect, fit
+
+    folder = _tiny_folder(tmp_path / "gpt2-tiny")
+    data = _texts(tmp_path / "train.jsonl", 5)
+    queries = _texts(tmp_path / "q.jsonl", 2, seed=5)
+    collect.main(["--model", str(folder), "--projection-dim", "8", "--data", data, "--out",
+                  str(tmp_path / "g")])
+    fit.main(["--model", str(folder), "--data", data, "--out", str(tmp_path / "f.pt")])
+    base = ["--model", str(folder), "--store", str(tmp_path / "g"), "--queries", queries,
+            "--method", "ekfac", "--factors", str(tmp_path / "f.pt")]
+    on = attribute.main([*base, "--out", str(tmp_path / "on")])
+    assert on["text_weight"] == 0.5 and (tmp_path / "on/model_scores.npy").exists()
+    moved = tmp_path / "moved.jsonl"
+    Path(data).rename(moved)
+    off = attribute.main([*base, "--out", str(tmp_path / "off")])
+    assert off["text_weight"] == 0 and off["text_prior"].startswith("off:")
+    assert not (tmp_path / "off/model_scores.npy").exists()
+    np.testing.assert_allclose(np.load(tmp_path / "off/scores.npy"),
+                               np.load(tmp_path / "on/model_scores.npy"), rtol=1e-6)
+    capsys.readouterr()
+    code = run(attribute.main, [*base, "--text-weight", "0.5", "--out", str(tmp_path / "no")])
+    err = [x for x in capsys.readouterr().err.splitlines() if "error" in x]
+    assert code == 2 and len(err) == 1 and "--train-data" in err[0], err
+    assert not (tmp_path / "no/scores.npy").exists()
+    again = attribute.main([*base, "--train-data", str(moved), "--out", str(tmp_path / "again")])
+    assert again["text_weight"] == 0.5
+    np.testing.assert_allclose(np.load(tmp_path / "again/scores.npy"),
+                               np.load(tmp_path / "on/scores.npy"), rtol=1e-6)
 
 
 def _hf_run(tmp_path: Path) -> Path:
@@ -274,6 +312,22 @@ def _library(folders: list[Path], data: str, queries: str):
     return factors, tracin, ekfac
 
 
+def _tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def _row_text(tok, path: str, doc_id: str, seq_len: int = 24) -> str:
+    """The text a document's row holds: its first seq_len tokens (with BOS/EOS as the
+    tools tokenize them), decoded; written independently of the tools' code."""
+    doc = next(json.loads(x) for x in Path(path).read_text().splitlines()
+               if json.loads(x)["id"] == doc_id)
+    ids = tok(doc["text"])["input_ids"]
+    ids = ([tok.bos_token_id] if tok.bos_token_id is not None else []) + ids + \
+        ([tok.eos_token_id] if tok.eos_token_id is not None else [])
+    return tok.decode(ids[:seq_len])
+
+
 def _in_order(scores, ids: list[str]) -> np.ndarray:
     order = [list(scores.train_ids).index(i) for i in ids]
     return scores.values.double().numpy()[order]
@@ -316,8 +370,18 @@ def test_checkpoint_folders_equal_the_library_call_and_the_run_folder(tmp_path):
         assert summary["checkpoints"] == tags
         got[method] = np.load(out / "scores.npy")
         ids = json.loads((out / "train_ids.json").read_text())
-        np.testing.assert_allclose(got[method], _in_order(want, ids), rtol=1e-4,
-                                   atol=1e-6 * float(abs(got[method]).max()))
+        own = np.load(out / "model_scores.npy") if method != "tracin" else got[method]
+        np.testing.assert_allclose(own, _in_order(want, ids), rtol=1e-4,
+                                   atol=1e-6 * float(abs(own).max()))
+    # the EK-FAC trajectory's default adds the text prior (weight 0.25) to its own scores:
+    # the TF-IDF overlap of the texts each row and query holds (tokenized as collect did)
+    assert summary["text_weight"] == 0.25 and "TF-IDF" in summary["text_prior"]
+    tok = _tokenizer(root / tags[0])
+    overlap = tfidf_scores([_row_text(tok, data, i.split("#")[0]) for i in ids],
+                           [_row_text(tok, queries, q) for q in ("d0", "d1")])
+    np.testing.assert_allclose(np.load(out / "text_overlap.npy"), overlap.numpy(), atol=1e-9)
+    want = with_text_prior(torch.from_numpy(own), overlap.float(), 0.25).numpy()
+    np.testing.assert_allclose(got["ekfac-trajectory"], want, rtol=1e-5, atol=1e-7)
 
     run_dir = tmp_path / "run"  # the same checkpoints as a hand-built run folder
     (run_dir / "checkpoints").mkdir(parents=True)
