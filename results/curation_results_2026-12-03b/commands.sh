@@ -27,5 +27,10 @@ $B $C --seeds 0 1 2 3 4 --targets code carve:python_docs --fractions 0.1 --metho
 #    --content-weight 2): 5 seeds, every target, 5% and 10% (code and the carved target
 #    and seeds 3-4 were not screened)
 $B $C --seeds 0 1 2 3 4 $T4 --fractions 0.05 0.1 --methods combined --tag cw2 --select-args --content-weight 2
+# 6. screening of a longer warm-up (200 steps instead of 40: new checkpoints and stores, its
+#    own folder warm200/; full, random and DSIR do not depend on the warm-up and repeat
+#    main/'s numbers exactly): combined and cosine at 10%, 3 seeds, hamlet and the noisy pool
+$B --name warm200 --results-dir results/curation_results_2026-12-03b --work-dir /work/runs/curation2/work200 --pool-docs 2000 --warmup-steps 200 --steps 60 --order pool --seeds 0 1 2 $T2 --fractions 0.1 --methods combined cosine
 # tables
 $B $C --methods combined cosine adam-cosine combined+cw2 --summarize > results/curation_results_2026-12-03b/summary.md
+$B --name warm200 --results-dir results/curation_results_2026-12-03b --methods combined cosine --summarize > results/curation_results_2026-12-03b/summary_warm200.md
