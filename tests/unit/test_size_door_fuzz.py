@@ -75,8 +75,9 @@ def _cases(tmp: Path) -> list[tuple[str, list[str], str]]:
             cases.append((f"{leaf.key}={huge:g}", ["--deepspeed_config", _ds(tmp, block)],
                           needle))
     plan = [("train.seq_len 2^20", {"train": {"seq_len": 2 ** 20}}, 2, "train.seq_len"),
-            ("candidate_multiple 1000", {**SELECT, "selection": {
-                **SELECT["selection"], "candidate_multiple": 1000.0},
+            # the gradient probe forwards every candidate (content scoring forwards none)
+            ("candidate_multiple 1000 (probe)", {**SELECT, "selection": {
+                **SELECT["selection"], "candidate_multiple": 1000.0, "score": "alignment"},
               "train": {"seq_len": 1024}}, 64, "selection.candidate_multiple"),
             ("micro-batch 10^6", {}, 10 ** 6, "train_micro_batch_size_per_gpu")]
     for name, block, micro, needle in plan:
