@@ -844,6 +844,11 @@ def run_one(args: argparse.Namespace, truth: dict | None = None) -> dict:
     masks, actual = truth["masks"], truth["actual"]
     agree = truth["agreement"]
 
+    # "(default)": what attribute runs, the default method with its text prior when the
+    # hybrid rows hold that weight (Recipe.text_weight), else the method alone
+    w = Recipe(method=DEFAULT_METHOD).text_weight
+    shipped = hybrid_name(DEFAULT_METHOD, w) if w else DEFAULT_METHOD
+    default_row = shipped if any(key[0] == shipped for key in scores) else DEFAULT_METHOD
     rows = []
     for (method, setting, damping, power), (values, seconds) in scores.items():
         res = lds(predicted(values, masks), actual)
@@ -857,7 +862,7 @@ def run_one(args: argparse.Namespace, truth: dict | None = None) -> dict:
                      "bytes_per_row": None if method in BASELINES
                      else row_bytes(shapes, parse_setting(setting)),
                      "hybrid_weight": hybrid_weight(method),
-                     "default": (method == DEFAULT_METHOD and setting == "exact"
+                     "default": (method == default_row and setting == "exact"
                                  and damping == KFACConfig().damping
                                  and power == KFACConfig().power),
                      "per_query": [round(float(r), 4) for r in res.per_query]})

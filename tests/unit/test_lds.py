@@ -344,3 +344,10 @@ def test_hybrid_rows_mix_standardized_scores(tmp_path):
                                                                   abs=1e-3)
     assert rows["ekfac+1*tfidf"]["hybrid_weight"] == 1.0 and rows["ekfac"][
         "hybrid_weight"] is None
+    # "(default)" marks what attribute runs: the trajectory with its text prior (0.25)
+    report = mod.main(["--quick", "--out", str(tmp_path), "--n-train", "16", "--subsets", "4",
+                       "--epochs", "1", "--n-hamlet", "3", "--n-code", "1", "--projections",
+                       "exact", "--methods", "ekfac-trajectory,tfidf", "--hybrid-weights",
+                       "0.25"])  # ground truth reused: scoring settings only
+    assert [r["method"] for r in report["results"] if r["default"]] == [
+        "ekfac-trajectory+0.25*tfidf"]
