@@ -16,7 +16,9 @@ ties. The hybrid is adopted only if no fold loses.
 Also prints the default (ekfac-trajectory at the default power) against tfidf per regime
 (paired; "> 2 s.e." is the goal of the suite).
 
-Usage: python hybrid.py NAME=summary.json [NAME=summary.json ...]
+Usage: python hybrid.py [--bases m1,m2 [--chosen m1=w1,m2=w2]] NAME=summary.json ...
+(default bases ekfac-trajectory,ekfac with the weights their folds chose; the K-FAC run used
+``--bases kfac-trajectory,kfac``.)
 """
 from __future__ import annotations
 
@@ -65,7 +67,7 @@ def fmt(ms: tuple[float, float]) -> str:
 def tables(regimes: dict[str, dict], summaries: dict[str, dict]) -> None:
     ws = weights(next(iter(regimes.values())), BASES[0])
     print("LDS, mean ± s.e. over seeds (default power):")
-    cols = ["tfidf", "ekfac", "ekfac-trajectory"] + [hybrid(b, w) for b in BASES for w in ws]
+    cols = ["tfidf", *reversed(BASES)] + [hybrid(b, w) for b in BASES for w in ws]
     print("| regime | seeds | agreement | " + " | ".join(cols) + " |\n|---|" + "---|" * (
         len(cols) + 2))
     for name, rows in regimes.items():
@@ -142,14 +144,24 @@ def compact(regimes: dict[str, dict], summaries: dict[str, dict],
 
 
 def main(argv: list[str]) -> None:
+    global BASES
+    chosen = CHOSEN
+    if argv[:1] == ["--bases"]:
+        BASES, argv = tuple(argv[1].split(",")), argv[2:]
+        chosen = {}
+    if argv[:1] == ["--chosen"]:
+        chosen = {b: float(w) for b, w in (x.split("=") for x in argv[1].split(","))}
+        argv = argv[2:]
     regimes, summaries = {}, {}
     for arg in argv:
         name, _, path = arg.partition("=")
         regimes[name], summaries[name] = load(path)
     tables(regimes, summaries)
     folds(regimes)
-    default_vs_tfidf(regimes)
-    compact(regimes, summaries, CHOSEN)
+    if "ekfac-trajectory" in BASES:
+        default_vs_tfidf(regimes)
+    if chosen:
+        compact(regimes, summaries, chosen)
 
 
 if __name__ == "__main__":
