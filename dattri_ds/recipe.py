@@ -38,8 +38,9 @@ T = TypeVar("T")
 #: The weight of the text-overlap prior (``dattri_ds.eval.with_text_prior``) that
 #: ``attribute`` adds to each method's scores by default: chosen leave-one-regime-out on 16
 #: LDS regimes, where it raised the method on every held-out regime or tied
-#: (docs/attribution_fidelity.md, "The text prior"). Methods not measured with it: 0.
-TEXT_WEIGHTS = {"ekfac-trajectory": 0.25, "ekfac": 0.5}
+#: (docs/attribution_fidelity.md, "A second data set, and text overlap mixed into the
+#: scores"). Methods not measured with it (TracIn, grad-dot, grad-cos, SOURCE): 0.
+TEXT_WEIGHTS = {"ekfac-trajectory": 0.25, "ekfac": 0.5, "kfac-trajectory": 0.5, "kfac": 0.5}
 
 
 @dataclass(frozen=True, kw_only=True)

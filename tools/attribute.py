@@ -27,7 +27,8 @@ training example lowers the query's loss), ``train_ids.json``, ``queries.json``,
 (``[C, N, Q]`` lr-weighted contributions), and the resolved config.
 
 The text prior (``--text-weight``; default ``Recipe.text_weight``: 0.25 for
-``ekfac-trajectory``, 0.5 for ``ekfac``, 0 otherwise; docs/attribution_fidelity.md): per
+``ekfac-trajectory``, 0.5 for ``ekfac`` and the K-FAC methods, 0 otherwise;
+docs/attribution_fidelity.md): per
 query ``score + w * std(score) * z(overlap)``, the overlap the TF-IDF similarity of the text
 each training row and query holds (``dattri_ds.eval``). With it ``scores.npy`` is the mix,
 ``model_scores.npy`` the method's own scores and ``text_overlap.npy`` the overlap.

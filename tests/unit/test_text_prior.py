@@ -72,3 +72,16 @@ def test_text_prior_refuses_bad_weights_and_shapes(weight):
         with_text_prior(s, s, weight)
     with pytest.raises(ConfigError, match=r"\[N, Q\]"):
         with_text_prior(s, torch.randn(4, 3), 0.5)
+
+
+def test_each_method_has_its_measured_text_weight():
+    """attribute's default weights: the curvature methods' leave-one-regime-out choices
+    (docs/attribution_fidelity.md), 0 for every method not measured with the prior."""
+    from dattri_ds.methods import registered_attributors
+    from dattri_ds.recipe import TEXT_WEIGHTS, Recipe
+
+    assert TEXT_WEIGHTS == {"ekfac-trajectory": 0.25, "ekfac": 0.5, "kfac-trajectory": 0.5,
+                            "kfac": 0.5}
+    for m in registered_attributors():
+        assert Recipe(method=m).text_weight == TEXT_WEIGHTS.get(m, 0.0)
+    assert Recipe(method="tracin").text_weight == 0.0
