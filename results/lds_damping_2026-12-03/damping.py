@@ -26,6 +26,10 @@ from __future__ import annotations
 import json
 import math
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lds_suite_2026-12-03"))
+from hybrid import read  # noqa: E402  (the NAME=summary.json reader)
 
 #: The two EK-FAC methods alone, and with the text prior at the weights ``attribute`` ships
 #: (dattri_ds.recipe.TEXT_WEIGHTS: z(m) + w z(tfidf), 0.25 trajectory, 0.5 single checkpoint).
@@ -172,10 +176,7 @@ def means_default(rows: dict) -> float:
 
 
 def main(argv: list[str]) -> None:
-    regimes, summaries = {}, {}
-    for arg in argv:
-        name, _, path = arg.partition("=")
-        regimes[name], summaries[name] = load(path)
+    regimes, summaries = read(argv, load)
     tables(regimes, summaries)
     folds(regimes)
     projected(regimes)

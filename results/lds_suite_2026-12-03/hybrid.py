@@ -143,6 +143,16 @@ def compact(regimes: dict[str, dict], summaries: dict[str, dict],
         print("| " + " | ".join(cells) + " |")
 
 
+def read(argv: list[str], load_one) -> tuple[dict, dict]:
+    """``NAME=summary.json`` arguments -> ``({name: rows}, {name: summary})`` by ``load_one``
+    (also ../lds_damping_2026-12-03/damping.py's reader)."""
+    regimes, summaries = {}, {}
+    for arg in argv:
+        name, _, path = arg.partition("=")
+        regimes[name], summaries[name] = load_one(path)
+    return regimes, summaries
+
+
 def main(argv: list[str]) -> None:
     global BASES
     chosen = CHOSEN
@@ -152,10 +162,7 @@ def main(argv: list[str]) -> None:
     if argv[:1] == ["--chosen"]:
         chosen = {b: float(w) for b, w in (x.split("=") for x in argv[1].split(","))}
         argv = argv[2:]
-    regimes, summaries = {}, {}
-    for arg in argv:
-        name, _, path = arg.partition("=")
-        regimes[name], summaries[name] = load(path)
+    regimes, summaries = read(argv, load)
     tables(regimes, summaries)
     folds(regimes)
     if "ekfac-trajectory" in BASES:
