@@ -371,9 +371,8 @@ class RunSpec:
 
 
 _STORE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-#: How the report names a selection run's scoring pass.
-_MODE = {("selection", True): " (gradient probe of the candidates)",
-         ("selection", False): " (content score: no probe)"}
+#: How the report names a selection run's scoring pass (``RunSpec.probes``).
+_MODE = {True: " (gradient probe of the candidates)", False: " (content score: no probe)"}
 _K_LADDER = (64, 256, 1024, 4096)
 
 
@@ -429,7 +428,8 @@ class Plan:
                  f"run: {s.world} x {self.device.name}, ZeRO-{s.zero_stage}, offload "
                  f"{s.offload}, {s.dtype}, "
                  f"{s.optimizer if s.train else 'no optimizer (collect)'}, T={s.seq_len}, "
-                 f"micro-batch {s.micro_batch}, {s.method}{_MODE.get((s.method, s.probes), '')}, "
+                 f"micro-batch {s.micro_batch}, {s.method}"
+                 f"{_MODE[s.probes] if s.method == 'selection' else ''}, "
                  f"{s.projection} k={s.k} per layer",
                  "", f"{'memory per rank':<22}{'GB':>10}"]
         lines += [f"  {k:<20}{v / GB:>10.3f}" for k, v in self.memory.items()]

@@ -52,7 +52,7 @@ import torch  # noqa: E402
 from dattri_ds.tools.configs import ATTRIBUTE, DEFAULT_METHOD, add_flags  # noqa: E402
 from dattri_ds.tools.common import (  # noqa: E402
     Run, add_checkpoint_args, add_source_args, gradients, load_texts, logger, open_source,
-    setup_logging, store_paths, tag_choice, write_config,
+    recorded_config, setup_logging, store_paths, tag_choice, write_config,
 )
 from dattri_ds.recipe import Recipe  # noqa: E402
 
@@ -364,9 +364,8 @@ def with_overlap(prior: TextPrior, run, queries, train_ids) -> TextPrior:
         raise ConfigError(f"{len(missing)} store rows have no document in '{prior.path}' (e.g. "
                           f"'{missing[0]}'). Fix: --train-data the jsonl the store was "
                           f"collected from, or --text-weight 0")
-    train = [_decoded(tok, rows, by_id[i.split("#")[0]]) for i in train_ids]
-    query = [_decoded(tok, queries, j) for j in range(len(queries))]
-    return replace(prior, overlap=tfidf_scores(train, query))
+    train = rows.subset([by_id[i.split("#")[0]] for i in train_ids]).texts(tok)
+    return replace(prior, overlap=tfidf_scores(train, queries.texts(tok)))
 
 
 def _train_data(args) -> tuple[str, int | None]:
@@ -374,19 +373,13 @@ def _train_data(args) -> tuple[str, int | None]:
     the run's)."""
     from dattri_ds.errors import ConfigError
 
-    rec = Path(args.store) / "collect_config.json"
-    recorded = json.loads(rec.read_text()) if rec.is_file() else {}
+    recorded = recorded_config(args.store, "collect")
     if args.train_data:
         return args.train_data, recorded.get("seq_len")
     if not isinstance(recorded.get("data"), str):
-        raise ConfigError(f"{rec} records no single collect --data file")
+        raise ConfigError(f"{Path(args.store) / 'collect_config.json'} records no single "
+                          f"collect --data file")
     return recorded["data"], recorded.get("seq_len")
-
-
-def _decoded(tok, rows, i: int) -> str:
-    """The text row ``i`` of tokenized documents holds (its tokens decoded, padding dropped)."""
-    ids = rows.input_ids[i][rows.attention_mask[i].bool()].tolist()
-    return tok.decode(ids)
 
 
 def write_per_token(out: Path, run, queries, per_token: torch.Tensor) -> None:

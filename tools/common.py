@@ -506,6 +506,18 @@ def write_config(out: Path, name: str, args) -> None:
         json.dumps({k: v for k, v in vars(args).items()}, indent=2, default=str) + "\n")
 
 
+def recorded_config(folder: str | os.PathLike, name: str) -> dict:
+    """The resolved arguments ``write_config(folder, name, ...)`` recorded there (``{}`` when
+    nothing was), e.g. the ``--data`` collect read a store's rows from."""
+    from dattri_ds.files import read_json
+
+    rec = Path(folder) / f"{name}_config.json"
+    if not rec.is_file():
+        return {}
+    got = read_json(rec, f"{name} record", fix=f"remove or repair {rec}")
+    return got if isinstance(got, dict) else {}
+
+
 def example_ids(data, rows: torch.Tensor, label_shift: int = 1) -> list[str]:
     """The sample ids capture will give these rows (``<doc id>#<content hash>``)."""
     from dattri_ds.semantics import batch_info

@@ -25,7 +25,6 @@ selection in ``--out`` is kept unless ``--force``. Memory per rank: one block of
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -41,7 +40,7 @@ from dattri_ds.errors import ConfigError  # noqa: E402
 from dattri_ds.schema import add_flag, field_docs, field_flag  # noqa: E402
 from dattri_ds.tools.common import (  # noqa: E402
     add_checkpoint_args, add_source_args, gradients, init_distributed, load_texts, logger,
-    open_source, setup_logging, store_paths, tag_choice,
+    open_source, recorded_config, setup_logging, store_paths, tag_choice,
 )
 
 _CHOICES = {"method": METHODS.names(), "aggregate": list(AGGREGATES),
@@ -108,13 +107,11 @@ def _tags(args, source, available: dict[str, Path]) -> list[str]:
 def _pool_paths(args) -> list[str]:
     if args.pool:
         return list(args.pool)
-    rec = Path(args.store) / "collect_config.json"
-    if rec.is_file():
-        data = json.loads(rec.read_text()).get("data")
-        if data:
-            return [data] if isinstance(data, str) else list(data)
-    raise ConfigError(f"--pool is needed: {rec} records no collect --data; pass the pool jsonl "
-                      f"the store was collected from")
+    data = recorded_config(args.store, "collect").get("data")
+    if data:
+        return [data] if isinstance(data, str) else list(data)
+    raise ConfigError(f"--pool is needed: {Path(args.store) / 'collect_config.json'} records no "
+                      f"collect --data; pass the pool jsonl the store was collected from")
 
 
 def _attach_pool(source, available, tags):

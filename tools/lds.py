@@ -80,7 +80,7 @@ from dattri_ds.data import (
     tokenize_documents, train_tokenizer,
 )
 from dattri_ds.errors import ConfigError
-from dattri_ds.eval import lds, predicted, retrain_losses, subset_masks, tfidf_scores
+from dattri_ds.eval import lds, predicted, retrain_losses, subset_masks, tfidf_scores, zscore
 from dattri_ds.methods import registered_attributors
 from dattri_ds.recipe import Recipe
 from dattri_ds.ops.projection import KINDS, Projector, projection_kind
@@ -563,11 +563,6 @@ def row_bytes(shapes: dict[str, tuple[int, int]], setting: tuple[str | None, int
     return 4 * total
 
 
-def text_of(ds: TokenizedDocuments, tok) -> list[str]:
-    """The text each row's model input holds (its tokens decoded, padding dropped)."""
-    return [tok.decode(ids[mask.bool()]) for ids, mask in zip(ds.input_ids, ds.attention_mask)]
-
-
 def score_all(grads: list[dict], args: argparse.Namespace,
               texts: tuple[list[str], list[str]] | None = None) -> dict:
     """``{(method, setting, damping, power): (scores [N, Q], CPU seconds)}``.
@@ -607,13 +602,6 @@ def score_all(grads: list[dict], args: argparse.Namespace,
                             method, setting_name(setting), damping, power, list(values.shape),
                             seconds)
     return scores
-
-
-def zscore(values: torch.Tensor) -> torch.Tensor:
-    """``[N, Q]`` scores standardized per query over the N training rows (a constant column
-    becomes 0): ``(s - mean_N s) / std_N s``."""
-    centred = values - values.mean(0, keepdim=True)
-    return centred / values.std(0, keepdim=True).clamp_min(1e-30)
 
 
 def hybrid_name(method: str, weight: float) -> str:
@@ -836,7 +824,7 @@ def run_one(args: argparse.Namespace, truth: dict | None = None) -> dict:
     train = make_trainer(init, ds, args)
     states, full_loss = full_run(train, init, ds, qds, args)
     grads = capture_checkpoints(states, copy.deepcopy(init), ds, qds)
-    scores = score_all(grads, args, (text_of(ds, tok), text_of(qds, tok)))
+    scores = score_all(grads, args, (ds.texts(tok), qds.texts(tok)))
     add_hybrids(scores, args.hybrid_weights)
     shapes = {n: lg.shape for n, lg in grads[-1]["train"][0].layers.items()}
 

@@ -298,6 +298,12 @@ class TokenizedDocuments:
     def __len__(self) -> int:
         return len(self.docs)
 
+    def texts(self, tokenizer) -> list[str]:
+        """The text each row holds (what the model reads): its real tokens decoded, padding
+        dropped, by ``tokenizer.decode``."""
+        return [tokenizer.decode(ids[mask.bool()].tolist())
+                for ids, mask in zip(self.input_ids, self.attention_mask)]
+
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return {"input_ids": self.input_ids[i], "attention_mask": self.attention_mask[i],
                 "labels": self.labels[i]}

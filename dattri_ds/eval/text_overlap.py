@@ -18,7 +18,7 @@ import torch
 
 from dattri_ds.errors import ConfigError
 
-__all__ = ["char_ngrams", "tfidf_scores", "with_text_prior"]
+__all__ = ["char_ngrams", "tfidf_scores", "with_text_prior", "zscore"]
 
 
 def char_ngrams(text: str, ngrams: Sequence[int] = (3, 4, 5)) -> Counter[str]:
@@ -90,8 +90,13 @@ def with_text_prior(scores: torch.Tensor, overlap: torch.Tensor, weight: float) 
         raise ConfigError(f"text weight must be a finite number >= 0, got {weight}")
     if weight == 0 or scores.shape[0] < 2:
         return scores
-    ov = overlap.to(torch.float64)
-    sd = ov.std(0, keepdim=True)
-    z = torch.where(sd > 0, (ov - ov.mean(0, keepdim=True)) / sd.clamp_min(1e-300),
-                    torch.zeros_like(ov))
+    z = zscore(overlap.to(torch.float64))
     return scores + (weight * scores.to(torch.float64).std(0, keepdim=True) * z).to(scores.dtype)
+
+
+def zscore(values: torch.Tensor) -> torch.Tensor:
+    """``[N, Q]`` scores standardized per query over the N training rows,
+    ``(s - mean_N s) / std_N s``; a constant column becomes 0."""
+    sd = values.std(0, keepdim=True)
+    z = (values - values.mean(0, keepdim=True)) / sd.clamp_min(torch.finfo(values.dtype).tiny)
+    return torch.where(sd > 0, z, torch.zeros_like(z))
