@@ -1,6 +1,20 @@
 """dattri-ds: training data attribution and online data selection inside DeepSpeed/Megatron."""
 
-from setuptools import setup
+from setuptools import find_packages, setup
+
+#: the design card's top-level folders, installed under our namespace (a top-level
+#: ``selection`` package already exists on the package index)
+MAPPED = {"dattri_ds.selection": "selection", "dattri_ds.launch": "launch",
+          "dattri_ds.tools": "tools"}
+
+
+def _packages() -> list[str]:
+    """Every package, found (never listed): dattri_ds and each mapped folder's subpackages."""
+    found = find_packages(include=["dattri_ds", "dattri_ds.*"])
+    for name, folder in MAPPED.items():
+        found += [name] + [f"{name}.{sub}" for sub in find_packages(where=folder)]
+    return sorted(found)
+
 
 setup(
     name="dattri-ds",
@@ -11,11 +25,8 @@ setup(
     long_description_content_type="text/markdown",
     license="MIT",
     python_requires=">=3.10",
-    packages=["dattri_ds", "dattri_ds.layers", "dattri_ds.ops", "dattri_ds.store", "dattri_ds.eval",
-              "dattri_ds.data", "dattri_ds.integrations", "dattri_ds.methods", "dattri_ds.models",
-              "dattri_ds.selection", "dattri_ds.launch", "dattri_ds.tools"],
-    package_dir={"dattri_ds.selection": "selection", "dattri_ds.launch": "launch",
-                 "dattri_ds.tools": "tools"},
+    packages=_packages(),
+    package_dir=MAPPED,
     install_requires=["torch>=2.4", "numpy"],
     extras_require={
         "hf": ["transformers>=4.40", "datasets", "sentencepiece", "protobuf", "accelerate",

@@ -297,7 +297,7 @@ def cascade(prior: Path, grad: Path, k: int, shortlist: float) -> list[str]:
     rows the content prior ranks first (``prior/scores.npy``), re-ranked by the gradient
     score (``grad/scores.npy``, same store order); the first ``k`` document ids."""
     import numpy as np
-    from dattri_ds.curate.pool import doc_id_of
+    from dattri_ds.selection.offline.pool import doc_id_of
 
     ids = json.loads((prior / "ids.json").read_text())
     if ids != json.loads((grad / "ids.json").read_text()):

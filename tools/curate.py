@@ -6,7 +6,7 @@
     --method content (default) | combined | cosine | adam-cosine | trajectory
 
 The method, budget (exactly one of --fraction, --examples, --tokens) and diversity flags
-are generated from ``dattri_ds.curate.CurateConfig`` (one flag per field, its default and
+are generated from ``dattri_ds.selection.offline.CurateConfig`` (one flag per field, its default and
 help text). The default method is the content prior (``content``, DSIR): in the curation
 benchmark no gradient method was ahead of it (docs/curation.md, "Measured effect"). The pool store
 is one store or a folder of per-checkpoint stores (``collect --out``); the target is
@@ -19,7 +19,7 @@ Writes ``subset.jsonl`` (ids, with ``--with-text`` the documents: launch/'s trai
 ``scores.npy``, ``ids.json``, ``config.json`` and ``report.md``/``report.html``; an earlier
 selection in ``--out`` is kept unless ``--force``. Memory per rank: one block of
 ``--block-rows`` rows per checkpoint, the targets, ~250 B per pool row
-(``dattri_ds.curate.memory_bound``; docs/curation.md).
+(``dattri_ds.selection.offline.memory_bound``; docs/curation.md).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ if __package__ in (None, ""):
 
 import torch  # noqa: E402
 
-from dattri_ds.curate import CurateConfig, METHODS  # noqa: E402
-from dattri_ds.curate.config import AGGREGATES, PRECONDITIONS  # noqa: E402
+from dattri_ds.selection.offline import CurateConfig, METHODS  # noqa: E402
+from dattri_ds.selection.offline.config import AGGREGATES, PRECONDITIONS  # noqa: E402
 from dattri_ds.errors import ConfigError  # noqa: E402
 from dattri_ds.schema import add_flag, field_docs, field_flag  # noqa: E402
 from dattri_ds.tools.common import (  # noqa: E402
@@ -148,7 +148,7 @@ def _projection_fields(spec) -> dict:
 def _target_store_rows(args, stores, tags) -> dict[str, torch.Tensor]:
     """Rows of the target store of each checkpoint, refused unless it holds the pool
     store's model, checkpoint, projection and layers."""
-    from dattri_ds.curate.targets import store_target_rows
+    from dattri_ds.selection.offline.targets import store_target_rows
     from dattri_ds.store import StoreRequest, attach
 
     found = store_paths(Path(args.target_store))
@@ -176,7 +176,7 @@ def _target_rows(args, source, stores, tags, config, docs) -> dict[str, torch.Te
     """Target rows ``[Q, P]`` per checkpoint from documents, in each store's space."""
     from dattri_ds import GradBatch
     from dattri_ds.capture import GradientCapture
-    from dattri_ds.curate.targets import adam_target, capture_of, load_adam_moments, target_rows
+    from dattri_ds.selection.offline.targets import adam_target, capture_of, load_adam_moments, target_rows
 
     method = METHODS.lookup(config.method)(config)
     adam = method.precondition == "adam"
@@ -203,7 +203,7 @@ def _target_rows(args, source, stores, tags, config, docs) -> dict[str, torch.Te
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Select the subset (``dattri_ds.curate.curate``); returns the summary on rank 0."""
+    """Select the subset (``dattri_ds.selection.offline.curate``); returns the summary on rank 0."""
     args = build_parser().parse_args(argv)
     config = _config(args)
     if (args.target is None) == (args.target_store is None) and METHODS.lookup(
@@ -217,8 +217,8 @@ def main(argv: list[str] | None = None) -> dict:
                           f"--target-store a gradient method (--method cosine)")
     setup_logging()
     rank, world = init_distributed()
-    from dattri_ds.curate import Pool, resolve_budget
-    from dattri_ds.curate.writer import OUTPUTS
+    from dattri_ds.selection.offline import Pool, resolve_budget
+    from dattri_ds.selection.offline.writer import OUTPUTS
     from dattri_ds.outputs import check_dir
 
     source = open_source(args)
@@ -240,8 +240,8 @@ def main(argv: list[str] | None = None) -> dict:
 def _run(args, config, source, stores, tags, pool, targets, rank, world):
     from functools import cache
 
-    from dattri_ds.curate import curate
-    from dattri_ds.curate.pool import ngram_counts
+    from dattri_ds.selection.offline import curate
+    from dattri_ds.selection.offline.pool import ngram_counts
     from dattri_ds.data import tokenize_documents
 
     tokenizer = cache(source.tokenizer)  # loaded only when texts are tokenized

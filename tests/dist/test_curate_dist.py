@@ -24,7 +24,7 @@ pytestmark = pytest.mark.dist
 def _select(rank, world, store, pool_file, q_rows, tc, out, method):
     import torch.distributed as dist
 
-    from dattri_ds.curate import CurateConfig, Pool, curate
+    from dattri_ds.selection.offline import CurateConfig, Pool, curate
     from dattri_ds.store import GradientStore
     from test_curate import tokenize
 
@@ -47,8 +47,8 @@ def test_two_ranks_equal_one_rank(tmp_path, method):
     import json
 
     import test_curate as tc
-    from dattri_ds.curate.pool import ngram_counts
-    from dattri_ds.curate.targets import target_rows
+    from dattri_ds.selection.offline.pool import ngram_counts
+    from dattri_ds.selection.offline.targets import target_rows
     from dattri_ds.store import GradientStore
 
     model = tc.tiny_gpt2()
@@ -117,7 +117,7 @@ parameter order drift."""
     import test_curate as tc
     from dattri_ds import CaptureConfig
     from dattri_ds.capture import GradientCapture
-    from dattri_ds.curate.targets import adam_precondition, load_adam_moments
+    from dattri_ds.selection.offline.targets import adam_precondition, load_adam_moments
     from dattri_ds.integrations.optim_state import read_adam_state
     from dattri_ds.ops.inner import materialize
     from dattri_ds.selection.precondition import TorchAdamMoments

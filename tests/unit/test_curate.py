@@ -1,4 +1,4 @@
-"""Offline curation (dattri_ds.curate, dattri-ds select).
+"""Offline curation (dattri_ds.selection.offline, dattri-ds select).
 
 Invariants: the streamed scores equal the cross_gram references (cosine, the
 Adam-preconditioned target, the lr-weighted trajectory), and the projected ones stay within
@@ -21,8 +21,8 @@ import torch
 
 import dattri_ds
 from dattri_ds import CaptureConfig, GradBatch, ProjectionConfig
-from dattri_ds.curate import CurateConfig, Pool, choose, curate, get_method, resolve_budget
-from dattri_ds.curate.scoring import score_pool
+from dattri_ds.selection.offline import CurateConfig, Pool, choose, curate, get_method, resolve_budget
+from dattri_ds.selection.offline.scoring import score_pool
 from dattri_ds.errors import ConfigError
 from dattri_ds.ops.inner import cross_gram, materialize, sq_norms
 from dattri_ds.store import GradientStore, StoreConfig, seal_store
@@ -101,7 +101,7 @@ def setup(tmp_path_factory):
 
 
 def _rows(batch, spec):
-    from dattri_ds.curate.targets import target_rows
+    from dattri_ds.selection.offline.targets import target_rows
 
     return target_rows(batch, spec)
 
@@ -148,7 +148,7 @@ def test_projected_cosine_within_projection_error(setup):
 def test_adam_moments_of_a_folder_without_optimizer_state_is_a_usage_error(tmp_path):
     """adam-cosine on a checkpoint with no optimizer state (a Hugging Face model folder, or
     weights only) is one ConfigError naming the folder and the files it looks for."""
-    from dattri_ds.curate.targets import load_adam_moments
+    from dattri_ds.selection.offline.targets import load_adam_moments
 
     with pytest.raises(ConfigError, match=r"has none .*_optim_states.pt.*--method cosine"):
         load_adam_moments(tiny_gpt2(), tmp_path)
@@ -161,7 +161,7 @@ def test_adam_target_equals_preconditioned_reference(setup, tmp_path):
     exactly before projection and within the documented error ``5 sqrt(2/k) |g_b| |D g_q|``
     after it: breaks if the canonical layout and the parameter layout drift apart."""
     from dattri_ds.capture import GradientCapture
-    from dattri_ds.curate.targets import adam_precondition, adam_target, load_adam_moments
+    from dattri_ds.selection.offline.targets import adam_precondition, adam_target, load_adam_moments
 
     model = tiny_gpt2(seed=1)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
@@ -282,7 +282,7 @@ def test_dedupe_keeps_one_per_content_hash():
 def test_streaming_equals_in_memory(setup):
     """block_rows=2 (many reads) gives the scores and the subset of one block of all rows,
     for a gradient method and for the combination with the content prior and clusters."""
-    from dattri_ds.curate.pool import ngram_counts
+    from dattri_ds.selection.offline.pool import ngram_counts
 
     ids, mask = tokenize([d["text"] for d in setup["target"]])
     tc = ngram_counts(ids, mask).sum(0)
@@ -302,7 +302,7 @@ def test_streaming_equals_in_memory(setup):
 def test_content_prior_is_dsir_log_ratio(setup):
     """``content`` = mean over a row's hashed n-grams of log p_target - log p_pool (add-one
     smoothed, p_pool over the whole pool)."""
-    from dattri_ds.curate.pool import ngram_counts
+    from dattri_ds.selection.offline.pool import ngram_counts
 
     ids, mask = tokenize([d["text"] for d in setup["target"]])
     tc = ngram_counts(ids, mask).sum(0).double()

@@ -27,7 +27,7 @@ class CurateConfig:
     """
 
     method: str = "content"
-    """A registered curation method (``dattri_ds.curate.methods.METHODS``): cosine,
+    """A registered curation method (``dattri_ds.selection.offline.methods.METHODS``): cosine,
     adam-cosine, trajectory, content, combined. The default, content (the DSIR-style
     content prior), is what the curation benchmark supports: no measured method was ahead
     of it on any target, and cosine, adam-cosine and combined were behind it
@@ -77,7 +77,7 @@ class CurateConfig:
     baseline."""
 
     def __post_init__(self) -> None:
-        from dattri_ds.curate.methods import get_method
+        from dattri_ds.selection.offline.methods import get_method
 
         get_method(self.method)
         given = [n for n in ("fraction", "examples", "tokens") if getattr(self, n) is not None]

@@ -8,12 +8,12 @@ command line (``dattri-ds select``); docs/curation.md is the recipe.
 
 from __future__ import annotations
 
-from dattri_ds.curate.budget import Budget, choose, rank_order, resolve_budget
-from dattri_ds.curate.config import CurateConfig
-from dattri_ds.curate.methods import METHODS, CurationMethod, cosine_scores, get_method
-from dattri_ds.curate.pool import Pool
-from dattri_ds.curate.run import CurateResult, curate
-from dattri_ds.curate.scoring import memory_bound, score_pool
+from dattri_ds.selection.offline.budget import Budget, choose, rank_order, resolve_budget
+from dattri_ds.selection.offline.config import CurateConfig
+from dattri_ds.selection.offline.methods import METHODS, CurationMethod, cosine_scores, get_method
+from dattri_ds.selection.offline.pool import Pool
+from dattri_ds.selection.offline.run import CurateResult, curate
+from dattri_ds.selection.offline.scoring import memory_bound, score_pool
 
 __all__ = ["CurateConfig", "CurateResult", "curate", "Pool", "Budget", "resolve_budget",
            "choose", "rank_order", "METHODS", "CurationMethod", "get_method",

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dattri_ds.curate.methods import CurationMethod
-from dattri_ds.curate.pool import (
+from dattri_ds.selection.offline.methods import CurationMethod
+from dattri_ds.selection.offline.pool import (
     Pool, Tokenize, content_log_ratio, iter_pool_docs, minhash_signatures, ngram_counts,
 )
 from dattri_ds.errors import ConfigError

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dattri_ds.curate.pool import Pool, doc_id_of, iter_pool_docs
+from dattri_ds.selection.offline.pool import Pool, doc_id_of, iter_pool_docs
 
 __all__ = ["OUTPUTS", "write_outputs"]
 
