@@ -1,6 +1,6 @@
 """Does an offline-curated subset train better than random, DSIR and the full pool? (LESS workflow)
 
-    python benchmarks/curation_effect.py --name main --results-dir results/curation_results_<date> \
+    python benchmarks/curation_effect.py --name main --results-dir runs/curation_<date> \
         --work-dir /tmp/curation --seeds 0 1 2 3 4 --targets hamlet code carve:python_docs \
         hamlet@noise0.3 --fractions 0.05 0.1 0.25 --methods combined adam-cosine \
         --pool-docs 400 --warmup-steps 40 --steps 60 --order pool

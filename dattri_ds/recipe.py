@@ -1,7 +1,7 @@
 """Recipe: how one attribution method scores projected (or exact) rows, checkpoint by checkpoint.
 
 The same recipe serves a store (``tools/attribute.py``: rows already projected or whitened
-by ``collect``, factors loaded) and in-memory captures (``tools/lds.py``: rows projected or
+by ``collect``, factors loaded) and in-memory captures (``benchmarks/lds.py``: rows projected or
 whitened here, factors fitted here):
 
 * the training rows live in the store's space: exact (factorized), projected per layer

@@ -11,11 +11,11 @@
 Rows are projected per layer with ``--projection`` (a kind of
 ``dattri_ds.ops.projection.PROJECTION_KINDS``; default ``ProjectionConfig()``: ``auto``
 (sparse JL, Kronecker only where it pays), k = 4096, chosen by fidelity per byte on
-``tools/lds.py``, docs/attribution_fidelity.md).
+``benchmarks/lds.py``, docs/attribution_fidelity.md).
 For the curvature methods (``attribute``'s default ``ekfac-trajectory``) fit the factors
 first and collect whitened rows (``--whiten ekfac --factors DIR``, ``DIR/<tag>.pt`` per
 checkpoint as ``tools/fit.py --checkpoint all`` writes them): raw gradients projected at
-sparse k = 1024 keep 18-28% of the curvature methods' exact LDS on ``tools/lds.py`` (less is
+sparse k = 1024 keep 18-28% of the curvature methods' exact LDS on ``benchmarks/lds.py`` (less is
 lost when most layers are no larger than k and so are stored exactly), projected whitened
 rows keep >= 90% of it.
 

@@ -12,7 +12,7 @@ for ``attribute --method ekfac-trajectory --factors <out>``; one tag with an ``-
 ending in ``.pt`` writes that file. With ``--store`` (a store, or the folder of
 per-checkpoint stores of ``collect``) the factors live in the store's Kronecker-projected
 space (LoGra, cheap but less faithful: 79% of the default method's exact LDS at k = 4096 on
-``tools/lds.py``, against 94% for rows whitened by exact factors; docs/attribution_fidelity.md).
+``benchmarks/lds.py``, against 94% for rows whitened by exact factors; docs/attribution_fidelity.md).
 Without it they are exact: for exact stores and for the projected recipe, whitened rows
 (``collect --factors <out>``). The store is attached by its spec (``dattri_ds.store.attach``): it
 must hold plain rows of this run's checkpoint and weights, and ``--projection-dim`` /

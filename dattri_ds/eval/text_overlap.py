@@ -77,7 +77,7 @@ def with_text_prior(scores: torch.Tensor, overlap: torch.Tensor, weight: float) 
 
     Per query column: ``s + weight * std(s) * z(overlap)``, ``z`` standardized over the N
     training rows. Within a query this ranks as ``z(s) + weight * z(overlap)`` (what
-    ``tools/lds.py --hybrid-weights`` measures), while a score keeps its scale and, for
+    ``benchmarks/lds.py --hybrid-weights`` measures), while a score keeps its scale and, for
     weight 0, is the method's own. A column whose overlap is constant adds nothing.
 
     Raises:

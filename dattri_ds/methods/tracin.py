@@ -15,7 +15,7 @@ Registered trajectories (one implementation, ``Trajectory``, differing in defaul
   factors fitted at every checkpoint (``Checkpoint.factors``, ``M_c = (F_c + lambda_c)^-p``),
   normalized weights by default. Curvature fitted along the trajectory sees the directions the
   model moved in early, which the final checkpoint's (nearly converged) Fisher underweights;
-  on the LDS benchmarks it is the most faithful method of the library (``tools/lds.py``).
+  on the LDS benchmarks it is the most faithful method of the library (``benchmarks/lds.py``).
 """
 
 from __future__ import annotations
@@ -206,7 +206,7 @@ class EKFACTrajectory(Trajectory, name="ekfac-trajectory"):
     """EK-FAC fitted at every checkpoint, per-query normalized scores summed.
 
     ``normalized`` beat ``uniform`` by 0.000-0.012 LDS in every damping and data setting
-    measured on ``tools/lds.py`` (and both beat the final checkpoint by 0.05-0.13).
+    measured on ``benchmarks/lds.py`` (and both beat the final checkpoint by 0.05-0.13).
     """
 
     default_inner = "ekfac"

@@ -241,7 +241,7 @@ class IndexForm(KronForm, name="kron_index"):
 class FullForm(FactorForm, name="full"):
     """Dense-only kinds of small width: the exact Fisher block ``[W, W]`` (no correction).
 
-    On ``tools/lds.py`` (5 seeds, two query sets) the exact block of the norm layers scored
+    On ``benchmarks/lds.py`` (5 seeds, two query sets) the exact block of the norm layers scored
     +0.014 and +0.004 LDS over their diagonal for EK-FAC, as much as dropping them did
     (docs/attribution_fidelity.md).
     """

@@ -90,7 +90,7 @@ class KFACConfig:
     layer's mean eigenvalue (``damping_mode``). Must be > 0.
 
     The default, ``lambda = 0.003 * mean(eigenvalues)`` per layer, is deterministic (a
-    function of the fitted spectrum only) and was chosen on ``tools/lds.py`` with two data
+    function of the fitted spectrum only) and was chosen on ``benchmarks/lds.py`` with two data
     sets (128 documents x 6 epochs, 96 x 8; 5 checkpoints): LDS rises monotonically from
     0.3 to 0.01 for K-FAC, EK-FAC and their trajectories, and from 0.01 to 0.003 it still
     gains 0.000-0.015 (0.001 is within +-0.01 of 0.003); 0.003 keeps a 3x margin above the
@@ -111,7 +111,7 @@ class KFACConfig:
     would be grad-dot). Like the relative damping it depends on the fitted spectrum only
     (deterministic, invariant to the loss scale).
 
-    The default 0.8 was chosen on ``tools/lds.py`` over four benchmarks (5 seeds each: out-
+    The default 0.8 was chosen on ``benchmarks/lds.py`` over four benchmarks (5 seeds each: out-
     and in-distribution queries, GPT-2 and Llama, Adam and SGD; docs/attribution_fidelity.md): against
     1, the EK-FAC trajectory gains +0.017 to +0.021 LDS under Adam (>= 2.4 s.e. each) and
     +0.082 under SGD; single-checkpoint EK-FAC / K-FAC stay within 1.5 s.e. under Adam
@@ -137,7 +137,7 @@ class KFACConfig:
     exact empirical Fisher block ``[W, W]`` (form ``full``: one float64 eigenbasis of
     ``8 W^2`` bytes, 8 MiB at 1024); wider ones the diagonal (form ``diagonal``); 0 = always
     diagonal. The diagonal ignores the strong correlations between a norm's gains and
-    biases; on ``tools/lds.py`` the exact block scored +0.014 (A) and +0.004 (B) LDS over
+    biases; on ``benchmarks/lds.py`` the exact block scored +0.014 (A) and +0.004 (B) LDS over
     it for EK-FAC, as much as dropping the norms did (5 seeds each; docs/attribution_fidelity.md).
     Large models' norms (W = hidden size, >= 2048) stay
     diagonal: they hold a negligible share of the parameters."""

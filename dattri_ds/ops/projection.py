@@ -240,7 +240,7 @@ class ProjectionConfig:
     ``sparse``: a sparse JL matrix with ``SPARSE_NNZ`` non-zeros per column on the
     materialized gradient (dense-JL error at a fraction of its cost); ``auto`` (default):
     sparse, or Kronecker per layer where it pays (``kron_speedup``), small layers exact.
-    Chosen by fidelity per byte on ``tools/lds.py`` (docs/attribution_fidelity.md): at
+    Chosen by fidelity per byte on ``benchmarks/lds.py`` (docs/attribution_fidelity.md): at
     equal bytes (k = 4096) whitened sparse rows keep 94% of the default method's exact
     LDS where Kronecker with LoGra factors keeps 79% (5 seeds). The LoGra fit
     (``KFACFactors(projector=...)``) needs ``kronecker``."""
@@ -248,7 +248,7 @@ class ProjectionConfig:
     dim: int = field(default=4096, metadata=bounds(ge=1, le=2**26))
     """Target size per layer (``ko * ki`` for kronecker, about ``dim``). 4096: the smallest
     of 256 / 1024 / 4096 at which the default method's projected recipe (whitened rows,
-    ``CaptureConfig.whiten``) keeps >= 90% of its exact LDS on ``tools/lds.py`` (mean of
+    ``CaptureConfig.whiten``) keeps >= 90% of its exact LDS on ``benchmarks/lds.py`` (mean of
     5 seeds: 68% / 84% / 94%, and 94-96% at 4096 in three other regimes; README), at 27%
     of the exact
     rows' bytes there; plain projected rows keep >= 90% for grad-dot and TracIn already at

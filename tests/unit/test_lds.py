@@ -3,7 +3,7 @@
 Invariants: ``rankdata`` gives average ranks to ties (as scipy does); ``spearman`` equals
 hand-computed values; ``lds`` is ~1 when the actual subset losses are a noisy linear
 function ``-(M @ tau)`` of the mask and ~-1 when the scores have the wrong sign; and
-``tools/lds.py --quick`` produces a finite LDS for every method and writes its report.
+``benchmarks/lds.py --quick`` produces a finite LDS for every method and writes its report.
 """
 
 from __future__ import annotations
@@ -119,8 +119,8 @@ def test_retrain_losses_averages_seeds():
 
 
 def test_tool_quick_runs(tmp_path):
-    """tools/lds.py --quick (tiny settings) gives a finite LDS per method and writes JSON."""
-    spec = importlib.util.spec_from_file_location("tools_lds", ROOT / "tools" / "lds.py")
+    """benchmarks/lds.py --quick (tiny settings) gives a finite LDS per method and writes JSON."""
+    spec = importlib.util.spec_from_file_location("bench_lds", ROOT / "benchmarks" / "lds.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     report = mod.main(["--quick", "--out", str(tmp_path), "--n-train", "32", "--subsets", "4",
@@ -142,14 +142,14 @@ def test_tool_quick_runs(tmp_path):
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("tools_lds", ROOT / "tools" / "lds.py")
+    spec = importlib.util.spec_from_file_location("bench_lds", ROOT / "benchmarks" / "lds.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
 def test_summary_over_seeds_is_mean_and_standard_error(tmp_path):
-    """tools/lds.py --repeats: each row's LDS and CPU seconds are the mean and standard error
+    """benchmarks/lds.py --repeats: each row's LDS and CPU seconds are the mean and standard error
     over seeds, its share of exact is mean LDS / the same method's mean exact LDS, and the
     best-at-cost mark compares the means. Breaks if seeds are mixed up or s.e. is a std."""
     mod = _tool()
@@ -351,3 +351,64 @@ def test_hybrid_rows_mix_standardized_scores(tmp_path):
                        "0.25"])  # ground truth reused: scoring settings only
     assert [r["method"] for r in report["results"] if r["default"]] == [
         "ekfac-trajectory+0.25*tfidf"]
+
+
+def _attribution(folder: Path, scores, n_queries: int) -> list[str]:
+    """An attribute output folder (the files ``dattri-ds report`` and ``lds`` read)."""
+    import numpy as np
+
+    folder.mkdir()
+    ids = [f"d{n}#0" for n in range(scores.shape[0])]
+    queries = [{"id": f"q{j}", "source": "s", "text": "t"} for j in range(n_queries)]
+    (folder / "summary.json").write_text(json.dumps(
+        {"method": "graddot", "train": len(ids), "queries": n_queries, "checkpoints": ["c"]}))
+    (folder / "queries.json").write_text(json.dumps(queries))
+    (folder / "topk.json").write_text(json.dumps(
+        [{"proponents": [], "opponents": []}] * n_queries))
+    (folder / "train_ids.json").write_text(json.dumps(ids))
+    np.save(folder / "scores.npy", scores.numpy())
+    return ids
+
+
+def test_lds_command_scores_a_saved_attribution(tmp_path, capsys):
+    """``dattri-ds lds``: losses that are exactly ``-(mask @ scores)`` give LDS 1, their
+    negation -1, and the per-query values equal ``dattri_ds.eval.lds`` on the same masks.
+    Breaks if subsets are matched to the wrong rows (ids before '#') or the sign flips."""
+    from dattri_ds.tools import lds as tool
+
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randn(8, 3, generator=g, dtype=torch.float64)
+    ids = _attribution(tmp_path / "att", scores, 3)
+    masks = subset_masks(8, 12, seed=1)
+    subsets = [[ids[n].split("#")[0] for n in m.nonzero().flatten().tolist()] for m in masks]
+    for sign, want in ((1, 1.0), (-1, -1.0)):
+        truth = tmp_path / f"truth{sign}.json"
+        truth.write_text(json.dumps({"subsets": subsets, "losses": (
+            sign * predicted(scores, masks)).tolist()}))
+        out = tool.main(["--attribution", str(tmp_path / "att"), "--ground-truth", str(truth),
+                         "--json"])
+        assert out["lds_mean"] == pytest.approx(want) and out["subsets"] == 12
+        assert json.loads(capsys.readouterr().out)["lds_mean"] == pytest.approx(want)
+    noisy = predicted(scores, masks) + torch.randn(12, 3, generator=g, dtype=torch.float64)
+    truth.write_text(json.dumps({"subsets": subsets, "losses": noisy.tolist()}))
+    out = tool.main(["--attribution", str(tmp_path / "att"), "--ground-truth", str(truth)])
+    ref = lds(predicted(scores, masks), noisy)
+    assert out["lds_mean"] == pytest.approx(ref.mean)
+    assert list(out["per_query"].values()) == pytest.approx(ref.per_query.tolist())
+
+
+def test_lds_command_refuses_unknown_ids_and_bad_shapes(tmp_path):
+    """Subset ids that are not training rows, or losses not [S][Q], are one InputFileError
+    naming the file and the fix."""
+    from dattri_ds.errors import InputFileError
+    from dattri_ds.tools import lds as tool
+
+    _attribution(tmp_path / "att", torch.zeros(4, 2, dtype=torch.float64), 2)
+    truth = tmp_path / "t.json"
+    for body, words in (({"subsets": [["d0", "nope"]], "losses": [[1.0, 2.0]]}, "not training"),
+                        ({"subsets": [["d0"]], "losses": [[1.0]]}, "one list of 2"),
+                        ({"losses": [[1.0, 2.0]]}, "'subsets'")):
+        truth.write_text(json.dumps(body))
+        with pytest.raises(InputFileError, match=words) as err:
+            tool.main(["--attribution", str(tmp_path / "att"), "--ground-truth", str(truth)])
+        assert str(truth) in str(err.value) and "Fix" in str(err.value)

@@ -193,7 +193,7 @@ def test_missing_schedule_names_the_fix(trajectory, field, value, match):
 
 
 def test_options_and_registry():
-    """``source`` is registered as a curvature trajectory (so ``tools/lds.py`` fits factors
+    """``source`` is registered as a curvature trajectory (so ``benchmarks/lds.py`` fits factors
     per checkpoint and ``attribute`` reads each checkpoint's lr); bad options raise."""
     from dattri_ds.recipe import Recipe
 
