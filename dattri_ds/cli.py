@@ -8,7 +8,8 @@ through :func:`run`:
   :class:`~dattri_ds.errors.StoreMismatchError` (a store that holds something other than
   what was asked: a flag fixes it) exits with code 2;
 * any other error exits with code 1;
-* either way one line ``dattri-ds: error: <message>`` goes to stderr, no traceback. Pass
+* either way one line ``dattri-ds: error: <message>`` goes to stderr (once per launch on a
+  host when several ranks fail alike: :func:`dattri_ds.noise.first_report`), no traceback. Pass
   ``--debug`` (anywhere on the command line) or set ``DATTRI_DS_DEBUG=1`` for the traceback.
 """
 
@@ -71,6 +72,10 @@ def run(main: Callable[[list[str]], Any], argv: list[str] | None = None) -> int:
     except Exception as err:  # noqa: BLE001 - the one place errors become exit codes
         if debug:
             raise
-        sys.stderr.write(f"{PROG}: error: {message(err)}\n")
+        from dattri_ds.noise import first_report
+
+        line = f"{PROG}: error: {message(err)}\n"
+        if first_report(line):  # ranks of one launch failing alike: the line once
+            sys.stderr.write(line)
         return EXIT_USAGE if isinstance(err, USAGE_ERRORS) else EXIT_RUNTIME
     return 0

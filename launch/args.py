@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False)
     p.set_defaults(overrides={})
     p.add_argument("--out", default="runs/train", help="output directory")
+    p.add_argument("--verbose", action="store_true",
+                   help="also show what DeepSpeed, Megatron-core and transformers log (their "
+                        "banners, parameter lists and warnings; hidden by default)")
     _add_field_flags(p)
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1,
                    help="set by the deepspeed launcher")

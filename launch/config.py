@@ -88,6 +88,17 @@ class TrainConfig:
     """jsonl of held-out *general* texts (never trained on) evaluated alongside the target
     (``general_loss``): what selection costs on everything else. None = not tracked."""
 
+    init_from: str | None = None
+    """Start from an earlier launch/train.py run (its ``--out``): reuse its tokenizer
+    (``tokenizer.model``; none is trained and ``vocab_size`` is not used), so this model
+    reads text exactly as that run's did (e.g. train on a subset ``dattri-ds select`` chose
+    with that run). Weights: ``init_checkpoint``. null = train a tokenizer on the texts."""
+
+    init_checkpoint: str | None = None
+    """With ``init_from``: start from the weights of this checkpoint of that run (a tag such
+    as ``step120``, or ``latest``); the model config must equal that run's, and optimizer,
+    schedule and step start fresh. null = random init (seeded by ``seed``)."""
+
     resume: str | None = None
     """Continue this run (the same ``--out``) from its checkpoint ``checkpoints/<tag>``
     (``latest``: the newest one in ``trajectory.json``): weights, optimizer and lr-schedule
@@ -96,6 +107,13 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         schema.check(self, f"{BLOCK}.train")
+        if self.init_checkpoint is not None and self.init_from is None:
+            raise ConfigError(f"--init-checkpoint {self.init_checkpoint} names a checkpoint of "
+                              f"the run given by --init-from, which is not set: pass "
+                              f"--init-from RUN_DIR (the --out of that run)")
+        if self.init_from is not None and self.model_path is not None:
+            raise ConfigError(f"--init-from {self.init_from} and --model-path "
+                              f"{self.model_path} both give the starting model: pass one")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -173,6 +191,9 @@ def load_run_config(path: str | Path, overrides: dict[tuple[str, ...], Any] | No
     for key, value in (overrides or {}).items():
         _set(block, key, value)
     cfg = RunConfig.from_dict(block)
+    from dattri_ds.launch.inputs import check_seq_len
+
+    check_seq_len(cfg)  # a length the model cannot take: named before the planner's verdict
     check_memory(ds, cfg)
     return ds, cfg
 
@@ -321,5 +342,9 @@ def _plain(obj: Any) -> Any:
 
 
 def dump_json(path: Path, obj: Any) -> None:
-    """Write a config (dataclasses included) as indented JSON."""
-    path.write_text(json.dumps(_plain(obj), indent=2, sort_keys=True) + "\n")
+    """Write a config (dataclasses included) as indented JSON, atomically (a run killed while
+    writing leaves the previous file, never a torn one)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(_plain(obj), indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)

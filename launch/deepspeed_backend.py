@@ -63,7 +63,10 @@ class DeepSpeedBackend(Backend):
     def __init__(self, ds_config: dict, cfg: RunConfig, tok, data) -> None:
         import deepspeed
 
+        from dattri_ds.launch.init_from import init_hf_weights
+
         model = build(cfg, tok)
+        init_hf_weights(model, cfg)  # --init-checkpoint: an earlier run's weights
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
             config=ds_config)

@@ -46,7 +46,8 @@ from dattri_ds.launch.runlog import RunLog, RunRecord, make_run_id
 from dattri_ds.selection.state import SelectionCheckpoint, config_difference, log_lines_before
 
 __all__ = ["Backend", "BACKENDS", "backend_class", "LoopState", "train", "resume",
-           "micro_batch_indices", "fingerprint", "seal_captured_store"]
+           "resume_tag", "Checkpoints", "micro_batch_indices", "fingerprint",
+           "seal_captured_store"]
 
 logger = logging.getLogger("dattri_ds.launch")
 
@@ -244,17 +245,20 @@ def selection_config(cfg: RunConfig) -> dict:
 
 
 def check_resume(cfg: RunConfig, out: Path | str) -> None:
-    """Refuse, before any process starts, what a resume cannot reproduce: online selection
-    under a selection config other than the checkpoint's (its selector state would not fit
-    or would choose differently). Every other setting the selector holds is restored.
+    """Refuse, before any process starts, what a resume cannot reproduce: no complete
+    checkpoint to continue from (``resume_tag``), or online selection under a selection
+    config other than the checkpoint's (its selector state would not fit or would choose
+    differently). Every other setting the selector holds is restored.
 
     Raises:
         ConfigError: no such checkpoint, or a selection key that differs from the
             checkpoint's (named, with both values).
     """
-    if not cfg.train.resume or not cfg.selection.enabled:
+    if not cfg.train.resume:
         return
     tag = resume_tag(Path(out), cfg.train.resume)
+    if tag is None or not cfg.selection.enabled:
+        return
     saved = SelectionCheckpoint.config_of(Path(out) / "checkpoints" / tag)
     if saved is None:
         return  # written without selection: ``resume`` starts a fresh selector (warned)
@@ -267,22 +271,98 @@ def check_resume(cfg: RunConfig, out: Path | str) -> None:
                           f"start a fresh run (drop --resume)")
 
 
-def resume_tag(out: Path, resume: str) -> str:
-    """The checkpoint tag ``train.resume`` names (``latest``: the newest in trajectory.json).
+@dataclass(frozen=True)
+class Checkpoints:
+    """The checkpoints of a run folder, as a resume sees them.
+
+    A checkpoint is *complete* once ``trajectory.json`` lists it: the loop rewrites that file
+    (atomically) only after every rank has written the checkpoint, so a folder under
+    ``checkpoints/`` that it does not list was being written when the run stopped
+    (``incomplete``), and a listed tag without its folder was deleted (``missing``).
+    """
+
+    listed: tuple[str, ...]
+    """Tags in ``trajectory.json``, oldest first."""
+
+    existing: tuple[str, ...]
+    """Listed tags whose folder exists: the checkpoints a run can resume from."""
+
+    incomplete: tuple[str, ...]
+    """Folders under ``checkpoints/`` that ``trajectory.json`` does not list."""
+
+    @classmethod
+    def of(cls, out: Path, flag: str = "--resume") -> Checkpoints:
+        from dattri_ds.files import read_json
+
+        traj, folder = out / "trajectory.json", out / "checkpoints"
+        data = read_json(traj, "trajectory", flag=flag) if traj.exists() else {}
+        rows = data.get("checkpoints", []) if isinstance(data, dict) else None
+        if not isinstance(rows, list) or not all(isinstance(c, dict) and isinstance(
+                c.get("tag"), str) for c in rows):
+            raise ConfigError(f"{traj} is not a launch/train.py trajectory (no list of "
+                              f"checkpoints with tags); pass {flag} the --out of a launch run")
+        listed = tuple(c["tag"] for c in rows)
+        existing = tuple(t for t in listed if (folder / t).is_dir())
+        incomplete = tuple(sorted((p.name for p in folder.iterdir() if p.is_dir()
+                                   and p.name not in listed), key=lambda t: (len(t), t))
+                           ) if folder.is_dir() else ()
+        return cls(listed, existing, incomplete)
+
+    @property
+    def missing(self) -> tuple[str, ...]:
+        return tuple(t for t in self.listed if t not in self.existing)
+
+    def choose(self, out: Path, wanted: str, flag: str = "--resume",
+               fresh_ok: bool = True) -> str | None:
+        """The complete checkpoint ``wanted`` names (``latest``: the newest one); None when
+        ``wanted`` is ``latest``, ``fresh_ok`` and no checkpoint was ever completed (the
+        run starts at step 0).
+
+        Raises:
+            ConfigError: naming what exists and a fix that works: a tag that is not there,
+                an incomplete one, or ``latest`` when the newest checkpoint was deleted.
+        """
+        where = out / "checkpoints"
+        have = list(self.existing)
+        other = (f"pass {flag} {have[-1]} to continue from the newest that exists"
+                 if have else "no checkpoint of this run exists: drop " + flag)
+        if wanted == "latest":
+            if self.missing and self.listed[-1] in self.missing:
+                raise ConfigError(
+                    f"{flag} latest: the newest checkpoint of {out}, '{self.listed[-1]}' "
+                    f"(trajectory.json), is missing from {where} (deleted?); checkpoints that "
+                    f"exist: {have}. Fix: {other}, or --force to start over")
+            if have:
+                return have[-1]
+            if fresh_ok and (self.incomplete or (out / "resolved_dattri_ds_config.json"
+                                                 ).exists()):
+                return None
+            raise ConfigError(f"{flag} latest: {out} holds no run to continue (no "
+                              f"trajectory.json, no checkpoints); pass the --out of the run to "
+                              f"continue, or drop {flag} to start one")
+        if wanted in have:
+            return wanted
+        if wanted in self.incomplete:
+            raise ConfigError(f"{flag} {wanted}: {where / wanted} is incomplete (the run stopped "
+                              f"while writing it; trajectory.json does not list it); complete "
+                              f"checkpoints: {have}. Fix: "
+                              f"{other if have else 'drop ' + flag + ' (or pass --force)'}")
+        listed = " (listed in trajectory.json but deleted)" if wanted in self.missing else ""
+        raise ConfigError(f"{flag} {wanted}: no checkpoint '{wanted}' in {where}{listed} "
+                          f"(checkpoints of this run: {have}); pass the --out of the run to "
+                          f"continue and one of its tags" + (", or 'latest'" if have and
+                                                             not self.missing else ""))
+
+
+def resume_tag(out: Path, resume: str) -> str | None:
+    """The complete checkpoint tag ``train.resume`` names (``latest``: the newest one that
+    ``trajectory.json`` lists); None for ``latest`` when the run never completed one (a run
+    stopped during its first checkpoint: it restarts at step 0).
 
     Raises:
-        ConfigError: no such checkpoint in ``out``.
+        ConfigError: no such complete checkpoint in ``out`` (what exists named).
     """
-    traj = out / "trajectory.json"
-    from dattri_ds.files import read_json
-    tags = [c["tag"] for c in read_json(traj, "trajectory", flag="train.resume")["checkpoints"]] \
-        if traj.exists() else []
-    tag = (tags[-1] if tags else None) if resume == "latest" else resume
-    if tag is None or not (out / "checkpoints" / tag).is_dir():
-        raise ConfigError(f"--resume {resume}: no checkpoint '{tag}' in {out / 'checkpoints'} "
-                          f"(checkpoints of this run: {tags}); pass the --out of the run to "
-                          f"continue and one of its tags, or 'latest'")
-    return tag
+    return Checkpoints.of(out).choose(out, resume)
 
 
 def _capture(backend: Backend, cfg: RunConfig, out: Path, tok, run_id: str, start: int):
@@ -316,7 +396,19 @@ def resume(backend: Backend, cfg: RunConfig, out: Path, rank: int) -> LoopState 
     """
     if not cfg.train.resume:
         return None
-    tag = resume_tag(out, cfg.train.resume)
+    found = Checkpoints.of(out)
+    tag = found.choose(out, cfg.train.resume)
+    if rank == 0 and found.incomplete:
+        logger.warning("--resume %s: skipping %s under %s: written when the run stopped, "
+                       "incomplete (trajectory.json does not list it); it is written again "
+                       "when the run reaches it", cfg.train.resume,
+                       ", ".join(found.incomplete), out / "checkpoints")
+    if tag is None:
+        if rank == 0:
+            logger.warning("--resume latest: %s holds no complete checkpoint; the run starts "
+                           "again at step 0 (stored gradients already committed are kept)",
+                           out)
+        return None
     state = LoopState.load(out / "checkpoints" / tag, rank)
     if state.layout != backend.layout():
         raise ConfigError(f"--resume {tag}: the checkpoint was written with the process layout "

@@ -225,6 +225,7 @@ class MegatronBackend(Backend):
 
     def __init__(self, ds_config: dict, cfg: RunConfig, tok, data) -> None:
         from dattri_ds.integrations.megatron import megatron_parallel_context, prepare_model
+        from dattri_ds.launch.init_from import init_megatron_weights
 
         tc, tp, sp = cfg.train, cfg.engine.tensor_model_parallel_size, \
             cfg.engine.sequence_parallel
@@ -244,6 +245,7 @@ class MegatronBackend(Backend):
             "vocab_size": vocab, "trained_sequence_parallel": bool(sp),
             "tokenizer_vocab_size": tok.vocab_size, "max_position_embeddings": context,
             "trained_tensor_model_parallel_size": tp, "tokenizer_fingerprint": tok.fingerprint}
+        init_megatron_weights(self.model.model, self.model_cfg, cfg)  # --init-checkpoint
         _note_ignored(ds_config)
         logger.info("megatron: TP=%d%s DP=%d, %d layers, hidden %d, vocab %d (padded from %d)",
                     self.ctx.tp_world, " (sequence parallel)" if sp else "", self.ctx.dp_world,

@@ -137,10 +137,12 @@ class TorchBackend(Backend):
 
     def __init__(self, ds_config: dict, cfg: RunConfig, tok, data) -> None:
         from dattri_ds.launch.deepspeed_backend import build
+        from dattri_ds.launch.init_from import init_hf_weights
 
         self.device = torch.device("cuda", torch.cuda.current_device()) \
             if torch.cuda.is_available() else torch.device("cpu")
         self.model = build(cfg, tok).to(self.device)
+        init_hf_weights(self.model, cfg)  # --init-checkpoint: an earlier run's weights
         self.ctx = ParallelContext()
         self._opt, self.sched = make_optimizer(
             ds_config, [p for p in self.model.parameters() if p.requires_grad])

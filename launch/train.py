@@ -35,8 +35,10 @@ from dattri_ds.launch.args import parse_args  # noqa: E402
 from dattri_ds.launch.config import (  # noqa: E402
     RunConfig, check_outputs, dump_json, load_run_config,
 )
+from dattri_ds.launch.inputs import check_inputs  # noqa: E402
 from dattri_ds.launch.loop import backend_class, check_resume, resume, train  # noqa: E402
 from dattri_ds.launch.runlog import record_failure  # noqa: E402
+from dattri_ds.noise import quiet_third_party, setup_logging  # noqa: E402
 
 logger = logging.getLogger("dattri_ds.launch")
 # DeepSpeed calls torch collectives that torch 2.13 marks deprecated: noise for our users.
@@ -44,8 +46,10 @@ warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distribu
 
 
 def prepare_data(cfg: RunConfig, out: Path, rank: int):
-    """Documents, tokenizer (trained by rank 0, cached, then loaded by the others), examples."""
+    """Documents, tokenizer (the ``--init-from`` run's, else trained by rank 0, cached, then
+    loaded by the others), examples."""
     from dattri_ds.data import load_documents, tokenize_documents, train_tokenizer
+    from dattri_ds.launch.init_from import init_tokenizer
 
     tc = cfg.train
     docs = load_documents(list(tc.train_data))
@@ -54,23 +58,27 @@ def prepare_data(cfg: RunConfig, out: Path, rank: int):
     texts = [d.text for d in docs]
     cache = out / "cache"
     if rank == 0:
-        tok = train_tokenizer(texts, vocab_size=tc.vocab_size, cache_dir=cache)
+        tok = init_tokenizer(cfg) if tc.init_from else \
+            train_tokenizer(texts, vocab_size=tc.vocab_size, cache_dir=cache)
         tok.save(out / "tokenizer.model")
     torch.distributed.barrier()
     if rank != 0:
-        tok = train_tokenizer(texts, vocab_size=tc.vocab_size, cache_dir=cache)
+        tok = init_tokenizer(cfg) if tc.init_from else \
+            train_tokenizer(texts, vocab_size=tc.vocab_size, cache_dir=cache)
     return docs, tok, tokenize_documents(docs, tok, tc.seq_len)
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if not args.verbose:  # DeepSpeed / Megatron / transformers chatter: --verbose shows it
+        quiet_third_party()
     ds_config, cfg = load_run_config(args.deepspeed_config, args.overrides)
+    check_inputs(cfg)  # model positions, target texts, the --init-from run
     check_resume(cfg, args.out)  # a resume the checkpoint cannot continue
     check_outputs(Path(args.out), cfg)  # the output door, before any process group
     backend_cls = backend_class(cfg.engine.backend)
     rank, _ = backend_cls.setup(ds_config, cfg)
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    setup_logging(rank, args.verbose)
     out = Path(args.out)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
