@@ -26,7 +26,7 @@ from dattri_ds.selection import SelectionConfig
 from dattri_ds.store import StoreConfig
 
 __all__ = ["TrainConfig", "RunConfig", "load_run_config", "dump_json", "check_memory",
-           "check_outputs"]
+           "check_outputs", "check_seq_len", "model_positions"]
 
 BLOCK = "dattri_ds"
 
@@ -191,8 +191,6 @@ def load_run_config(path: str | Path, overrides: dict[tuple[str, ...], Any] | No
     for key, value in (overrides or {}).items():
         _set(block, key, value)
     cfg = RunConfig.from_dict(block)
-    from dattri_ds.launch.inputs import check_seq_len
-
     check_seq_len(cfg)  # a length the model cannot take: named before the planner's verdict
     check_memory(ds, cfg)
     return ds, cfg
@@ -206,6 +204,43 @@ _KNOBS = {"seq_len": (f"{BLOCK}.train.seq_len", "--seq-len", 128),
           "vocab": (f"{BLOCK}.train.vocab_size", "--vocab-size", 1024),
           "k": (f"{BLOCK}.capture.projection.dim", "--capture-projection-dim", 4096),
           "model": (f"{BLOCK}.train.model_config", "--model-config", None)}
+
+
+#: Config keys holding a model's number of positions, in the order Hugging Face reads them.
+_POSITION_KEYS = ("n_positions", "max_position_embeddings", "n_ctx", "max_sequence_length")
+
+
+def model_positions(cfg: RunConfig) -> tuple[int, str, Path] | None:
+    """``(positions, key, file)`` of the run's model config, None when it names none or
+    cannot be read (the model's own error follows later). A GPT-2 config without
+    ``n_positions`` has Hugging Face's default, 1024."""
+    from dattri_ds.files import read_json
+
+    tc = cfg.train
+    path = Path(tc.model_path) / "config.json" if tc.model_path else Path(tc.model_config)
+    try:
+        d = read_json(path, "model config")
+    except ConfigError:
+        return None
+    if not isinstance(d, dict):
+        return None
+    for key in _POSITION_KEYS:
+        if isinstance(d.get(key), int) and not isinstance(d.get(key), bool):
+            return d[key], key, path
+    if d.get("model_type") == "gpt2":
+        return 1024, "n_positions (default)", path
+    return None
+
+
+def check_seq_len(cfg: RunConfig) -> None:
+    """Raises: ConfigError: ``--seq-len`` exceeds the model's positions (both named)."""
+    found = model_positions(cfg)
+    if found is None or cfg.train.seq_len <= found[0]:
+        return
+    n, key, path = found
+    raise ConfigError(f"--seq-len {cfg.train.seq_len} is longer than the model's {n} positions "
+                      f"({key} in {path}). Fix: pass --seq-len {n} or less, or a model "
+                      f"config with more positions")
 
 
 def check_memory(ds: dict[str, Any], cfg: RunConfig) -> None:

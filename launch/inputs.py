@@ -1,6 +1,7 @@
 """What launch/train.py reads, checked at start (before any process group): each a one-line error.
 
-* ``check_seq_len``: ``--seq-len`` against the positions of the model (``n_positions`` /
+* ``check_seq_len`` (launch/config.py, run by ``load_run_config`` before the planner):
+  ``--seq-len`` against the positions of the model (``n_positions`` /
   ``max_position_embeddings`` of ``--model-config`` or ``--model-path``), naming both
   numbers; a longer sequence would fail at the first forward with an index error.
 * ``check_texts``: the target (``--target-data``, with ``--online-selection``) and held-out
@@ -12,48 +13,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from dattri_ds.errors import ConfigError
-from dattri_ds.launch.config import RunConfig
+from dattri_ds.launch.config import RunConfig, check_seq_len
 
-__all__ = ["check_inputs", "check_seq_len", "check_texts", "model_positions"]
-
-#: Config keys holding a model's number of positions, in the order Hugging Face reads them.
-_POSITION_KEYS = ("n_positions", "max_position_embeddings", "n_ctx", "max_sequence_length")
-
-
-def model_positions(cfg: RunConfig) -> tuple[int, str, Path] | None:
-    """``(positions, key, file)`` of the run's model config, None when it names none or
-    cannot be read (the model's own error follows later). A GPT-2 config without
-    ``n_positions`` has Hugging Face's default, 1024."""
-    from dattri_ds.files import read_json
-
-    tc = cfg.train
-    path = Path(tc.model_path) / "config.json" if tc.model_path else Path(tc.model_config)
-    try:
-        d = read_json(path, "model config")
-    except ConfigError:
-        return None
-    if not isinstance(d, dict):
-        return None
-    for key in _POSITION_KEYS:
-        if isinstance(d.get(key), int) and not isinstance(d.get(key), bool):
-            return d[key], key, path
-    if d.get("model_type") == "gpt2":
-        return 1024, "n_positions (default)", path
-    return None
-
-
-def check_seq_len(cfg: RunConfig) -> None:
-    """Raises: ConfigError: ``--seq-len`` exceeds the model's positions (both named)."""
-    found = model_positions(cfg)
-    if found is None or cfg.train.seq_len <= found[0]:
-        return
-    n, key, path = found
-    raise ConfigError(f"--seq-len {cfg.train.seq_len} is longer than the model's {n} positions "
-                      f"({key} in {path}). Fix: pass --seq-len {n} or less, or a model "
-                      f"config with more positions")
+__all__ = ["check_inputs", "check_seq_len", "check_texts"]
 
 
 def check_texts(path: str, flag: str) -> None:
@@ -70,20 +33,24 @@ def check_texts(path: str, flag: str) -> None:
 
 
 def check_inputs(cfg: RunConfig) -> str | None:
-    """Every start check above; the ``--init-checkpoint`` tag to load (None: none).
+    """The text and ``--init-from`` checks above (``load_run_config`` ran ``check_seq_len``);
+    the ``--init-checkpoint`` tag to load (None: none).
 
     Raises:
         ConfigError: naming the flag, the value and the fix.
     """
     from dattri_ds.launch.init_from import check_init_from
 
-    check_seq_len(cfg)
     sc, tc = cfg.selection, cfg.train
+    files: dict[str, str] = {}
     if sc.enabled and sc.target_data is not None and not sc.target_store:
-        check_texts(sc.target_data, "--target-data")
+        files[sc.target_data] = "--target-data"
     if tc.eval_every:
-        if tc.eval_data is not None:
-            check_texts(tc.eval_data, "--eval-data")
-        if tc.general_eval_data is not None:
-            check_texts(tc.general_eval_data, "--general-eval-data")
+        for path, flag in ((tc.eval_data or sc.target_data, "--eval-data" if tc.eval_data
+                            else "--target-data"),
+                           (tc.general_eval_data, "--general-eval-data")):
+            if path is not None:
+                files.setdefault(path, flag)
+    for path, flag in files.items():
+        check_texts(path, flag)
     return check_init_from(cfg)
