@@ -159,8 +159,9 @@ class LayerShape:
         return self.count * self.I * self.O
 
 
+#: model_type -> layer layout the planner models (OLMo-2 adds q/k RMSNorms to Llama's).
 _FAMILIES = {"llama": "llama", "qwen2": "llama", "qwen3": "llama", "mistral": "llama",
-             "gpt2": "gpt2"}
+             "olmo2": "llama", "gpt2": "gpt2"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -168,7 +169,9 @@ class ModelShape:
     """The sizes of a decoder-only transformer the planner needs.
 
     Attributes:
-        family: ``llama`` (also Qwen2/3, Mistral) or ``gpt2``. layers: blocks. hidden: h.
+        family: layer layout, ``llama`` (also Qwen2/3, Mistral, OLMo-2) or ``gpt2``.
+        model_type: the config's own ``model_type`` (what reports name; ``family`` when
+        empty). qk_norm: RMSNorms on the q and k projections (OLMo-2). layers: blocks. hidden: h.
         heads / kv_heads / head_dim: attention shapes. intermediate: MLP width i.
         vocab: V. tied: input and output embeddings share one matrix.
         qkv_bias: q/k/v projections carry a bias (Qwen2). positions: learned position
@@ -186,6 +189,13 @@ class ModelShape:
     tied: bool = False
     qkv_bias: bool = False
     positions: int = 0
+    model_type: str = ""
+    qk_norm: bool = False
+
+    @property
+    def label(self) -> str:
+        """The model type reports name (``qwen2``, not its layout ``llama``)."""
+        return self.model_type or self.family
 
     @staticmethod
     def from_config(config: str | os.PathLike | Mapping[str, Any],
@@ -211,14 +221,16 @@ class ModelShape:
             return ModelShape(family="gpt2", layers=d.get("n_layer", 12), hidden=h, heads=n,
                               kv_heads=n, head_dim=h // n, intermediate=d.get("n_inner") or 4 * h,
                               vocab=int(vocab), tied=d.get("tie_word_embeddings", True),
-                              qkv_bias=True, positions=d.get("n_positions", 1024))
+                              qkv_bias=True, positions=d.get("n_positions", 1024),
+                              model_type=mt)
         h, n = d["hidden_size"], d["num_attention_heads"]
         return ModelShape(family="llama", layers=d["num_hidden_layers"], hidden=h, heads=n,
                           kv_heads=d.get("num_key_value_heads") or n,
                           head_dim=d.get("head_dim") or h // n,
                           intermediate=d["intermediate_size"], vocab=int(vocab),
                           tied=bool(d.get("tie_word_embeddings", False)),
-                          qkv_bias=mt == "qwen2" or bool(d.get("attention_bias", False)))
+                          qkv_bias=mt == "qwen2" or bool(d.get("attention_bias", False)),
+                          model_type=mt, qk_norm=mt == "olmo2")
 
     def block(self) -> list[LayerShape]:
         """The layers of one transformer block (``count`` 1 each)."""
@@ -230,7 +242,9 @@ class ModelShape:
                     LayerShape("mlp.c_proj", "linear", i + 1, h),
                     LayerShape("ln_1", "norm", 2, h), LayerShape("ln_2", "norm", 2, h)]
         q, kv, b = self.heads * self.head_dim, self.kv_heads * self.head_dim, int(self.qkv_bias)
-        return [LayerShape("self_attn.q_proj", "linear", h + b, q),
+        qk = [LayerShape("self_attn.q_norm", "norm", 1, q),
+              LayerShape("self_attn.k_norm", "norm", 1, kv)] if self.qk_norm else []
+        return qk + [LayerShape("self_attn.q_proj", "linear", h + b, q),
                 LayerShape("self_attn.k_proj", "linear", h + b, kv),
                 LayerShape("self_attn.v_proj", "linear", h + b, kv),
                 LayerShape("self_attn.o_proj", "linear", q, h),
@@ -285,23 +299,29 @@ _METHODS = ("graddot", "tracin", "kfac", "ekfac", "selection")
 
 @dataclass(frozen=True, kw_only=True)
 class RunSpec:
-    """What the run does (one field per ``dattri-ds plan`` flag).
+    """What the run does (one field per ``dattri-ds plan`` flag; each entry below is that
+    flag's help).
 
     Attributes:
-        world: data-parallel ranks. seq_len: T. micro_batch: B per rank.
-        zero_stage: DeepSpeed ZeRO stage 0-3. offload: ``none``, ``optimizer`` or ``all``
-        (optimizer and parameters). dtype: weight dtype (``float32`` or ``bfloat16``).
-        optimizer: ``adamw``, ``sgd`` or ``sgd_momentum``. capture: per-example gradients
-        are captured during training. projection: a projection kind (``kronecker``,
-        ``dense``, ``sparse`` or ``auto``: per layer by ``ops.cost.choose_projection``).
-        k: projected size per layer (0 = recommend one). method: what the gradients feed
-        (``graddot``/``tracin``: inner products; ``kfac``/``ekfac``: curvature factors;
-        ``selection``: online selection with ``candidate_multiple`` candidates per trained
-        example). selection_probe: the selection's scoring rule reads the candidates'
-        gradients (``alignment``, ``step``: every candidate is forwarded and
-        back-propagated, so their activations, capture buffers and that pass's time are
-        planned); False (``content``, the default for target documents) scores their text
-        only, so a step plans like a plain one.
+        world: data-parallel ranks.
+        seq_len: tokens per example (T).
+        micro_batch: examples per rank per forward (B).
+        zero_stage: DeepSpeed ZeRO stage 0-3.
+        offload: ``none``, ``optimizer`` or ``all`` (optimizer and parameters) to the host.
+        dtype: weight dtype (``float32`` or ``bfloat16``).
+        optimizer: ``adamw``, ``sgd`` or ``sgd_momentum``.
+        capture: per-example gradients are captured during training.
+        projection: a projection kind (``kronecker``, ``dense``, ``sparse`` or ``auto``: per
+            layer by ``ops.cost.choose_projection``).
+        k: projected size per layer (0 = recommend one).
+        method: what the gradients feed (``graddot``/``tracin``: inner products;
+            ``kfac``/``ekfac``: curvature factors; ``selection``: online selection).
+        candidate_multiple: candidates scored per trained example by online selection.
+        selection_probe: the selection's scoring rule reads the candidates' gradients
+            (``alignment``, ``step``: every candidate is forwarded and back-propagated, so
+            their activations, capture buffers and that pass's time are planned); False
+            (``content``, the default for target documents) scores their text only, so a
+            step plans like a plain one.
         examples: rows written to the store (for its size).
         store_dtype: the store's element type.
         train: the run trains (optimizer, gradients); False plans a ``collect`` /
@@ -309,10 +329,10 @@ class RunSpec:
         zero_init: the model is built partitioned (``deepspeed.zero.Init``); False builds
             it whole in fp32 on every rank first (what ``launch/train.py`` does).
         store_budget_gb: the store size ``k = 0`` may recommend up to.
-        reduce_bucket / max_live_params / prefetch_bucket / sub_group_size: DeepSpeed's
-            ``reduce_bucket_size``, ``stage3_max_live_parameters``,
-            ``stage3_prefetch_bucket_size`` and ``sub_group_size`` (elements; DeepSpeed's
-            defaults).
+        reduce_bucket: DeepSpeed's ``reduce_bucket_size`` (elements).
+        max_live_params: DeepSpeed's ``stage3_max_live_parameters`` (elements).
+        prefetch_bucket: DeepSpeed's ``stage3_prefetch_bucket_size`` (elements).
+        sub_group_size: DeepSpeed's ``sub_group_size`` (elements).
     """
 
     world: int = 1
@@ -423,7 +443,7 @@ class Plan:
     def table(self) -> str:
         """A readable report: the memory terms, the times and the advice."""
         m, s = self.model, self.spec
-        lines = [f"model: {m.family} {m.layers}x{m.hidden} (i {m.intermediate}, heads "
+        lines = [f"model: {m.label} {m.layers}x{m.hidden} (i {m.intermediate}, heads "
                  f"{m.heads}/{m.kv_heads}, vocab {m.vocab}), {m.num_params / 1e9:.3f} B params",
                  f"run: {s.world} x {self.device.name}, ZeRO-{s.zero_stage}, offload "
                  f"{s.offload}, {s.dtype}, "

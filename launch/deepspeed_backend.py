@@ -40,17 +40,23 @@ def setup_distributed() -> tuple[int, int]:
 
 
 def build(cfg: RunConfig, tok):
-    """The Hugging Face model of ``cfg.train``: loaded from ``model_path`` or built from
-    ``model_config`` (random init, seeded)."""
+    """The Hugging Face causal LM of ``cfg.train`` (any ``AutoModelForCausalLM`` type):
+    loaded from ``model_path`` or built from ``model_config`` (random init, seeded); with
+    capture or online selection on, a model with a layer capture cannot read is refused."""
     from dattri_ds.data import build_model
+    from dattri_ds.data.models import check_capturable, load_model_config
 
     if cfg.train.model_path:
         from transformers import AutoModelForCausalLM
         from dattri_ds.files import model_dir
-        return AutoModelForCausalLM.from_pretrained(model_dir(cfg.train.model_path,
-                                                              "train.model_path"),
-                                                    local_files_only=True)
-    return build_model(cfg.train.model_config, tokenizer=tok, seed=cfg.train.seed)
+        folder = model_dir(cfg.train.model_path, "train.model_path")
+        load_model_config(folder / "config.json")  # a causal LM, else one line naming it
+        model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
+    else:
+        model = build_model(cfg.train.model_config, tokenizer=tok, seed=cfg.train.seed)
+    if cfg.capture_enabled or cfg.selection.enabled:
+        check_capturable(model)
+    return model
 
 
 class DeepSpeedBackend(Backend):

@@ -77,9 +77,11 @@ def transformer_kwargs(model_config: str | Path | dict, tp: int,
     d = model_config if isinstance(model_config, dict) else read_json(
         model_config, "model config", flag="train.model_config")
     if d.get("model_type", "gpt2") != "gpt2":
-        raise ConfigError(f"--backend megatron builds GPT-2 style models only; the model config "
-                          f"has model_type='{d.get('model_type')}'. Use configs/"
-                          f"model_gpt2_tiny.json (or --backend deepspeed)")
+        raise ConfigError(f"--backend megatron builds its own GPTModel from GPT-2 style "
+                          f"configs only (model_type 'gpt2'); the model config has model_type="
+                          f"'{d.get('model_type')}'. Train it with --backend deepspeed or "
+                          f"--backend torch, or pass a GPT-2 config (configs/"
+                          f"model_gpt2_tiny.json)")
     hidden = int(d.get("n_embd", 768))
     kw = dict(num_layers=int(d.get("n_layer", 12)), hidden_size=hidden,
               num_attention_heads=int(d.get("n_head", 12)),

@@ -37,21 +37,42 @@ def build_parser() -> argparse.ArgumentParser:
                    help="our JSON model config or a Hugging Face config.json")
     add_flag(p, "--vocab-size", int, ge=1, default=None,
              help="vocabulary size when the config has none (ours: the tokenizer's)")
-    p.add_argument("--device", default="cpu", choices=sorted(DEVICES))
+    p.add_argument("--device", default="cpu", choices=sorted(DEVICES),
+                   help="the accelerator (or CPU host) of each rank: its memory, roofline, "
+                        "per-kernel latency and calibrated efficiency (dattri_ds.plan.DEVICES)")
     add_flag(p, "--memory-gb", float, gt=0, default=None,
              help="override the device's memory (e.g. what is free on a shared host)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     defaults = RunSpec()
+    docs = field_docs(RunSpec)
     for f in fields(RunSpec):  # one flag per RunSpec field, defaults from the dataclass
         flag = "--" + f.name.replace("_", "-")
         value = getattr(defaults, f.name)
+        helptext = f"{docs[f.name]} [default {value}]".replace("%", "%%")
         if isinstance(value, bool):
-            p.add_argument(flag, default=value, action=argparse.BooleanOptionalAction)
+            p.add_argument(flag, default=value, action=argparse.BooleanOptionalAction,
+                           help=helptext)
         else:
             strict = (flag_type(type(value), name=flag, **_RANGES.get(f.name, {"gt": 0}))
                       if isinstance(value, (int, float)) else type(value))
-            p.add_argument(flag, type=strict, default=value, choices=_CHOICES.get(f.name))
+            p.add_argument(flag, type=strict, default=value, choices=_CHOICES.get(f.name),
+                           help=helptext)
     return p
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """``field -> its text`` from the ``Attributes:`` section of ``cls``'s docstring (one
+    ``name: text`` entry per field, continuation lines indented).
+
+    Raises:
+        KeyError: a field has no entry (a new RunSpec field must document itself).
+    """
+    import re
+
+    text = (cls.__doc__ or "").split("Attributes:", 1)[1]
+    entries = re.findall(r"^ {8}(\w+): (.*?)(?=^ {8}\w+: |\Z)", text, re.S | re.M)
+    docs = {name: " ".join(body.split()) for name, body in entries}
+    return {f.name: docs[f.name] for f in fields(cls)}
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -1,11 +1,17 @@
-"""Small randomly initialized causal LMs (GPT-2, Llama) from a JSON config; never downloads.
+"""Randomly initialized causal LMs of any Hugging Face architecture from a JSON config; never
+downloads.
 
-A model config is a JSON object of Hugging Face config fields plus ``model_type``
-(``"gpt2"`` or ``"llama"``), e.g. ``configs/model_gpt2_tiny.json``. ``build_model`` takes the
-vocabulary size and the special ids from the tokenizer, so the config files leave them out.
-Unknown keys are an error (Hugging Face would silently keep a misspelt ``n_layers``).
+A model config is a JSON object of Hugging Face config fields plus ``model_type``: our files
+(``configs/model_gpt2_tiny.json``, ``model_qwen2_tiny.json``, ``model_olmo2_tiny.json``, ...)
+or a Hugging Face ``config.json``. Every ``model_type`` that ``transformers`` builds with
+``AutoModelForCausalLM`` is accepted (``causal_lm_types``); ``ARCHITECTURES`` are the ones the
+tests train end to end (GPT-2, Llama, OLMo-2, Qwen2). ``build_model`` takes the vocabulary size
+and the special ids from the tokenizer, so our config files leave them out. Unknown keys are
+an error (Hugging Face would silently keep a misspelt ``n_layers``). ``check_capturable``
+refuses, by model type and module, a model with a trainable layer capture has no
+``LayerKind`` for (e.g. Mamba's ``Conv1d`` and ``MambaMixer``).
 
-``transformers`` is imported inside ``build_model``.
+``transformers`` is imported inside the functions.
 """
 
 from __future__ import annotations
@@ -24,18 +30,38 @@ from dattri_ds.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 from dattri_ds.errors import ConfigError
 from dattri_ds.files import read_json
 
-__all__ = ["ARCHITECTURES", "load_model_config", "build_model"]
+__all__ = ["ARCHITECTURES", "causal_lm_types", "load_model_config", "build_model",
+           "check_capturable"]
 
 logger = logging.getLogger(__name__)
 
-#: model_type -> (transformers config class, model class).
-ARCHITECTURES = {
-    "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
-    "llama": ("LlamaConfig", "LlamaForCausalLM"),
-}
-#: Keys accepted besides the config class's own fields (folded into other fields by HF).
-_EXTRA_KEYS = {"gpt2": set(), "llama": {"rope_theta", "rope_scaling"}}
-_COMMON_KEYS = {"model_type", "attn_implementation"}
+#: The model types trained end to end by the tests (tests/e2e/test_launch_archs.py,
+#: tests/unit/test_models_arch.py); any other causal LM transformers builds is accepted too.
+ARCHITECTURES = ("gpt2", "llama", "olmo2", "qwen2")
+#: Keys accepted besides the config class's own fields: older spellings HF folds into other
+#: fields, and the metadata a saved ``config.json`` carries.
+_EXTRA_KEYS = {"rope_theta", "rope_scaling", "torch_dtype", "architectures",
+               "transformers_version", "_name_or_path", "auto_map", "model_type",
+               "attn_implementation"}
+
+
+def causal_lm_types() -> list[str]:
+    """Every ``model_type`` the installed transformers builds with ``AutoModelForCausalLM``."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def _check_model_type(arch: Any, where: str) -> None:
+    known = causal_lm_types()
+    if isinstance(arch, str) and arch in known:
+        return
+    near = difflib.get_close_matches(str(arch), known, n=3)
+    hint = f" (close: {near})" if near else ""
+    raise ConfigError(f"{where}: model_type {arch!r} is not a causal LM the installed "
+                      f"transformers builds with AutoModelForCausalLM{hint}; tested: "
+                      f"{list(ARCHITECTURES)} (any of the {len(known)} in transformers' "
+                      f"MODEL_FOR_CAUSAL_LM_MAPPING_NAMES works); fix model_type in the config")
 
 
 def load_model_config(config: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
@@ -43,7 +69,7 @@ def load_model_config(config: str | os.PathLike | Mapping[str, Any]) -> dict[str
 
     Raises:
         InputFileError: the file is missing or not UTF-8 JSON (file and line named).
-        ConfigError: not a JSON object, or ``model_type`` missing or unsupported.
+        ConfigError: not a JSON object, or ``model_type`` missing or not a causal LM.
     """
     if isinstance(config, Mapping):
         d, where = dict(config), "model config"
@@ -54,16 +80,13 @@ def load_model_config(config: str | os.PathLike | Mapping[str, Any]) -> dict[str
         where = str(path)
         if not isinstance(d, dict):
             raise ConfigError(f"{where}: expected a JSON object, got {type(d).__name__}")
-    arch = d.get("model_type")
-    if arch not in ARCHITECTURES:
-        raise ConfigError(f"{where}: model_type must be one of {sorted(ARCHITECTURES)}, "
-                          f"got {arch!r}")
+    _check_model_type(d.get("model_type"), where)
     return d
 
 
 def _check_keys(d: Mapping[str, Any], cfg_cls: type, arch: str) -> None:
     allowed = (set(cfg_cls().to_dict()) | set(getattr(cfg_cls, "attribute_map", {}))
-               | _EXTRA_KEYS[arch] | _COMMON_KEYS)
+               | _EXTRA_KEYS)
     unknown = sorted(set(d) - allowed)
     if unknown:
         hints = {k: difflib.get_close_matches(k, allowed, n=1) for k in unknown}
@@ -76,7 +99,7 @@ def _check_keys(d: Mapping[str, Any], cfg_cls: type, arch: str) -> None:
 def build_model(config: str | os.PathLike | Mapping[str, Any], *,
                 tokenizer: Tokenizer | None = None, vocab_size: int | None = None,
                 seed: int | None = 0) -> torch.nn.Module:
-    """A randomly initialized ``GPT2LMHeadModel`` or ``LlamaForCausalLM``.
+    """A randomly initialized ``AutoModelForCausalLM`` of the config's ``model_type``.
 
     The vocabulary size is, in order of precedence, ``tokenizer.vocab_size``, ``vocab_size``
     or the config's own; ``bos_token_id``, ``eos_token_id`` and ``pad_token_id`` are set to
@@ -84,26 +107,32 @@ def build_model(config: str | os.PathLike | Mapping[str, Any], *,
     fingerprint is stored as ``model.config.tokenizer_fingerprint`` (saved with the model).
 
     Args:
-        config: path of a JSON model config, or the mapping itself.
+        config: path of a JSON model config (ours or a Hugging Face ``config.json``), or the
+            mapping itself.
         tokenizer: the tokenizer the model will read.
         vocab_size: vocabulary size when no tokenizer is given.
         seed: seed of the weight initialization (global RNG state is left untouched);
             None uses the global RNG.
 
     Returns:
-        The model, in training mode, on the CPU, in float32.
+        The model, in training mode, on the CPU (or the default device), in float32.
 
     Raises:
-        ConfigError: unsupported ``model_type``, unknown keys, or no usable vocabulary size.
+        ConfigError: a ``model_type`` that is not a causal LM, unknown keys, or no usable
+            vocabulary size.
     """
-    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     d = load_model_config(config)
     arch = d["model_type"]
-    cfg_cls = getattr(transformers, ARCHITECTURES[arch][0])
-    model_cls = getattr(transformers, ARCHITECTURES[arch][1])
+    cfg_cls = CONFIG_MAPPING[arch]
     _check_keys(d, cfg_cls, arch)
-    kwargs = {k: v for k, v in d.items() if k != "model_type"}
+    drop = {"model_type", "architectures", "transformers_version", "_name_or_path", "auto_map"}
+    kwargs = {k: v for k, v in d.items() if k not in drop}
+    if "torch_dtype" in kwargs:  # the saved weights' dtype: we build fp32, the engine casts
+        kwargs.pop("torch_dtype")
+    kwargs.pop("dtype", None)
     size = tokenizer.vocab_size if tokenizer is not None else vocab_size
     if size is not None and "vocab_size" in kwargs and kwargs["vocab_size"] != size:
         warnings.warn(f"Model config vocab_size={kwargs['vocab_size']} is replaced by the "
@@ -113,17 +142,41 @@ def build_model(config: str | os.PathLike | Mapping[str, Any], *,
         raise ConfigError(f"build_model needs a vocabulary size above {max(BOS_ID, EOS_ID)} "
                           f"(got {size}); pass tokenizer= or vocab_size=")
     kwargs.update(vocab_size=size, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
-    cfg = cfg_cls(**kwargs)
+    cfg = AutoConfig.for_model(arch, **kwargs)
     if tokenizer is not None:
         cfg.tokenizer_fingerprint = tokenizer.fingerprint
     if seed is None:
-        model = model_cls(cfg)
+        model = AutoModelForCausalLM.from_config(cfg)
     else:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = model_cls(cfg)
+            model = AutoModelForCausalLM.from_config(cfg)
     if getattr(model, "loss_type", "") is None:
         model.loss_type = "ForCausalLM"  # HF infers it from the class name, not for GPT-2
-    logger.info("Built %s with %.2fM parameters (vocab %d)", model_cls.__name__,
+    logger.info("Built %s with %.2fM parameters (vocab %d)", type(model).__name__,
                 sum(p.numel() for p in model.parameters()) / 1e6, size)
     return model
+
+
+def check_capturable(model: torch.nn.Module) -> None:
+    """Refuse a model with a trainable module no ``LayerKind`` captures.
+
+    Raises:
+        ConfigError: one line naming the model type, the unsupported module classes (with
+            one module name each) and the model types the tests train.
+    """
+    from dattri_ds.layers.base import kind_for
+
+    missing: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if any(p.requires_grad for p in module.parameters(recurse=False)) and \
+                kind_for(module) is None:
+            missing.setdefault(type(module).__name__, name)
+    if missing:
+        mt = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+        shown = ", ".join(f"{cls} ('{n}')" for cls, n in missing.items())
+        raise ConfigError(f"model_type {mt!r} has trainable layers capture does not support: "
+                          f"{shown}; supported layers are nn.Linear, HF Conv1D, nn.Embedding, "
+                          f"LayerNorm and RMSNorm (tested model types: {list(ARCHITECTURES)}); "
+                          f"train without --capture / --online-selection, or register a "
+                          f"LayerKind for them (dattri_ds/layers)")

@@ -257,7 +257,7 @@ def test_model_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="n_layers.*n_layer"):
         build_model({**d, "n_layers": 2}, vocab_size=64)
     with pytest.raises(ConfigError, match="model_type"):
-        build_model({**d, "model_type": "bert"}, vocab_size=64)
+        build_model({**d, "model_type": "vit"}, vocab_size=64)  # no causal LM
     with pytest.raises(ConfigError, match="vocabulary size"):
         build_model({k: v for k, v in d.items()})
     with pytest.raises(InputFileError, match=r"nope.json' does not exist"):

@@ -246,3 +246,15 @@ def test_selection_plans_the_probe_only_when_its_score_reads_gradients(monkeypat
     for sel, probes in (({}, False), ({"score": "alignment"}, True)):
         check_memory({}, RunConfig.from_dict({"train": train, "selection": {**on, **sel}}))
         assert seen[-1].method == "selection" and seen[-1].probes is probes
+
+
+def test_every_plan_flag_has_help():
+    """Every ``dattri-ds plan`` flag says what it sets (RunSpec flags take their field's
+    docstring entry): breaks when a RunSpec field is added without documenting it."""
+    from tools.plan import build_parser
+
+    p = build_parser()
+    bare = [a.option_strings for a in p._actions if not (a.help or "").strip()]
+    assert not bare
+    text = " ".join(p.format_help().split())
+    assert "tokens per example (T)" in text and "calibrated efficiency" in text
