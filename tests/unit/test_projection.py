@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 
+from dattri_ds.layers import get_kind
 from dattri_ds import Dense, Factorized, LayerGrad
 from dattri_ds.ops import Projector, ProjectionConfig, project
 from dattri_ds.ops.projection import KINDS, projection_kind
@@ -34,7 +35,7 @@ def test_dense_projection_preserves_inner_products(kind, distribution):
     k, d = 1024, 4096
     x = torch.randn(24, d, generator=torch.Generator().manual_seed(0))
     x[1] = x[0] + 0.3 * x[1]  # a correlated pair
-    lg = LayerGrad("w", "linear", Dense(x), (64, 64))
+    lg = LayerGrad("w", get_kind("linear"), Dense(x), (64, 64))
     px = project(lg, Projector(ProjectionConfig(kind=kind, dim=k, distribution=distribution,
                                                 seed=11))).data.values
     err = _pairwise_errors(x, px)
@@ -49,7 +50,7 @@ def test_kronecker_projection_preserves_inner_products():
     k = 1024
     gen = torch.Generator().manual_seed(1)
     f = Factorized(torch.randn(24, 6, 64, generator=gen), torch.randn(24, 6, 64, generator=gen))
-    lg = LayerGrad("w", "linear", f, (64, 64))
+    lg = LayerGrad("w", get_kind("linear"), f, (64, 64))
     full = torch.bmm(f.g.transpose(1, 2), f.a).reshape(24, -1)
     px = project(lg, Projector(ProjectionConfig(kind="kronecker", dim=k, seed=2))).data.values
     assert px.shape == (24, k)
@@ -62,7 +63,7 @@ def test_kronecker_projection_preserves_inner_products():
 def test_projection_unbiased_over_seeds():
     """Averaged over seeds, projected inner products converge to the exact one."""
     x = torch.randn(2, 512, generator=torch.Generator().manual_seed(3))
-    lg = LayerGrad("w", "linear", Dense(x), (16, 32))
+    lg = LayerGrad("w", get_kind("linear"), Dense(x), (16, 32))
     est = [project(lg, Projector(ProjectionConfig(kind="dense", dim=64, seed=s))).data.values
            for s in range(200)]
     mean_dot = torch.stack([(p[0] * p[1]).sum() for p in est]).mean()
@@ -122,7 +123,7 @@ def test_sparse_projection_is_its_matrix_and_shards_sum():
     assert torch.equal(proj.apply("w", x, 64), proj.apply_at("w", x, 64, torch.arange(d), d))
     gen = torch.Generator().manual_seed(6)
     f = Factorized(torch.randn(3, 5, 20, generator=gen), torch.randn(3, 5, 30, generator=gen))
-    lg = LayerGrad("v", "linear", f, (30, 20))
+    lg = LayerGrad("v", get_kind("linear"), f, (30, 20))
     rows = torch.bmm(f.g.transpose(1, 2), f.a).reshape(3, -1)
     want = rows @ proj.dense_matrix("v", 600, 64).T
     assert torch.allclose(project(lg, proj).data.values, want, atol=1e-4)
@@ -139,7 +140,7 @@ def test_every_kind_meets_its_bound_on_all_pairs(kind, o, i, k):
     gen = torch.Generator().manual_seed(3)
     f = Factorized(torch.randn(24, 6, i, generator=gen), torch.randn(24, 6, o, generator=gen))
     f.g[1] = f.g[0] + 0.3 * f.g[1]  # a correlated pair
-    lg = LayerGrad("w", "linear", f, (o, i))
+    lg = LayerGrad("w", get_kind("linear"), f, (o, i))
     full = torch.bmm(f.g.transpose(1, 2), f.a).reshape(24, -1)
     projector = Projector(ProjectionConfig(kind=kind, dim=k, seed=5))
     resolved = projection_kind(projector.kind_of(o, i))
@@ -165,7 +166,7 @@ def test_auto_projection_is_sparse_or_kronecker_per_layer():
         assert choose_projection(o, i, 256).kind == want
         for b, t in [(3, 5), (7, 2)]:  # the choice never depends on B or T
             f = Factorized(torch.randn(b, t, i, generator=gen), torch.randn(b, t, o, generator=gen))
-            lg = LayerGrad("w", "linear", f, (o, i))
+            lg = LayerGrad("w", get_kind("linear"), f, (o, i))
             auto = project(lg, Projector(ProjectionConfig(kind="auto", dim=256, seed=1)))
             same = project(lg, Projector(ProjectionConfig(kind=want, dim=256, seed=1)))
             torch.testing.assert_close(auto.data.values, same.data.values, rtol=0, atol=0)
@@ -188,7 +189,7 @@ def test_space_tags_round_trip():
         assert Space.parse(tag).tag == tag
     sp = Space.parse(f"identity:{cfg.tag}+whitened:ekfac")
     assert sp.identity and sp.whitened == "ekfac" and sp.whitened_first
-    assert (sp.kind, sp.k, sp.seed) == ("kronecker", 64, 3) and sp.config() == cfg
+    assert (sp.kind, sp.k, sp.seed) == ("kronecker", 64, 3) and ProjectionConfig.of_space(sp) == cfg
     assert Space.parse(f"whitened:ekfac:{cfg.tag}").replace(whitened=None).tag == cfg.tag
 
 
@@ -204,21 +205,84 @@ def test_layer_grad_holds_a_typed_space():
 
     cfg = ProjectionConfig(kind="kronecker", dim=4, seed=2)
     rows = Dense(torch.randn(2, 4))
-    by_kw = LayerGrad("w", "linear", rows, (3, 5), projection=cfg.tag)
-    by_pos = LayerGrad("w", "linear", rows, (3, 5), cfg.tag)
-    typed = LayerGrad("w", "linear", rows, (3, 5), space=Projector(cfg).space)
+    by_kw = LayerGrad("w", get_kind("linear"), rows, (3, 5), projection=cfg.tag)
+    by_pos = LayerGrad("w", get_kind("linear"), rows, (3, 5), cfg.tag)
+    typed = LayerGrad("w", get_kind("linear"), rows, (3, 5), space=Projector(cfg).space)
     assert by_kw.space == by_pos.space == typed.space == Space.parse(cfg.tag)
     assert isinstance(by_kw.space, Space) and by_kw.projection == cfg.tag
     assert (by_kw.space.kind, by_kw.space.k, by_kw.space.seed) == ("kronecker", 4, 2)
     assert len({by_kw.space, by_pos.space, Space(cfg.tag)}) == 1
     assert by_kw.replace(projection=f"identity:{cfg.tag}").space.identity
-    canonical = LayerGrad("w", "linear", Dense(torch.randn(2, 15)), (3, 5))
+    canonical = LayerGrad("w", get_kind("linear"), Dense(torch.randn(2, 15)), (3, 5))
     assert canonical.space.canonical and canonical.projection is None
     whitened = canonical.replace(projection="whitened:ekfac")
     assert whitened.space.awaiting_projection and not whitened.space.projected
     back = pickle.loads(pickle.dumps(GradBatch(0, ("a", "b"), {"w": by_kw})))
     assert back.layers["w"].space == by_kw.space and back.layers["w"].projection == cfg.tag
     with pytest.raises(TypeError, match="once"):
-        LayerGrad("w", "linear", rows, (3, 5), cfg.tag, projection=cfg.tag)
+        LayerGrad("w", get_kind("linear"), rows, (3, 5), cfg.tag, projection=cfg.tag)
     with pytest.raises(ConfigError, match="not a ProjectionConfig tag"):
         Space.parse("opaque").k  # an opaque tag is kept as a name; its fields raise
+
+
+def _column_scatter(proj: Projector, layer: str, x: torch.Tensor, rows: int) -> torch.Tensor:
+    """The sparse projection as it was computed before the CSR kernel (commit 0eb5305): every
+    column's ``s`` products scattered into ``[B, rows]`` (``index_add_``), block by block."""
+    from dattri_ds.ops.projection import BLOCK
+
+    out = x.new_zeros(x.shape[0], rows)
+    for blk, start in enumerate(range(0, x.shape[1], BLOCK)):
+        idx, val = proj.sparse_block(layer, blk, rows, min(BLOCK, x.shape[1] - start), x.device)
+        contrib = x[:, start:start + idx.shape[0]].unsqueeze(-1) * val
+        out.index_add_(1, idx.reshape(-1), contrib.reshape(x.shape[0], -1))
+    return out
+
+
+@pytest.mark.parametrize("distribution", ["gaussian", "rademacher"])
+def test_sparse_kernel_is_the_same_map_as_the_column_scatter(distribution, monkeypatch):
+    """The blocked CSR kernel computes the same linear map as the column scatter it replaced
+    (same seeded non-zeros: each CSR block holds exactly ``sparse_block``'s entries, and the
+    rows agree with the scatter and with ``x @ P^T`` of the dense matrix up to float
+    rounding), for whole rows and for column shards. Breaks if a change of kernel changed
+    the sketch (and with it every stored row and LDS number)."""
+    from dattri_ds.ops import projection
+
+    monkeypatch.setattr(projection, "BLOCK", 700)  # several seeded blocks, a ragged last one
+    k, d = 256, 2 * 700 + 333
+    proj = Projector(ProjectionConfig(kind="sparse", dim=k, seed=8, distribution=distribution))
+    for blk, start in enumerate(range(0, d, 700)):
+        cols = min(700, d - start)
+        idx, val = proj.sparse_block("w", blk, k, cols, torch.device("cpu"))
+        csr = proj.sparse_csr("w", blk, k, cols, torch.device("cpu")).to_dense()
+        want = torch.zeros(k, cols)
+        want[idx, torch.arange(cols).unsqueeze(1).expand_as(idx)] = val
+        assert torch.equal(csr, want)
+    x = torch.randn(5, d, generator=torch.Generator().manual_seed(9))
+    got = proj.apply("w", x, k)
+    torch.testing.assert_close(got, _column_scatter(proj, "w", x, k), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, x @ proj.dense_matrix("w", d, k).T, rtol=1e-5, atol=1e-5)
+    cols = torch.randperm(d, generator=torch.Generator().manual_seed(1))[:400]
+    part = proj.apply_at("w", x[:, cols], k, cols, d)
+    torch.testing.assert_close(part, x[:, cols] @ proj.dense_matrix("w", d, k)[:, cols].T,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_generated_matrices_are_shared_and_bounded():
+    """Projectors of one seed reuse the matrices generated on the CPU (a ``collect`` per
+    checkpoint draws and sorts them once per process), other seeds get their own, and the
+    process-wide store never holds more than the asking config's ``cache_bytes`` (breaks if
+    the cache leaked or served another seed's matrix)."""
+    from dattri_ds.ops.projection import _MADE, _nbytes
+
+    cpu = torch.device("cpu")
+    a = Projector(ProjectionConfig(kind="sparse", dim=64, seed=21))
+    b = Projector(ProjectionConfig(kind="sparse", dim=64, seed=21))
+    c = Projector(ProjectionConfig(kind="sparse", dim=64, seed=22))
+    m = a.sparse_csr("w", 0, 64, 500, cpu)
+    assert b.sparse_csr("w", 0, 64, 500, cpu) is m
+    assert not torch.equal(c.sparse_csr("w", 0, 64, 500, cpu).to_dense(), m.to_dense())
+    budget = 3 * _nbytes(m)
+    small = Projector(ProjectionConfig(kind="sparse", dim=64, seed=23, cache_bytes=budget))
+    for layer in range(6):
+        small.sparse_csr(f"l{layer}", 0, 64, 500, cpu)
+        assert _MADE._bytes <= budget
