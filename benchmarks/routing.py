@@ -106,7 +106,7 @@ def pick_batch(op, T, I, O, k, roof, budget, max_s) -> tuple[int | None, str]:
 def layer(name: str, B: int, T: int, I: int, O: int, gen: torch.Generator) -> LayerGrad:
     a = torch.randn(B, T, I, generator=gen)
     g = torch.randn(B, T, O, generator=gen) / math.sqrt(O)
-    return LayerGrad(name, "linear", Factorized(a, g), (O, I))
+    return LayerGrad(name, get_kind("linear"), Factorized(a, g), (O, I))
 
 
 def make_call(op: str, x: LayerGrad, y: LayerGrad | None, projector: Projector):

@@ -272,14 +272,6 @@ class Space:
         """``ProjectionConfig.kron_speedup`` when the tag records it, else None."""
         return self._config_fields()[4]
 
-    def config(self):
-        """The ``ProjectionConfig`` whose ``tag`` is ``projection`` (raises for none)."""
-        from dattri_ds.ops.projection import ProjectionConfig  # ops import this module
-
-        kind, dist, k, seed, speedup = self._config_fields()
-        extra = {} if speedup is None else {"kron_speedup": speedup}
-        return ProjectionConfig(kind=kind, distribution=dist, dim=k, seed=seed, **extra)
-
     def replace(self, **changes) -> Space:
         """A copy with ``changes`` applied (e.g. ``whitened="ekfac"``)."""
         return dataclasses.replace(self, **changes)
@@ -326,7 +318,7 @@ class LayerGrad:
     space: Space = CANONICAL
     shard: ShardInfo | None = None
 
-    def __init__(self, name: str, kind: LayerKind | str, data: Factorized | Dense,
+    def __init__(self, name: str, kind: LayerKind, data: Factorized | Dense,
                  shape: tuple[int, int], space: Space | str | None = None,
                  shard: ShardInfo | None = None, *, projection: Space | str | None = None):
         if space is not None and projection is not None:
@@ -342,9 +334,9 @@ class LayerGrad:
 
     def __post_init__(self) -> None:
         if isinstance(self.kind, str):
-            from dattri_ds.layers.base import get_kind  # layers import this module
-
-            object.__setattr__(self, "kind", get_kind(self.kind))
+            raise ConfigError(f"Layer '{self.name}': LayerGrad takes the layer kind object, got "
+                              f"its name '{self.kind}'; pass "
+                              f"dattri_ds.layers.get_kind('{self.kind}')")
         if not isinstance(self.space, Space):
             object.__setattr__(self, "space", Space.parse(self.space))
         if isinstance(self.data, Dense) and self.space.canonical:

@@ -46,6 +46,7 @@ import torch
 
 from dattri_ds.errors import ConfigError
 from dattri_ds.gradient import Dense, GradBatch, LayerGrad, ShardInfo
+from dattri_ds.layers.base import get_kind
 
 __all__ = ["FORMAT_VERSION", "grad_batch_state", "grad_batch_from_state", "selector_state",
            "load_selector_state", "config_difference", "log_lines_before",
@@ -108,7 +109,7 @@ def grad_batch_from_state(state: dict | None,
             if layers is not None and d["name"] in layers:
                 module, kind = layers[d["name"]]
                 shard = kind.shard_info(module) or shard
-        out[d["name"]] = LayerGrad(d["name"], d["kind"], Dense(d["values"].to(device)),
+        out[d["name"]] = LayerGrad(d["name"], get_kind(d["kind"]), Dense(d["values"].to(device)),
                                    tuple(d["shape"]), d["projection"], shard)
     return GradBatch(step=int(state["step"]), sample_ids=tuple(state["sample_ids"]),
                      layers=out, micro_batch=int(state["micro_batch"]))

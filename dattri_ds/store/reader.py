@@ -22,6 +22,7 @@ import torch
 
 from dattri_ds.errors import ClosedError, ConfigError, StoreCorruptError
 from dattri_ds.gradient import Dense, GradBatch, LayerGrad, Space
+from dattri_ds.layers.base import get_kind
 from dattri_ds.store.format import (
     INFO_NAME, DuplicateSampleError, ShardIndex, ShardPaths, check_sizes, from_storage,
     list_shards, numpy_dtype, read_committed_ids, row_bytes, shard_paths, verify_chunk,
@@ -319,8 +320,9 @@ class GradientStore:
         idx = self._rows(rows)
         values = self.read(idx, dtype)
         views = self.layer_view(values)
-        layers = {ls.name: LayerGrad(name=ls.name, kind=ls.kind, data=Dense(views[ls.name]),
-                                     shape=ls.shape, space=self._spaces[ls.name])
+        layers = {ls.name: LayerGrad(name=ls.name, kind=get_kind(ls.kind),
+                                     data=Dense(views[ls.name]), shape=ls.shape,
+                                     space=self._spaces[ls.name])
                   for ls in self.spec.layers}
         counts = torch.from_numpy(self._meta[idx, 1])
         return GradBatch(step=-1, sample_ids=tuple(self._ids[i] for i in idx), layers=layers,

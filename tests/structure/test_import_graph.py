@@ -1,12 +1,18 @@
-"""The package's module-level import graph has no cycle and never points upwards.
+"""The package's import graph has no cycle and never points upwards, lazy imports included.
 
 Invariant: importing any module of ``dattri_ds`` (with ``selection``, ``launch`` and
 ``tools`` installed as ``dattri_ds.selection`` / ``.launch`` / ``.tools``, setup.py
 ``package_dir``) never re-enters a module that is still initialising, whatever module is
 imported first; and the layers depend one way only: ``dattri_ds <- selection <- launch``,
-``dattri_ds <- tools``. Read from the source with ``ast`` (no import runs): an edge is an
-``import`` executed when the module loads (module body, class bodies, ``if``/``try`` at top
-level); imports inside functions (lazy) and under ``if TYPE_CHECKING:`` are not edges.
+``dattri_ds <- tools`` (the README's two applications, ``tools/main_job.py`` and
+``tools/demo.py``, sit on top and may use the training loop). Read from the source with
+``ast`` (no import runs). Two graphs: the *load-time* graph (an ``import`` executed when
+the module loads: module body, class bodies, ``if``/``try`` at top level) must have no
+cycle, or an import order fails; the *full* graph adds every import inside a function (a
+lazy import is still a dependency) and must have no cycle either and never point upwards.
+Only ``if TYPE_CHECKING:`` imports are not edges. Third-party packages (deepspeed,
+megatron, transformers, imported lazily inside ``dattri_ds/integrations``) are never
+package modules, so they are not edges of either graph.
 """
 
 from __future__ import annotations
@@ -20,7 +26,10 @@ PACKAGE_DIRS = {"dattri_ds": ROOT / "dattri_ds", "dattri_ds.selection": ROOT / "
                 "dattri_ds.launch": ROOT / "launch", "dattri_ds.tools": ROOT / "tools"}
 #: layer of a module -> the layers it may import at module level
 ALLOWED = {"core": {"core"}, "selection": {"core", "selection"},
-           "launch": {"core", "selection", "launch"}, "tools": {"core", "selection", "tools"}}
+           "launch": {"core", "selection", "launch"}, "tools": {"core", "selection", "tools"},
+           "apps": {"core", "selection", "launch", "tools", "apps"}}
+#: The applications on top of every layer (they train with launch's loop and call the tools).
+APPS = ("dattri_ds.tools.main_job", "dattri_ds.tools.demo")
 
 
 def modules() -> dict[str, Path]:
@@ -59,14 +68,27 @@ def _load_time_imports(body: list[ast.stmt]):
             yield from _load_time_imports(node.body)
 
 
-def edges(mods: dict[str, Path]) -> dict[str, set[str]]:
-    """Module -> the package modules it imports at load time."""
+def _all_imports(body: list[ast.stmt]):
+    """Every import statement of the module, in functions too (not typing-only ones)."""
+    typing_only: set[int] = set()
+    tree = ast.Module(body=body, type_ignores=[])
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            typing_only.update(id(n) for part in node.body for n in ast.walk(part))
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in typing_only:
+            yield node
+
+
+def edges(mods: dict[str, Path], lazy: bool = False) -> dict[str, set[str]]:
+    """Module -> the package modules it imports at load time (``lazy``: anywhere)."""
+    found = _all_imports if lazy else _load_time_imports
     graph: dict[str, set[str]] = {}
     for name, path in mods.items():
         is_pkg = path.name == "__init__.py"
         here = name if is_pkg else name.rpartition(".")[0]
         targets: set[str] = set()
-        for node in _load_time_imports(ast.parse(path.read_text(), str(path)).body):
+        for node in found(ast.parse(path.read_text(), str(path)).body):
             if isinstance(node, ast.Import):
                 targets.update(a.name for a in node.names)
                 continue
@@ -108,6 +130,8 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def layer_of(name: str) -> str:
+    if name in APPS:
+        return "apps"
     for layer in ("selection", "launch", "tools"):
         if name == f"dattri_ds.{layer}" or name.startswith(f"dattri_ds.{layer}."):
             return layer
@@ -131,6 +155,25 @@ def test_no_import_cycle():
     assert cycle is None, "module-level import cycle: " + " -> ".join(cycle or [])
 
 
+def test_no_import_cycle_counting_lazy_imports():
+    """No cycle even through imports inside functions: a lazy import that closes a circle
+    only hides it from the load-time graph (modules that need each other are one module,
+    or one of them holds what the other needs)."""
+    cycle = find_cycle(edges(modules(), lazy=True))
+    assert cycle is None, "import cycle through lazy imports: " + " -> ".join(cycle or [])
+
+
+def test_lazy_imports_are_edges():
+    """The checker itself: an import inside a function (not under TYPE_CHECKING) is an edge
+    of the full graph and not of the load-time one."""
+    src = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import b\n"
+           "def f():\n    import c\n    if TYPE_CHECKING:\n        import d\n")
+    body = ast.parse(src).body
+    lazy = {a.name for n in _all_imports(body) for a in n.names}
+    assert lazy == {"TYPE_CHECKING", "c"}
+    assert {a.name for n in _load_time_imports(body) for a in n.names} == {"TYPE_CHECKING"}
+
+
 def test_cycle_finder_finds_a_cycle():
     """The checker itself: a planted cycle is reported with its members in order."""
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
@@ -139,8 +182,9 @@ def test_cycle_finder_finds_a_cycle():
 
 def test_imports_never_flow_upwards():
     """``dattri_ds`` imports none of selection/launch/tools; selection imports neither
-    launch nor tools; tools never imports launch (the layers of the repository)."""
-    graph = edges(modules())
+    launch nor tools; tools never imports launch (the layers of the repository); lazy
+    imports inside functions count."""
+    graph = edges(modules(), lazy=True)
     bad = sorted(f"{m} -> {t}" for m, ts in graph.items() for t in ts
                  if layer_of(t) not in ALLOWED[layer_of(m)])
     assert not bad, "imports flowing upwards (dattri_ds <- selection <- launch, " \

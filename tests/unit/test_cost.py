@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from dattri_ds.layers import get_kind
 from dattri_ds import ConfigError
 from dattri_ds.layers import LayerDims
 from dattri_ds.ops import CostModel, Roofline, estimate
@@ -85,7 +86,7 @@ def test_calibrate_settles_close_calls_by_timing():
 
     gen = torch.Generator().manual_seed(0)
     f = Factorized(torch.randn(4, 3, 8, generator=gen), torch.randn(4, 3, 8, generator=gen))
-    lg = LayerGrad("fc", "linear", f, (8, 8))
+    lg = LayerGrad("fc", get_kind("linear"), f, (8, 8))
     cm = CostModel(RL, calibrate=True, calibrate_band=1e9)  # every decision counts as close
     got = layer_cross_gram(lg, lg, cost=cm)
     dec = cm.decisions()[0]

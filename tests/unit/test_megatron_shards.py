@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch import nn
 
+from dattri_ds.layers import get_kind
 from dattri_ds import (
     CaptureConfig, Dense, Factorized, GradBatch, GradientCapture, LayerGrad, ShardInfo,
 )
@@ -51,10 +52,12 @@ def full_layer(layout: str, seed: int = 0) -> LayerGrad:
     g = torch.Generator().manual_seed(seed)
     if layout == "vocab":
         idx = torch.randint(0, V, (B, T), generator=g)
-        return LayerGrad("emb", "embedding", Factorized(idx, torch.randn(B, T, O, generator=g)),
+        return LayerGrad("emb", get_kind("embedding"),
+                         Factorized(idx, torch.randn(B, T, O, generator=g)),
                          (O, V))
     a = torch.cat([torch.randn(B, T, I, generator=g), torch.ones(B, T, 1)], -1)
-    return LayerGrad("fc", "linear", Factorized(a, torch.randn(B, T, O, generator=g)), (O, I + 1))
+    return LayerGrad("fc", get_kind("linear"), Factorized(a, torch.randn(B, T, O, generator=g)),
+                     (O, I + 1))
 
 
 def shards(full: LayerGrad, layout: str) -> list[LayerGrad]:
@@ -77,7 +80,7 @@ def shards(full: LayerGrad, layout: str) -> list[LayerGrad]:
             data = Factorized(torch.where(valid, idx, 0), f.g * valid.unsqueeze(-1))
             shape, kind = (O, per), "megatron_vocab_embedding"
             info = ShardInfo(1, r, R, (O, V), offset=r * per)
-        out.append(LayerGrad(full.name, kind, data, shape, shard=info))
+        out.append(LayerGrad(full.name, get_kind(kind), data, shape, shard=info))
     return out
 
 
@@ -171,7 +174,8 @@ def test_mismatched_shards_are_refused():
     s0, s1 = shards(full_layer("column"), "column")
     with pytest.raises(ShapeError, match="'fc'.*same rank"):
         layer_cross_gram(s0, s1)
-    projected = LayerGrad("fc", "linear", Dense(torch.zeros(B, 12)), (O, I + 1), projection="x")
+    projected = LayerGrad("fc", get_kind("linear"), Dense(torch.zeros(B, 12)), (O, I + 1),
+                          projection="x")
     with pytest.raises(ShapeError, match="'fc'"):
         layer_cross_gram(s0, projected)
 

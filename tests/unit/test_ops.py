@@ -73,7 +73,7 @@ def _layer(kind: str, b: int = 4, t: int = 3, seed: int = 1):
     out = module(x)
     r = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 100))
     k = kind_for(module)
-    lg = LayerGrad(kind, k.name, k.build(module, x, r), k.layer_shape(module))
+    lg = LayerGrad(kind, k, k.build(module, x, r), k.layer_shape(module))
     ref = []
     for i in range(b):
         module.zero_grad()

@@ -16,6 +16,7 @@ import json
 import pytest
 import torch
 
+from dattri_ds.layers import get_kind
 from dattri_ds import ConfigError
 from dattri_ds.gradient import Dense, GradBatch, LayerGrad, ShardInfo
 from dattri_ds.selection import OnlineSelector, SelectionConfig, ValidationTarget
@@ -98,8 +99,9 @@ def test_grad_batch_state_keeps_shard_and_projection():
     """A cached target row keeps name, kind, shape, projection tag, shard and its values."""
     shard = ShardInfo(0, 1, 2, (8, 3), offset=4)
     gb = GradBatch(step=-1, sample_ids=("target",), layers={
-        "a": LayerGrad("a", "linear", Dense(torch.randn(1, 12)), (4, 3), shard=shard),
-        "b": LayerGrad("b", "linear", Dense(torch.randn(1, 5)), (4, 3), projection="kron:5:0")})
+        "a": LayerGrad("a", get_kind("linear"), Dense(torch.randn(1, 12)), (4, 3), shard=shard),
+        "b": LayerGrad("b", get_kind("linear"), Dense(torch.randn(1, 5)), (4, 3),
+                       projection="kron:5:0")})
     back = grad_batch_from_state(_saved(grad_batch_state(gb)))
     assert _same(gb, back) and back.sample_ids == gb.sample_ids
     assert back.layers["a"].shard == shard and back.layers["b"].projection == "kron:5:0"

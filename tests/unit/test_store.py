@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+from dattri_ds.layers import get_kind
 from dattri_ds.errors import CaptureError, ConfigError, StoreMismatchError
 from dattri_ds.gradient import Dense, Factorized, GradBatch, LayerGrad
 from dattri_ds.ops.inner import cross_gram
@@ -54,7 +55,7 @@ def make_batch(ids: list[str], step: int = 0, proj: ProjectionConfig = PROJ) -> 
     for name, kind, shape, width, how in LAYERS:
         tag = proj.tag if how == "proj" else f"identity:{proj.tag}"
         vals = torch.stack([vec(s, name, width) for s in ids])
-        layers[name] = LayerGrad(name=name, kind=kind, data=Dense(vals), shape=shape,
+        layers[name] = LayerGrad(name=name, kind=get_kind(kind), data=Dense(vals), shape=shape,
                                  projection=tag)
     counts = torch.tensor([len(s) for s in ids])
     return GradBatch(step=step, sample_ids=tuple(ids), layers=layers, token_counts=counts)
@@ -275,9 +276,10 @@ def test_append_requires_projected_dense(tmp_path):
     """Unprojected or factorized layers are refused with a pointer to capture.projection."""
     w = GradientStoreWriter(StoreConfig(path=str(tmp_path)), make_spec())
     batch = make_batch(["a", "b"])
-    fac = LayerGrad(name="enc.fc1", kind="linear", shape=(8, 5),
+    fac = LayerGrad(name="enc.fc1", kind=get_kind("linear"), shape=(8, 5),
                     data=Factorized(torch.randn(2, 3, 5), torch.randn(2, 3, 8)))
-    raw = LayerGrad(name="enc.fc1", kind="linear", shape=(8, 5), data=Dense(torch.randn(2, 40)))
+    raw = LayerGrad(name="enc.fc1", kind=get_kind("linear"), shape=(8, 5),
+                    data=Dense(torch.randn(2, 40)))
     for lg in (fac, raw):
         bad = GradBatch(0, batch.sample_ids, {**batch.layers, "enc.fc1": lg})
         with pytest.raises(ConfigError, match="capture.projection"):

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dattri_ds.layers import get_kind
 from dattri_ds.config import CaptureConfig
 from dattri_ds.errors import ConfigError, StoreCorruptError, StoreMismatchError
 from dattri_ds.gradient import Dense, GradBatch, LayerGrad
@@ -50,7 +51,7 @@ def _batch(ids: list[str], tag: str, step: int) -> GradBatch:
     for name, kind, shape, width in LAYERS:
         vals = torch.stack([torch.randn(width, generator=torch.Generator().manual_seed(
             stable_seed(s, name, tag))) for s in ids])
-        layers[name] = LayerGrad(name=name, kind=kind, data=Dense(vals), shape=shape,
+        layers[name] = LayerGrad(name=name, kind=get_kind(kind), data=Dense(vals), shape=shape,
                                  projection=PROJ.tag)
     return GradBatch(step=step, sample_ids=tuple(ids), layers=layers,
                      token_counts=torch.tensor([len(s) for s in ids]))
