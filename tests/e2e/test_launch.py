@@ -223,3 +223,138 @@ def test_engine_flags_are_config_fields(tmp_path):
     args = parse_args(["--deepspeed_config", str(cfg), "--backend", "nope"])
     with pytest.raises(ConfigError, match="'nope' is not known"):
         load_run_config(cfg, args.overrides)
+
+
+def _tool(script: str, *argv: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run([PY, str(ROOT / script), *argv], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def _errors(proc: subprocess.CompletedProcess) -> list[str]:
+    return [ln for ln in proc.stderr.splitlines() if ln.startswith("dattri-ds: error: ")]
+
+
+def test_curation_recipe_trains_the_subset_with_the_warmup_tokenizer(tmp_path):
+    """The LESS recipe of the README end to end: warm up, collect the pool, select 25%, train
+    on the subset with ``--init-from`` the warm-up run: the subset model reads text with the
+    warm-up's tokenizer (same bytes, vocabulary and fingerprint in its model config), not a
+    tokenizer fitted to the selected texts. ``--init-checkpoint latest`` starts from the
+    warm-up's weights (lr 0: the trained weights equal them bitwise); a model config that
+    differs is refused naming the key. Breaks if launch trains its own tokenizer again."""
+    cfg = _config(tmp_path, 0)
+    pool = tmp_path / "pool.jsonl"
+    pool.write_text("".join((ROOT / "data/tiny/train.jsonl").read_text().splitlines(True)[:64]))
+    warm, sub = tmp_path / "warm", tmp_path / "subset"
+    base = ["--backend", "torch", "--deepspeed_config", str(cfg), "--seq-len", "32",
+            "--log-every", "1"]
+    _tool("launch/train.py", *base, "--train-data", str(pool), "--vocab-size", "512",
+          "--steps", "3", "--out", str(warm))
+    _tool("tools/collect.py", "--run-dir", str(warm), "--data", str(pool), "--checkpoints",
+          "last", "--projection", "sparse", "--projection-dim", "32", "--out", str(warm / "grads"))
+    _tool("tools/curate.py", "--run-dir", str(warm), "--store", str(warm / "grads"), "--target",
+          str(ROOT / "data/tiny/target.jsonl"), "--fraction", "0.25", "--with-text", "--out",
+          str(warm / "subset"))
+    subset = warm / "subset" / "subset.jsonl"
+    assert len(subset.read_text().splitlines()) == 16
+    _tool("launch/train.py", *base, "--train-data", str(subset), "--steps", "2", "--out",
+          str(sub), "--init-from", str(warm))
+    assert (sub / "tokenizer.model").read_bytes() == (warm / "tokenizer.model").read_bytes()
+    a, b = (json.loads((d / "model/config.json").read_text()) for d in (warm, sub))
+    assert a["vocab_size"] == b["vocab_size"] == 512
+    assert a["tokenizer_fingerprint"] == b["tokenizer_fingerprint"]
+
+    frozen = json.loads(cfg.read_text())
+    frozen["optimizer"] = {"type": "SGD", "params": {"lr": 0.0}}
+    frozen.pop("scheduler", None)
+    (tmp_path / "lr0.json").write_text(json.dumps(frozen))
+    base[base.index(str(cfg))] = str(tmp_path / "lr0.json")
+    _tool("launch/train.py", *base, "--train-data", str(subset), "--steps", "1", "--out",
+          str(tmp_path / "warm_start"), "--init-from", str(warm), "--init-checkpoint", "latest")
+    from dattri_ds.tools.common import Run
+    wa = Run.open(warm).model("step3").state_dict()
+    wb = Run.open(tmp_path / "warm_start").model("step1").state_dict()
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"model_type": "gpt2", "n_layer": 1, "n_head": 2, "n_embd": 32,
+                                 "n_positions": 64}))
+    proc = subprocess.run([PY, str(ROOT / "launch/train.py"), *base, "--train-data", str(subset),
+                           "--out", str(tmp_path / "bad"), "--init-from", str(warm),
+                           "--init-checkpoint", "step3", "--model-config", str(other)],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2 and len(_errors(proc)) == 1, proc.stderr[-2000:]
+    assert "n_embd=128 there, 32 here" in _errors(proc)[0]
+
+
+#: launch/train.py whose torch backend is SIGKILLed while saving checkpoint $KILL_AT: the
+#: weights are written, the training state is not (the 0.02-0.05 s window of a real save).
+_KILLED_IN_SAVE = """
+import os, runpy, signal, sys
+from dattri_ds.launch.torch_backend import TorchBackend
+save = TorchBackend.save
+def dying_save(self, ckpt_dir, tag, meta, data):
+    if tag == os.environ["KILL_AT"]:
+        self.model.save_pretrained(str(ckpt_dir / tag))
+        os.kill(os.getpid(), signal.SIGKILL)
+    save(self, ckpt_dir, tag, meta, data)
+TorchBackend.save = dying_save
+sys.argv = [sys.argv[1], *sys.argv[2:]]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("save_every", [2, 0])
+def test_killed_during_final_checkpoint_resumes_with_resume_latest(tmp_path, save_every):
+    """`launch/train.py --capture` killed while writing its final checkpoint (step4): the
+    same command is refused with a suggestion (`--resume latest`) that works: it skips the
+    half-written step4 with a warning and resumes from step2 (with --save-every 2) or, when
+    no checkpoint was completed, starts again at step 0; the run then ends with the losses
+    and the gradient store of an uninterrupted run. Breaks if a half-written checkpoint is
+    taken for complete, or if the suggested command fails."""
+    cfg = _config(tmp_path, 0, store={"flush_every": 2})
+    cmd = [str(ROOT / "launch/train.py"), "--backend", "torch", "--deepspeed_config", str(cfg),
+           "--steps", "4", "--save-every", str(save_every), "--capture", *SMALL]
+    full, part = tmp_path / "full", tmp_path / "part"
+    _tool(*cmd[:1], *cmd[1:], "--out", str(full))
+    killed = subprocess.run([PY, "-c", _KILLED_IN_SAVE, *cmd, "--out", str(part)], cwd=ROOT,
+                            env={**ENV, "KILL_AT": "step4"}, capture_output=True, text=True,
+                            timeout=600)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert (part / "checkpoints" / "step4").is_dir()
+    assert not (part / "checkpoints" / "step4" / "training_state.pt").exists()
+    again = subprocess.run([PY, *cmd, "--out", str(part)], cwd=ROOT, env=ENV,
+                           capture_output=True, text=True, timeout=600)
+    assert again.returncode == 2 and len(_errors(again)) == 1, again.stderr[-2000:]
+    assert "pass --resume latest to continue it" in _errors(again)[0]
+    resumed = _tool(*cmd, "--out", str(part), "--resume", "latest")
+    assert "skipping step4" in resumed.stderr
+    assert ("resuming from step2" if save_every else "starts again at step 0") in resumed.stderr
+    a, b = (json.loads((d / "trajectory.json").read_text()) for d in (full, part))
+    assert [r["loss"] for r in a["lrs"]] == [r["loss"] for r in b["lrs"]]
+    assert a["checkpoints"] == b["checkpoints"]
+    from dattri_ds.store import GradientStore
+    with GradientStore.open(full / "grad_store") as sa, \
+            GradientStore.open(part / "grad_store") as sb:
+        assert len(sa) == len(sb) == 4 * 2 and set(sa.ids) == set(sb.ids)
+        assert torch.allclose(sa.read(slice(None)), sb.read([sb.index_of(i) for i in sa.ids]),
+                              rtol=1e-5, atol=1e-7)
+
+
+def test_ranks_failing_alike_print_the_error_once(tmp_path):
+    """Two torchrun ranks refusing the same input (a whitespace-only --target-data) print
+    one `dattri-ds: error:` line between them, not one per rank."""
+    require("deepspeed", "deepspeed")
+    from dist._dist import free_port
+
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text(json.dumps({"id": "a", "source": "s", "title": "t", "text": " \n "}) + "\n")
+    cmd = [str(Path(PY).parent / "torchrun"), "--nproc_per_node", "2", "--master_port",
+           str(free_port()), str(ROOT / "launch/train.py"), "--deepspeed_config",
+           str(_config(tmp_path, 2)), "--out", str(tmp_path / "run"), "--online-selection",
+           "--target-data", str(blank), *SMALL]
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    errors = _errors(proc)
+    assert len(errors) == 1 and "--target-data" in errors[0], proc.stderr[-3000:]
