@@ -12,11 +12,27 @@ copies costs one forward and one backward per row, exactly what ``T`` separate t
 gradients cost, and every row stays factorized (or projected) as any GradBatch; the
 scoring routes each layer's cross gram through the cost model (ghost vs. dense), so no
 per-token weight gradient ``[O, I]`` is built unless the cost model finds it cheaper.
+
+Memory: the rows stream in chunks (``token_chunks``) of at most ``chunk`` rows, so what is
+held at once grows with the chunk, not with the query length. A chunk is cut to its last
+loss-bearing position (``trim``): in a causal LM positions after ``t`` never reach the
+prediction of token ``t``, so their gradients are exactly zero and the cut changes nothing
+but the work. ``TokenPlan`` predicts the bytes a chunk needs from the layer shapes::
+
+    row = 4 * 3 * T * sum_l (I_l + O_l)      capture: inputs, output gradients, saved for
+                                             backward (factorized rows of T tokens)
+        + 4 * 3 * sum_l I_l * O_l            curvature methods: the preconditioned query
+                                             built dense, rotated, and projected
+    need = chunk * row
+
+(``T`` the query length, ``l`` the captured layers; measured peak RSS in
+tests/unit/test_per_token.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -27,7 +43,7 @@ from dattri_ds.errors import ConfigError
 from dattri_ds.gradient import GradBatch
 from dattri_ds.ops.cost import CostModel
 
-__all__ = ["token_rows", "collect_per_token", "scatter_tokens"]
+__all__ = ["token_rows", "token_chunks", "collect_per_token", "scatter_tokens", "TokenPlan"]
 
 Batch = Mapping[str, torch.Tensor]
 
@@ -65,10 +81,53 @@ def token_rows(batch: Batch, *, ignore_index: int = -100,
     return rows, where
 
 
+def token_chunks(queries: Batch, config: CaptureConfig | None = None, *, chunk: int,
+                 trim: bool = True) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+    """The token rows of ``token_rows`` in chunks of at most ``chunk`` rows, each cut after
+    its last loss-bearing position when ``trim`` (exact for causal LMs: module docstring).
+
+    Yields:
+        ``(rows, where)``: the chunk's inputs ``[C, T']`` per entry and its ``(q, t)``
+        ``[C, 2]``.
+    """
+    cfg = config or CaptureConfig()
+    if chunk < 1:
+        raise ConfigError(f"per-token chunk must be >= 1 token rows, got {chunk}")
+    rows, where = token_rows(queries, ignore_index=cfg.ignore_index, label_shift=cfg.label_shift)
+    width = rows["input_ids"].shape[1]
+    for s in range(0, where.shape[0], chunk):
+        w = where[s:s + chunk]
+        end = int(w[:, 1].max()) + 1 if trim else width
+        part = {k: (v[s:s + chunk, :end] if v.dim() >= 2 and v.shape[1] == width
+                    else v[s:s + chunk]) for k, v in rows.items()}
+        yield part, w
+
+
+def token_gradients(model: nn.Module, chunks: Iterable[dict[str, torch.Tensor]],
+                    config: CaptureConfig | None = None, *, batch_size: int = 16,
+                    device: torch.device | str | None = None,
+                    cost: CostModel | None = None) -> GradBatch:
+    """The gradients of one chunk's token rows (``token_chunks``), as one GradBatch."""
+    cfg = config or CaptureConfig()
+    if cfg.per_example_loss != "sum":
+        raise ConfigError(f"per-token attribution needs capture.per_example_loss='sum' (token "
+                          f"scores then sum to the sequence score), got "
+                          f"'{cfg.per_example_loss}'")
+
+    def batches() -> Iterator[dict[str, torch.Tensor]]:
+        for rows in chunks:
+            n = rows["input_ids"].shape[0]
+            for s in range(0, n, batch_size):
+                yield {k: v[s:s + batch_size] for k, v in rows.items()}
+
+    return GradBatch.cat(list(collect(model, batches(), cfg, device=device, cost=cost)))
+
+
 def collect_per_token(model: nn.Module, queries: Batch, config: CaptureConfig | None = None, *,
                       batch_size: int = 16, device: torch.device | str | None = None,
                       cost: CostModel | None = None) -> tuple[GradBatch, torch.Tensor]:
-    """The gradients ``grad l[q, t]`` of every loss-bearing query token, as one GradBatch.
+    """The gradients ``grad l[q, t]`` of every loss-bearing query token, as one GradBatch
+    (all ``R`` rows at once: ``token_chunks`` streams them instead).
 
     ``config.per_example_loss`` must be ``"sum"``: only then do the token scores sum to the
     sequence scores.
@@ -77,19 +136,10 @@ def collect_per_token(model: nn.Module, queries: Batch, config: CaptureConfig | 
         The GradBatch (``R`` rows) and ``where [R, 2]`` ``(q, t)`` of its rows.
     """
     cfg = config or CaptureConfig()
-    if cfg.per_example_loss != "sum":
-        raise ConfigError(f"per-token attribution needs capture.per_example_loss='sum' (token "
-                          f"scores then sum to the sequence score), got "
-                          f"'{cfg.per_example_loss}'")
-    rows, where = token_rows(queries, ignore_index=cfg.ignore_index, label_shift=cfg.label_shift)
-    n = where.shape[0]
-
-    def chunks() -> Iterator[dict[str, torch.Tensor]]:
-        for s in range(0, n, batch_size):
-            yield {k: v[s:s + batch_size] for k, v in rows.items()}
-
-    grads = GradBatch.cat(list(collect(model, chunks(), cfg, device=device, cost=cost)))
-    return grads, where
+    parts = list(token_chunks(queries, cfg, chunk=batch_size, trim=False))
+    grads = token_gradients(model, (rows for rows, _ in parts), cfg, batch_size=batch_size,
+                            device=device, cost=cost)
+    return grads, torch.cat([w for _, w in parts])
 
 
 def scatter_tokens(values: torch.Tensor, where: torch.Tensor, q: int, t: int) -> torch.Tensor:
@@ -97,3 +147,66 @@ def scatter_tokens(values: torch.Tensor, where: torch.Tensor, q: int, t: int) ->
     out = values.new_zeros(values.shape[0], q, t)
     out[:, where[:, 0], where[:, 1]] = values
     return out
+
+
+@dataclass(frozen=True)
+class TokenPlan:
+    """How many token rows a chunk holds and the bytes it is predicted to need.
+
+    Attributes:
+        chunk: token rows per chunk. row_bytes: predicted bytes of one row (module
+        docstring). rows: loss-bearing token rows in all. budget: the bytes allowed for a
+        chunk.
+    """
+
+    chunk: int
+    row_bytes: int
+    rows: int
+    budget: int
+
+    @property
+    def need(self) -> int:
+        """Predicted bytes of the largest chunk."""
+        return min(self.chunk, self.rows) * self.row_bytes
+
+    @property
+    def chunks(self) -> int:
+        return -(-self.rows // self.chunk)
+
+    @staticmethod
+    def row_cost(shapes: Iterable[tuple[int, int]], seq_len: int, dense_query: bool) -> int:
+        """Predicted bytes of one token row (module docstring): ``shapes`` ``(O, I)`` per
+        captured layer, ``dense_query`` for curvature methods."""
+        shapes = list(shapes)
+        row = 4 * 3 * seq_len * sum(o + i for o, i in shapes)
+        if dense_query:
+            row += 4 * 3 * sum(o * i for o, i in shapes)
+        return row
+
+    @staticmethod
+    def make(shapes: Iterable[tuple[int, int]], *, seq_len: int, rows: int, dense_query: bool,
+             budget: int, chunk: int | None = None, chunk_flag: str = "--token-chunk",
+             budget_flag: str = "--token-memory-gb") -> TokenPlan:
+        """The largest chunk within ``budget`` bytes, or ``chunk`` checked against it.
+
+        Raises:
+            ConfigError: ``chunk`` rows (or one row) need more than ``budget``, naming the
+                flag to change and the largest chunk that fits.
+        """
+        row = TokenPlan.row_cost(shapes, seq_len, dense_query)
+        fit = budget // row
+        gb = 1024 ** 3
+        if fit < 1:
+            raise ConfigError(
+                f"per-token attribution: one token row of a {seq_len}-token query needs about "
+                f"{row / gb:.2f} GB, above {budget_flag} {budget / gb:g}; raise {budget_flag} "
+                f"or lower --seq-len")
+        if chunk is None:
+            return TokenPlan(int(min(fit, max(rows, 1))), row, rows, budget)
+        if min(chunk, rows) > fit:
+            raise ConfigError(
+                f"per-token attribution: {chunk_flag} {chunk} needs about "
+                f"{min(chunk, rows) * row / gb:.2f} GB ({row / 2**20:.1f} MB per token row), "
+                f"above {budget_flag} {budget / gb:g}; lower {chunk_flag} to at most {fit} "
+                f"(or raise {budget_flag})")
+        return TokenPlan(chunk, row, rows, budget)

@@ -97,7 +97,8 @@ _FIXES = {
 }
 
 
-def store_requests(args, run: Run, available: dict[str, Path], tags: list[str]):
+def store_requests(args, run: Run, available: dict[str, Path], tags: list[str],
+                   models: _Models | None = None):
     """``(proj, whitened, requests)``: every store this attribution reads is compared with
     what it will do (this run, checkpoint and weights; the layers the queries are captured
     at; the first store's projection and whitening; the --factors that whiten the query)
@@ -117,7 +118,7 @@ def store_requests(args, run: Run, available: dict[str, Path], tags: list[str]):
     _check_whitened(args.method, whitened, available[tags[0]])
     requests = {}
     for tag in tags:
-        model = run.model(tag)
+        model = models.get(tag) if models is not None else run.model(tag)
         by = _factors(args, tag, None).fingerprint() if whitened and \
             _is_curvature(args.method) else None
         requests[tag] = StoreRequest(
@@ -126,6 +127,8 @@ def store_requests(args, run: Run, available: dict[str, Path], tags: list[str]):
             origin={"fingerprint": f"{run.fingerprint()}@{tag}", "run_id": run.run_id,
                     "checkpoint": tag, "weights_hash": weights_hash(model)})
         attach(available[tag], requests[tag], mode="score").close()  # complete, intact
+        if models is not None:
+            models.put(tag, model)
         del model
     return proj, whitened, requests
 
@@ -204,7 +207,7 @@ def _factors(args, tag: str, proj):
         logger.warning("%s: exact factors on a %s-projected store of raw gradients: the query "
                        "is preconditioned exactly, then projected, which can lose most of "
                        "the curvature's fidelity on the layers the projection compresses "
-                       "(18-28%% of the exact LDS at sparse k = 1024 on tools/lds.py, "
+                       "(18-28%% of the exact LDS at sparse k = 1024 on benchmarks/lds.py, "
                        "docs/attribution_fidelity.md); "
                        "collect whitened rows instead (tools/collect.py --factors "
                        "%s: >= 90%% of the exact LDS)", path, proj.kind, args.factors)
@@ -212,37 +215,136 @@ def _factors(args, tag: str, proj):
 
 
 def _checkpoints(args, run: Run, available: dict[str, Path], tags: list[str], queries,
-                 recipe: Recipe, requests: dict, token_where: list[torch.Tensor]):
+                 recipe: Recipe, requests: dict, models: _Models,
+                 tokens: TokenScores | None = None):
     """One ``Checkpoint`` per tag, opened lazily (store, query gradients, factors); every
     store was checked against ``requests`` at start and is attached with them.
 
-    With ``--per-token`` every query token's loss gradient is appended to the query rows
-    (after the Q sequence rows) and its position is put in ``token_where``.
+    With ``tokens`` (``--per-token``) the query tokens are scored at each checkpoint once
+    its sequence scores are done, with the same model, factors and store, chunk by chunk.
     """
     from dattri_ds import CaptureConfig, Checkpoint, GradBatch
     from dattri_ds.store import attach
 
     for tag in tags:
         store = attach(available[tag], requests[tag], mode="score")
-        model = run.model(tag)
+        model = models.get(tag)
         capture = recipe.query_capture(CaptureConfig(**(store.spec.semantics or {})))
         q = GradBatch.cat(list(gradients(model, queries, torch.arange(len(queries)),
                                          capture=capture,
                                          batch_size=len(queries) if recipe.curvature else 8)))
-        if args.per_token:  # token rows scored in the same pass over the store
-            from dattri_ds.per_token import collect_per_token
-
-            tok, where = collect_per_token(model, queries.batch(torch.arange(len(queries))),
-                                           capture)
-            q = GradBatch.cat([q, tok])
-            token_where[:] = [where]
         factors = _factors(args, tag, recipe.factor_projection) if recipe.curvature else None
         try:
             lr, step = _schedule(run, tag, recipe)
             yield Checkpoint(store.iter_batches(args.block_rows), q, lr, factors, step)
+            logger.info("%s: scored %d queries (%s)", tag, len(q.sample_ids), args.method)
+            if tokens is not None:
+                del q
+                tokens.score(tag, Checkpoint(store, None, lr, factors, step), model, capture)
         finally:
             store.close()
-        logger.info("%s: scored %d queries (%s)", tag, len(q.sample_ids), args.method)
+        del model
+
+
+class _Models:
+    """Each checkpoint's model loaded once per attribution (a ZeRO-3 checkpoint is then
+    consolidated once): kept from the start-up check until it is scored while all of them
+    fit in ``keep`` bytes, else loaded again."""
+
+    def __init__(self, run, keep: int = 512 * 2**20) -> None:
+        self.run, self.keep, self.cache, self.held = run, keep, {}, 0
+
+    def get(self, tag: str):
+        if tag in self.cache:
+            model, size = self.cache.pop(tag)
+            self.held -= size
+            return model
+        return self.run.model(tag)
+
+    def put(self, tag: str, model) -> None:
+        size = sum(p.numel() * p.element_size() for p in model.parameters())
+        if self.held + size <= self.keep:
+            self.cache[tag] = (model, size)
+            self.held += size
+
+
+class TokenScores:
+    """``--per-token``: every loss-bearing query token scored chunk by chunk (``TokenPlan``:
+    at most ``chunk`` token rows' gradients are held at once), summed over checkpoints as
+    the method sums them; a progress line at least every 10 s."""
+
+    def __init__(self, args, recipe: Recipe, queries, plan, semantics: dict) -> None:
+        from dattri_ds import CaptureConfig
+        from dattri_ds.per_token import token_chunks
+
+        self.args, self.recipe, self.plan = args, recipe, plan
+        batch = queries.batch(torch.arange(len(queries)))
+        self.chunks = list(token_chunks(batch, CaptureConfig(**semantics), chunk=plan.chunk))
+        self.where = torch.cat([w for _, w in self.chunks])
+        self.values: torch.Tensor | None = None
+        self.ids: tuple[str, ...] | None = None
+
+    def score(self, tag: str, ck, model, capture) -> None:
+        """Add checkpoint ``tag``'s (weighted) token scores; ``ck.train`` is the store."""
+        from dattri_ds.per_token import token_gradients
+        from dattri_ds.tools.progress import bar
+
+        progress = bar(self.where.shape[0], f"per-token {tag}")
+        col = 0
+        for rows, where in self.chunks:
+            q = token_gradients(model, [rows], capture, batch_size=8)
+            got = self.recipe.score([ck._replace(train=ck.train.iter_batches(
+                self.args.block_rows), query=q)])
+            if self.values is None:
+                self.ids = got.train_ids
+                self.values = torch.zeros(len(got.train_ids), self.where.shape[0])
+            self.values[:, col:col + where.shape[0]] += got.values
+            col += where.shape[0]
+            del q, got
+            progress.update(where.shape[0])
+        progress.close()
+
+
+def _semantics(store: Path) -> dict:
+    from dattri_ds.store.attach import manifest
+
+    found = manifest(store)
+    return dict((found[0].semantics or {}) if found else {})
+
+
+def _token_plan(args, store: Path, queries):
+    """The per-token chunk (``TokenPlan``), checked at start against --token-memory-gb and
+    this machine's free memory, from the store's layer shapes (no model is loaded).
+
+    Raises:
+        ConfigError: --token-chunk (or one token row) needs more than --token-memory-gb.
+        DoesNotFitError: --token-memory-gb is more than the memory available.
+    """
+    from dattri_ds import CaptureConfig
+    from dattri_ds.errors import DoesNotFitError
+    from dattri_ds.per_token import TokenPlan, token_rows
+    from dattri_ds.plan import available_memory
+    from dattri_ds.store.attach import manifest
+
+    found = manifest(store)
+    cfg = CaptureConfig(**_semantics(store))
+    _, where = token_rows(queries.batch(torch.arange(len(queries))),
+                          ignore_index=cfg.ignore_index, label_shift=cfg.label_shift)
+    budget = int(args.token_memory_gb * 1024**3)
+    limit, source = available_memory("cpu")
+    if budget > limit and not args.skip_memory_check:
+        raise DoesNotFitError(
+            f"--token-memory-gb {args.token_memory_gb:g} is more than the "
+            f"{limit / 1024**3:.1f} GB available ({source}); lower --token-memory-gb")
+    shapes = [tuple(ls.shape[-2:]) if len(ls.shape) >= 2 else (ls.shape[0], 1)
+              for ls in found[0].layers] if found else []
+    plan = TokenPlan.make(shapes, seq_len=queries.seq_len, rows=int(where.shape[0]),
+                          dense_query=_is_curvature(args.method), budget=budget,
+                          chunk=args.token_chunk)
+    logger.info("per-token: %d token rows of %d queries in %d chunk(s) of <= %d rows, about "
+                "%.2f GB per chunk (--token-memory-gb %g)", plan.rows, len(queries),
+                plan.chunks, plan.chunk, plan.need / 1024**3, args.token_memory_gb)
+    return plan
 
 
 def _schedule(run, tag: str, recipe: Recipe) -> tuple[float, int | None]:
@@ -272,24 +374,30 @@ def main(argv: list[str] | None = None) -> dict:
     from dattri_ds.plan import check_tool
     check_tool(run.root, args, seq_len=queries.seq_len, examples=len(queries),  # the size door
                method=next((m for m in ("ekfac", "kfac") if m in args.method), "graddot"))
+    tokens_plan = _token_plan(args, available[tags[0]], queries) if args.per_token else None
     t0 = time.perf_counter()
-    proj, whitened, requests = store_requests(args, run, available, tags)
+    models = _Models(run)
+    proj, whitened, requests = store_requests(args, run, available, tags, models)
     recipe = Recipe(method=args.method, projection=proj, whitened=whitened is not None,
                     weighting=args.weighting)
     prior = text_prior(args, recipe, queries)  # its texts are checked before any scoring
-    token_where: list[torch.Tensor] = []  # --per-token: where each token row belongs
-    cks = _checkpoints(args, run, available, tags, queries, recipe, requests, token_where)
+    tokens = None
+    if tokens_plan is not None:
+        tokens = TokenScores(args, recipe, queries, tokens_plan,
+                             _semantics(available[tags[0]]))
+    cks = _checkpoints(args, run, available, tags, queries, recipe, requests, models, tokens)
     per_ckpt: list[torch.Tensor] = []
     ids, total = recipe.score(cks, per_checkpoint=per_ckpt)
-    cks.close()
+    for _ in cks:  # a single-checkpoint method: finish its token pass
+        pass
     seconds = time.perf_counter() - t0
-    if token_where:  # token columns follow the Q query columns (scored in the same pass)
+    if tokens is not None:
         from dattri_ds.per_token import scatter_tokens
 
-        q = len(queries)
-        tokens = scatter_tokens(total[:, q:], token_where[0], q, queries.seq_len)
-        write_per_token(Path(args.out), run, queries, tokens)
-        total, per_ckpt = total[:, :q], [c[:, :q] for c in per_ckpt]
+        if tokens.ids != ids:
+            raise RuntimeError("per-token scores read the store's rows in another order")
+        per_token = scatter_tokens(tokens.values, tokens.where, len(queries), queries.seq_len)
+        write_per_token(Path(args.out), run, queries, per_token)
     model_total = total
     if prior.weight > 0:
         from dattri_ds.eval import with_text_prior

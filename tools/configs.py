@@ -27,7 +27,7 @@ from dattri_ds.schema import bounds, field_docs, field_flag
 __all__ = ["Flag", "add_flags", "values", "options", "CollectOptions", "FitOptions",
            "AttributeOptions", "COLLECT", "FIT", "ATTRIBUTE", "DEFAULT_METHOD"]
 
-#: attribute's default method: the most faithful at its cost in ``tools/lds.py``
+#: attribute's default method: the most faithful at its cost in ``benchmarks/lds.py``
 #: (docs/attribution_fidelity.md).
 DEFAULT_METHOD = "ekfac-trajectory"
 #: A flag default taken from the dataclass field's own default.
@@ -184,6 +184,14 @@ class AttributeOptions:
     per_token: bool = False
     """Also score every query token: per_token.npy [N, Q, T] and query_tokens.json (the
     report colours query tokens by influence)."""
+
+    token_chunk: int | None = field(default=None, metadata=bounds(ge=1))
+    """--per-token: query token rows scored per pass over the store (default: as many as fit
+    in --token-memory-gb; memory grows with the chunk, not the query length)."""
+
+    token_memory_gb: float = field(default=1.0, metadata=bounds(gt=0))
+    """--per-token: memory allowed for one chunk of query token rows (the chunk is sized to
+    it and a larger --token-chunk is refused at start)."""
 
     text_weight: float | None = field(default=None, metadata=bounds(ge=0))
     """Weight w of the text-overlap prior added to the method's scores (per query: score +
