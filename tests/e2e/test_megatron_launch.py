@@ -26,8 +26,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-       "DS_ACCELERATOR": "cpu"}
+ENV = {**{k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}, "HF_HUB_OFFLINE": "1",
+       "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}  # warnings as a user sees them
 pytestmark = pytest.mark.slow
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|Torch Norm).*")
 require("megatron.core", "megatron")
@@ -79,6 +79,7 @@ def _train(tmp: Path, out: Path, tp: int, *extra: str) -> Path:
            "--vocab-size", "512", "--log-every", "1", *extra]
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (tmp / f"{out.name}.log").write_text(proc.stdout + proc.stderr)
     return out
 
 
@@ -98,6 +99,10 @@ def test_tp2_run_captures_each_trained_example_once(run_dir):
     for tag in ("step2", "step3"):
         assert (run_dir / "checkpoints" / tag / "megatron_consolidated.pt").is_file()
     assert json.loads((run_dir / "model/config.json").read_text())["backend"] == "megatron"
+    log = (run_dir.parent / "run.log").read_text()  # third-party noise only with --verbose
+    assert f"step {STEPS}/{STEPS}" in log and "megatron: TP=2" in log
+    for noise in ("Params for bucket", "Warning", "Apex", "[WARNING]", "Number of buckets"):
+        assert noise not in log, (noise, log[-3000:])
     chosen = [json.loads(line) for line in (run_dir / "selection.jsonl").read_text().splitlines()]
     assert [c["step"] for c in chosen] == list(range(STEPS))  # logged once, by TP rank 0
     want = {f"{c.split('#')[0]}@{r['step']}#{c.split('#')[1]}" for r in chosen
