@@ -163,7 +163,7 @@ def fmt(name: str, c: dict) -> str:
 
 def details(runs: dict[str, list[dict]], name: str) -> str:
     """Diagnostics of ``name`` vs random: in-domain/source shares, junk share per kind
-    (held-out kinds apart), the controller's mode mix, per-source general loss at the end
+    (held-out kinds apart), per-source general loss at the end
     (variant - random, mean over seeds), score correlations (--diagnose-every)."""
     def mean_share(rs):
         keys = {k for r in rs for k in r["sources"]}
@@ -181,9 +181,6 @@ def details(runs: dict[str, list[dict]], name: str) -> str:
             parts.append(f"{label} {sum(junk[k] for k in kinds):.1%} (random "
                          f"{sum(rjunk.get(k, 0) for k in kinds):.1%}): " + ", ".join(
                              f"{k} {junk[k]:.1%}/{rjunk.get(k, 0):.1%}" for k in sorted(kinds)))
-    ctrl = [r.get("controller") for r in runs[name] if r.get("controller")]
-    if ctrl:
-        parts.append(f"controller (seed {runs[name][0]['seed']}): {json.dumps(ctrl[0])[:200]}")
     pairs = [(truncate(r["curve"], v["curve"][-1]["step"])[-1].get("by_source"),
               v["curve"][-1].get("by_source")) for r, v in zip(runs["random"], runs[name])]
     if all(a and b for a, b in pairs):
@@ -285,22 +282,6 @@ def markdown_tables(rows: list[tuple]) -> str:
             f"{sum(junk.get(k, 0) for k in held):.1%} ({sum(rjunk.get(k, 0) for k in held):.1%}) | "
             + ", ".join(f"{k} {junk.get(k, 0):.1%}" for k in held) +
             f" | {clean:.1%} ({rclean:.1%}) |")
-    ctrl_rows = []
-    for target, mult, name, steps, seeds, c, runs in rows:
-        reps = [(r.get("controller") or {}).get("controller") for r in runs[name]]
-        reps = [x for x in reps if x]
-        if not reps:
-            continue
-        arms = sorted({a for x in reps for a in x.get("arms", {})})
-        mix = {a: statistics.mean(x["arms"].get(a, {}).get("steps", 0) for x in reps)
-               for a in arms}
-        total = sum(mix.values()) or 1
-        ctrl_rows.append(f"| {target} | {mult:g}x | {name} | {len(reps)} | " + ", ".join(
-            f"{a} {mix[a] / total:.0%}" for a in arms) + " | " + ", ".join(
-            str(x.get("favoured")) for x in reps) + " |")
-    if ctrl_rows:
-        out += ["", "| target | mult | variant | seeds | controller's step mix (mean) | "
-                "favoured arm at the end (per seed) |", "|" + "---|" * 6] + ctrl_rows
     if junk_rows:
         out += ["", "| target | mult | variant | seeds | junk share, tuning kinds (random) | "
                 "by kind | junk share, held-out kinds (random) | by kind | clean in-domain "

@@ -50,9 +50,8 @@ examples the variant needs to reach random's final target loss / random's; > 1: 
 general-corpus loss of both; at equal compute: the gain against random read at the
 variant's CPU-seconds, the gain of the variant read at random's CPU-seconds, and the
 CPU-seconds each needs to reach random's final loss (ratio variant / random); the junk
-share of trained examples per kind (noisy pools, held-out kinds apart); the controller's
-report when the selector's summary has one; per-step diagnostics (chosen sources,
-repeats, gradient norm before clipping, clipped steps).
+share of trained examples per kind (noisy pools, held-out kinds apart); per-step
+diagnostics (chosen sources, repeats, gradient norm before clipping, clipped steps).
 """
 
 from __future__ import annotations
@@ -332,9 +331,7 @@ def run(setup: Setup, sc: SelectionConfig, seed: int, steps: int, eval_every: in
             "mean_chosen_score": summary["selection"]["mean_chosen_score"],
             "mean_candidate_score": summary["selection"]["mean_candidate_score"],
             "selection_config": _jsonable(asdict(sc)),
-            "selection_summary": _jsonable(summary["selection"]),
-            "controller": _jsonable({k: v for k, v in summary["selection"].items()
-                                     if "controller" in k or "mode" in k}) or None}
+            "selection_summary": _jsonable(summary["selection"])}
 
 
 def _jsonable(x):

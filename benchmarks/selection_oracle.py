@@ -23,10 +23,11 @@ as the selector uses by default) against the scoring half of the target, and rep
 * AUC for telling the target's own corpus source from the others (where the target has one).
 
 Score rules (``g`` a candidate's gradient, ``t`` the target mean, ``p`` the mean of 64
-random pool examples, ``m = 16`` examples per step): ``dot`` <g,t>; ``cos`` <g,t>/|g|;
-``contrast`` <g, t/|t| - p/|p|>/|g|; ``orth`` <g, t - proj_p t>/|g|; ``step`` the expected
-step cosine (selection/stepscore.py); ``layercos`` the mean over parameter tensors of the
-per-tensor cosine; ``loss`` the candidate's own loss; ``adam`` <g, P t>/|g|_P with Adam's P.
+random pool examples): ``dot`` <g,t>; ``cos`` <g,t>/|g|; ``orth`` <g, t - proj_p t>/|g|;
+``layercos`` the mean over parameter tensors of the per-tensor cosine; ``loss`` the
+candidate's own loss; ``adam`` <g, P t>/|g|_P with Adam's P. (The contrast and expected
+step-cosine rules were removed with their selection scores after 0eb5305: no measurement
+showed them ahead; git keeps them.)
 """
 
 from __future__ import annotations
@@ -50,7 +51,6 @@ from selection_effect import Setup, mean_loss, spearman  # noqa: E402
 from benchmarks._common import loop_configs  # noqa: E402
 from dattri_ds.launch.torch_backend import make_optimizer  # noqa: E402
 from dattri_ds.selection import SelectionConfig  # noqa: E402
-from dattri_ds.selection.stepscore import expected_step_cosine  # noqa: E402
 
 #: The DeepSpeed dict of the runs (configs/zero3_cpu.json, micro-batch 8 x 2): optimizer,
 #: schedule and clipping of the real steps measured here.
@@ -147,17 +147,12 @@ def preconditioner(model, opt) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def rules(g, t, p, sizes, losses, pre, m: int = 16) -> dict[str, torch.Tensor]:
+def rules(g, t, p, sizes, losses, pre) -> dict[str, torch.Tensor]:
     """Every score rule on flat gradients ``g [N, D]``."""
     gn = g.norm(dim=1).clamp_min(1e-30)
-    tu, pu = t / t.norm(), p / p.norm()
+    pu = p / p.norm()
     orth = t - (t @ pu) * pu
-    sq = (g * g).sum(1)
-    out = {"dot": g @ t, "cos": g @ t / gn, "contrast": g @ (tu - pu) / gn,
-           "orth": g @ orth / gn,
-           "step": expected_step_cosine(g @ t, g @ p, sq, tt=float(t @ t), tp=float(p @ t),
-                                        pp=float(p @ p), mean_sq=float(sq.mean()),
-                                        others=m - 1).float(),
+    out = {"dot": g @ t, "cos": g @ t / gn, "orth": g @ orth / gn,
            "loss": losses,
            "adam": g @ (pre * t) / ((g * g * pre).sum(1).sqrt().clamp_min(1e-30))}
     cos_layers, off = [], 0

@@ -208,16 +208,15 @@ def build_run(backend_cls, ds, cfg, data, tok, target, out: Path):
     backend.check_selection()
     selector = make_selector(backend.model, cfg, data, tok, backend.ctx, backend.device,
                              backend.lr, backend.selection_log(out), optimizer=backend.optimizer,
-                             step_examples=backend.micro * backend.gas * backend.ctx.dp_world,
                              target=target)
     return backend, selector
 
 
 def _innermost(provider):
-    """The provider that computes the target (wrappers keep theirs in ``inner``)."""
-    while not hasattr(provider, "_compute") and hasattr(provider, "inner"):
-        provider = provider.inner
-    return provider
+    """The provider that computes the target (``P g``'s wrapper keeps it as ``inner``)."""
+    from dattri_ds.selection.precondition import PreconditionedTarget
+
+    return provider.inner if isinstance(provider, PreconditionedTarget) else provider
 
 
 def instrument_selector(selector, clock: PhaseClock) -> None:
@@ -231,7 +230,11 @@ def instrument_selector(selector, clock: PhaseClock) -> None:
     def probe_timed(forward, **kw):
         return raw_probe(clock.wrap("probe forward", forward), **kw)
     probe.probe = clock.wrap("probe backward", probe_timed)
-    selector._against = clock.wrap("scoring", selector._against)
+    from dattri_ds.selection.stages import Probe, TextScore
+
+    for stage in selector.stages:  # the score stage's rule
+        if isinstance(stage, (Probe, TextScore)):
+            stage.rule = clock.wrap("scoring", stage.rule)
     selector.select = clock.wrap("policy", selector.select)
 
 
@@ -297,7 +300,8 @@ def measure(rank: int, world: int, args, out: Path) -> dict:
     sc = sel_cfg.selection
     resolved = {"score": sc.score, "candidate_multiple": sc.candidate_multiple,
                 "shortlist": sc.shortlist, "top_blocks": sc.top_blocks,
-                "refresh_every": sc.refresh_every, "reuse_forward": selector.reuse}
+                "refresh_every": sc.refresh_every,
+                "reuse_forward": selector.scorer is not None and selector.scorer.reuse}
     return {"plain": steps[0], "selection": steps[1], "note": note, "resolved": resolved}
 
 

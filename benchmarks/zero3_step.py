@@ -65,8 +65,7 @@ def _worker(rank, world, port, args, q):
     scfg = SelectionConfig(
         enabled=True, score="alignment", candidate_multiple=2.0, refresh_every=10**6,
         projection=ProjectionConfig(dim=args.sel_k) if args.sel_k else None,
-        include=tuple(args.sel_include.split(",")) if args.sel_include else (),
-        probe_autocast="bfloat16" if args.sel_bf16 else None)
+        include=tuple(args.sel_include.split(",")) if args.sel_include else ())
     probe = OnlineSelector.probe_capture(sel_eng.module, scfg)
     gen = torch.Generator().manual_seed(rank)
     tgt = torch.randint(0, args.vocab, (8, T), generator=gen)
@@ -123,7 +122,6 @@ def main() -> None:
     p.add_argument("--sel-k", type=int, default=0,
                    help="score selection in a Kronecker-projected space of this size "
                         "(0 = exact ghost scores)")
-    p.add_argument("--sel-bf16", action="store_true", help="score under bf16 autocast")
     p.add_argument("--sel-include", default="",
                    help="comma-separated module patterns scored (default: every layer)")
     args = p.parse_args()
@@ -146,8 +144,7 @@ def main() -> None:
     print(f"ZeRO-3, 2 ranks, GPT-2 {args.layers}x{args.width}, vocab {args.vocab}, T={args.T}, "
           f"micro-batch {args.micro}/rank, k={args.k}; selection scores: "
           f"{'projected k=' + str(args.sel_k) if args.sel_k else 'exact'}"
-          f"{', layers ' + args.sel_include if args.sel_include else ', all layers'}"
-          f"{', bf16 autocast' if args.sel_bf16 else ''}; "
+          f"{', layers ' + args.sel_include if args.sel_include else ', all layers'}; "
           f"{environment()}")
     rows = [[n, median(v) * 1e3, *[x * 1e3 for x in spread(v)]] for n, v in times.items()]
     print(table(["variant", "median ms/step", "p25", "p75"], rows))

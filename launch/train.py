@@ -164,11 +164,10 @@ def _target_docs(path: str, tok, seq_len: int, skip: int, limit: int | None):
 
 
 def make_selector(model, cfg: RunConfig, data, tok, ctx, device, lr_fn, log_path,
-                  optimizer=None, step_examples: int | None = None, target=None):
+                  optimizer=None, target=None):
     """The OnlineSelector of ``--online-selection`` on ``model`` (what the loop calls), for
     both backends; every check runs before the first step. None when selection is off.
     ``optimizer`` (torch or DeepSpeed ZeRO) is read by ``--selection-precondition adam``;
-    ``step_examples`` (examples per optimizer step, all ranks) by ``--selection-score step``;
     ``target`` (model inputs of the target texts) replaces reading ``--target-data``."""
     sc = cfg.selection
     if not sc.enabled:
@@ -187,7 +186,7 @@ def make_selector(model, cfg: RunConfig, data, tok, ctx, device, lr_fn, log_path
         tdata = tdocs.batch(slice(None))
     return OnlineSelector.for_target_data(model, sc, tdata, capture=cfg.capture, ctx=ctx,
                                           device=device, lr_fn=lr_fn, log_path=log_path,
-                                          optimizer=optimizer, step_examples=step_examples)
+                                          optimizer=optimizer)
 
 
 def _selector(backend, cfg: RunConfig, data, tok, out: Path, target=None):
@@ -197,7 +196,6 @@ def _selector(backend, cfg: RunConfig, data, tok, out: Path, target=None):
     backend.check_selection()
     return make_selector(backend.model, cfg, data, tok, backend.ctx, backend.device, backend.lr,
                          backend.selection_log(out), optimizer=backend.optimizer,
-                         step_examples=backend.micro * backend.gas * backend.ctx.dp_world,
                          target=target)
 
 

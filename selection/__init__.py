@@ -1,18 +1,20 @@
 """Online data selection: score candidates against a target gradient, train on the best.
 
-Extension points (each a registered class): ``Score`` (selection/scorer.py, ``SCORES``),
-``Policy`` (selection/policy.py, ``POLICIES``), ``Ranker`` stages (selection/rank.py); the
-target is built in one place, ``build_target`` (selection/target.py).
+A step is a list of stages (selection/stages.py) folding a ``StepState``
+(selection/step.py). Extension points (each a registered class): ``Score``
+(selection/scorer.py, ``SCORES``), ``Policy`` (selection/policy.py, ``POLICIES``), ``Ranker``
+stages (selection/rank.py); the target is built in one place, ``build_target``
+(selection/target.py).
 
 Installed as ``dattri_ds.selection`` (the top-level name ``selection`` belongs to another
 package on the index).
 """
 
 from dattri_ds.selection.config import SelectionConfig
-from dattri_ds.selection.online import (
-    OnlineSelector, Selection, check_engine_supported, check_target_compatible, log_file,
-    read_selection_log,
-)
+from dattri_ds.selection.checks import check_engine_supported, check_target_compatible
+from dattri_ds.selection.log import log_file, read_selection_log
+from dattri_ds.selection.online import OnlineSelector
+from dattri_ds.selection.step import Selection, StepState
 from dattri_ds.selection.policy import (
     POLICIES, Policy, choose, greats, threshold, top_fraction, top_k,
 )
@@ -23,7 +25,7 @@ from dattri_ds.selection.target import (
 )
 
 __all__ = [
-    "SelectionConfig", "OnlineSelector", "Selection", "check_engine_supported",
+    "SelectionConfig", "OnlineSelector", "Selection", "StepState", "check_engine_supported",
     "check_target_compatible", "log_file", "read_selection_log",
     "POLICIES", "Policy", "choose", "greats", "threshold", "top_fraction", "top_k",
     "SCORES", "Score", "Ranker", "alignment_scores", "redundancy_gram",

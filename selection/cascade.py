@@ -8,11 +8,11 @@ only where it can change the choice:
 1. the content prior (selection/content.py; hashed n-grams, no model) scores all ``C``
    candidates, ``c [C]``;
 2. the top ``S = min(C, ceil(shortlist * n))`` by ``c`` form the shortlist (ties: lower
-   index first; candidates over ``max_repeats`` go last);
+   index first);
 3. only the shortlist is probed and scored; the rank stages and the policy choose the ``n``
    among the ``S``, exactly as the full selector would on a micro-batch of those ``S``
-   candidates (``PriorText`` carries their ``c`` so the content rank stage does not count
-   them into the stream twice);
+   candidates (``CandidateText.content`` carries their ``c`` so the content rank stage does
+   not count them into the stream twice);
 4. the uniform share is drawn from all ``C`` candidates the policy did not pick.
 
 The probe then costs ``S`` instead of ``C`` candidates: at ``C = 4k``, ``uniform_mix = 0.5``
@@ -23,23 +23,18 @@ predicts every mode's ratio before the run).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from dattri_ds.distributed import ParallelContext, all_reduce_sum
 from dattri_ds.errors import ConfigError
+from dattri_ds.selection.config import SelectionConfig
 from dattri_ds.selection.content import ContentPrior, ContentRanking
 from dattri_ds.selection.policy import top_k
+from dattri_ds.selection.rank import Ranker
 from dattri_ds.selection.smoothing import CandidateText
 
-if TYPE_CHECKING:
-    from dattri_ds.selection.config import SelectionConfig
-    from dattri_ds.selection.rank import Ranker
-
-__all__ = ["needed", "shortlist_size", "shortlist", "PriorText", "Cascade", "cascade_for",
-           "shared_prior"]
+__all__ = ["needed", "shortlist_size", "shortlist", "Cascade", "cascade_for", "shared_prior"]
 
 Batch = dict[str, torch.Tensor]
 
@@ -58,32 +53,8 @@ def shortlist_size(multiple: float, k: int, candidates: int, uniform_mix: float)
 
 def shortlist(content: torch.Tensor, size: int) -> torch.Tensor:
     """Sorted positions of the ``size`` highest ``content`` values ``[C]`` (ties: the lower
-    index; ``-inf``, e.g. over the repeat cap, last)."""
+    index)."""
     return top_k(content, size)
-
-
-@dataclass(frozen=True)
-class PriorText(CandidateText):
-    """Candidates' text whose content-prior scores this step already computed (the
-    cascade's shortlist): the content rank stage reads ``content`` instead of scoring (and
-    counting into the stream) the same candidates again.
-
-    Attributes:
-        content: ``[C]`` content-prior scores of these candidates.
-    """
-
-    content: torch.Tensor | None = None
-
-    @classmethod
-    def subset(cls, text: CandidateText, positions: torch.Tensor,
-               content: torch.Tensor) -> PriorText:
-        """The candidates at ``positions`` of ``text`` with their ``content`` ``[C]`` values
-        (the hashed counts are indexed, not recomputed)."""
-        pos = positions.to(text.ids.device)
-        out = cls(text.ids[pos], None if text.valid is None else text.valid[pos],
-                  content=content[positions])
-        out.__dict__["counts"] = text.counts[positions]  # prefill the cached_property
-        return out
 
 
 class Cascade:
@@ -104,24 +75,17 @@ class Cascade:
         """``S`` for ``k`` trained of ``candidates``."""
         return shortlist_size(self.multiple, k, candidates, self.uniform_mix)
 
-    def __call__(self, text: CandidateText, k: int,
-                 capped: torch.Tensor | None = None) -> tuple[torch.Tensor, PriorText]:
-        """``(positions [S], the shortlist's PriorText)`` for a micro-batch's ``text``.
-
-        Args:
-            text: all ``C`` candidates (they join the prior's stream counts).
-            k: examples trained from this micro-batch.
-            capped: ``[C]`` bool, candidates over ``max_repeats`` (ranked last), or None.
-        """
+    def __call__(self, text: CandidateText, k: int) -> tuple[torch.Tensor, CandidateText]:
+        """``(positions [S], the shortlist's text with its content scores)`` for a
+        micro-batch's ``text`` (all ``C`` candidates; they join the prior's stream counts)
+        and ``k`` examples trained from it."""
         content = self.prior.scores_of_counts(text.counts)
-        ranked = content if capped is None else \
-            torch.where(capped, torch.full_like(content, float("-inf")), content)
         c = content.numel()
-        positions = shortlist(ranked, self.size(k, c))
+        positions = shortlist(content, self.size(k, c))
         self.stats["steps"] += 1
         self.stats["candidates"] += c
         self.stats["probed"] += positions.numel()
-        return positions, PriorText.subset(text, positions, content)
+        return positions, text.subset(positions, content)
 
     def summary(self, ctx: ParallelContext | None = None,
                 device: torch.device | str = "cpu") -> dict:

@@ -1,8 +1,8 @@
-"""SelectionConfig: the ``"selection"`` part of the ``"dattri_ds"`` block."""
+"""SelectionConfig: the ``"selection"`` part of the ``"dattri_ds"`` block (a leaf module:
+it imports only dattri_ds core)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
@@ -10,19 +10,33 @@ from dattri_ds import schema
 from dattri_ds.config import from_dict
 from dattri_ds.errors import ConfigError
 from dattri_ds.ops.projection import ProjectionConfig
-from dattri_ds.selection.policy import POLICIES
-from dattri_ds.selection.scorer import SCORES
 
-__all__ = ["SelectionConfig", "PROBE_SETTINGS"]
+__all__ = ["SelectionConfig", "GRADIENT_SETTINGS", "SCALED_POLICIES"]
 
-#: Settings that only the gradient path reads (the probe, the target gradient, the rank
-#: stages over gradient scores, the held-out check): one of them away from its default,
-#: with ``score`` unset, resolves the score to ``"alignment"`` (``SelectionConfig.score``).
-#: ``target_store`` is here too: a gradient store has no text to rank by.
-PROBE_SETTINGS = ("target_store", "shortlist", "precondition", "contrast", "content_weight",
-                  "smooth_neighbors", "smooth_memory", "top_blocks", "include", "projection",
-                  "probe_autocast", "per_token", "normalize", "refresh_every",
-                  "target_batch_size", "reuse_forward", "validation_fraction", "controller")
+#: Settings only the gradient score (``score="alignment"``) reads: the probe, the target
+#: gradient and the rank stages over gradient scores. Given with ``score="content"`` (the
+#: default) one of them is an error naming ``--selection-score alignment``, never a
+#: silent switch to an 8x-cost step.
+GRADIENT_SETTINGS = ("target_store", "shortlist", "precondition", "content_weight",
+                     "smooth_neighbors", "smooth_memory", "top_blocks", "include", "projection",
+                     "per_token", "normalize", "refresh_every", "target_batch_size",
+                     "reuse_forward")
+
+#: Policies that read the scores' own scale (a threshold, GREATS' learning-rate gain): the
+#: content score's values only rank (``Policy.scaled`` in selection/policy.py).
+SCALED_POLICIES = ("threshold", "greats")
+
+
+def flag(name: str) -> str:
+    """The launch flag of a selection field (launch/args.py generates it the same way)."""
+    return "--selection-" + name.replace("_", "-")
+
+
+def _as_flag_value(value: Any) -> str:
+    """A value as it is written after its flag (``false``, ``null``, ``a b``)."""
+    if value is None or isinstance(value, bool):
+        return "null" if value is None else str(value).lower()
+    return " ".join(value) if isinstance(value, tuple) else str(value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,13 +59,25 @@ class SelectionConfig:
     candidate_multiple: float = field(default=2.0, metadata=schema.bounds(ge=1, le=1024))
     """Candidates scored per trained example (>= 1): 2 scores 2x the micro-batch."""
 
+    score: Literal["content", "alignment"] = "content"
+    """What ranks the candidates. ``content`` (default): the target documents' hashed
+    n-grams against the candidate stream (selection/content.py): no model pass, no
+    gradient, a step costs about a plain one (0.97x measured at 4x candidates); the values
+    only rank (policies topk, fraction or soft). ``alignment``: ``<g_b, g_target>`` from a
+    per-example gradient probe of every candidate (a cosine when ``normalize``), ~8x a
+    plain step at 4x candidates (less with ``shortlist`` and ``top_blocks``); the settings
+    of ``GRADIENT_SETTINGS`` shape it and are refused with ``content``. Measured through
+    launch (docs/selection_compute.md), content reaches random's final target loss in
+    0.35-0.86x random's CPU and no gradient mode is ahead of it at equal data. Each is a
+    registered ``Score`` (selection/scorer.py)."""
+
     shortlist: float | None = field(default=None, metadata=schema.bounds(gt=0, le=1024))
     """The cascade (selection/cascade.py): the content prior ranks all candidates (no
     model), and only the top ``ceil(shortlist * n)`` are probed and scored, ``n = k -
     round(uniform_mix * k)`` the examples the policy chooses; the rank stages and the policy
     choose among that shortlist, the uniform share comes from all candidates. 1.5 probes
     1.5x what the policy needs (at 4x candidates and ``uniform_mix`` 0.5, 3/16 of them).
-    Needs target documents (``target_data``), a probing score, scope ``rank``; >= 1. The
+    Needs target documents (``target_data``), ``score="alignment"``, scope ``rank``; >= 1. The
     step-cost plan logged at the first step predicts each mode's cost
     (selection/stepcost.py). None: every candidate is probed."""
 
@@ -68,10 +94,6 @@ class SelectionConfig:
     """Share of every micro-batch drawn uniformly from the candidates the policy did not
     pick (0: all by the policy, 1: all uniform)."""
 
-    max_repeats: int | None = field(default=None, metadata=schema.bounds(ge=1, le=10**9))
-    """Train one example (by content id) at most this many times by score; candidates over
-    the cap are picked only when too few others remain. None: no cap."""
-
     per_token: bool = True
     """Score the gradient of each example's mean token loss instead of its summed loss, so
     long examples are not preferred for their length (target gradient likewise)."""
@@ -83,51 +105,13 @@ class SelectionConfig:
     ZeRO-3 each rank to its own partition). Needs an Adam-family optimizer and exact
     (unprojected) scoring."""
 
-    score: Literal["alignment", "step", "content"] | None = None
-    """What ranks the candidates. ``content``: the content prior alone (see
-    ``content_weight``): the target documents' hashed n-grams, no model, no gradient and no
-    probe pass, so a step costs about a plain one (0.97x measured at 4x candidates); the
-    rank stages do not apply and the values only rank (policies topk, fraction or soft).
-    ``alignment``: ``<g_b, g_target>`` from a per-example gradient probe of every candidate
-    (a cosine when ``normalize``; ``contrast`` and ``precondition`` shape the target;
-    ~8x a plain step at 4x candidates, less with ``shortlist`` or ``controller``).
-    ``step``: the expected cosine of the training step's summed gradient with the target
-    when the candidate takes one of its slots and typical examples (the pool sample's mean
-    gradient, ``contrast_rows``) the others (selection/stepscore.py): the pool's weight is
-    measured, so ``contrast`` and ``normalize`` do not apply. Each is a registered
-    ``Score`` (selection/scorer.py): a new rule is one class and its name here.
-
-    None (default) is resolved when the config is built, and the resolved name is what the
-    resolved config, the selector summary and the step plan show: ``alignment`` for a
-    ``target_store`` (it has no text), or when a setting only the gradient path reads is
-    away from its default (``PROBE_SETTINGS``: shortlist, precondition, contrast,
-    content_weight, smooth_neighbors, smooth_memory, top_blocks, include, projection,
-    probe_autocast, per_token, normalize, refresh_every, target_batch_size, reuse_forward,
-    validation_fraction, controller; or policy threshold/greats, which read the scores'
-    scale): the setting implies the probe. Otherwise ``content`` (the target is documents:
-    ``target_data``, or the model inputs given to the selector). Measured through launch
-    (docs/selection_compute.md), content reaches random's final target loss in 0.35-0.78x
-    random's CPU and is within noise of or ahead of the gradient arms at equal data.
-    ``dataclasses.replace`` keeps a resolved name; pass ``score=None`` to resolve again."""
-
-    contrast: float = field(default=0.0, metadata=schema.bounds(ge=0))
-    """Score against ``g_t/|g_t| - contrast * g_pool/|g_pool|`` (selection/contrast.py):
-    with cosine scoring, ``cos(g_b, g_t) - contrast * cos(g_b, g_pool)``, where ``g_pool``
-    is the mean gradient of a sample of the candidate stream (``contrast_rows``), refreshed
-    with the target. Rewards what a candidate adds beyond the generic directions every
-    training example shares. 0: plain target."""
-
-    contrast_rows: int = field(default=64, metadata=schema.bounds(ge=1, le=2**20))
-    """Candidates (the first this rank sees) kept as the pool sample of ``contrast``."""
-
     smooth_neighbors: int | None = field(default=16, metadata=schema.bounds(ge=1, le=2**20))
     """Before the policy, replace each candidate's score by the mean score of the N texts
     nearest to it in content (hashed unigram/bigram bags; itself included) among this
     batch and the last ``smooth_memory`` scored candidates (selection/smoothing.py): the
     choice follows what a *kind* of text does for the target, not one text's own tokens.
     The memory is per data-parallel rank, so the choice (not the update's exactness) depends
-    on how micro-batches are dealt to ranks. Gradient scores only (``score="content"`` is not
-    smoothed: the default 16 then has no effect). None: raw scores."""
+    on how micro-batches are dealt to ranks. Gradient score only. None: raw scores."""
 
     smooth_memory: int = field(default=1024, metadata=schema.bounds(ge=1, le=2**24))
     """Earlier scored candidates (this rank's) kept as neighbours for ``smooth_neighbors``."""
@@ -136,9 +120,8 @@ class SelectionConfig:
     """Rank ``z(score) + content_weight * z(content)``, where ``content`` is the mean
     log-ratio of the candidate's hashed unigrams/bigrams under the target documents vs the
     candidate stream seen so far (selection/content.py; DSIR-style, no model) and ``z``
-    standardizes over the micro-batch's candidates; applies to the gradient scores
-    (``alignment``, ``step``: setting it without ``score`` resolves the score to
-    ``alignment``), not to ``score="content"`` (the prior is the score). None (default): 1.0
+    standardizes over the micro-batch's candidates; gradient score only (with
+    ``score="content"`` the prior is the score). None (default): 1.0
     when the target is documents (``target_data``) and the policy ranks (topk, fraction,
     soft); off for a ``target_store`` (it has no text) and for ``threshold``/``greats`` (they
     read the scores' scale); a value > 0 there is an error. 0: gradient scores only."""
@@ -170,49 +153,6 @@ class SelectionConfig:
     """Score by cosine ``<g_b, g_target> / ||g_b||`` instead of the raw inner product, so
     large-gradient (hard, long or noisy) candidates are not preferred for their norm alone."""
 
-    probe_autocast: Literal["bfloat16", "float16"] | None = None
-    """Run the candidate scoring pass under ``torch.autocast`` in this dtype (scores are
-    still accumulated in float32). bfloat16 roughly halves the probe's time on CPUs with
-    AVX-512 BF16 and on GPUs; per-layer scores stay within ~1e-4 cosine of float32."""
-
-    validation_fraction: float = field(default=0.0, metadata=schema.bounds(ge=0, lt=1))
-    """Hold this share of the target documents out of scoring (every ``1/f``-th one) and
-    check, every ``fallback_every`` steps, that the chosen examples align with the held-out
-    part better than the average candidate; if not, fall back to uniform choice for the
-    rest of the run (reported in the summary's ``held_out_check``). 0: no check."""
-
-    fallback_every: int = field(default=25, metadata=schema.bounds(ge=1, le=10**9))
-    """Optimizer steps per held-out check window (``validation_fraction > 0``)."""
-
-    controller: bool = False
-    """Decide at run time which arm chooses each block of steps (selection/controller.py):
-    ``uniform`` (no scoring), ``content`` (the content prior, no probe) or ``gradient``
-    (this config's score, the cascade with ``shortlist``), by the held-out target-loss gain
-    per CPU-second each arm measurably buys. Every arm keeps ``controller_floor`` of every
-    window; the rest goes to the arm whose paired advantage over ``uniform`` is above zero
-    by more than its standard error. Needs ``validation_fraction > 0`` (the held-out
-    documents it measures on; the held-out check's fallback is then off: the controller
-    decides). The choices are in the run summary (``controller``)."""
-
-    controller_arms: tuple[str, ...] = ("uniform", "content", "gradient")
-    """Arms the controller allocates among (two or more of ``uniform``, ``content``,
-    ``gradient``); the first is the reference of the paired comparison."""
-
-    controller_block: int = field(default=5, metadata=schema.bounds(ge=1, le=10**6))
-    """Optimizer steps per block (one arm per block; the held-out loss is measured, with a
-    forward of the held-out documents, at every block edge)."""
-
-    controller_window: int = field(default=10, metadata=schema.bounds(ge=2, le=10**6))
-    """Blocks per window (each arm runs its floor in every window, in a seeded order)."""
-
-    controller_floor: float = field(default=0.1, metadata=schema.bounds(gt=0, lt=1))
-    """Least share of every window's blocks each arm runs (at least one block)."""
-
-    controller_cost: Literal["measured", "model"] = "measured"
-    """Cost of a block: ``measured`` CPU-seconds (all ranks), or ``model``: the step-cost
-    model's predicted plain-step units (selection/stepcost.py), deterministic, so a run
-    replays and resumes bit for bit."""
-
     include: tuple[str, ...] = ()
     """Module-name patterns scored (empty = every supported layer)."""
 
@@ -241,24 +181,12 @@ class SelectionConfig:
 
     def __post_init__(self) -> None:
         schema.check(self, "selection")
-        if self.score is None:
-            object.__setattr__(self, "score", self._default_score())
-        if self.validation_fraction > 0 and self.scope == "global":
-            raise ConfigError("selection.validation_fraction (the held-out check) supports "
-                              "scope 'rank' only; set selection.scope='rank' or "
-                              "validation_fraction=0")
-        if self.validation_fraction > 0 and self.target_store:
-            raise ConfigError("selection.validation_fraction splits the target documents: it "
-                              "needs selection.target_data, not selection.target_store")
+        if self.score == "content":
+            self._check_content()
         if self.precondition == "adam" and (self.projection is not None or self.target_store):
             raise ConfigError("selection.precondition='adam' scales the exact target gradient "
                               "by the optimizer's per-parameter second moments: it cannot be "
                               "combined with selection.projection or selection.target_store")
-        SCORES.lookup(self.score).check(self)  # the settings the scoring rule refuses
-        if POLICIES.lookup(self.policy).scaled and not SCORES.lookup(self.score).scale:
-            raise ConfigError(f"selection.policy='{self.policy}' reads the scores' own scale, "
-                              f"which score='{self.score}' does not have (its values only "
-                              f"rank); use policy topk, fraction or soft")
         if self.top_blocks is not None and self.include:
             raise ConfigError(f"selection.top_blocks={self.top_blocks} and selection.include="
                               f"{list(self.include)} both choose the scored layers; set only "
@@ -268,7 +196,6 @@ class SelectionConfig:
                               "for training: examples chosen on another rank have none. Set "
                               "selection.scope='rank' or reuse_forward='auto'")
         self._check_shortlist()
-        self._check_controller()
         if self.target_store is not None and self.projection is None:
             raise ConfigError("selection.target_store holds projected gradients: set "
                               "selection.projection to the store's projection")
@@ -276,17 +203,29 @@ class SelectionConfig:
             raise ConfigError("policy 'greats' with scope 'global' compares candidates across "
                               "ranks: set selection.projection (e.g. {\"dim\": 256})")
 
-    def probe_settings(self) -> list[str]:
-        """The settings of ``PROBE_SETTINGS`` (and a scaled policy) away from their
-        defaults: each one only the gradient path reads."""
+    def gradient_settings(self) -> list[str]:
+        """The fields of ``GRADIENT_SETTINGS`` away from their defaults."""
         defaults = {f.name: f.default for f in fields(self)}
-        out = [name for name in PROBE_SETTINGS if getattr(self, name) != defaults[name]]
-        return out + (["policy"] if POLICIES.lookup(self.policy).scaled else [])
+        return [name for name in GRADIENT_SETTINGS if getattr(self, name) != defaults[name]]
 
-    def _default_score(self) -> str:
-        """``score`` when unset: ``alignment`` for a target store or a probe-only setting
-        (``probe_settings``), else ``content`` (see the field's docstring)."""
-        return "alignment" if self.probe_settings() else "content"
+    def _check_content(self) -> None:
+        """``score="content"`` refuses what only the gradient score reads, by flag name."""
+        if self.target_store is not None:
+            raise ConfigError(f"{flag('target_store')} {self.target_store} is a gradient "
+                              f"target, which the content score (the default) cannot read: "
+                              f"add --selection-score alignment, or give --target-data")
+        for name in self.gradient_settings():
+            given, value = flag(name), getattr(self, name)
+            if name == "projection":
+                given, value = flag("projection_dim"), value.dim
+            raise ConfigError(f"{given} {_as_flag_value(value)} only shapes the gradient "
+                              f"score, which the default --selection-score content does not "
+                              f"compute: add --selection-score alignment, or drop {given}")
+        if self.policy in SCALED_POLICIES:
+            raise ConfigError(f"--selection-policy {self.policy} reads the scores' own scale, "
+                              f"which the content score does not have (its values only rank): "
+                              f"use --selection-policy topk, fraction or soft, or add "
+                              f"--selection-score alignment")
 
     def _check_shortlist(self) -> None:
         """The settings the cascade (``shortlist``) cannot serve, refused at start."""
@@ -297,10 +236,6 @@ class SelectionConfig:
         if s < 1:
             why = (f"probes fewer candidates than the policy must choose (ceil({s} * n) < n, "
                    f"n = k - round(uniform_mix * k)); set shortlist >= 1 (e.g. 1.5)")
-        elif not SCORES.lookup(self.score).needs_probe:
-            why = (f"shortlists candidates for the gradient probe, which score="
-                   f"'{self.score}' does not run (it probes none already); unset shortlist "
-                   f"or use score='alignment'")
         elif self.target_store is not None:
             why = ("ranks candidates by the target documents' n-grams, which "
                    "selection.target_store does not have; give selection.target_data "
@@ -317,35 +252,6 @@ class SelectionConfig:
                    "uniformly; lower uniform_mix or unset shortlist")
         if why is not None:
             raise ConfigError(f"selection.shortlist={s} {why}")
-
-    def _check_controller(self) -> None:
-        """The settings the run-time controller cannot serve, refused at start."""
-        if not self.controller:
-            return
-        arms = list(self.controller_arms)
-        if self.validation_fraction <= 0:
-            raise ConfigError("selection.controller=true measures each arm's gain on the "
-                              "held-out target documents, and selection.validation_fraction="
-                              f"{self.validation_fraction} holds none out: set "
-                              "validation_fraction (e.g. 0.2) or controller=false")
-        known = ("uniform", "content", "gradient")
-        if len(arms) < 2 or len(set(arms)) != len(arms) or not set(arms) <= set(known):
-            raise ConfigError(f"selection.controller_arms={arms}: give two or more distinct "
-                              f"arms of {', '.join(known)}")
-        floor_blocks = max(1, math.ceil(self.controller_floor * self.controller_window - 1e-9))
-        if floor_blocks * len(arms) > self.controller_window:
-            raise ConfigError(f"selection.controller_floor={self.controller_floor} gives each "
-                              f"of {len(arms)} arms {floor_blocks} of the "
-                              f"{self.controller_window} blocks of a window; lower "
-                              f"controller_floor or set controller_window >= "
-                              f"{floor_blocks * len(arms)}")
-        if self.random:
-            raise ConfigError("selection.random=true chooses uniformly at every step, so "
-                              "selection.controller has nothing to decide; set one of them")
-        if "content" in arms and POLICIES.lookup(self.policy).scaled:
-            raise ConfigError(f"selection.controller_arms has 'content', which ranks by the "
-                              f"content prior: policy='{self.policy}' reads the scores' own "
-                              f"scale; use policy topk, fraction or soft, or drop the arm")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SelectionConfig:

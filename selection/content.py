@@ -100,7 +100,7 @@ class ContentRanking:
         self.prior, self.weight = ContentPrior(documents), weight
 
     def __call__(self, ranked: torch.Tensor, text: CandidateText) -> torch.Tensor:
-        content = getattr(text, "content", None)  # computed already by the cascade's shortlist
+        content = text.content  # computed already by the cascade's shortlist
         if content is None:
             content = self.prior.scores_of_counts(text.counts)
         return with_content(ranked, content, self.weight)

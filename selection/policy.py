@@ -18,12 +18,11 @@ import torch
 
 from dattri_ds.errors import ConfigError
 from dattri_ds.gradient import GradBatch
-from dattri_ds.ops import CostModel
+from dattri_ds.ops import CostModel, cross_gram
 from dattri_ds.registry import Registry
-from dattri_ds.selection.scorer import redundancy_gram
 
 __all__ = ["top_k", "top_fraction", "threshold", "greats", "soft_top_k", "fill_uniform",
-           "cap_repeats", "Policy", "POLICIES", "choose"]
+           "Policy", "POLICIES", "choose"]
 
 
 def top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -85,9 +84,8 @@ def soft_top_k(scores: torch.Tensor, k: int, temperature: float,
 
     ``z`` are the scores standardized over the finite candidates (mean 0, standard deviation
     1), so the temperature does not depend on the score's scale: ``temperature -> 0`` is
-    top-k, large temperatures approach a uniform draw. Candidates scored ``-inf`` (e.g. over
-    a repeat cap) come last. Gumbel-top-k sampling: exact sequential sampling without
-    replacement.
+    top-k, large temperatures approach a uniform draw. Candidates scored ``-inf`` come
+    last. Gumbel-top-k sampling: exact sequential sampling without replacement.
     """
     if temperature <= 0:
         raise ConfigError(f"soft_top_k needs temperature > 0, got {temperature}")
@@ -122,18 +120,6 @@ def fill_uniform(chosen: torch.Tensor, c: int, k: int,
     return torch.cat([chosen, fill]).sort().values
 
 
-def cap_repeats(scores: torch.Tensor, counts: torch.Tensor, cap: int | None) -> torch.Tensor:
-    """Scores with candidates already trained ``>= cap`` times set to ``-inf`` (None: no cap).
-
-    Policies then pick capped candidates only when too few others remain.
-    """
-    if cap is None:
-        return scores
-    if cap < 1:
-        raise ConfigError(f"cap_repeats needs cap >= 1 (or None), got {cap}")
-    return torch.where(counts >= cap, torch.full_like(scores, float("-inf")), scores)
-
-
 class Policy(ABC):
     """A registered choice rule: ``policy(scores, *, k, gram, lr, fraction, tau, temperature,
     generator) -> sorted indices``, with the properties the selection step asks of it.
@@ -159,7 +145,8 @@ class Policy(ABC):
              ) -> torch.Tensor:
         """``[C, C]`` candidate gram from a GradBatch or ``[C, P]`` vectors (``needs_gram``)."""
         if isinstance(source, GradBatch):
-            return redundancy_gram(source, list(source.layers), cost).cpu()
+            layers = list(source.layers)
+            return cross_gram(source, source, layers=layers, cost=cost).cpu()
         return source @ source.T
 
     @abstractmethod

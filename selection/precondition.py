@@ -26,10 +26,11 @@ from dattri_ds.distributed import ParallelContext, all_reduce_sum
 from dattri_ds.errors import ConfigError
 from dattri_ds.gradient import Dense, GradBatch
 from dattri_ds.layers.base import LayerKind
+from dattri_ds.selection.state import grad_batch_from_state, grad_batch_state
 from dattri_ds.selection.target import TargetProvider
 
 __all__ = ["SecondMoments", "TorchAdamMoments", "DeepSpeedMoments", "second_moments",
-           "precondition_target", "PreconditionedTarget"]
+           "precondition_target", "PreconditionedTarget", "preconditioned"]
 
 
 def _adam_hyper(optimizer) -> tuple[float, float]:
@@ -168,7 +169,7 @@ def precondition_target(target: GradBatch, layers: dict[str, tuple[nn.Module, La
 class PreconditionedTarget(TargetProvider):
     """A TargetProvider whose target is ``P g`` of another's, recomputed once per refresh."""
 
-    def __init__(self, inner, layers: dict[str, tuple[nn.Module, LayerKind]],
+    def __init__(self, inner: TargetProvider, layers: dict[str, tuple[nn.Module, LayerKind]],
                  moments: SecondMoments, ctx: ParallelContext | None = None) -> None:
         self.inner, self.layers, self.moments, self.ctx = inner, layers, moments, ctx
         self._seen = -1
@@ -176,19 +177,19 @@ class PreconditionedTarget(TargetProvider):
 
     @property
     def refreshes(self) -> int:
-        return getattr(self.inner, "refreshes", 0)
+        return self.inner.refreshes
+
+    @property
+    def rows_per_rank(self) -> int:
+        return self.inner.rows_per_rank
 
     def state_dict(self) -> dict:
         """The inner provider's state and the cached ``P g`` (the second moments of the
         refresh that made it are gone after more optimizer steps)."""
-        from dattri_ds.selection.state import grad_batch_state
-
         return {"inner": self.inner.state_dict(), "value": grad_batch_state(self._value),
                 "seen": self._seen}
 
     def load_state_dict(self, state: dict) -> None:
-        from dattri_ds.selection.state import grad_batch_from_state
-
         self.inner.load_state_dict(state["inner"])
         self._value = grad_batch_from_state(state["value"], self.layers)
         self._seen = int(state["seen"])
@@ -199,3 +200,9 @@ class PreconditionedTarget(TargetProvider):
             self._value = precondition_target(raw, self.layers, self.moments, self.ctx)
             self._seen = self.refreshes
         return self._value
+
+
+def preconditioned(gradient: TargetProvider, probe, ctx: ParallelContext | None,
+                   optimizer) -> TargetProvider:
+    """``gradient`` in the optimizer's metric, ``P g`` (``selection.precondition="adam"``)."""
+    return PreconditionedTarget(gradient, probe.layers, second_moments(optimizer, ctx), ctx)

@@ -15,7 +15,7 @@ and one line in ``rankers``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
@@ -24,8 +24,7 @@ from dattri_ds.selection.content import DEFAULT_CONTENT_WEIGHT, ContentRanking
 from dattri_ds.selection.policy import Policy
 from dattri_ds.selection.smoothing import CandidateText, NeighborSmoother
 
-if TYPE_CHECKING:
-    from dattri_ds.selection.config import SelectionConfig
+from dattri_ds.selection.config import SelectionConfig
 
 __all__ = ["Ranker", "CandidateText", "rankers", "content_weight"]
 

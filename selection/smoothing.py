@@ -66,10 +66,31 @@ class CandidateText:
     Attributes:
         ids: ``[C, T]`` token ids.
         valid: ``[C, T]`` attention mask (None: every position holds a token).
+        content: ``[C]`` content-prior scores this step already computed (the cascade's
+            shortlist): the content rank stage reads them instead of scoring (and counting
+            into the stream) the same candidates again. None: not computed.
     """
 
     ids: torch.Tensor
     valid: torch.Tensor | None = None
+    content: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, batch: dict[str, torch.Tensor]) -> CandidateText:
+        """The text of a batch of model inputs (``input_ids``, ``attention_mask``)."""
+        return cls(batch["input_ids"], batch.get("attention_mask"))
+
+    def subset(self, positions: torch.Tensor,
+               content: torch.Tensor | None = None) -> CandidateText:
+        """The candidates at ``positions`` (their hashed counts indexed, not recomputed),
+        with ``content [C]`` (of all of these candidates) or this text's own."""
+        pos = positions.to(self.ids.device)
+        content = self.content if content is None else content
+        out = CandidateText(self.ids[pos], None if self.valid is None else self.valid[pos],
+                            None if content is None else content[positions])
+        if "counts" in self.__dict__:
+            out.__dict__["counts"] = self.counts[positions]  # prefill the cached_property
+        return out
 
     @cached_property
     def counts(self) -> torch.Tensor:

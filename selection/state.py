@@ -3,29 +3,26 @@ with every checkpoint and restored by ``--resume`` so the resumed run chooses ex
 the uninterrupted one would.
 
 ``OnlineSelector.state_dict()`` collects one entry per stateful component
-(``selector_state``), each the component's own ``state_dict()``; plain tensors, numbers,
-strings, lists and dicts only, so ``torch.load(weights_only=True)`` reads it back:
+(``OnlineSelector.components``, ``selector_state``), each the component's own
+``state_dict()``; plain tensors, numbers, strings, lists and dicts only, so
+``torch.load(weights_only=True)`` reads it back:
 
-* ``trained``: times each content id was trained (``max_repeats``); ``draws``: the uniform
-  baseline's draw counter (its seed); ``stats``: the run statistics of ``summary()``;
 * ``rankers``: the rank stages in order: the neighbour smoother's memory (features and
   scores of the last ``smooth_memory`` candidates), the content prior's stream counts;
 * ``rule``: the score's own state (``score="content"``: its prior's stream counts);
-* ``rows`` and ``held_out``: the target providers: refresh clock (the step of the last
-  refresh, the refresh count) and the **cached rows** themselves;
-* ``pool``: the pool sample's rows (contrast and step scores);
-* ``check``: the held-out check's window, clock, history and fallback step;
-* ``cascade``, ``controller``: the shortlist's prior and statistics, the controller's state
-  (whatever their ``state_dict()`` or ``prior``/``stats`` hold), when the selector has them.
+* ``rows``: the target provider: refresh clock (the step of the last refresh, the refresh
+  count) and the **cached rows** themselves;
+* ``cascade``: the shortlist's prior and statistics, when the selector has one;
+* ``uniform``: the uniform arm's draw counter (its seed); ``log``: the run statistics of
+  ``summary()``.
 
 Cached target rows are **saved, not recomputed**: a ``ValidationTarget``'s rows were
 computed with the model as it was at the last refresh (and ``precondition="adam"``'s with
 the optimizer's second moments of then), which a resumed run starting between two
 refreshes no longer has; recomputing them would change every choice until the next
-refresh. A pooled target (contrast, step score) saves its parts and recombines them (a pure
-function of the saved rows, so bit-identical). A ``FixedTarget`` is rebuilt from its store.
-The probe's learned nothing; the policy's randomness is seeded by (step, candidate ids)
-and the global torch RNG is the loop's (``LoopState``).
+refresh. A ``FixedTarget`` is rebuilt from its store. The probe learned nothing; the
+policy's randomness is seeded by (step, candidate ids) and the global torch RNG is the
+loop's (``LoopState``).
 
 The log (``selection.jsonl``) is continued: the records of the steps before the resumed
 one are kept (``log_lines_before``) and the run appends, so a resumed run's log equals the
@@ -46,20 +43,17 @@ import torch
 
 from dattri_ds.errors import ConfigError
 from dattri_ds.gradient import Dense, GradBatch, LayerGrad, ShardInfo
+from dattri_ds.layers import get_kind
 from dattri_ds.layers.base import get_kind
 
 __all__ = ["FORMAT_VERSION", "grad_batch_state", "grad_batch_from_state", "selector_state",
            "load_selector_state", "config_difference", "log_lines_before",
            "SelectionCheckpoint"]
 
-FORMAT_VERSION = 1
-"""Version of the state layout (a checkpoint of another version is refused)."""
-
-#: Selector attributes saved by their ``state_dict()`` (or ``prior`` / ``stats``), in the
-#: order they are restored: the pool before the rows (a pooled target rebuilds its
-#: reference from the pool sample's rows).
-COMPONENTS = ("rule", "_pool", "rows", "held_out", "check", "cascade", "controller")
-_NAMES = {"_pool": "pool"}
+FORMAT_VERSION = 2
+"""Version of the state layout (a checkpoint of another version is refused; 2: the
+selector of selection/stages.py, without the controller, contrast pool, held-out check and
+repeat cap of version 1)."""
 
 
 # ---- cached gradients ---------------------------------------------------------------------
@@ -155,15 +149,11 @@ def selector_state(selector: Any) -> dict:
 
     Flushes the selector's log to disk, so the log holds every step the checkpoint has.
     """
-    log = getattr(selector, "_log", None)
-    if log is not None:
-        log.flush()
-        os.fsync(log.fileno())
-    state = {"format": FORMAT_VERSION, "trained": dict(selector._trained),
-             "draws": int(selector._draws), "stats": dict(selector.stats),
-             "rankers": [_component_state(r) for r in selector._rankers]}
-    for attr in COMPONENTS:
-        state[_NAMES.get(attr, attr)] = _component_state(getattr(selector, attr, None))
+    selector.log.flush()
+    state = {"format": FORMAT_VERSION,
+             "rankers": [_component_state(r) for r in selector.rankers]}
+    for name, obj in selector.components().items():
+        state[name] = _component_state(obj)
     return state
 
 
@@ -179,23 +169,16 @@ def load_selector_state(selector: Any, state: dict, log: Sequence[str] = ()) -> 
         raise ConfigError(f"The checkpoint's selection state has format "
                           f"{state.get('format')}, this dattri-ds reads {FORMAT_VERSION}: "
                           f"resume with the dattri-ds that wrote it or start a fresh run")
-    ranks = selector._rankers
+    ranks = selector.rankers
     if len(state["rankers"]) != len(ranks):
         raise ConfigError(f"The checkpoint's selection state has {len(state['rankers'])} rank "
                           f"stage(s), this selector {len(ranks)}: resume with the selection "
                           f"settings that wrote it")
-    for attr in COMPONENTS:
-        _load_component(getattr(selector, attr, None), state.get(_NAMES.get(attr, attr)),
-                        _NAMES.get(attr, attr))
+    for name, obj in selector.components().items():
+        _load_component(obj, state.get(name), name)
     for stage, s in zip(ranks, state["rankers"]):
         _load_component(stage, s, type(stage).__name__)
-    selector._trained = {str(k): int(v) for k, v in state["trained"].items()}
-    selector._draws = int(state["draws"])
-    selector.stats.clear()
-    selector.stats.update(state["stats"])
-    if selector._log is not None and log:
-        selector._log.writelines(line if line.endswith("\n") else line + "\n" for line in log)
-        selector._log.flush()
+    selector.log.resume(log)
 
 
 # ---- the checkpoint files ------------------------------------------------------------------

@@ -5,10 +5,9 @@
 * the target **documents**: model inputs of the texts the user cares about (``target_data``;
   the content prior reads them; a ``target_store`` has none);
 * the target **gradient**: a ``TargetProvider`` of their mean gradient (or a store's mean
-  vector), refreshed as the model moves, and the held-out part's (``validation_fraction``);
+  vector), refreshed as the model moves;
 * the score's **rows**: what candidates are scored against, the gradient shaped by the
-  optimizer (``precondition``) and by the score (contrast, the step score's pool row),
-  built by ``Score.rows`` from the gradient and the pool sample's gradient.
+  optimizer (``precondition``: ``PreconditionedTarget``, selection/precondition.py).
 
 Providers:
 
@@ -26,7 +25,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,19 +36,27 @@ from dattri_ds.errors import ConfigError
 from dattri_ds.gradient import Dense, GradBatch
 from dattri_ds.ops import GradAccumulator
 
+from dattri_ds.selection.config import SelectionConfig
+from dattri_ds.selection.state import grad_batch_from_state, grad_batch_state
+
 if TYPE_CHECKING:
     from torch import nn
 
-    from dattri_ds.selection.config import SelectionConfig
-
-__all__ = ["TargetProvider", "ValidationTarget", "FixedTarget", "Target", "build_target",
-           "pool_reference", "prepare"]
+__all__ = ["TargetProvider", "ValidationTarget", "FixedTarget", "Target", "build_target"]
 
 Batch = dict[str, torch.Tensor]
 
 
 class TargetProvider(ABC):
     """Gives the target gradient for a step (recomputing it when stale)."""
+
+    refreshes: int = 0
+    """Times the target was (re)computed so far (0: a fixed target)."""
+
+    @property
+    def rows_per_rank(self) -> int:
+        """Target examples this rank forwards per refresh (0: a fixed target)."""
+        return 0
 
     @abstractmethod
     def get(self, step: int) -> GradBatch:
@@ -108,14 +115,10 @@ class ValidationTarget(TargetProvider):
     def state_dict(self) -> dict:
         """The refresh clock (step of the last refresh, refresh count) and the cached rows:
         saved, not recomputed, since they hold the model of the last refresh."""
-        from dattri_ds.selection.state import grad_batch_state
-
         return {"value": grad_batch_state(self._value), "at": self._at,
                 "refreshes": self.refreshes}
 
     def load_state_dict(self, state: dict) -> None:
-        from dattri_ds.selection.state import grad_batch_from_state
-
         self._value = grad_batch_from_state(state["value"], self.probe.layers)
         self._at, self.refreshes = int(state["at"]), int(state["refreshes"])
 
@@ -173,90 +176,27 @@ class FixedTarget(TargetProvider):
 
 @dataclass(frozen=True)
 class Target:
-    """A selection's target, its three parts named apart (module docstring).
+    """A selection's target, its parts named apart (module docstring).
 
     Attributes:
-        gradient: the target gradient's provider (scored part of the documents, or a store).
-        documents: the scoring documents' model inputs (None: a store, no text).
-        held_out: the held-out documents' gradient (``validation_fraction``), or None.
+        gradient: the target gradient's provider (the documents', or a store's).
+        documents: the documents' model inputs (None: a store, no text).
     """
 
     gradient: TargetProvider
     documents: Batch | None = None
-    held_out: TargetProvider | None = None
-
-    @classmethod
-    def of(cls, gradient: TargetProvider, documents: Batch | None = None,
-           held_out: TargetProvider | None = None) -> Target:
-        """A target from a provider; ``documents`` default to a ValidationTarget's own."""
-        if documents is None and isinstance(gradient, ValidationTarget):
-            documents = gradient.data
-        return cls(gradient, documents, held_out)
 
 
 def build_target(config: SelectionConfig, model: nn.Module, documents: Batch | None, *,
                  probe: GradientCapture, ctx: ParallelContext | None = None,
                  device: torch.device | str = "cpu") -> Target:
     """The target of ``config``: the store's ``FixedTarget`` (``target_store``), or a
-    ``ValidationTarget`` on the ``documents`` (model inputs), with every
-    ``1/validation_fraction``-th document held out into its own provider."""
-    from dattri_ds.selection.fallback import split_rows
-
-    def validation_target(rows: Batch) -> ValidationTarget:
-        return ValidationTarget(probe, lambda b: model(**b).loss, rows, ctx=ctx,
-                                refresh_every=config.refresh_every,
-                                batch_size=config.target_batch_size, device=device)
-
+    ``ValidationTarget`` on the ``documents`` (model inputs)."""
     if config.target_store:
         from dattri_ds.store.attach import checked_target_store  # compared at build time
 
         return Target(FixedTarget(checked_target_store(config.target_store, probe)))
-    if config.validation_fraction > 0:
-        keep, held = split_rows(documents["input_ids"].shape[0], config.validation_fraction)
-        scoring = {k: v[keep] for k, v in documents.items()}
-        return Target(validation_target(scoring), scoring,
-                      validation_target({k: v[held] for k, v in documents.items()}))
-    return Target(validation_target(documents), documents)
-
-
-def pool_reference(model: nn.Module, config: SelectionConfig, gradient: TargetProvider,
-                   probe: GradientCapture, ctx: ParallelContext | None
-                   ) -> Callable[[Batch], TargetProvider]:
-    """How a score's pool sample gets its gradient from its rows: like the target gradient
-    (its forward, device, batch size and refresh when it is a ``ValidationTarget``; else the
-    model's own loss), each rank on its own rows, averaged over all ranks'."""
-    inner = getattr(gradient, "inner", gradient)
-    if isinstance(inner, ValidationTarget):
-        forward, device, bs = inner.forward, inner.device, inner.batch_size
-    else:
-        forward, bs = (lambda b: model(**b).loss), config.target_batch_size
-        device = next(model.parameters()).device
-
-    def make(rows: Batch) -> TargetProvider:
-        return ValidationTarget(probe, forward, rows, ctx=ctx, refresh_every=config.refresh_every,
-                                batch_size=bs, device=device, own_rows=True)
-    return make
-
-
-def prepare(target: Target, config: SelectionConfig, *, probe: GradientCapture,
-            ctx: ParallelContext | None, optimizer=None,
-            reference: Callable[[Batch], TargetProvider] | None = None
-            ) -> tuple[Target, Callable[[Batch], TargetProvider] | None]:
-    """``target`` and the pool's ``reference`` in the optimizer's metric: with
-    ``precondition="adam"`` every gradient (target, held-out, pool) becomes ``P g``
-    (selection/precondition.py); otherwise both unchanged."""
-    if config.precondition != "adam":
-        return target, reference
-    from dattri_ds.selection.precondition import PreconditionedTarget, second_moments
-
-    moments = second_moments(optimizer, ctx)
-
-    def pre(provider: TargetProvider) -> TargetProvider:
-        return PreconditionedTarget(provider, probe.layers, moments, ctx)
-
-    shaped = replace(target, gradient=pre(target.gradient),
-                     held_out=None if target.held_out is None else pre(target.held_out))
-    if reference is None:
-        return shaped, None
-    base = reference
-    return shaped, lambda rows: pre(base(rows))
+    return Target(ValidationTarget(probe, lambda b: model(**b).loss, documents, ctx=ctx,
+                                   refresh_every=config.refresh_every,
+                                   batch_size=config.target_batch_size, device=device),
+                  documents)

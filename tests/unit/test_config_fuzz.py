@@ -258,14 +258,14 @@ def test_valid_configs_and_explicit_defaults_are_accepted(tmp_path):
     to null, come out as their defaults). Breaks if the schema refuses a valid value."""
     for cfg in sorted((ROOT / "configs").glob("zero*.json")):
         load_run_config(cfg)
-    explicit = RunConfig.from_dict(_default_block())
+    block = _default_block()
+    block["selection"]["score"] = "alignment"  # its written-out projection needs the probe
+    explicit = RunConfig.from_dict(block)
     base = RunConfig.from_dict({})
-    # the written-out projection block is a probe setting (selection.score resolves to
-    # alignment with it); score=None resolves again without it
     assert explicit.selection.score == "alignment" and base.selection.score == "content"
     assert dataclasses.replace(explicit, store={}, capture=dataclasses.replace(
         explicit.capture, projection=None), selection=dataclasses.replace(
-        explicit.selection, projection=None, score=None)) == base
+        explicit.selection, projection=None, score="content")) == base
     assert explicit.store_config(tmp_path) == base.store_config(tmp_path)
     assert explicit.capture.projection == explicit.selection.projection is not None
     good = _write(tmp_path, "good.json", BASE)
@@ -274,6 +274,8 @@ def test_valid_configs_and_explicit_defaults_are_accepted(tmp_path):
         d = leaf.default
         if d is dataclasses.MISSING or d == ():
             continue
+        if leaf.key == "selection.score":
+            d = "alignment"  # as in the block above
         if isinstance(d, tuple):
             argv += [flag_name(leaf), *d]
         else:
@@ -284,7 +286,10 @@ def test_valid_configs_and_explicit_defaults_are_accepted(tmp_path):
     assert flagged == explicit
     for leaf in LEAVES:  # one string where a list of strings is expected: a list of one
         if typing.get_origin(_kind(leaf)) is tuple:
-            cfg = RunConfig.from_dict(_nest(leaf.path, "x.jsonl"))
+            block = _nest(leaf.path, "x.jsonl")
+            if leaf.path[0] == "selection":  # selection.include needs the gradient score
+                block["selection"]["score"] = "alignment"
+            cfg = RunConfig.from_dict(block)
             node = cfg
             for k in leaf.path:
                 node = node[k] if isinstance(node, dict) else getattr(node, k)

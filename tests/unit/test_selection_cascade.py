@@ -1,12 +1,11 @@
 """The cascade (selection/cascade.py, ``selection.shortlist``): content prior first, probe second.
 
 Invariants: the shortlist is the top ``ceil(shortlist * n)`` candidates by content prior
-(``n = k - round(uniform_mix * k)``; ties to the lower index, candidates over the repeat
-cap last); the cascade's choice equals the full selector's choice run on the shortlisted
-candidates alone (same rank stages, same policy, the same stream counts); only the
-shortlist is probed, and its scores equal the per-example autograd cosine; the uniform
-share comes from all candidates; the step-cost model predicts every mode; settings the
-cascade cannot serve fail at start.
+(``n = k - round(uniform_mix * k)``; ties to the lower index); the cascade's choice equals
+the full selector's choice run on the shortlisted candidates alone (same rank stages, same
+policy, the same stream counts); only the shortlist is probed, and its scores equal the
+per-example autograd cosine; the uniform share comes from all candidates; the step-cost
+model predicts every mode; settings the cascade cannot serve fail at start.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ import torch
 from dattri_ds import ConfigError
 from dattri_ds.selection import OnlineSelector, SelectionConfig
 from dattri_ds.selection.cascade import (
-    Cascade, PriorText, needed, shortlist, shortlist_size,
+    Cascade, needed, shortlist, shortlist_size,
 )
 from dattri_ds.selection.smoothing import CandidateText
 from dattri_ds.selection.stepcost import StepCost
@@ -48,8 +47,8 @@ class _FixedPrior:
 
 
 def test_shortlist_on_hand_made_content():
-    """S = min(C, ceil(multiple * n)); the top S by content, ties to the lower index, capped
-    candidates last; the PriorText carries the shortlist's content and counts."""
+    """S = min(C, ceil(multiple * n)); the top S by content, ties to the lower index; the
+    shortlist's text carries its content scores and counts."""
     assert needed(8, 32, 0.5) == 4 and needed(8, 32, 0.0) == 8 and needed(8, 5, 0.5) == 3
     assert shortlist_size(1.5, 8, 32, 0.5) == 6
     assert shortlist_size(1.0, 8, 32, 0.5) == 4
@@ -60,14 +59,13 @@ def test_shortlist_on_hand_made_content():
     ids = torch.arange(6 * T).view(6, T) % 97
     text = CandidateText(ids)
     cascade = Cascade(1.5, 0.5, _FixedPrior(content.tolist()))
-    pos, sub = cascade(text, 4, None)  # n = 2, S = 3
+    pos, sub = cascade(text, 4)  # n = 2, S = 3
     assert pos.tolist() == [1, 2, 3]
-    assert isinstance(sub, PriorText) and torch.equal(sub.content, content[pos])
+    assert torch.equal(sub.content, content[pos])
     assert torch.equal(sub.ids, ids[pos]) and torch.equal(sub.counts, text.counts[pos])
-    capped = torch.tensor([False, True, False, False, False, False])
-    pos, _ = cascade(text, 4, capped)
-    assert pos.tolist() == [2, 3, 5]  # the capped 0.9 goes last
-    assert cascade.summary()["probed"] == 6 and cascade.summary()["candidates"] == 12
+    pos, _ = cascade(text, 2)  # n = 1, S = 2
+    assert pos.tolist() == [1, 3]
+    assert cascade.summary()["probed"] == 5 and cascade.summary()["candidates"] == 12
 
 
 def _selector(model, tgt, **over):
@@ -88,7 +86,7 @@ def test_cascade_choice_equals_full_selector_on_the_shortlist(policy, mix):
                     smooth_neighbors=3)
     ref = _selector(model, tgt, policy=policy, uniform_mix=0.0, smooth_neighbors=3)
     n = needed(k, c, mix)
-    prior = ref._rankers[-1].prior  # the ContentRanking stage's prior
+    prior = ref.rankers[-1].prior  # the ContentRanking stage's prior
     for step in range(3):
         ids = _docs(c, 100 + step)
         ids[::3, :4] = tgt[0, :4]
@@ -156,7 +154,7 @@ def test_step_cost_modes_and_plan_line(caplog):
     with caplog.at_level(logging.INFO, logger="dattri_ds.selection.online"):
         sel.select(_batch(_docs(16, 3)), 4, 0, train_loss=True)
     sel.close()
-    assert sel.plan.probed == 3 and sel.reuse is False
+    assert sel.plan.probed == 3 and sel.scorer.reuse is False
     line = " ".join(r.getMessage() for r in caplog.records)
     assert "cascade S=3" in line and "full probe" in line and "uniform 1.00x" in line
 
@@ -181,33 +179,20 @@ def test_cascade_log_and_summary(tmp_path):
 
 def test_bad_cascade_settings_fail_at_start():
     """Each refused setting names the value and the fix."""
+    a = {"score": "alignment"}
     with pytest.raises(ConfigError, match=r"shortlist=0.5 .*shortlist >= 1"):
-        SelectionConfig(shortlist=0.5)
-    with pytest.raises(ConfigError, match="score='content'"):
+        SelectionConfig(shortlist=0.5, **a)
+    with pytest.raises(ConfigError, match="--selection-shortlist 1.5 .*--selection-score "
+                                          "alignment"):
         SelectionConfig(shortlist=1.5, score="content")
     with pytest.raises(ConfigError, match="target_store"):
-        SelectionConfig(shortlist=1.5, target_store="x", projection={"dim": 8})
+        SelectionConfig(shortlist=1.5, target_store="x", projection={"dim": 8}, **a)
     with pytest.raises(ConfigError, match="scope='rank'"):
-        SelectionConfig(shortlist=1.5, scope="global")
+        SelectionConfig(shortlist=1.5, scope="global", **a)
     with pytest.raises(ConfigError, match="reuse_forward"):
-        SelectionConfig(shortlist=1.5, reuse_forward="on")
+        SelectionConfig(shortlist=1.5, reuse_forward="on", **a)
     with pytest.raises(ConfigError, match="uniform_mix=1"):
-        SelectionConfig(shortlist=1.5, uniform_mix=1.0)
+        SelectionConfig(shortlist=1.5, uniform_mix=1.0, **a)
     with pytest.raises(ConfigError):
-        SelectionConfig(shortlist=0)
-    assert SelectionConfig.from_dict({"shortlist": 1.5}).shortlist == 1.5
-
-
-def test_repeat_cap_applies_before_the_shortlist():
-    """With max_repeats=1 and the same candidates twice, the examples trained at the first
-    step go to the end of the content ranking, so the second shortlist holds none of them
-    (there are enough others): the probe is not spent on candidates the cap rules out."""
-    model, tgt = tiny_gpt2(seed=0), _docs(6, 7)
-    ids = _docs(12, 9)
-    ids[:6, :4] = tgt[0, :4]
-    sel = _selector(model, tgt, shortlist=1.0, uniform_mix=0.0, max_repeats=1)
-    first = sel.select(_batch(ids), 3, 0)
-    second = sel.select(_batch(ids), 3, 1)
-    sel.close()
-    assert not set(first.indices.tolist()) & set(second.probed.tolist())
-    assert not set(first.indices.tolist()) & set(second.indices.tolist())
+        SelectionConfig(shortlist=0, **a)
+    assert SelectionConfig.from_dict({"shortlist": 1.5, **a}).shortlist == 1.5

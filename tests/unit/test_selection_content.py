@@ -113,11 +113,13 @@ def test_bad_content_settings_fail_at_start(tmp_path):
     spec = StoreSpec.from_batch(rows[0], projection=proj, fingerprint="m", capture=cfg)
     with GradientStoreWriter(StoreConfig(path=str(tmp_path)), spec) as w:
         w.append(rows[0])
-    sc = SelectionConfig(content_weight=0.5, target_store=str(tmp_path), projection=proj)
+    sc = SelectionConfig(score="alignment", content_weight=0.5, target_store=str(tmp_path),
+                         projection=proj)
     with pytest.raises(ConfigError, match="content_weight=0.5 needs the target documents"):
         OnlineSelector.for_target_data(model, sc, None)
     unset = OnlineSelector.for_target_data(  # the default: off for a store (no text)
-        model, SelectionConfig(target_store=str(tmp_path), projection=proj), None)
+        model, SelectionConfig(score="alignment", target_store=str(tmp_path), projection=proj),
+        None)
     assert unset.content_weight == 0.0
     unset.close()
     target = {"input_ids": ids, "labels": ids}
@@ -131,4 +133,5 @@ def test_bad_content_settings_fail_at_start(tmp_path):
         sel.close()
         with pytest.raises(ConfigError, match=f"policy='{policy}' cannot use"):
             OnlineSelector.for_target_data(
-                model, SelectionConfig(policy=policy, content_weight=1.0), target)
+                model, SelectionConfig(score="alignment", policy=policy, content_weight=1.0),
+                target)

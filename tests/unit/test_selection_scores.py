@@ -2,7 +2,7 @@
 
 Invariants: per-token scores are inner products of mean-token-loss gradients; Adam-
 preconditioned scores are ``<g_b, P g_target>`` with ``P = 1/(sqrt(v_hat)+eps)`` read from a
-real torch AdamW state; soft/mixed/capped policies do what their definitions say; bad
+real torch AdamW state; soft and mixed policies do what their definitions say; bad
 settings fail at construction.
 """
 
@@ -14,11 +14,11 @@ import torch
 from dattri_ds import ConfigError
 from dattri_ds.layers import kind_for
 from dattri_ds.selection import OnlineSelector, SelectionConfig, ValidationTarget
-from dattri_ds.selection.policy import cap_repeats, fill_uniform, soft_top_k, top_k
+from dattri_ds.selection.policy import fill_uniform, soft_top_k, top_k
 from reference import reference_grads, rel_err, tiny_gpt2
 
 
-RAW = dict(score="alignment", normalize=False, per_token=False, uniform_mix=0.0, contrast=0.0,
+RAW = dict(score="alignment", normalize=False, per_token=False, uniform_mix=0.0,
            smooth_neighbors=None, content_weight=0.0)  # plain <g_b, g_target>, top-k
 
 
@@ -133,16 +133,16 @@ def test_preconditioning_without_second_moments_fails_at_start():
         _selector(model, SelectionConfig(score="alignment", precondition="adam"), tgt)
     from dattri_ds import ProjectionConfig
     with pytest.raises(ConfigError, match="projection"):
-        SelectionConfig(precondition="adam", projection=ProjectionConfig(dim=16))
+        SelectionConfig(score="alignment", precondition="adam",
+                        projection=ProjectionConfig(dim=16))
 
 
-def test_bad_soft_mix_and_cap_settings_fail_early():
-    """temperature <= 0, uniform_mix outside [0, 1], max_repeats < 1, unknown precondition."""
+def test_bad_soft_and_mix_settings_fail_early():
+    """temperature <= 0, uniform_mix outside [0, 1], unknown precondition."""
     for bad, match in ((dict(temperature=0.0), "temperature"),
                        (dict(temperature=-1.0), "temperature"),
                        (dict(uniform_mix=1.5), "uniform_mix"),
                        (dict(uniform_mix=-0.1), "uniform_mix"),
-                       (dict(max_repeats=0), "max_repeats"),
                        (dict(precondition="shampoo"), "precondition")):
         with pytest.raises(ConfigError, match=match):
             SelectionConfig(**bad)
@@ -150,7 +150,7 @@ def test_bad_soft_mix_and_cap_settings_fail_early():
 
 def test_soft_top_k_samples_by_standardized_score():
     """Gumbel-top-k: k=1 inclusion frequencies follow softmax(z / T); T -> 0 is top-k;
-    -inf (capped) candidates come last; the scale of the scores does not matter."""
+    -inf candidates come last; the scale of the scores does not matter."""
     s = torch.tensor([0.0, 1.0, 2.0, -1.0])
     z = (s - s.mean()) / s.std(unbiased=False)
     gen = torch.Generator().manual_seed(0)
@@ -167,22 +167,16 @@ def test_soft_top_k_samples_by_standardized_score():
         soft_top_k(s, 1, 0.0, gen)
 
 
-def test_fill_uniform_and_cap_repeats():
-    """fill_uniform keeps the policy's picks and adds distinct uniform ones; cap_repeats
-    masks candidates trained cap times."""
+def test_fill_uniform():
+    """fill_uniform keeps the policy's picks and adds distinct uniform ones."""
     gen = torch.Generator().manual_seed(0)
     got = fill_uniform(torch.tensor([3, 1]), 8, 5, gen)
     assert got.numel() == 5 and {1, 3} <= set(got.tolist()) and got.unique().numel() == 5
     assert fill_uniform(torch.zeros(0, dtype=torch.long), 4, 4, gen).tolist() == [0, 1, 2, 3]
-    s = torch.tensor([1.0, 2.0, 3.0])
-    out = cap_repeats(s, torch.tensor([0, 2, 1]), 2)
-    assert out[1] == float("-inf") and out[0] == 1.0 and out[2] == 3.0
-    assert cap_repeats(s, torch.tensor([9, 9, 9]), None) is s
 
 
-def test_selector_mix_and_repeat_cap():
-    """uniform_mix=0.5 keeps the policy's best half; max_repeats=1 never trains an example
-    twice while others remain."""
+def test_selector_mix():
+    """uniform_mix=0.5 keeps the policy's best half."""
     model = tiny_gpt2()
     tgt = {"input_ids": _ids(3, 1), "labels": _ids(3, 1)}
     cand = _ids(8, 2)
@@ -192,48 +186,3 @@ def test_selector_mix_and_repeat_cap():
     best2 = set(top_k(out.scores, 2).tolist())
     assert out.indices.numel() == 4 and best2 <= set(out.indices.tolist())
     sel.close()
-    sel = _selector(model, SelectionConfig(**RAW, max_repeats=1), tgt)
-    first = set(sel.select(batch, 4, 0).indices.tolist())
-    second = set(sel.select(batch, 4, 1).indices.tolist())
-    assert first.isdisjoint(second) and len(first | second) == 8
-    sel.close()
-
-
-def test_held_out_check_split_and_fallback():
-    """split_rows holds out every 1/f-th document; the check falls back to uniform choice
-    exactly when the chosen examples are no more aligned with the held-out part than the
-    average candidate, and the summary says when."""
-    from dattri_ds.selection.fallback import HeldOutCheck, split_rows
-
-    keep, held = split_rows(10, 0.5)
-    assert held.tolist() == [1, 3, 5, 7, 9] and keep.tolist() == [0, 2, 4, 6, 8]
-    assert split_rows(3, 0.2)[1].tolist() == [2]
-    good, bad = HeldOutCheck(every=2), HeldOutCheck(every=2)
-    v = torch.tensor([3.0, 1.0, 0.0, -1.0])
-    for step in range(4):
-        assert not good.decide(step) and bad.decide(step) == (step >= 2)
-        good.add(v, torch.tensor([0, 1]))   # chosen above the candidates' mean
-        bad.add(v, torch.tensor([2, 3]))    # chosen below it
-    assert good.summary()["fell_back_at_step"] is None
-    assert bad.summary()["fell_back_at_step"] == 2
-    assert bad.summary()["checks"][0]["advantage"] < 0
-
-
-def test_selector_with_held_out_part_reports_check():
-    """validation_fraction=0.5: scoring uses half the target documents, the run summary
-    carries the held-out check; a bad fraction or global scope fails at construction."""
-    model = tiny_gpt2()
-    tgt = {"input_ids": _ids(6, 1), "labels": _ids(6, 1)}
-    cfg = SelectionConfig(score="alignment", validation_fraction=0.5, fallback_every=1)
-    sel = OnlineSelector.for_target_data(model, cfg, tgt)
-    assert sel.target.n == 3 and sel.held_out.n == 3
-    cand = _ids(8, 2)
-    for step in range(3):
-        sel.select({"input_ids": cand, "labels": cand}, 4, step)
-    checks = sel.summary()["held_out_check"]["checks"]
-    assert [c["step"] for c in checks][:1] == [1]
-    sel.close()
-    for bad in (dict(validation_fraction=1.0), dict(validation_fraction=0.5, scope="global"),
-                dict(fallback_every=0)):
-        with pytest.raises(ConfigError):
-            SelectionConfig(**bad)

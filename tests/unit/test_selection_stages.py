@@ -4,7 +4,8 @@ Invariants: a ``Score`` registered in this file (one class, plus its name in a c
 ``score`` Literal) runs through ``OnlineSelector`` unchanged and chooses what a hand
 computation on per-example autograd gradients chooses; policies and scores say themselves
 whether they read or have a scale; the rank stages compose in order; ``build_target`` keeps
-the target's documents, gradient and held-out part apart.
+the target's documents and gradient apart; each arm is a list of stage objects folding a
+``StepState``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from reference import reference_grads, rel_err, tiny_gpt2
 class NegSqDistance(Score, name="neg_sq_distance"):
     """Toy rule: ``-|g_b - g_t|^2 = -(|g_b|^2 - 2 <g_b, g_t> + |g_t|^2)`` (ghost products)."""
 
-    def __call__(self, grads, rows, *, others, text):
+    def __call__(self, grads, rows, *, text):
         names = list(rows.layers)
         u = cross_gram(grads, rows, layers=names, cost=self.cost)[:, 0]
         tt = cross_gram(rows, rows, layers=names, cost=self.cost)[0, 0]
@@ -47,7 +48,7 @@ class Unscaled(NegSqDistance, name="unscaled_toy"):
 class ToyConfig(SelectionConfig):
     """The one other edit a new rule needs: its name in ``score``'s Literal."""
 
-    score: Literal["alignment", "step", "neg_sq_distance", "unscaled_toy"] = "neg_sq_distance"
+    score: Literal["alignment", "neg_sq_distance", "unscaled_toy"] = "neg_sq_distance"
 
 
 PLAIN = dict(per_token=False, uniform_mix=0.0, smooth_neighbors=None, content_weight=0.0)
@@ -79,7 +80,7 @@ def test_toy_score_runs_through_the_selector():
 def test_a_new_rule_is_one_class_and_one_literal_value():
     """The registry lists the toy rules; the shipped config refuses their names (its Literal
     does not hold them); an unknown rule's lookup names the registered ones."""
-    assert {"alignment", "step", "neg_sq_distance"} <= set(SCORES.names())
+    assert {"alignment", "content", "neg_sq_distance"} <= set(SCORES.names())
     with pytest.raises(ConfigError, match="selection.score"):
         SelectionConfig(score="neg_sq_distance")
     with pytest.raises(ConfigError, match="registered: .*alignment"):
@@ -87,22 +88,22 @@ def test_a_new_rule_is_one_class_and_one_literal_value():
 
 
 def test_stage_properties_come_from_the_classes():
-    """Policies that read the scores' scale refuse a score without one; GREATS needs the
-    gram; the pool sample's size is the score's (contrast, step) and 0 otherwise."""
+    """Policies that read the scores' scale refuse a score without one (when the rule is
+    built); GREATS needs the gram; the shipped config's scaled policies are the registry's."""
+    from dattri_ds.selection.config import SCALED_POLICIES
+    from dattri_ds.selection.scorer import score_for
+
     assert POLICIES.lookup("greats").needs_gram and POLICIES.lookup("greats").scaled
     assert POLICIES.lookup("threshold").scaled and not POLICIES.lookup("topk").scaled
+    assert set(SCALED_POLICIES) == {n for n in POLICIES.names() if POLICIES.lookup(n).scaled}
     with pytest.raises(ConfigError, match="policy='threshold' reads the scores' own scale"):
-        ToyConfig(score="unscaled_toy", policy="threshold", content_weight=0.0)
-    ToyConfig(score="unscaled_toy", policy="soft")  # ranking policies take it
-    for kw, rows in (({"score": "alignment"}, 0), ({"score": "step", "contrast_rows": 5}, 5),
-                     ({"score": "alignment", "contrast": 0.5, "contrast_rows": 7}, 7)):
-        cfg = SelectionConfig(**kw)
-        assert SCORES.lookup(cfg.score).pool_size(cfg) == rows, kw
+        score_for(ToyConfig(score="unscaled_toy", policy="threshold", content_weight=0.0))
+    score_for(ToyConfig(score="unscaled_toy", policy="soft"))  # ranking policies take it
 
 
 def test_rank_stages_compose_in_order():
     """``rankers`` = [smoothing, content]; running them equals content on smoothed scores."""
-    cfg = SelectionConfig(smooth_neighbors=2, content_weight=1.5)
+    cfg = SelectionConfig(score="alignment", smooth_neighbors=2, content_weight=1.5)
     docs = {"input_ids": _ids(4, 5)}
     stages = rankers(cfg, 1.5, docs)
     assert [type(s) for s in stages] == [NeighborSmoother, ContentRanking]
@@ -116,21 +117,45 @@ def test_rank_stages_compose_in_order():
     smoothed = NeighborSmoother(2, 1024).smooth_features(ngram_features(cand, ones), scores)
     want = with_content(smoothed, ContentRanking(docs, 1.5).prior.scores(cand, ones), 1.5)
     assert torch.allclose(got, want)
-    assert rankers(SelectionConfig(smooth_neighbors=None), 0.0, None) == []
+    assert rankers(SelectionConfig(score="alignment", smooth_neighbors=None), 0.0, None) == []
 
 
-def test_build_target_keeps_documents_gradient_and_held_out_apart():
-    """With validation_fraction the documents are the scoring part, the gradient is a
-    ValidationTarget on them and the held-out part has its own provider."""
+def test_build_target_keeps_documents_and_gradient_apart():
+    """The documents are the target's model inputs and the gradient a ValidationTarget on
+    them; a store target has a gradient and no documents."""
     model = tiny_gpt2(seed=1)
-    cfg = SelectionConfig(score="alignment", validation_fraction=0.34)
+    cfg = SelectionConfig(score="alignment")
     probe = OnlineSelector.probe_capture(model, cfg)
     docs = {"input_ids": _ids(6, 7), "labels": _ids(6, 7)}
     t = build_target(cfg, model, docs, probe=probe)
     probe.detach()
-    assert isinstance(t.gradient, ValidationTarget) and isinstance(t.held_out, ValidationTarget)
-    assert t.documents["input_ids"].shape[0] == 4 and t.held_out.n == 2
-    assert torch.equal(t.gradient.data["input_ids"], t.documents["input_ids"])
+    assert isinstance(t.gradient, ValidationTarget) and t.documents is docs
+    assert torch.equal(t.gradient.data["input_ids"], docs["input_ids"])
+
+
+def test_each_arm_is_a_list_of_stages():
+    """gradient: [Shortlist (with shortlist), Probe, Rank, Choose, Log]; content:
+    [TextScore, Rank, Choose, Log]; uniform: [Uniform, Log]. The step state is folded
+    through them: the selector keeps nothing about a step between calls."""
+    from dataclasses import fields
+
+    from dattri_ds.selection.log import Log
+    from dattri_ds.selection.stages import Choose, Probe, Rank, Shortlist, TextScore, Uniform
+    from dattri_ds.selection.step import StepState
+
+    model = tiny_gpt2(seed=2)
+    docs = {"input_ids": _ids(4, 8), "labels": _ids(4, 8)}
+    want = {(("score", "alignment"),): [Probe, Rank, Choose, Log],
+            (("score", "alignment"), ("shortlist", 1.5)): [Shortlist, Probe, Rank, Choose, Log],
+            (): [TextScore, Rank, Choose, Log], (("random", True),): [Uniform, Log]}
+    for kw, stages in want.items():
+        sel = OnlineSelector.for_target_data(model, SelectionConfig(**dict(kw)), docs)
+        assert [type(s) for s in sel.stages] == stages, kw
+        before = dict(vars(sel))
+        sel.select({"input_ids": _ids(8, 9), "labels": _ids(8, 9)}, 3, 0)
+        assert set(vars(sel)) == set(before), kw  # no attribute added by a step
+        sel.close()
+    assert len(fields(StepState)) <= 15
 
 
 def test_content_score_runs_no_probe():
@@ -164,15 +189,15 @@ def test_content_score_runs_no_probe():
 
 
 def test_content_score_refuses_what_needs_a_gradient():
-    """score='content' with settings that need a gradient (held-out check, preconditioning,
-    contrast), a scale-reading policy or no target documents: clear errors at start; a
-    content_weight has no effect and says so."""
+    """score='content' with settings that need a gradient (preconditioning, a store, a
+    scale-reading policy) or with a content weight: one-line errors at start naming the
+    flag and --selection-score alignment."""
     from dattri_ds import ProjectionConfig
 
-    for kw in ({"validation_fraction": 0.5}, {"precondition": "adam"}, {"contrast": 0.5},
-               {"policy": "threshold", "content_weight": 0.0},
-               {"target_store": "grads", "projection": ProjectionConfig(dim=8)}):
-        with pytest.raises(ConfigError, match="score='content'"):
+    for kw, flag in (({"precondition": "adam"}, "--selection-precondition"),
+                     ({"policy": "threshold"}, "--selection-policy threshold"),
+                     ({"content_weight": 2.0}, "--selection-content-weight 2.0"),
+                     ({"target_store": "grads", "projection": ProjectionConfig(dim=8)},
+                      "--selection-target-store grads")):
+        with pytest.raises(ConfigError, match=f"{flag} .*--selection-score alignment"):
             SelectionConfig(score="content", **kw)
-    with pytest.warns(UserWarning, match="content_weight=2.0 has no effect"):
-        SelectionConfig(score="content", content_weight=2.0)

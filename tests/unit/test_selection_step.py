@@ -37,20 +37,20 @@ def test_top_blocks_finds_the_block_list():
     model = tiny_gpt2(n_layer=3)
     assert find_blocks(model) == ("transformer.h", 3)
     assert top_block_patterns(model, 1) == ("transformer.h.2", "transformer.h.2.*")
-    probe = OnlineSelector.probe_capture(model, SelectionConfig(top_blocks=1))
+    probe = OnlineSelector.probe_capture(model, SelectionConfig(score="alignment", top_blocks=1))
     assert sorted(probe.layers) == sorted(_block_layers(model, 2))
     probe.detach()
 
 
 @pytest.mark.parametrize("n", [1, 2])
 def test_top_block_scores_equal_exact_scores_of_those_layers(n):
-    """Cosine scoring of mean-token loss gradients (no contrast) on the top n of 3 blocks
+    """Cosine scoring of mean-token loss gradients on the top n of 3 blocks
     equals <g_b, mean_q g_q> / ||g_b|| over exactly those layers, from per-example
     autograd."""
     model = tiny_gpt2(n_layer=3)
     tgt, cand = _ids(4, 1), _ids(6, 2)
     tgt, cand = {"input_ids": tgt, "labels": tgt}, {"input_ids": cand, "labels": cand}
-    sel = _selector(model, SelectionConfig(score="alignment", top_blocks=n, contrast=0.0), tgt)
+    sel = _selector(model, SelectionConfig(score="alignment", top_blocks=n), tgt)
     got = sel.score(cand, 0)[1]
     layers = _block_layers(model, 3 - n)
     rc = reference_grads(model, cand["input_ids"], per_example_loss="mean", layers=layers)
@@ -91,11 +91,12 @@ def test_truncated_probe_backward_stops_above_the_scored_blocks():
 def test_bad_top_blocks_fail_early():
     """More blocks than the model has, or top_blocks together with include: ConfigError."""
     with pytest.raises(ConfigError, match="at most 2"):
-        OnlineSelector.probe_capture(tiny_gpt2(), SelectionConfig(top_blocks=3))
+        OnlineSelector.probe_capture(tiny_gpt2(), SelectionConfig(score="alignment",
+                                                                  top_blocks=3))
     with pytest.raises(ConfigError, match="only"):
-        SelectionConfig(top_blocks=1, include=("lm_head",))
+        SelectionConfig(score="alignment", top_blocks=1, include=("lm_head",))
     with pytest.raises(ConfigError):
-        SelectionConfig(top_blocks=0)
+        SelectionConfig(score="alignment", top_blocks=0)
 
 
 def test_step_cost_units_and_probe_share():
@@ -167,20 +168,20 @@ def test_reuse_forward_decision_and_refusals(monkeypatch):
     from dattri_ds.selection import stepcost
 
     with pytest.raises(ConfigError, match="scope"):
-        SelectionConfig(reuse_forward="on", scope="global")
+        SelectionConfig(score="alignment", reuse_forward="on", scope="global")
     model = tiny_gpt2()
     ids = _ids(4, 1)
     batch = {"input_ids": ids, "labels": ids}
     small = _selector(model, SelectionConfig(score="alignment"), batch)
-    assert small.select(batch, 2, 0, train_loss=True).loss is None and not small.reuse
+    assert small.select(batch, 2, 0, train_loss=True).loss is None and not small.scorer.reuse
     monkeypatch.setattr(stepcost, "REUSE_CALL_OVERHEAD_S", 0.0)
     auto = _selector(model, SelectionConfig(score="alignment"), batch)
     assert auto.select(batch, 2, 0, train_loss=True).loss is not None and auto.plan.reuse
     assert auto.select(batch, 2, 1).loss is None
     glob = _selector(model, SelectionConfig(score="alignment", scope="global"), batch)
-    assert glob.select(batch, 2, 0, train_loss=True).loss is None and not glob.reuse
+    assert glob.select(batch, 2, 0, train_loss=True).loss is None and not glob.scorer.reuse
     with GradientCapture(model):
-        assert auto.select(batch, 2, 2, train_loss=True).loss is None and not auto.reuse
+        assert auto.select(batch, 2, 2, train_loss=True).loss is None and not auto.scorer.reuse
         on = _selector(model, SelectionConfig(score="alignment", reuse_forward="on"), batch)
         with pytest.raises(ConfigError, match="capture"):
             on.select(batch, 2, 0, train_loss=True)

@@ -27,8 +27,7 @@ NOT_SIZES = {"train.seed", "capture.ignore_index", "capture.backward_scale",
              "capture.label_shift", "capture.projection.seed", "selection.projection.seed",
              "capture.projection.kron_speedup", "selection.projection.kron_speedup",
              "selection.tau", "selection.temperature", "selection.greats_lr",
-             "selection.content_weight", "selection.contrast", "selection.uniform_mix",
-             "selection.fraction", "selection.validation_fraction"}
+             "selection.content_weight", "selection.uniform_mix", "selection.fraction"}
 
 
 def size_leaves() -> list[schema.Leaf]:

@@ -181,7 +181,7 @@ def _target(w, store, *, model="run", kind="dense", dim=4, seed=0, sub="s1", **c
 
         net = Run.open(w[model]).model("s1") if model == "run" else \
             HFModelDir.open(w[model]).model(w[model].name)
-        sc = SelectionConfig(target_store=str(w[store] / sub),
+        sc = SelectionConfig(score="alignment", target_store=str(w[store] / sub),
                              projection=ProjectionConfig(kind=kind, dim=dim, seed=seed))
         OnlineSelector.for_target_data(net, sc, None, capture=CaptureConfig(**capture)).close()
     return main, []

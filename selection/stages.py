@@ -1,0 +1,347 @@
+"""The stages of a selection step: each a small object built once from the config, called
+as ``stage(state) -> state`` on the step's ``StepState`` (selection/step.py).
+
+An arm is a list of them (``OnlineSelector`` picks one per run):
+
+* gradient: ``Shortlist`` (with ``shortlist``), ``Probe``, ``Rank``, ``Choose`` (or
+  ``GlobalChoose`` under ``scope="global"``), ``Log``;
+* content: ``TextScore``, ``Choose``, ``Log``;
+* uniform (``random``): ``Uniform``, ``Log``.
+
+A stage keeps only what outlives a step (a refresh clock, a stream's counts, a draw
+counter), each saved with the selector's state; everything about one step travels in the
+state.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from dattri_ds.capture import GradientCapture
+from dattri_ds.config import CaptureConfig
+from dattri_ds.distributed import ParallelContext
+from dattri_ds.errors import CaptureError, ConfigError
+from dattri_ds.gradient import GradBatch
+from dattri_ds.ops import CostModel, default_cost_model
+from dattri_ds.ops.projection import stable_seed
+from dattri_ds.selection.cascade import Cascade, needed
+from dattri_ds.selection.config import SelectionConfig
+from dattri_ds.selection.policy import Policy, fill_uniform
+from dattri_ds.selection.rank import Ranker
+from dattri_ds.selection.scorer import Score
+from dattri_ds.selection.stepcost import decide_reuse
+from dattri_ds.selection.step import Batch, Selection, StepState
+from dattri_ds.selection.target import TargetProvider
+from dattri_ds.semantics import batch_info, content_id
+
+__all__ = ["Stage", "SampleIds", "Shortlist", "TextScore", "Probe", "Rank", "Choose",
+           "GlobalChoose", "Uniform", "generator"]
+
+
+class Stage(Protocol):
+    """One stage of a selection step."""
+
+    def __call__(self, state: StepState) -> StepState: ...
+
+
+def generator(step: int, ids) -> torch.Generator:
+    """Seeded by the step and the candidates' content ids: soft and mixed choices replay
+    exactly and do not depend on the parallel layout (DP rank, accumulation, TP)."""
+    return torch.Generator().manual_seed(stable_seed("select", step, *ids))
+
+
+class SampleIds:
+    """The candidates' sample ids as the probe would record them (content hashes under the
+    capture's label shift and ignore index, user ids as prefixes), without a probe pass."""
+
+    def __init__(self, capture: CaptureConfig) -> None:
+        self.capture = capture
+
+    def __call__(self, batch: Batch, user_ids: list[str] | None) -> tuple[str, ...]:
+        return batch_info((), batch, label_shift=self.capture.label_shift,
+                          ignore_index=self.capture.ignore_index, user_ids=user_ids).sample_ids
+
+
+class Shortlist:
+    """The cascade (selection/cascade.py): the content prior ranks all ``C`` candidates,
+    the top ``S`` stay in play."""
+
+    def __init__(self, cascade: Cascade, ids: SampleIds) -> None:
+        self.cascade, self.ids = cascade, ids
+
+    def __call__(self, s: StepState) -> StepState:
+        ids = self.ids(s.batch, s.user_ids)
+        short, text = self.cascade(s.text, s.k)
+        return replace(s, pool=short, text=text, shortlisted=True, ids=ids)
+
+
+class TextScore:
+    """The score of a rule that reads text only (``score="content"``): no probe, no target."""
+
+    def __init__(self, rule: Score, ids: SampleIds) -> None:
+        self.rule, self.ids = rule, ids
+
+    def __call__(self, s: StepState) -> StepState:
+        ids = self.ids(s.batch, s.user_ids)
+        grads = GradBatch(step=s.step, sample_ids=ids, layers={})
+        scores = self.rule(grads, None, text=s.text)
+        return replace(s, ids=ids, grads=grads, scores=scores.detach().float().cpu())
+
+
+class Probe:
+    """The target, probe and score stages of a gradient rule: the target's rows for the
+    step (refreshed by their provider), one forward and an output-gradient-only backward of
+    the candidates in play (``GradientCapture.probe``: no parameter gradient, so ZeRO-3's
+    partitioned gradients are never touched), and the rule's ``[P]`` scores.
+
+    Candidates with a NaN/inf gradient or score leave the pool (named in a warning).
+
+    Args:
+        model: the module the engine calls.
+        rule: the registered ``Score``.
+        rows: the provider of what candidates are scored against.
+        probe: the probe capture on ``model``.
+        config: the selection settings (``reuse_forward``, ``scope``).
+        cost: cost model (its roofline weighs forward reuse).
+        reuse: None: decided at the first step (``decide_reuse``); False: never (``why``).
+    """
+
+    def __init__(self, model: nn.Module, rule: Score, rows: TargetProvider,
+                 probe: GradientCapture, config: SelectionConfig, cost: CostModel | None,
+                 reuse: bool | None = None, why: str = "") -> None:
+        self.model, self.rule, self.rows, self.probe = model, rule, rows, probe
+        self.config, self.cost = config, cost
+        self.reuse, self.why = reuse, why
+
+    def reusing(self, tokens: int, candidates: int, trained: int) -> bool:
+        """Reuse this step's forward? Decided once by ``decide_reuse``; never with a
+        recording capture on the model (it does not record probe forwards): ``auto`` then
+        turns reuse off, ``on`` is refused."""
+        if self.reuse is None:
+            device = next(self.model.parameters()).device
+            roofline = (self.cost or default_cost_model(device)).roofline
+            self.reuse, self.why = decide_reuse(
+                self.config.reuse_forward, self.model, self.config.scope, tokens=tokens,
+                candidates=candidates, trained=trained, layers=len(self.probe.layers),
+                flops_per_s=roofline.flops_per_s)
+        if not self.reuse or getattr(self.model, "_dattri_ds_capture", None) is None:
+            return self.reuse
+        if self.config.reuse_forward == "on":
+            raise ConfigError("selection.reuse_forward='on' trains on graphs built during the "
+                              "probe, which a recording GradientCapture (--capture) does not "
+                              "record: set selection.reuse_forward='auto' or 'off' to capture")
+        self.reuse, self.why = False, "a recording capture is attached"
+        return False
+
+    def __call__(self, s: StepState) -> StepState:
+        batch, users = s.in_play()
+        rows = self.rows.get(s.step)
+        dropped = self.probe.skipped
+        losses: list[torch.Tensor] = []
+        if s.reuse:
+            grads = self.probe.probe(lambda: self._per_example(batch, users, losses),
+                                     retain_graph=True)
+        else:
+            if users is not None:
+                self.probe.tag(users)
+            grads = self.probe.probe(lambda: self.model(**batch).loss)
+        if grads is None:
+            if self.probe.skipped > dropped:
+                raise CaptureError(
+                    f"Every candidate of step {s.step} has a NaN/inf gradient (the model's "
+                    f"loss is non-finite: training diverged, or the inputs hold NaN/inf); "
+                    f"nothing can be selected. Lower the learning rate or check the data")
+            raise ConfigError("The probe pass captured nothing: the model's loss does not "
+                              "depend on any captured layer")
+        kept = self.probe.last_kept
+        scores = self.rule(grads, rows, text=s.text)
+        finite = torch.isfinite(scores)
+        if not bool(finite.all()):
+            ok = torch.nonzero(finite.cpu()).flatten()
+            if ok.numel() == 0:
+                raise CaptureError(
+                    f"Every candidate score of step {s.step} is NaN/inf although the "
+                    f"candidates' gradients are finite: the target gradient is non-finite (its "
+                    f"model diverged, or a target text has no loss token); nothing can be "
+                    f"selected")
+            bad = [grads.sample_ids[i] for i in torch.nonzero(~finite.cpu()).flatten().tolist()]
+            warnings.warn(f"Step {s.step}: candidate(s) {bad[:5]} have a NaN/inf selection "
+                          f"score and are dropped", stacklevel=2)
+            grads, scores = grads.index(ok), scores[ok.to(scores.device)]
+            kept = ok if kept is None else kept[ok]
+        out = replace(s, grads=grads, scores=scores.detach().float().cpu(),
+                      losses=tuple(losses) if s.reuse else None)
+        if kept is None:
+            return out
+        return replace(out, pool=kept if s.pool is None else s.pool[kept],
+                       text=s.text.subset(kept))
+
+    def _per_example(self, batch: Batch, users: list[str] | None,
+                     losses: list[torch.Tensor]) -> torch.Tensor:
+        """``reuse_forward``: one model call per candidate (one graph each); the calls'
+        losses are kept in ``losses`` and their sum is probed."""
+        for i in range(batch["input_ids"].shape[0]):
+            if users is not None:
+                self.probe.tag(users[i:i + 1])
+            losses.append(self.model(**{n: v[i:i + 1] for n, v in batch.items()}).loss)
+        return torch.stack(losses).sum()
+
+
+class Rank:
+    """The rank stages (selection/rank.py: neighbour smoothing, the content prior), in
+    order, turn the scores into what the policy ranks."""
+
+    def __init__(self, rankers: list[Ranker]) -> None:
+        self.rankers = rankers
+
+    def __call__(self, s: StepState) -> StepState:
+        ranked = s.scores
+        for stage in self.rankers:
+            ranked = stage(ranked, s.text)
+        return replace(s, ranked=ranked)
+
+
+class Choose:
+    """The policy and the uniform mix (``Policy.mixed``) on this rank's candidates: the
+    policy picks ``n = k - round(uniform_mix * k)`` of those in play, a seeded uniform draw
+    fills up to ``k`` (from all ``C`` when the pool is a shortlist).
+
+    Args:
+        config: the selection settings (the policy's parameters).
+        policy: the registered ``Policy``.
+        cost: cost model (GREATS' gram).
+        lr_fn: the optimizer's current learning rate (GREATS, without ``greats_lr``).
+        capture: the probe's capture settings (the reused loss's reduction).
+    """
+
+    def __init__(self, config: SelectionConfig, policy: Policy, cost: CostModel | None,
+                 lr_fn: Callable[[], float] | None, capture: CaptureConfig) -> None:
+        self.config, self.policy, self.cost, self.lr_fn = config, policy, cost, lr_fn
+        self.capture = capture
+
+    def mixed(self, ranked: torch.Tensor, k: int, gram_source, gen: torch.Generator,
+              uniform_mix: float) -> torch.Tensor:
+        """``Policy.mixed`` with this run's parameters."""
+        cfg = self.config
+        lr = cfg.greats_lr if cfg.greats_lr is not None else (self.lr_fn() if self.lr_fn else 1.0)
+        return self.policy.mixed(ranked, k, uniform_mix=uniform_mix, gram_source=gram_source,
+                                 cost=self.cost, generator=gen, lr=lr, fraction=cfg.fraction,
+                                 tau=cfg.tau, temperature=cfg.temperature)
+
+    def __call__(self, s: StepState) -> StepState:
+        if s.shortlisted:
+            return replace(s, selection=self._from_shortlist(s))
+        idx = self.mixed(s.ranked, s.k, s.grads, generator(s.step, s.grads.sample_ids),
+                         self.config.uniform_mix)
+        positions = idx if s.pool is None else s.pool[idx]
+        sel = Selection(s.rows(positions), positions, s.scores,
+                        tuple(s.grads.sample_ids[i] for i in idx.tolist()), s.scores[idx],
+                        self._reused_loss(s, positions))
+        return replace(s, selection=sel)
+
+    def _from_shortlist(self, s: StepState) -> Selection:
+        """The policy's ``n`` among the shortlist, the uniform share from all ``C``; chosen
+        examples outside the shortlist have a NaN score."""
+        c = s.candidates
+        picked = self.mixed(s.ranked, needed(s.k, c, self.config.uniform_mix), s.grads,
+                            generator(s.step, s.grads.sample_ids), 0.0)
+        chosen = s.pool[picked]
+        if chosen.numel() < min(s.k, c):
+            chosen = fill_uniform(chosen, c, min(s.k, c), generator(s.step, s.ids))
+        chosen_scores = torch.full((chosen.numel(),), float("nan"))
+        where = {p: i for i, p in enumerate(s.pool.tolist())}
+        for j, p in enumerate(chosen.tolist()):
+            if p in where:
+                chosen_scores[j] = s.scores[where[p]]
+        return Selection(s.rows(chosen), chosen, s.scores,
+                         tuple(s.ids[i] for i in chosen.tolist()), chosen_scores,
+                         probed=s.pool)
+
+    def _reused_loss(self, s: StepState, positions: torch.Tensor) -> torch.Tensor | None:
+        """The model's loss on the candidates at ``positions`` from their retained graphs,
+        reduced like one batch of them (``capture.loss_reduction``): token mean
+        ``sum_i n_i L_i / sum_i n_i`` (``n_i`` label tokens), example mean, or sum."""
+        if s.losses is None:
+            return None
+        cap = self.capture
+        chosen = torch.stack([s.losses[i] for i in positions.tolist()])
+        if cap.loss_reduction == "sum":
+            return chosen.sum()
+        if cap.loss_reduction == "example_mean":
+            return chosen.mean()
+        batch = s.batch
+        labels = batch.get("labels", batch["input_ids"])[positions.to(batch["input_ids"].device)]
+        n = (labels[:, cap.label_shift:] != cap.ignore_index).sum(1).to(chosen.dtype)
+        return (chosen * n.to(chosen.device)).sum() / n.sum().clamp_min(1)
+
+
+class GlobalChoose(Choose):
+    """``scope="global"``: every rank's ranked scores and token tensors are gathered
+    (``C * T`` integers each, never gradients; projected vectors when the policy needs the
+    gram), ``k * world`` picked and dealt out round-robin by score, so every rank trains
+    exactly ``k``."""
+
+    def __init__(self, config: SelectionConfig, policy: Policy, cost: CostModel | None,
+                 lr_fn: Callable[[], float] | None, capture: CaptureConfig,
+                 ctx: ParallelContext) -> None:
+        super().__init__(config, policy, cost, lr_fn, capture)
+        self.ctx = ctx
+
+    def __call__(self, s: StepState) -> StepState:
+        import torch.distributed as dist
+
+        ctx, world, grads, scores = self.ctx, self.ctx.dp_world, s.grads, s.ranked
+        batch = s.in_play()[0]
+        gathered = [None] * world
+        vectors = None
+        if self.policy.needs_gram:  # the gram is built from every rank's projected vectors
+            vectors = torch.cat([grads.layers[n].data.values for n in grads.layers], 1).cpu()
+        local = {"scores": scores, "ids": grads.sample_ids,
+                 "batch": {n: v.cpu() for n, v in batch.items()}, "vectors": vectors}
+        dist.all_gather_object(gathered, local, group=ctx.dp_group)
+        all_scores = torch.cat([g["scores"] for g in gathered])
+        all_ids = [i for g in gathered for i in g["ids"]]
+        all_batch = {n: torch.cat([g["batch"][n] for g in gathered]) for n in batch}
+        vecs = torch.cat([g["vectors"] for g in gathered]) if vectors is not None else None
+        chosen = self.mixed(all_scores, s.k * world, vecs, generator(-1, all_ids),
+                            self.config.uniform_mix)
+        per_rank = max(1, chosen.numel() // world)
+        ranked = chosen[torch.argsort(-all_scores[chosen].double(), stable=True)]
+        mine = ranked[ctx.dp_rank::world][:per_rank].sort().values
+        device = next(iter(batch.values())).device
+        sel = Selection({n: v[mine].to(device) for n, v in all_batch.items()}, mine, scores,
+                        tuple(all_ids[i] for i in mine.tolist()), all_scores[mine])
+        return replace(s, selection=sel)
+
+
+class Uniform:
+    """The uniform arm (``random``): a seeded uniform draw of ``k`` candidates, no scoring;
+    the seed counts this rank's draws (saved with the selector's state)."""
+
+    def __init__(self, ctx: ParallelContext) -> None:
+        self.ctx, self.draws = ctx, 0
+
+    def __call__(self, s: StepState) -> StepState:
+        c = s.candidates
+        self.draws += 1
+        gen = torch.Generator().manual_seed(stable_seed("random", s.step, self.ctx.dp_rank,
+                                                        self.draws))
+        idx = torch.randperm(c, generator=gen)[:min(s.k, c)].sort().values
+        rows = s.batch["input_ids"][idx]
+        users = s.user_ids
+        ids = tuple(content_id(row, None, None if users is None else users[i])
+                    for row, i in zip(rows, idx.tolist()))
+        sel = Selection(s.rows(idx), idx, torch.zeros(c), ids, torch.zeros(len(idx)))
+        return replace(s, selection=sel)
+
+    def state_dict(self) -> dict:
+        return {"draws": self.draws}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.draws = int(state["draws"])
