@@ -297,7 +297,7 @@ def cascade(prior: Path, grad: Path, k: int, shortlist: float) -> list[str]:
     rows the content prior ranks first (``prior/scores.npy``), re-ranked by the gradient
     score (``grad/scores.npy``, same store order); the first ``k`` document ids."""
     import numpy as np
-    from dattri_ds.selection.offline.pool import doc_id_of
+    from dattri_ds.sample_id import SampleId
 
     ids = json.loads((prior / "ids.json").read_text())
     if ids != json.loads((grad / "ids.json").read_text()):
@@ -305,7 +305,7 @@ def cascade(prior: Path, grad: Path, k: int, shortlist: float) -> list[str]:
     c, g = np.load(prior / "scores.npy"), np.load(grad / "scores.npy")
     short = np.argsort(-c, kind="stable")[:max(k, round(shortlist * k))]
     keep = short[np.argsort(-g[short], kind="stable")][:k]
-    return [doc_id_of(ids[r]) for r in keep.tolist()]
+    return [SampleId.parse(ids[r]).doc for r in keep.tolist()]
 
 
 def _se(xs: list[float]) -> float:

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from dattri_ds.errors import ConfigError
+from dattri_ds.sample_id import SampleId
 
 __all__ = ["BatchInfo", "batch_info", "example_scale", "content_id", "LOSS_REDUCTIONS",
            "PER_EXAMPLE_LOSSES"]
@@ -76,7 +77,7 @@ def content_id(tokens: torch.Tensor, valid: torch.Tensor | None = None,
         h.update(b"|")
         h.update(valid.detach().to("cpu", torch.bool).numpy().tobytes())
     digest = h.hexdigest()
-    return f"{user_id}#{digest}" if user_id is not None else digest
+    return str(SampleId.of(user_id, digest))
 
 
 def _find_ids(args: tuple, kwargs: dict) -> torch.Tensor | None:

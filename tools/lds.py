@@ -26,6 +26,7 @@ if __package__ in (None, ""):
 import torch  # noqa: E402
 
 from dattri_ds import files  # noqa: E402
+from dattri_ds.sample_id import SampleId  # noqa: E402
 from dattri_ds.errors import InputFileError  # noqa: E402
 from dattri_ds.eval import lds, predicted  # noqa: E402
 from dattri_ds.tools.report import read_attribution  # noqa: E402
@@ -63,7 +64,7 @@ def read_truth(path: str, train_ids: list[str], n_queries: int) -> tuple[torch.T
         raise InputFileError(f"--ground-truth file {path}: 'losses' must hold one list of "
                              f"{n_queries} query losses per subset ({len(subsets)} subsets). "
                              f"Fix: {_FIX}")
-    docs = [i.split("#")[0] for i in train_ids]
+    docs = [SampleId.parse(i).doc for i in train_ids]
     known = set(docs)
     unknown = sorted({str(i) for s in subsets for i in s} - known)
     if unknown:

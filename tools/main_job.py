@@ -41,6 +41,7 @@ if __package__ in (None, ""):  # run as a script: make `dattri_ds.tools` importa
     sys.path.insert(0, str(ROOT))
 
 from dattri_ds import ProjectionConfig  # noqa: E402
+from dattri_ds.sample_id import SampleId  # noqa: E402
 from dattri_ds.tools.progress import phase  # noqa: E402
 
 
@@ -137,7 +138,7 @@ def chosen_sources(run: Path, corpus: Path) -> Counter:
     counts: Counter = Counter()
     for record in read_selection_log(run / "selection.jsonl"):
         for sid in record["chosen"]:
-            counts[source.get(sid.split("#")[0], "?")] += 1
+            counts[source.get(SampleId.parse(sid).doc, "?")] += 1
     return counts
 
 
@@ -237,7 +238,8 @@ def top_sources(att: Path) -> str:
         corpus[d["id"]] = d["source"]
     lines = []
     for q in json.loads((att / "topk.json").read_text()):
-        srcs = Counter(corpus.get(p["id"].split("#")[0], "?") for p in q["proponents"][:10])
+        srcs = Counter(corpus.get(SampleId.parse(p["id"]).doc, "?")
+                       for p in q["proponents"][:10])
         lines.append(f"  {q['query']}: top-10 proponents by source {dict(srcs.most_common())}")
     return "\n".join(lines)
 

@@ -26,9 +26,10 @@ import torch
 
 from dattri_ds.data.corpus import Document, iter_jsonl
 from dattri_ds.errors import ConfigError
+from dattri_ds.sample_id import SampleId
 
 __all__ = ["Pool", "Tokenize", "minhash_signatures", "ngram_counts", "content_log_ratio",
-           "iter_pool_docs", "doc_id_of", "hash_of"]
+           "iter_pool_docs"]
 
 #: ``texts -> (input_ids [C, T], attention_mask [C, T])``.
 Tokenize = Callable[[Sequence[str]], tuple[torch.Tensor, torch.Tensor]]
@@ -36,16 +37,6 @@ Tokenize = Callable[[Sequence[str]], tuple[torch.Tensor, torch.Tensor]]
 _M = (1 << 31) - 1
 _P = (1_000_003, 998_244_353, 1_000_000_007)
 _AB = ((1_103_515_245, 12_345), (214_013, 2_531_011))
-
-
-def doc_id_of(sample_id: str) -> str:
-    """The document id of a sample id ``<doc id>#<hash>`` (the id itself without ``#``)."""
-    return sample_id.rsplit("#", 1)[0] if "#" in sample_id else sample_id
-
-
-def hash_of(sample_id: str) -> str:
-    """The content hash of a sample id (the whole id when it has none)."""
-    return sample_id.rsplit("#", 1)[1] if "#" in sample_id else sample_id
 
 
 @dataclass(frozen=True)
@@ -73,7 +64,7 @@ class Pool:
         Raises:
             ConfigError: a row's document is in none of ``paths`` (the first ids named).
         """
-        row_of = {doc_id_of(s): i for i, s in enumerate(ids)}
+        row_of = {SampleId.parse(s).doc: i for i, s in enumerate(ids)}
         src = np.full(len(ids), -1, dtype=np.int64)
         names: dict[str, int] = {}
         for path in paths:
@@ -96,13 +87,13 @@ class Pool:
 
     @property
     def hashes(self) -> list[str]:
-        return [hash_of(s) for s in self.ids]
+        return [SampleId.parse(s).digest for s in self.ids]
 
 
 def iter_pool_docs(paths: Sequence[str], ids: Sequence[str], rows: Sequence[int],
                    chunk: int = 256) -> Iterator[list[tuple[int, Document]]]:
     """Chunks of ``(row, Document)`` for ``rows`` (any order), in file order."""
-    want = {doc_id_of(ids[r]): int(r) for r in rows}
+    want = {SampleId.parse(ids[r]).doc: int(r) for r in rows}
     out: list[tuple[int, Document]] = []
     for path in paths:
         for doc in iter_jsonl(path, "pool file"):

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dattri_ds.selection.offline.pool import Pool, doc_id_of, iter_pool_docs
+from dattri_ds.sample_id import SampleId
+from dattri_ds.selection.offline.pool import Pool, iter_pool_docs
 
 __all__ = ["OUTPUTS", "write_outputs"]
 
@@ -42,7 +43,7 @@ def write_outputs(out: Path, *, pool: Pool, scores: np.ndarray, chosen: np.ndarr
     docs = _docs_of(pool, sorted(rows))
     with open(out / "subset.jsonl", "w", encoding="utf-8") as f:
         for k, r in enumerate(chosen.tolist()):
-            line = {"id": doc_id_of(pool.ids[r]), "sample_id": pool.ids[r],
+            line = {"id": SampleId.parse(pool.ids[r]).doc, "sample_id": pool.ids[r],
                     "source": pool.source_names[pool.sources[r]], "score": float(scores[r]),
                     "rank": k}
             if with_text:
