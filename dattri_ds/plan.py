@@ -34,12 +34,17 @@ weight, ``s = R`` when the state is sharded by the ZeRO stage, else 1):
 Offloading the optimizer moves master, grads' fp32 copy and optimizer states to the host;
 offloading parameters moves the parameter shard too. Store bytes are on disk, not in memory.
 
-Time: a training step is ``3 x`` the forward flops (``2 P_linear B T`` + attention
+Time (the device side): a training step is ``3 x`` the forward flops (``2 P_linear B T`` + attention
 ``4 B T^2 h L``) at the device's matmul rate, plus reading the weights three times at its
 memory bandwidth, plus ZeRO-3's parameter all-gathers (forward, backward) and gradient
 reduce-scatter at the link bandwidth, plus offloaded state crossing the host link; capture adds each layer's projection (the cheaper of
 the ghost and dense path, chosen by ``CostModel``). Compute terms are divided by the
-device's ``efficiency`` (the fraction of the roofline whole steps reach).
+device's ``efficiency`` (the fraction of the roofline whole steps reach). The host side:
+an accelerator runs kernels asynchronously, so a pass takes the longer of the device time and
+the host's time to issue its kernels (``forward_kernels x kernel_latency_s``; ZeRO-3 adds
+``zero3_tensor_s`` per parameter tensor); capture syncs per layer, so a capturing pass adds
+host and device times, with ``capture_layer_s`` per captured layer. The H200's terms are fitted
+to measured steps (``dattri_ds/calibrate.py``, ``python -m dattri_ds.calibrate``).
 """
 
 from __future__ import annotations
@@ -81,10 +86,19 @@ class DeviceSpec:
         efficiency: the fraction of the roofline a whole step reaches (kernels below peak,
             elementwise work, framework and hook overhead). CPU: 0.4, measured on the
             12M-parameter ladder run of ``benchmarks/scale.py`` (checked on the other
-            sizes there); GPUs: 0.5, a typical LLM-training MFU, not measured here
-            (``tools/gpu_check.sh`` prints the measured MFU).
+            sizes there); H200: fitted with the host terms below on the first H200 run
+            (``dattri_ds.calibrate``); ``tools/gpu_check.sh`` prints the measured MFU.
         host_link_bytes_per_s: device <-> host bandwidth that offloaded state crosses
             every step (PCIe 5 x16: ~50 GB/s sustained; PCIe 4: ~25 GB/s; CPU: none).
+        kernel_latency_s: host time to issue one kernel (Python, torch dispatch, launch) in
+            eager mode. An accelerator runs asynchronously, so a pass without host syncs
+            takes ``max(host, device)``: small models are launch-bound. CPU: 0 (its
+            kernels run on the host; the overhead is in ``efficiency``).
+        capture_layer_s: host time capture adds per captured layer per pass (its hooks,
+            the projection's kernels and their syncs); a capturing pass is serialized,
+            ``host + device``.
+        zero3_tensor_s: host time ZeRO-3 adds per parameter tensor per step (gather and
+            release in forward and backward, the reduce-scatter hook).
     """
 
     name: str
@@ -96,6 +110,9 @@ class DeviceSpec:
     ranks_share_memory: bool = False
     efficiency: float = 0.5
     host_link_bytes_per_s: float = float("inf")
+    kernel_latency_s: float = 0.0
+    capture_layer_s: float = 0.0
+    zero3_tensor_s: float = 0.0
 
     @property
     def roofline(self) -> Roofline:
@@ -109,6 +126,13 @@ def _host_memory() -> float:
         return 16 * GB
 
 
+#: The H200's fitted terms (``dattri_ds.calibrate.fit`` on ``calibrate.RECORDED``, the
+#: first H200 run at 0eb5305: throughput ladder 0.5B/1.5B/7B and the 1B ZeRO-3 launch step;
+#: ``python -m dattri_ds.calibrate`` refits and prints them with each point's error). The
+#: H100 and A100 keep the roofline with the H200's host terms (same hosts, not measured).
+H200_CALIBRATED = {"efficiency": 0.59, "kernel_latency_s": 20.7e-6,
+                   "capture_layer_s": 290e-6, "zero3_tensor_s": 2.24e-3}
+
 #: name -> DeviceSpec. GPU figures are the vendors' dense bf16 peaks and HBM bandwidths
 #: (H200 SXM: 141 GB, 989 TFLOPS, 4.8 TB/s; H100 SXM: 80 GB, 989 TFLOPS, 3.35 TB/s; A100 SXM
 #: 80 GB: 312 TFLOPS, 2.04 TB/s); NVLink per direction 450 / 450 / 300 GB/s.
@@ -118,13 +142,13 @@ DEVICES: dict[str, DeviceSpec] = {
                       ranks_share_memory=True, efficiency=0.4),
     "h200": DeviceSpec(name="h200", memory_bytes=141 * GB, flops_per_s=989e12,
                        bytes_per_s=4.8e12, link_bytes_per_s=450 * GB, runtime_bytes=1.5 * GB,
-                       host_link_bytes_per_s=50 * GB),
+                       host_link_bytes_per_s=50 * GB, **H200_CALIBRATED),
     "h100": DeviceSpec(name="h100", memory_bytes=80 * GB, flops_per_s=989e12,
                        bytes_per_s=3.35e12, link_bytes_per_s=450 * GB, runtime_bytes=1.5 * GB,
-                       host_link_bytes_per_s=50 * GB),
+                       host_link_bytes_per_s=50 * GB, **H200_CALIBRATED),
     "a100": DeviceSpec(name="a100", memory_bytes=80 * GB, flops_per_s=312e12,
                        bytes_per_s=2.04e12, link_bytes_per_s=300 * GB, runtime_bytes=1.5 * GB,
-                       host_link_bytes_per_s=25 * GB),
+                       host_link_bytes_per_s=25 * GB, **H200_CALIBRATED),
 }
 
 
@@ -144,7 +168,8 @@ class LayerShape:
     ``kind`` is ``linear``, ``embedding`` (``I`` = vocabulary, index input) or ``norm``
     (dense ``[B, rows * O]`` per-example gradients). ``token_factor`` 2 marks a tied head:
     capture merges the embedding's use into the output projection's factors as ``2 T``
-    tokens (``dattri_ds.tied``), and no separate embedding layer is captured.
+    tokens (``dattri_ds.tied``), and no separate embedding layer is captured. ``bias``: a
+    linear layer's ``I`` counts its bias column.
     """
 
     name: str
@@ -153,6 +178,7 @@ class LayerShape:
     O: int  # noqa: E741
     count: int = 1
     token_factor: int = 1
+    bias: bool = False
 
     @property
     def params(self) -> int:
@@ -236,17 +262,17 @@ class ModelShape:
         """The layers of one transformer block (``count`` 1 each)."""
         h, i = self.hidden, self.intermediate
         if self.family == "gpt2":  # Conv1D layers with bias, LayerNorms with bias
-            return [LayerShape("attn.c_attn", "linear", h + 1, 3 * h),
-                    LayerShape("attn.c_proj", "linear", h + 1, h),
-                    LayerShape("mlp.c_fc", "linear", h + 1, i),
-                    LayerShape("mlp.c_proj", "linear", i + 1, h),
+            return [LayerShape("attn.c_attn", "linear", h + 1, 3 * h, bias=True),
+                    LayerShape("attn.c_proj", "linear", h + 1, h, bias=True),
+                    LayerShape("mlp.c_fc", "linear", h + 1, i, bias=True),
+                    LayerShape("mlp.c_proj", "linear", i + 1, h, bias=True),
                     LayerShape("ln_1", "norm", 2, h), LayerShape("ln_2", "norm", 2, h)]
         q, kv, b = self.heads * self.head_dim, self.kv_heads * self.head_dim, int(self.qkv_bias)
         qk = [LayerShape("self_attn.q_norm", "norm", 1, q),
               LayerShape("self_attn.k_norm", "norm", 1, kv)] if self.qk_norm else []
-        return qk + [LayerShape("self_attn.q_proj", "linear", h + b, q),
-                LayerShape("self_attn.k_proj", "linear", h + b, kv),
-                LayerShape("self_attn.v_proj", "linear", h + b, kv),
+        return qk + [LayerShape("self_attn.q_proj", "linear", h + b, q, bias=bool(b)),
+                LayerShape("self_attn.k_proj", "linear", h + b, kv, bias=bool(b)),
+                LayerShape("self_attn.v_proj", "linear", h + b, kv, bias=bool(b)),
                 LayerShape("self_attn.o_proj", "linear", q, h),
                 LayerShape("mlp.gate_proj", "linear", h, i),
                 LayerShape("mlp.up_proj", "linear", h, i),
@@ -279,6 +305,20 @@ class ModelShape:
         final = self.hidden * (2 if self.family == "gpt2" else 1)
         return self.layers * self.block_params + embed + head + final
 
+    def forward_kernels(self) -> int:
+        """Kernels one eager forward launches: ``KERNELS_PER_BLOCK`` per block (a Llama
+        block: two RMSNorms of ~8 elementwise kernels, q/k/v/o, rotary ~12, SDPA, the
+        gated MLP's 5, residuals; GPT-2's has no rotary) plus embedding, final norm, head
+        and loss (~8). A backward launches about twice as many."""
+        return KERNELS_PER_BLOCK[self.family] * self.layers + 8
+
+    @property
+    def param_tensors(self) -> int:
+        """Parameter tensors (weights and biases): what ZeRO-3 gathers one by one."""
+        per_block = sum(s.I if s.kind == "norm" else 1 + s.bias for s in self.block())
+        return self.layers * per_block + 2 + (not self.tied) + bool(self.positions) + \
+            (self.family == "gpt2")
+
     def forward_flops(self, batch: int, seq: int) -> float:
         """``2 x`` multiply-adds of every linear layer plus attention's ``4 B T^2 h`` per block."""
         lin = sum(s.params for s in self.block() if s.kind == "linear") * self.layers
@@ -293,6 +333,8 @@ class ModelShape:
         return batch * seq * (self.layers * per_tok + 3 * self.vocab)
 
 
+#: Eager kernels per transformer block forward (``ModelShape.forward_kernels``).
+KERNELS_PER_BLOCK = {"llama": 40, "gpt2": 30}
 _OPT_BYTES = {"adamw": 8, "adam": 8, "sgd": 0, "sgd_momentum": 4}
 _METHODS = ("graddot", "tracin", "kfac", "ekfac", "selection")
 
@@ -604,27 +646,40 @@ def _routing(m: ModelShape, s: RunSpec, dev: DeviceSpec, rows: int) -> tuple[dic
 
 def _times(m: ModelShape, s: RunSpec, dev: DeviceSpec, proj_s: float,
            cand_proj_s: float) -> dict[str, float]:
+    """Seconds of each part of a step (see the module docstring's *Time*).
+
+    Device time of a forward: ``fwd = (F / peak + P e / bw) / efficiency``; host time:
+    ``h = forward_kernels x kernel_latency_s``. A training pass (no host sync) takes
+    ``max(3 h + z, 3 fwd)`` with ``z = param_tensors x zero3_tensor_s`` under ZeRO-3; a
+    capturing or probing pass syncs per layer, so its host and device times add:
+    ``2 h + 2/3 z + n_captured x capture_layer_s + 2 fwd + projection``.
+    """
     B, T = s.micro_batch, s.seq_len
     e = s.weight_bytes
     fwd = (m.forward_flops(B, T) / dev.flops_per_s + m.num_params * e / dev.bytes_per_s) \
         / dev.efficiency
+    host = m.forward_kernels() * dev.kernel_latency_s
+    zero3 = m.param_tensors * dev.zero3_tensor_s if s.zero_stage >= 3 else 0.0
+    hooks = sum(L.count for L in m.captured_layers()) * dev.capture_layer_s
     comm = 0.0
     if s.zero_stage >= 3 and s.world > 1:  # all-gather (fwd, bwd) + reduce-scatter
         comm = 3 * m.num_params * e * (s.world - 1) / s.world / dev.link_bytes_per_s
     elif s.world > 1:
         comm = 2 * m.num_params * e * (s.world - 1) / s.world / dev.link_bytes_per_s
-    t = {"forward": fwd, "zero_comm": comm, "capture": proj_s if s.capture else 0.0}
-    t["collect_per_example"] = (2 * fwd + comm * 2 / 3 + proj_s) / B
+    t = {"forward": fwd, "host_forward": host, "zero_comm": comm,
+         "capture": proj_s + hooks if s.capture else 0.0}
+    probe = 2 * host + zero3 * 2 / 3 + hooks  # host side of a probe pass (serialized)
+    t["collect_per_example"] = (probe + 2 * fwd + comm * 2 / 3 + proj_s) / B
     if not s.train:  # probe passes only: forward + input-grad backward, no reduce-scatter
         return t
     shard = m.num_params / (s.world if s.zero_stage >= 3 else 1)
     moved = {"none": 0.0, "optimizer": 2 * shard * e,  # gradients out, new weights back
              "all": 4 * shard * e}  # + the parameter shard fetched for forward and backward
     t["offload"] = moved[s.offload] / dev.host_link_bytes_per_s
-    t["train_step"] = 3 * fwd + comm + t["offload"]
+    t["train_step"] = max(3 * fwd, 3 * host + zero3) + comm + t["offload"]
     if s.probes:  # probe: forward + input-grad backward on the candidates
         c = s.candidate_multiple
-        t["selection"] = c * 2 * fwd + cand_proj_s
+        t["selection"] = probe + c * 2 * fwd + cand_proj_s
     t["step"] = t["train_step"] + t["capture"] + t.get("selection", 0.0)
     t["per_trained_example"] = t["step"] / B
     return t
