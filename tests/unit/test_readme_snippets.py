@@ -57,3 +57,35 @@ def test_headline_snippet_runs():
     want = make_attributor("ekfac", factors=fit_factors(listed)).scores(listed, ns["query"])
     assert rel_err(ns["influence"], want.values) <= 1e-6
     assert ns["grads"].batch_size == 2
+
+
+def _doc_blocks(path: str, heading: str) -> list[str]:
+    text = (README.parent / path).read_text()
+    section = text.split(heading, 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```python\n(.*?)```", section, re.S)
+
+
+def test_trainer_selection_snippets_run(tmp_path, monkeypatch):
+    """docs/integrations.md "Online selection under Trainer" (the README points there): the
+    example trains 2 steps choosing 2 of every 4 candidates (4 chosen in all), and the
+    piece-by-piece selector (probe, ValidationTarget, OnlineSelector) chooses what
+    ``OnlineSelector.for_target_data`` chooses on the same candidates."""
+    require("transformers", "hf")
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    example, pieces = _doc_blocks("docs/integrations.md", "## Online selection under Trainer")
+    out, ns = io.StringIO(), {"__name__": "readme"}
+    with contextlib.redirect_stdout(out):
+        exec(compile(example, "integrations.md", "exec"), ns)
+    assert out.getvalue().strip().splitlines()[-1] == "4"
+    exec(compile(pieces, "integrations.md", "exec"), ns)
+    from dattri_ds.selection import OnlineSelector
+
+    model, config, target = ns["model"], ns["config"], ns["target"]
+    whole = OnlineSelector.for_target_data(model, config, {"input_ids": target,
+                                                           "labels": target})
+    cands = torch.randint(0, 97, (4, 12), generator=torch.Generator().manual_seed(3))
+    batch = {"input_ids": cands, "labels": cands}
+    a, b = (s.select(batch, 2, 0) for s in (ns["selector"], whole))
+    assert a.indices.numel() == 2 and a.indices.tolist() == b.indices.tolist()
