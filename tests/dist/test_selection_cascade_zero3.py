@@ -1,11 +1,10 @@
-"""The cascade (``selection.shortlist``) and the controller under ZeRO-3 on 2 gloo ranks.
+"""The cascade (``selection.shortlist``) under ZeRO-3 on 2 gloo ranks.
 
 Invariant: on each rank, over two micro-batches of that rank's own candidates, the
 shortlist, the probed candidates' scores (<= 1e-5 fp32) and the chosen examples equal those
 of the same cascade run in one process on an unpartitioned copy of the weights with the
 same target documents; the scores equal the per-example autograd cosine; ranks probe the
-same number of candidates (ZeRO-3's parameter gathers stay matched). The controller runs
-the same arm on every rank at every step, from all-reduced measurements.
+same number of candidates (ZeRO-3's parameter gathers stay matched).
 """
 
 from __future__ import annotations
@@ -83,41 +82,3 @@ def test_cascade_under_zero3_equals_one_process(need_deepspeed):
         assert r["same"] and r["probed"] == [3, 3], r
     assert res[0]["summary"] == res[1]["summary"]
     assert res[0]["summary"]["probed"] == 12 and res[0]["summary"]["candidates"] == 32
-
-
-def _controller_arms(rank, world):
-    """The run-time controller under ZeRO-3 with measured CPU costs (which differ between
-    ranks): every rank runs the same arm at every step (the probe's parameter gathers stay
-    matched) and reports the same allocation; the held-out loss equals one process's."""
-    from dattri_ds.selection.controller import HeldOutLoss
-
-    engine, ctx, ref = _zero3_engine()
-    tgt = torch.randint(0, 97, (9, T), generator=torch.Generator().manual_seed(7))
-    cfg = SelectionConfig(enabled=True, score="alignment",
-                          validation_fraction=0.34, controller=True,
-                          controller_block=1, controller_window=3, shortlist=1.5,
-                          refresh_every=100)
-    sel = OnlineSelector.for_target_data(engine.module, cfg, {"input_ids": tgt, "labels": tgt},
-                                         ctx=ctx)
-    arms = []
-    for step in range(7):
-        ids = torch.randint(0, 97, (2 * K, T),
-                            generator=torch.Generator().manual_seed(60 + 10 * rank + step))
-        sel.select({"input_ids": ids, "labels": ids}, K, step)
-        arms.append(sel.controller._arm)
-    summary = sel.summary()["controller"]
-    held = tgt[2::3]  # split_rows(9, 0.34): every third document held out
-    loss_zero = HeldOutLoss(engine.module, {"input_ids": held, "labels": held}, ctx)()
-    loss_one = HeldOutLoss(ref, {"input_ids": held, "labels": held})()
-    sel.close()
-    return dict(arms=arms, history=summary["history"], costs=[
-        v["cost"] for v in summary["arms"].values()], loss_err=abs(loss_zero - loss_one))
-
-
-def test_controller_under_zero3_runs_the_same_arm_on_every_rank(need_deepspeed):
-    """ZeRO-3 (2 gloo ranks): the same arms, allocation and (all-reduced) costs on both
-    ranks; the held-out loss equals one process's (<= 1e-5)."""
-    a, b = run(_controller_arms, 2)
-    assert a["arms"] == b["arms"] and a["history"] == b["history"] and a["costs"] == b["costs"]
-    assert set(a["arms"]) == {"uniform", "content", "gradient"}
-    assert a["loss_err"] <= 1e-5 and b["loss_err"] <= 1e-5

@@ -37,7 +37,7 @@ def _scores_under_zero3(rank, world, top_blocks):
     ctx = ParallelContext.from_default_group()
     tgt = torch.randint(0, 97, (6, T), generator=torch.Generator().manual_seed(7))
     cand = torch.randint(0, 97, (4, T), generator=torch.Generator().manual_seed(20 + rank))
-    cfg = SelectionConfig(enabled=True, score="alignment", top_blocks=top_blocks, contrast=0.0)
+    cfg = SelectionConfig(enabled=True, score="alignment", top_blocks=top_blocks)
     probe = OnlineSelector.probe_capture(engine.module, cfg)
     target = ValidationTarget(probe, lambda b: engine.module(**b).loss,
                               {"input_ids": tgt, "labels": tgt}, ctx=ctx)
@@ -47,7 +47,7 @@ def _scores_under_zero3(rank, world, top_blocks):
     from dattri_ds.selection import stepcost
 
     stepcost.REUSE_CALL_OVERHEAD_S = 0.0  # so that only the partitioned parameters decide
-    assert not selector._reusing(T, 4, 2) and "ZeRO-3" in selector._reuse_why
+    assert not selector.scorer.reusing(T, 4, 2) and "ZeRO-3" in selector.scorer.why
     selector.close()
     params = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params):
