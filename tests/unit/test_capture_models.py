@@ -16,7 +16,9 @@ from dattri_ds import CaptureConfig, GradientCapture, TrainingCallback, material
 from dattri_ds.layers import kind_for
 from reference import reference_grads, rel_err, tiny_gpt2
 
-TOL = 1e-5
+#: fp32 capture vs one backward per example: every test here measured <= 9.1e-07 (worst
+#: layer) from the first commit to now; 1e-6 pins it (1e-5 let an 8x drift pass unseen).
+TOL = 1e-6
 
 
 def _check(model, ids, labels=None, cfg=None, ref=None):
