@@ -21,8 +21,13 @@ from ``selection_state.rank<R>.pt`` (smoothing memory, content-prior counts, the
 cached rows and refresh clock, held-out check, pool sample, repeat counts, statistics;
 selection/state.py) and its log up to the checkpoint, so the resumed run trains and chooses
 what the uninterrupted one would have (tests/dist/test_resume.py,
-tests/dist/test_resume_selection.py). It needs the process layout that wrote the checkpoint
-and, with selection, the same resolved selection config (``selection_config.json``).
+tests/dist/test_resume_selection.py). With selection it needs the same resolved selection
+config (``selection_config.json``). On the process layout that wrote the checkpoint the
+resumed run equals the uninterrupted one; on another data-parallel world size (an *elastic*
+resume, docs/multinode.md) the backend reshards its state (``Backend.load_resharded``:
+DeepSpeed through its universal checkpoint; Megatron refuses), the data stream continues at
+the example where the checkpoint stopped (``LoopState.origin``), and rank ``r`` continues
+the selector state of rank ``r mod W`` (tests/dist/test_elastic.py).
 """
 
 from __future__ import annotations
@@ -152,6 +157,20 @@ class Backend(ABC):
         """The process layout a checkpoint of this run can be resumed with."""
         return {"dp": self.ctx.dp_world, "tp": self.ctx.tp_world}
 
+    def load_resharded(self, ckpt_dir: Path, tag: str, saved: dict[str, int]) -> None:
+        """Restore weights, optimizer and lr schedule from ``ckpt_dir/tag``, written with the
+        process layout ``saved`` (another data-parallel world size): an elastic resume.
+
+        Raises:
+            ConfigError: this backend resumes only on the layout that wrote the checkpoint.
+        """
+        raise ConfigError(f"--resume {tag}: the checkpoint was written with the process "
+                          f"layout {saved}, this run has {self.layout()}, and "
+                          f"{type(self).__name__} resumes only on the layout that wrote it: "
+                          f"resume with the same number of processes and parallel sizes "
+                          f"(elastic resume onto another world size runs on --backend "
+                          f"deepspeed)")
+
     def summary(self) -> dict:
         """Backend-specific fields of ``summary.json``."""
         return {}
@@ -171,7 +190,15 @@ class LoopState:
     """This rank's RNG states (``torch`` CPU, and CUDA when available)."""
 
     layout: dict[str, int]
-    """``Backend.layout()`` of the run that wrote it (a resume must have the same)."""
+    """``Backend.layout()`` of the run that wrote it (another data-parallel size: elastic)."""
+
+    origin: tuple[int, int] = (0, 0)
+    """``(step, position)``: the data stream's position (in candidate slots) at which that
+    step began under this layout; ``micro_batch_indices`` counts on from it. ``(0, 0)``
+    unless the run was resumed on another world size."""
+
+    per_step: int = 0
+    """Candidate slots one step consumed (candidates x gas x DP ranks); 0: not recorded."""
 
     selection: SelectionCheckpoint | None = None
     """On resume with online selection: this rank's selector state and log lines (saved
@@ -194,29 +221,43 @@ class LoopState:
     def save(self, folder: Path, rank: int) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         torch.save({"step": self.step, "record": self.record.to_dict(), "rng": self.rng,
-                    "layout": self.layout}, folder / self.FILE.format(rank=rank))
+                    "layout": self.layout, "origin": list(self.origin),
+                    "per_step": self.per_step}, folder / self.FILE.format(rank=rank))
 
     @classmethod
     def load(cls, folder: Path, rank: int) -> LoopState:
         """Raises: ConfigError: no state of this rank (written by fewer ranks, or by an older
         dattri-ds)."""
         path = folder / cls.FILE.format(rank=rank)
+        if rank > 0 and not path.exists() and (folder / cls.FILE.format(rank=0)).exists():
+            rank = 0  # more ranks than wrote it (elastic): RNG and position come from rank 0
         if not path.exists():
             raise ConfigError(f"{folder} has no loop state of rank {rank} ({path.name}): it was "
                               f"written by fewer processes or by a dattri-ds without resume; "
                               f"resume with the number of processes that wrote it")
         d = torch.load(path, map_location="cpu", weights_only=True)
         return cls(step=int(d["step"]), record=RunRecord.from_dict(d["record"]), rng=d["rng"],
-                   layout=dict(d["layout"]))
+                   layout=dict(d["layout"]), origin=tuple(d.get("origin", (0, 0))),
+                   per_step=int(d.get("per_step", 0)))
+
+    def position(self) -> int | None:
+        """The stream position at which ``step`` begins (None: not recorded)."""
+        if not self.per_step:
+            return None if self.origin != (0, 0) or self.step else 0
+        return self.origin[1] + (self.step - self.origin[0]) * self.per_step
 
 
 def micro_batch_indices(n: int, step: int, micro: int, gas: int, rank: int, world: int,
-                        seed: int) -> torch.Tensor:
-    """Example indices of (step, micro-batch, rank): a seeded permutation per epoch."""
+                        seed: int, origin: tuple[int, int] = (0, 0)) -> torch.Tensor:
+    """Example indices ``[gas, micro]`` of (step, micro-batch, rank): a seeded permutation per
+    epoch, read as one stream. Step ``s`` begins at position
+    ``origin[1] + (s - origin[0]) * micro * gas * world``; an elastic resume moves ``origin``
+    to the resumed step and the position the old layout reached, so no example of the
+    stream is skipped or repeated when the world size changes."""
     per_step = micro * gas * world
     out = []
     for mb in range(gas):
-        start = step * per_step + (mb * world + rank) * micro
+        start = origin[1] + (step - origin[0]) * per_step + (mb * world + rank) * micro
         idx = []
         for k in range(start, start + micro):
             epoch, pos = divmod(k, n)
@@ -372,8 +413,8 @@ def _capture(backend: Backend, cfg: RunConfig, out: Path, tok, run_id: str, star
     from dattri_ds.store import StoreCallback
 
     if cfg.capture.projection is None:
-        raise ConfigError("--capture stores projected gradients: set dattri_ds.capture."
-                          "projection in the DeepSpeed JSON (e.g. {\"dim\": 256})")
+        raise ConfigError("--capture stores projected gradients: pass --capture-projection-dim "
+                          "256 (or set dattri_ds.capture.projection in the DeepSpeed JSON)")
     ctx, cbs = backend.ctx, []
     if backend.store_writer():
         cbs.append(StoreCallback(cfg.store_config(out), projection=cfg.capture.projection,

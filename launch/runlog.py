@@ -143,8 +143,8 @@ class RunLog:
             return
         reason = (f"{rec.nonfinite} consecutive optimizer steps ({n - rec.nonfinite + 1}.."
                   f"{n}) had a non-finite loss (last: {loss}): training diverged. Lower the "
-                  f"learning rate, enable gradient clipping or loss scaling, or set "
-                  f"train.max_nonfinite_steps (now {limit}; 0 = never fail)")
+                  f"learning rate, enable gradient clipping or loss scaling, or pass "
+                  f"--max-nonfinite-steps (now {limit}; 0 = never fail)")
         if self.rank == 0:
             dump_json(self.out / "summary.json",
                       {**self.summary(steps=n), "status": "failed", "cause": "diverged",

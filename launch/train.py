@@ -179,8 +179,8 @@ def make_selector(model, cfg: RunConfig, data, tok, ctx, device, lr_fn, log_path
     if not sc.target_store and tdata is None:
         if sc.target_data is None:
             raise ConfigError("--online-selection needs the target texts: pass --target-data "
-                              "FILE.jsonl (selection.target_data; e.g. a validation set of the "
-                              "task you care about) or set selection.target_store")
+                              "FILE.jsonl (e.g. a validation set of the task you care about) "
+                              "or --selection-target-store STORE")
         tdocs = _target_docs(sc.target_data, tok, data.seq_len, 0, sc.target_max_docs)
         check_target_compatible(data, tdocs)
         tdata = tdocs.batch(slice(None))
