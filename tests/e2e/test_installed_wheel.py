@@ -169,8 +169,8 @@ def test_collect_attribute_select_from_the_installed_copy(installed):
           "--out", "grads"], work, env)
     _run([cli, "attribute", "--model", "model", "--store", "grads", "--queries",
           "queries.jsonl", "--method", "graddot", "--out", "attr"], work, env)
-    _run([cli, "select", "--store", "grads", "--pool", "pool.jsonl", "--target",
-          "queries.jsonl", "--examples", "3", "--out", "subset"], work, env)
+    _run([cli, "select", "--model", "model", "--store", "grads", "--pool", "pool.jsonl",
+          "--target", "queries.jsonl", "--examples", "3", "--out", "subset"], work, env)
     import numpy as np
 
     assert np.load(work / "attr" / "scores.npy").shape == (8, 2)
