@@ -6,7 +6,7 @@
   back to" notices and scheduler warnings, repeated once per rank, buried the tools' own
   lines. ``--verbose`` shows everything, as the libraries log it.
 * ``first_report(text)``: whether this process is the first of its launch to report an
-  error line. Ranks started by one launcher (``torchrun``, ``deepspeed``) that fail the
+  error line (``warn_once_per_launch`` applies it to Python warnings). Ranks started by one launcher (``torchrun``, ``deepspeed``) that fail the
   same way print the line once per host instead of once per rank; a line only one rank
   hits is printed by that rank.
 
@@ -23,7 +23,8 @@ import time
 import warnings
 from pathlib import Path
 
-__all__ = ["setup_logging", "quiet_third_party", "first_report", "THIRD_PARTY"]
+__all__ = ["setup_logging", "quiet_third_party", "first_report", "warn_once_per_launch",
+           "THIRD_PARTY"]
 
 #: Libraries whose logging and Python warnings are hidden unless ``--verbose``.
 THIRD_PARTY = ("deepspeed", "megatron", "transformers", "apex", "transformer_engine")
@@ -55,6 +56,22 @@ def setup_logging(rank: int, verbose: bool = False) -> None:
     logging.getLogger("dattri_ds").setLevel(ours)
     if not verbose:
         quiet_third_party()
+
+
+def warn_once_per_launch() -> None:
+    """Show each Python warning text once per launch on a host (``first_report``): ranks
+    that read the same config warn alike at start (an unknown DeepSpeed key, a setting
+    without effect), and one copy per rank only repeats it. Idempotent."""
+    original = warnings.showwarning
+    if getattr(original, "_dattri_ds_once", False):
+        return
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if first_report(f"warning|{category.__name__}|{message}"):
+            original(message, category, filename, lineno, file, line)
+
+    show._dattri_ds_once = True  # type: ignore[attr-defined]
+    warnings.showwarning = show
 
 
 def _launch_id() -> str | None:

@@ -38,7 +38,9 @@ from dattri_ds.launch.config import (  # noqa: E402
 from dattri_ds.launch.inputs import check_inputs  # noqa: E402
 from dattri_ds.launch.loop import backend_class, check_resume, resume, train  # noqa: E402
 from dattri_ds.launch.runlog import record_failure  # noqa: E402
-from dattri_ds.noise import quiet_third_party, setup_logging  # noqa: E402
+from dattri_ds.noise import (  # noqa: E402
+    quiet_third_party, setup_logging, warn_once_per_launch,
+)
 
 logger = logging.getLogger("dattri_ds.launch")
 # DeepSpeed calls torch collectives that torch 2.13 marks deprecated: noise for our users.
@@ -72,6 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if not args.verbose:  # DeepSpeed / Megatron / transformers chatter: --verbose shows it
         quiet_third_party()
+    warn_once_per_launch()  # ranks reading one config warn alike: once per launch
     ds_config, cfg = load_run_config(args.deepspeed_config, args.overrides)
     check_inputs(cfg)  # model positions, target texts, the --init-from run
     check_resume(cfg, args.out)  # a resume the checkpoint cannot continue

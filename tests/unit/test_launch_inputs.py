@@ -146,3 +146,26 @@ def test_errors_of_one_launch_print_once(tmp_path, monkeypatch):
     assert first_report("line b") is True
     monkeypatch.setenv("MASTER_PORT", "12346")
     assert first_report("line a") is True
+
+
+def test_warnings_of_one_launch_show_once(tmp_path, monkeypatch):
+    """warn_once_per_launch: with two ranks of one launch warning the same text, the text is
+    shown once; another text is shown; a single process shows every warning."""
+    import warnings
+
+    from dattri_ds.noise import warn_once_per_launch
+
+    shown: list[str] = []
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    monkeypatch.setattr(warnings, "showwarning", lambda m, *a, **k: shown.append(str(m)))
+    warn_once_per_launch()
+    warn_once_per_launch()  # idempotent: one wrapper
+    texts = ("unknown key 'x'", "unknown key 'x'", "unknown key 'y'")
+    for text in texts:  # a single process: every one
+        warnings.showwarning(UserWarning(text), UserWarning, "ds.json", 1)
+    assert shown == list(texts)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_PORT", "23456")
+    for text in texts:  # what warnings.warn calls on each rank
+        warnings.showwarning(UserWarning(text), UserWarning, "ds.json", 1)
+    assert shown[3:] == ["unknown key 'x'", "unknown key 'y'"]
