@@ -704,28 +704,33 @@ def throughput(args) -> list[dict]:
         peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else _peak_rss()
         shape = ModelShape.from_config(d)
         key = args.gpu_name if dev.type == "cuda" else "cpu"
-        p = plan(shape, DEVICES[key], RunSpec(world=1, seq_len=T, micro_batch=B, zero_stage=0,
-                                              dtype="bfloat16" if dev.type == "cuda" else
-                                              "float32", k=args.k, train=False))
+        ladder = dict(world=1, seq_len=T, micro_batch=B, zero_stage=0, k=args.k,
+                      dtype="bfloat16" if dev.type == "cuda" else "float32")
+        p = plan(shape, DEVICES[key], RunSpec(**ladder, train=False))
+        p_train = plan(shape, DEVICES[key], RunSpec(**ladder, capture=False, optimizer="sgd"))
         flops = 3 * shape.forward_flops(B, T)
         rows.append({"size": name, "params": shape.num_params, "B": B, "T": T,
                      "train_s": t_train, "train_ex_s": B / t_train,
                      "mfu": flops / t_train / DEVICES[key].flops_per_s,
                      "collect_s": t_collect, "collect_ex_s": B / t_collect,
                      "pred_collect_s": p.times["collect_per_example"] * B,
+                     "pred_train_s": p_train.times["train_step"],
+                     "collect_ratio": t_collect / t_train,
                      "peak_gb": peak / 1e9})
         print(json.dumps(rows[-1]), flush=True)
         del model, cap
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    head = ["size", "params (B)", "B x T", "fwd+bwd s", "train ex/s", "MFU",
-            "collect s", "collect ex/s", "planner collect s", "peak GB"]
+    head = ["size", "params (B)", "B x T", "fwd+bwd s", "planner fwd+bwd s", "train ex/s",
+            "MFU", "collect s", "planner collect s", "collect / fwd+bwd", "collect ex/s",
+            "peak GB"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         lines.append(f"| {r['size']} | {r['params'] / 1e9:.2f} | {r['B']} x {r['T']} | "
-                     f"{r['train_s']:.3f} | {r['train_ex_s']:.1f} | {r['mfu']:.2f} | "
-                     f"{r['collect_s']:.3f} | {r['collect_ex_s']:.1f} | "
-                     f"{r['pred_collect_s']:.3f} | {r['peak_gb']:.1f} |")
+                     f"{r['train_s']:.3f} | {r['pred_train_s']:.3f} | {r['train_ex_s']:.1f} | "
+                     f"{r['mfu']:.2f} | {r['collect_s']:.3f} | {r['pred_collect_s']:.3f} | "
+                     f"{r['collect_ratio']:.2f} | {r['collect_ex_s']:.1f} | "
+                     f"{r['peak_gb']:.1f} |")
     text = (f"device {dev} ({torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}),"
             f" {dtype}, Kronecker k={args.k} per layer, {args.reps} timed reps (median)\n"
             + "\n".join(lines))
