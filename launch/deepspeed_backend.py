@@ -3,7 +3,11 @@
 The DeepSpeed JSON configures the engine (``"dattri_ds"`` removed first). Checkpoints are
 DeepSpeed's own (``engine.save_checkpoint``: weights, optimizer and lr schedule, sharded as
 the ZeRO stage shards them; ``client_state`` holds step and lr), which the offline tools
-consolidate with ``zero_to_fp32``; a resume loads them with ``engine.load_checkpoint``.
+consolidate with ``zero_to_fp32``; a resume loads them with ``engine.load_checkpoint``. A
+resume on another data-parallel world size (elastic, docs/multinode.md) converts the
+checkpoint once to DeepSpeed's universal format (``ds_to_universal``, into
+``checkpoints/<tag>/universal/``) and loads that, resharding weights and optimizer moments
+over the new ranks.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from dattri_ds.errors import ConfigError
 from dattri_ds.launch.config import RunConfig
 from dattri_ds.launch.loop import Backend
 
-__all__ = ["DeepSpeedBackend", "setup_distributed", "build"]
+__all__ = ["DeepSpeedBackend", "setup_distributed", "build", "to_universal"]
 
 
 def setup_distributed() -> tuple[int, int]:
@@ -123,9 +127,64 @@ class DeepSpeedBackend(Backend):
     def save(self, ckpt_dir: Path, tag: str, meta: dict, data) -> None:
         self.engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=dict(meta))
 
+    def load_resharded(self, ckpt_dir: Path, tag: str, saved: dict[str, int]) -> None:
+        """Elastic resume: ``checkpoints/<tag>`` (written on ``saved["dp"]`` ranks) converted
+        to a universal checkpoint by rank 0 (kept for later resumes), then loaded by every
+        rank with ``checkpoint.load_universal`` (weights, fp32 master copy, Adam moments and
+        step, lr schedule; DeepSpeed reshards them over this run's ranks)."""
+        import torch.distributed as dist
+
+        universal = ckpt_dir / tag / "universal"
+        failed, reason = torch.zeros(1), ""
+        if dist.get_rank() == 0 and not (universal / tag / "zero").is_dir():
+            try:
+                to_universal(ckpt_dir / tag, universal / tag)
+            except Exception as err:  # noqa: BLE001 - every rank raises below
+                failed += 1
+                reason = f"{type(err).__name__}: {err}"
+        dist.all_reduce(failed)
+        if failed.item():
+            raise ConfigError(
+                f"--resume {tag}: the checkpoint was written on {saved['dp']} data-parallel "
+                f"ranks and this run has {self.ctx.dp_world}; converting it to DeepSpeed's "
+                f"universal checkpoint failed"
+                + (f" ({reason})" if dist.get_rank() == 0 else "")
+                + "; resume with the number of processes that wrote it")
+        config = self.engine._config  # DeepSpeed reads the flag per call; no public setter
+        config.load_universal_checkpoint = True
+        try:
+            self.load(universal, tag)
+        finally:
+            config.load_universal_checkpoint = False
+
     def load(self, ckpt_dir: Path, tag: str) -> None:
         path, _ = self.engine.load_checkpoint(str(ckpt_dir), tag=tag)
         if path is None:
             raise ConfigError(f"DeepSpeed could not load checkpoint '{tag}' from {ckpt_dir}; "
                               f"resume with the configuration and number of processes that "
                               f"wrote it")
+
+
+def to_universal(folder: Path, out: Path) -> None:
+    """Convert the DeepSpeed checkpoint ``folder`` (any ZeRO stage) to a universal checkpoint
+    in ``out`` (written beside, then renamed: a crash leaves no half folder under ``out``).
+    DeepSpeed's converter prints its progress; it goes to the debug log."""
+    import contextlib
+    import io
+    import logging
+    import shutil
+    import types
+
+    from deepspeed.checkpoint.ds_to_universal import main as convert
+
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    args = types.SimpleNamespace(input_folder=str(folder), output_folder=str(tmp),
+                                 num_extract_workers=1, num_merge_workers=1,
+                                 keep_temp_folder=False, strict=True, inject_missing_state=False)
+    chatter = io.StringIO()
+    with contextlib.redirect_stdout(chatter):
+        convert(args)
+    logging.getLogger("dattri_ds.launch").debug("ds_to_universal %s:\n%s", folder,
+                                                chatter.getvalue())
+    tmp.replace(out)

@@ -229,8 +229,6 @@ class LoopState:
         """Raises: ConfigError: no state of this rank (written by fewer ranks, or by an older
         dattri-ds)."""
         path = folder / cls.FILE.format(rank=rank)
-        if rank > 0 and not path.exists() and (folder / cls.FILE.format(rank=0)).exists():
-            rank = 0  # more ranks than wrote it (elastic): RNG and position come from rank 0
         if not path.exists():
             raise ConfigError(f"{folder} has no loop state of rank {rank} ({path.name}): it was "
                               f"written by fewer processes or by a dattri-ds without resume; "
@@ -240,11 +238,27 @@ class LoopState:
                    layout=dict(d["layout"]), origin=tuple(d.get("origin", (0, 0))),
                    per_step=int(d.get("per_step", 0)))
 
-    def position(self) -> int | None:
-        """The stream position at which ``step`` begins (None: not recorded)."""
+    selection_copied: bool = False
+    """Elastic resume onto more ranks: this rank continues another rank's selector state
+    (its run statistics start at zero, so that none is counted twice)."""
+
+    def origin_for(self, per_step: int) -> tuple[int, int]:
+        """The ``origin`` of a run resumed from this state that consumes ``per_step`` slots
+        a step: unchanged when the step consumes what it did, else ``(step, the position
+        this state reached)``.
+
+        Raises:
+            ConfigError: the layout changed and the checkpoint did not record its position.
+        """
+        if per_step == self.per_step or self.step == 0:
+            return self.origin if self.step else (0, 0)
         if not self.per_step:
-            return None if self.origin != (0, 0) or self.step else 0
-        return self.origin[1] + (self.step - self.origin[0]) * self.per_step
+            raise ConfigError(f"--resume at step {self.step}: the checkpoint does not record "
+                              f"its data position (written by a dattri-ds before elastic "
+                              f"resume) and this run consumes another number of examples a "
+                              f"step ({per_step}); resume with the processes, micro-batch and "
+                              f"accumulation that wrote it")
+        return self.step, self.origin[1] + (self.step - self.origin[0]) * self.per_step
 
 
 def micro_batch_indices(n: int, step: int, micro: int, gas: int, rank: int, world: int,
@@ -450,12 +464,18 @@ def resume(backend: Backend, cfg: RunConfig, out: Path, rank: int) -> LoopState 
                            "again at step 0 (stored gradients already committed are kept)",
                            out)
         return None
-    state = LoopState.load(out / "checkpoints" / tag, rank)
-    if state.layout != backend.layout():
-        raise ConfigError(f"--resume {tag}: the checkpoint was written with the process layout "
-                          f"{state.layout}, this run has {backend.layout()}; resume with the "
-                          f"same number of processes and parallel sizes")
     folder = out / "checkpoints" / tag
+    try:
+        state = LoopState.load(folder, rank)
+    except ConfigError:
+        state = LoopState.load(folder, 0)  # more ranks than wrote it: an elastic resume
+        if rank < state.layout["dp"] * state.layout.get("tp", 1):
+            raise
+    saved_dp = state.layout["dp"]
+    elastic = state.layout != backend.layout()
+    if elastic and rank == 0:
+        logger.info("--resume %s: elastic resume from the process layout %s onto %s", tag,
+                    state.layout, backend.layout())
     selection = None
     if cfg.selection.enabled and SelectionCheckpoint.config_of(folder) is not None:
         from dattri_ds.selection.online import log_file, writes_log
@@ -465,13 +485,34 @@ def resume(backend: Backend, cfg: RunConfig, out: Path, rank: int) -> LoopState 
             log = log_file(log, backend.ctx.dp_rank)
         else:
             log = None
-        selection = SelectionCheckpoint.read(folder, rank, log_lines_before(log, state.step))
+        source = backend.ctx.dp_rank % saved_dp if elastic else rank  # rank r <- r mod W
+        selection = SelectionCheckpoint.read(folder, source, log_lines_before(log, state.step))
+        if elastic and rank == 0:
+            _trim_dropped_logs(backend.selection_log(out), backend.ctx.dp_world, saved_dp,
+                               state.step)
+        state = replace(state, selection_copied=elastic and backend.ctx.dp_rank >= saved_dp)
     elif cfg.selection.enabled and rank == 0:
         logger.warning("--resume %s: the checkpoint was written without online selection; "
                        "the selector starts fresh at step %d", tag, state.step)
-    backend.load(out / "checkpoints", tag)
+    if elastic:
+        backend.load_resharded(out / "checkpoints", tag, state.layout)
+    else:
+        backend.load(out / "checkpoints", tag)
     logger.info("resuming from %s at step %d", tag, state.step)
     return replace(state, selection=selection)
+
+
+def _trim_dropped_logs(log: Path | None, world: int, saved: int, step: int) -> None:
+    """Elastic resume onto fewer ranks: the selection logs of the ranks that no longer run
+    keep only their records of the steps before the checkpoint."""
+    from dattri_ds.selection.online import log_file
+
+    for r in range(world, saved):
+        path = log_file(log, r) if log is not None else None
+        if path is not None and path.exists():
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text("".join(log_lines_before(path, step)), encoding="utf-8")
+            tmp.replace(path)
 
 
 def train(backend: Backend, cfg: RunConfig, data, out: Path, tok, rank: int,
@@ -488,6 +529,8 @@ def train(backend: Backend, cfg: RunConfig, data, out: Path, tok, rank: int,
     run_id = make_run_id(fingerprint(cfg, tok) + backend.fingerprint_suffix, out)
     capture = _capture(backend, cfg, out, tok, run_id, start)
     n_cand = selector.num_candidates(micro) if selector is not None else micro
+    per_step = n_cand * gas * ctx.dp_world  # candidate slots of the stream one step consumes
+    origin = resumed.origin_for(per_step) if resumed is not None else (0, 0)
     ckpt_dir = out / "checkpoints"
     log = RunLog(tc, out, rank, evaluator, run_id=run_id,
                  record=resumed.record if resumed is not None else None)
@@ -495,7 +538,8 @@ def train(backend: Backend, cfg: RunConfig, data, out: Path, tok, rank: int,
     def save(tag: str, step: int, lr: float) -> None:
         backend.save(ckpt_dir, tag, {"tag": tag, "step": step, "lr": lr}, data)
         LoopState(step=step, record=log.record, rng=LoopState.capture_rng(),
-                  layout=backend.layout()).save(ckpt_dir / tag, rank)
+                  layout=backend.layout(), origin=origin, per_step=per_step
+                  ).save(ckpt_dir / tag, rank)
         if selector is not None:  # every rank: under rank scope each rank's state differs
             SelectionCheckpoint.write(ckpt_dir / tag, rank, selector.state_dict(),
                                       selection_config(cfg) if rank == 0 else None)
@@ -503,12 +547,15 @@ def train(backend: Backend, cfg: RunConfig, data, out: Path, tok, rank: int,
 
     backend.model.train()
     if resumed is not None and resumed.selection is not None and selector is not None:
-        selector.load_state_dict(resumed.selection.state, resumed.selection.log)
+        state = resumed.selection.state
+        if resumed.selection_copied:  # another rank's state: its statistics count there
+            state = {**state, "log": selector.state_dict()["log"]}
+        selector.load_state_dict(state, resumed.selection.log)
     if resumed is not None:
         resumed.restore_rng()
     for step in range(start, tc.steps):
         idx = micro_batch_indices(len(data), step, n_cand, gas, ctx.dp_rank, ctx.dp_world,
-                                  tc.seed)
+                                  tc.seed, origin)
         lr = backend.lr()  # the lr this step uses
         step_loss = torch.zeros((), dtype=torch.float64, device=backend.device)
         for mb in range(gas):

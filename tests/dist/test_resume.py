@@ -71,8 +71,8 @@ def _weights(backend: str, out: Path, tag: str) -> dict[str, torch.Tensor]:
 def test_resumed_run_equals_uninterrupted(tmp_path, backend, stage):
     """4 steps in one go == 2 steps, then ``--steps 4 --resume step2`` on the same --out:
     losses of all 4 steps, held-out losses, final weights and the stored gradients (rel. err
-    <= 1e-6). Resuming with another process layout (1 process) is refused before the run's
-    files are touched."""
+    <= 1e-6). Megatron: resuming with another process layout (1 process) is refused before
+    the run's files are touched."""
     if backend == "megatron":
         require("megatron.core", "megatron")
         warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|Torch Norm).*")
@@ -83,9 +83,10 @@ def test_resumed_run_equals_uninterrupted(tmp_path, backend, stage):
     ref = run(_train, 2, timeout=300, argv=_argv(tmp_path, backend, full, STEPS, stage=stage))
     run(_train, 2, timeout=300, argv=_argv(tmp_path, backend, part, HALF, stage=stage))
     model_config = (part / "model/config.json").read_bytes()
-    with pytest.raises(AssertionError, match="written with the process layout"):
-        run(_train, 1, timeout=300, argv=_argv(tmp_path, backend, part, STEPS, "--resume",
-                                               "latest", tp=1, stage=stage))
+    if backend == "megatron":  # DeepSpeed resumes on another world size: test_elastic.py
+        with pytest.raises(AssertionError, match="written with the process layout"):
+            run(_train, 1, timeout=300, argv=_argv(tmp_path, backend, part, STEPS, "--resume",
+                                                   "latest", tp=1, stage=stage))
     assert (part / "model/config.json").read_bytes() == model_config
     sums = run(_train, 2, timeout=300, argv=_argv(tmp_path, backend, part, STEPS, "--resume",
                                                     "latest", stage=stage))
