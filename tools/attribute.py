@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     from dattri_ds.outputs import check_dir, writing
     check_dir(args.out, flag="--out", force=args.force, overwrites=("scores.npy", "summary.json"))
-    setup_logging()
+    setup_logging(verbose=args.verbose)
     run = open_source(args)
     available = stores(Path(args.store))
     tags = _choose_tags(args, run, available)

@@ -112,27 +112,74 @@ def collect_checkpoint(run: Run, tag: str, data, args, rank: int, world: int) ->
     if done:
         ids = example_ids(data, rows)
         rows = rows[torch.tensor([i not in done for i in ids], dtype=torch.bool)]
-        logger.info("%s: %d examples already stored, %d to go", tag, len(done), rows.numel())
+    logger.info("%s: %d examples already stored in %s, %d to go", tag, len(done), path,
+                rows.numel())
     if rows.numel() == 0:
         return 0
     writer, added = None, 0
     cfg = StoreConfig(path=str(path), **values(args, COLLECT, StoreConfig))
-    for batch in gradients(model, data, rows, capture=capture, factors=factors,
-                           batch_size=args.batch_size, progress=f"collect {tag}"):
-        if writer is None:
-            spec = StoreSpec.from_batch(batch, projection=proj, capture=capture, **origin,
-                                        whitened_by=whitened_by)
-            if rank == 0 and proj.kind == "auto":
-                from dattri_ds.ops.cost import explain_projection
-
-                logger.info("projection per layer (ops.cost.choose_projection):\n%s",
-                            explain_projection({ls.name: tuple(ls.shape) for ls in spec.layers},
-                                               proj.dim, proj.kron_speedup))
-            writer = GradientStoreWriter(cfg, spec, rank=rank, world=world)
-        added += writer.append(batch)
+    try:
+        for batch in gradients(model, data, rows, capture=capture, factors=factors,
+                               batch_size=args.batch_size, progress=f"collect {tag}"):
+            if writer is None:
+                spec = StoreSpec.from_batch(batch, projection=proj, capture=capture, **origin,
+                                            whitened_by=whitened_by)
+                if rank == 0 and proj.kind == "auto":
+                    _log_projection(spec, proj, args.verbose)
+                writer = GradientStoreWriter(cfg, spec, rank=rank, world=world)
+            added += writer.append(batch)
+    except BaseException as err:  # commit what is buffered, then say what is kept
+        kept = _commit_kept(writer, len(done) if world == 1 else None)
+        if isinstance(err, KeyboardInterrupt):
+            raise Interrupted(kept, path) from None
+        logger.warning("%s: %s rows committed in %s before this error; rerun the same "
+                       "command to resume after them", tag, "?" if kept is None else kept,
+                       path)
+        raise
     if writer is not None:
         writer.close()
     return added
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (or SIGTERM) during a collect, after its buffered rows were committed."""
+
+    def __init__(self, rows: int | None, path: Path) -> None:
+        super().__init__(rows, path)
+        self.rows, self.path = rows, path
+
+
+def _commit_kept(writer, stored: int | None) -> int | None:
+    """Close ``writer`` (committing its buffered rows; after a failed write only releasing
+    its files) and return the rows this rank's shard keeps (``stored`` when no writer was
+    opened; None when unknown)."""
+    if writer is None:
+        return stored
+    try:
+        writer.close()
+    except Exception as e:  # noqa: BLE001 - the first error is the one reported
+        logger.warning("committing the buffered rows of %s failed: %s", writer.path, e)
+    try:
+        return writer.committed_rows
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _log_projection(spec, proj, verbose: bool) -> None:
+    """The per-layer projection choice: one summary line, the table with --verbose."""
+    from collections import Counter
+
+    from dattri_ds.ops.cost import explain_projection
+
+    table = explain_projection({ls.name: tuple(ls.shape) for ls in spec.layers}, proj.dim,
+                               proj.kron_speedup)
+    if verbose:
+        logger.info("projection per layer (ops.cost.choose_projection):\n%s", table)
+        return
+    kinds = Counter(line.split("-> ")[1].split()[0] for line in table.splitlines()
+                    if "-> " in line)
+    logger.info("projection auto k=%d per layer: %s (--verbose: the table)", proj.dim,
+                ", ".join(f"{n} {k}" for k, n in kinds.most_common()))
 
 
 #: The collect flag that sets each compared field (``{stored}``: the store's value).
@@ -202,7 +249,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.whiten is None and args.factors:  # factors given: the default method's rows
         args.whiten = "ekfac"
     rank, world = init_distributed()
-    setup_logging(rank)
+    setup_logging(rank, args.verbose)
     run = open_source(args)
     tags = source_tags(run, args, "all")
     from dattri_ds.outputs import check_dir
@@ -214,14 +261,36 @@ def main(argv: list[str] | None = None) -> dict:
     if rank == 0:
         write_config(Path(args.out), "collect", args)
     summary = {}
-    for tag in tags:
-        t0 = time.perf_counter()
-        added = collect_checkpoint(run, tag, data, args, rank, world)
-        _seal(Path(args.out) / tag, rank, world)
-        summary[tag] = added
-        logger.info("%s: stored %d examples in %.1f s (rank %d/%d)", tag, added,
-                    time.perf_counter() - t0, rank, world)
+    _sigterm_interrupts()
+    try:
+        for tag in tags:
+            t0 = time.perf_counter()
+            added = collect_checkpoint(run, tag, data, args, rank, world)
+            _seal(Path(args.out) / tag, rank, world)
+            summary[tag] = added
+            logger.info("%s: stored %d examples in %.1f s (rank %d/%d)", tag, added,
+                        time.perf_counter() - t0, rank, world)
+    except Interrupted as stop:
+        done = f", checkpoints finished: {', '.join(summary)}" if summary else ""
+        sys.stderr.write(f"interrupted: {'?' if stop.rows is None else stop.rows} rows "
+                         f"committed in {stop.path}{done}; rerun the same command to "
+                         f"resume\n")
+        raise SystemExit(130) from None
     return summary
+
+
+def _sigterm_interrupts() -> None:
+    """SIGTERM (a scheduler's stop) takes Ctrl-C's path: the buffered rows are committed."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 def _seal(path: Path, rank: int, world: int) -> None:

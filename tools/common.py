@@ -21,9 +21,39 @@ __all__ = ["Run", "setup_logging", "init_distributed", "write_config", "add_sour
 logger = logging.getLogger("dattri_ds.tools")
 
 
-def setup_logging(rank: int = 0) -> None:
+#: ``--verbose``: third-party output (DeepSpeed's checkpoint consolidation banners,
+#: transformers' warnings and progress bars, the per-layer projection table) is shown.
+VERBOSE = False
+_THIRD_PARTY = ("DeepSpeed", "deepspeed", "transformers", "torch.distributed")
+
+
+def setup_logging(rank: int = 0, verbose: bool = False) -> None:
+    """The tools' log lines (rank 0 at INFO, other ranks WARNING); third-party loggers at
+    ERROR and their progress bars off unless ``verbose``."""
+    global VERBOSE
+    VERBOSE = verbose
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    if verbose:
+        return
+    for name in _THIRD_PARTY:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
+def quiet_stdout():
+    """A context in which prints of third-party code (DeepSpeed's ``zero_to_fp32``) are
+    dropped unless ``--verbose``."""
+    import contextlib
+    import io
+
+    return contextlib.nullcontext() if VERBOSE else contextlib.redirect_stdout(io.StringIO())
 
 
 @dataclass(frozen=True)
@@ -186,7 +216,8 @@ class Run:
         from dattri_ds.files import model_dir
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(
             model_dir(self.root / "model", "--run", weights=False)))
-        state = load_state_dict(self.root / "checkpoints", tag)
+        with quiet_stdout():  # DeepSpeed's consolidation banners: --verbose
+            state = load_state_dict(self.root / "checkpoints", tag)
         missing, unexpected = model.load_state_dict(state, strict=False)
         tied = _tied_to_loaded(model, set(state))
         bad = [m for m in missing if not m.endswith((".attn.bias", ".masked_bias"))
@@ -242,6 +273,9 @@ def add_source_args(p) -> None:
              "context)")
     p.add_argument("--skip-memory-check", action="store_true",
                    help="run even when the planner predicts the run does not fit in memory")
+    p.add_argument("--verbose", action="store_true",
+                   help="also show third-party output: DeepSpeed's checkpoint consolidation "
+                        "banners, transformers' warnings and progress bars, per-layer tables")
     p.add_argument("--local_rank", "--local-rank", type=flag_type(int, name="--local_rank", ge=0),
                    help=argparse.SUPPRESS)
 

@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
 
     args = build_parser().parse_args(argv)
     rank, world = init_distributed()
-    setup_logging(rank)
+    setup_logging(rank, args.verbose)
     run = open_source(args)
     if args.checkpoint is not None and tag_choice(args) is not None:
         from dattri_ds.errors import ConfigError

@@ -543,3 +543,39 @@ def test_per_token_256_tokens_on_the_main_job_model_within_the_planned_memory(tm
     assert r.returncode == 2 and len(lines) == 1 and "--token-chunk 255" in lines[0] and \
         "lower --token-chunk to at most" in lines[0], r.stderr[-2000:]
     assert not (tmp_path / "b/per_token.npy").exists()
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_interrupted_collect_commits_its_rows_and_the_rerun_counts_them(tmp_path, sig):
+    """Ctrl-C (or SIGTERM) during collect, before the first --flush-every commit: the
+    buffered rows are committed, one line "interrupted: N rows committed ..." and exit 130,
+    no traceback; the rerun says "N examples already stored" (a first run says "0 already
+    stored") and stores only the rest. Breaks if an interrupted collect keeps nothing."""
+    import re
+    import signal
+    import time
+
+    folder = _tiny_folder(tmp_path / "m")
+    data = _tokens(tmp_path / "d.jsonl", 3000)
+    cmd = [sys.executable, "-m", "dattri_ds.tools.collect", "--model", str(folder), "--data",
+           data, "--out", str(tmp_path / "s"), "--flush-every", "100000", "--batch-size", "1"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    seen = []
+    for line in proc.stderr:  # the first progress line: rows are buffered, none committed
+        seen.append(line)
+        if "[phase] collect" in line:
+            break
+    time.sleep(1)
+    proc.send_signal(getattr(signal, sig))
+    rest = proc.stderr.read()
+    proc.wait(timeout=120)
+    err = "".join(seen) + rest
+    assert proc.returncode == 130, err[-2000:]
+    assert "0 examples already stored" in err and "Traceback" not in err, err[-2000:]
+    got = re.findall(r"^interrupted: (\d+) rows committed in .*rerun the same command to "
+                     r"resume$", err, re.M)
+    assert len(got) == 1 and int(got[0]) > 0, err[-2000:]
+    again = subprocess.run([*cmd[:-4], "--max-docs", "1"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=300)
+    assert again.returncode == 0 and f"{got[0]} examples already stored" in again.stderr, \
+        again.stderr[-2000:]
