@@ -207,24 +207,19 @@ def build_run(backend_cls, ds, cfg, data, tok, target, out: Path):
         return backend, None
     backend.check_selection()
     selector = make_selector(backend.model, cfg, data, tok, backend.ctx, backend.device,
-                             backend.lr, backend.selection_log(out), optimizer=backend.optimizer,
-                             target=target)
+                             backend.selection_log(out), target=target)
     return backend, selector
 
 
-def _innermost(provider):
-    """The provider that computes the target (``P g``'s wrapper keeps it as ``inner``)."""
-    from dattri_ds.selection.precondition import PreconditionedTarget
-
-    return provider.inner if isinstance(provider, PreconditionedTarget) else provider
 
 
 def instrument_selector(selector, clock: PhaseClock) -> None:
     """Wrap the selector's stages (instance attributes only: nothing global is patched)."""
     probe = selector.probe
-    inner = _innermost(selector.target)
-    if hasattr(inner, "_compute"):
-        inner._compute = clock.wrap("target refresh", inner._compute)
+    from dattri_ds.selection.target import ValidationTarget
+
+    if isinstance(selector.target, ValidationTarget):
+        selector.target._compute = clock.wrap("target refresh", selector.target._compute)
     raw_probe = probe.probe
 
     def probe_timed(forward, **kw):

@@ -91,8 +91,7 @@ def run(setup: Setup, base: SelectionConfig, blocks: list[int], seed: int, steps
 
     def also_truncated(full, backend) -> AlsoTruncated:
         trunc = {n: OnlineSelector.for_target_data(
-                     backend.model, replace(base, top_blocks=n), target,
-                     optimizer=backend.optimizer, lr_fn=backend.lr) for n in blocks}
+                     backend.model, replace(base, top_blocks=n), target) for n in blocks}
         got["obs"] = AlsoTruncated(full, trunc, k_pol)
         return got["obs"]
 

@@ -4,7 +4,7 @@ Every leaf field of the ``"dattri_ds"`` block gets one flag (a field added to Tr
 CaptureConfig, StoreConfig, SelectionConfig or ProjectionConfig gets its flag with no edit
 here): ``train.<f>`` -> ``--<f>``, any other ``<a>.<b>.<f>`` -> ``--<a>-<b>-<f>``
 (underscores become dashes), e.g. ``--seq-len``, ``--capture-projection-dim``,
-``--selection-policy``, ``--store-fsync``; ``engine.<f>`` is unprefixed too (``--backend``,
+``--selection-score``, ``--store-fsync``; ``engine.<f>`` is unprefixed too (``--backend``,
 ``--tensor-model-parallel-size``, ``--sequence-parallel``: launch/engine.py). Values are parsed by the same strict rules as the
 JSON (dattri_ds/schema.py): ``true``/``false`` for booleans (a bare boolean flag means
 ``true``, ``--no-<flag>`` means ``false``), integer digits for counts, ``null`` for

@@ -166,11 +166,9 @@ def _target_docs(path: str, tok, seq_len: int, skip: int, limit: int | None):
     return tokenize_documents(docs[:limit] if limit else docs, tok, seq_len)
 
 
-def make_selector(model, cfg: RunConfig, data, tok, ctx, device, lr_fn, log_path,
-                  optimizer=None, target=None):
+def make_selector(model, cfg: RunConfig, data, tok, ctx, device, log_path, target=None):
     """The OnlineSelector of ``--online-selection`` on ``model`` (what the loop calls), for
     both backends; every check runs before the first step. None when selection is off.
-    ``optimizer`` (torch or DeepSpeed ZeRO) is read by ``--selection-precondition adam``;
     ``target`` (model inputs of the target texts) replaces reading ``--target-data``."""
     sc = cfg.selection
     if not sc.enabled:
@@ -188,8 +186,7 @@ def make_selector(model, cfg: RunConfig, data, tok, ctx, device, lr_fn, log_path
         check_target_compatible(data, tdocs)
         tdata = tdocs.batch(slice(None))
     return OnlineSelector.for_target_data(model, sc, tdata, capture=cfg.capture, ctx=ctx,
-                                          device=device, lr_fn=lr_fn, log_path=log_path,
-                                          optimizer=optimizer)
+                                          device=device, log_path=log_path)
 
 
 def _selector(backend, cfg: RunConfig, data, tok, out: Path, target=None):
@@ -197,9 +194,8 @@ def _selector(backend, cfg: RunConfig, data, tok, out: Path, target=None):
     if not cfg.selection.enabled:
         return None
     backend.check_selection()
-    return make_selector(backend.model, cfg, data, tok, backend.ctx, backend.device, backend.lr,
-                         backend.selection_log(out), optimizer=backend.optimizer,
-                         target=target)
+    return make_selector(backend.model, cfg, data, tok, backend.ctx, backend.device,
+                         backend.selection_log(out), target=target)
 
 
 def make_evaluator(model, cfg: RunConfig, tok, seq_len: int, ctx, device):

@@ -11,21 +11,16 @@ from dattri_ds.config import from_dict
 from dattri_ds.errors import ConfigError
 from dattri_ds.ops.projection import ProjectionConfig
 
-__all__ = ["SelectionConfig", "GRADIENT_SETTINGS", "SCALED_POLICIES"]
+__all__ = ["SelectionConfig", "GRADIENT_SETTINGS"]
 
 #: Settings only the gradient score (``score="alignment"``) reads: the probe, the target
 #: gradient and the rank stages over gradient scores. Given with ``score="content"`` (the
 #: default) one of them is an error naming ``--selection-score alignment``, never a
 #: silent switch to an 8x-cost step.
-GRADIENT_SETTINGS = ("target_store", "shortlist", "precondition", "content_weight",
+GRADIENT_SETTINGS = ("target_store", "shortlist", "content_weight",
                      "smooth_neighbors", "smooth_memory", "top_blocks", "include", "projection",
                      "per_token", "normalize", "refresh_every", "target_batch_size",
                      "reuse_forward")
-
-#: Policies that read the scores' own scale (a threshold, GREATS' learning-rate gain): the
-#: content score's values only rank (``Policy.scaled`` in selection/policy.py).
-SCALED_POLICIES = ("threshold", "greats")
-
 
 def flag(name: str) -> str:
     """The launch flag of a selection field (launch/args.py generates it the same way)."""
@@ -63,7 +58,7 @@ class SelectionConfig:
     """What ranks the candidates. ``content`` (default): the target documents' hashed
     n-grams against the candidate stream (selection/content.py): no model pass, no
     gradient, a step costs about a plain one (0.97x measured at 4x candidates); the values
-    only rank (policies topk, fraction or soft). ``alignment``: ``<g_b, g_target>`` from a
+    only rank. ``alignment``: ``<g_b, g_target>`` from a
     per-example gradient probe of every candidate (a cosine when ``normalize``), ~8x a
     plain step at 4x candidates (less with ``shortlist`` and ``top_blocks``); the settings
     of ``GRADIENT_SETTINGS`` shape it and are refused with ``content``. Measured through
@@ -77,18 +72,9 @@ class SelectionConfig:
     round(uniform_mix * k)`` the examples the policy chooses; the rank stages and the policy
     choose among that shortlist, the uniform share comes from all candidates. 1.5 probes
     1.5x what the policy needs (at 4x candidates and ``uniform_mix`` 0.5, 3/16 of them).
-    Needs target documents (``target_data``), ``score="alignment"``, scope ``rank``; >= 1. The
+    Needs target documents (``target_data``) and ``score="alignment"``; >= 1. The
     step-cost plan logged at the first step predicts each mode's cost
     (selection/stepcost.py). None: every candidate is probed."""
-
-    policy: Literal["topk", "fraction", "threshold", "greats", "soft"] = "topk"
-    """``topk``: the micro-batch-size best; ``fraction``: the top fraction of candidates;
-    ``threshold``: every candidate above ``tau`` (at most the micro-batch size); ``greats``:
-    greedy with a redundancy discount (GREATS); ``soft``: sample without replacement with
-    probability ``~ exp(z / temperature)``, ``z`` the standardized scores."""
-
-    temperature: float = field(default=1.0, metadata=schema.bounds(gt=0))
-    """Temperature of ``policy="soft"`` on standardized scores (-> 0: top-k; large: uniform)."""
 
     uniform_mix: float = field(default=0.5, metadata=schema.bounds(ge=0, le=1))
     """Share of every micro-batch drawn uniformly from the candidates the policy did not
@@ -97,13 +83,6 @@ class SelectionConfig:
     per_token: bool = True
     """Score the gradient of each example's mean token loss instead of its summed loss, so
     long examples are not preferred for their length (target gradient likewise)."""
-
-    precondition: Literal["none", "adam"] = "none"
-    """``adam``: score ``<g_b, P g_target>`` with ``P = 1/(sqrt(v_hat) + eps)`` from the
-    optimizer's second moments (LESS-style: the first-order effect of an Adam step on the
-    target loss). ``P`` is applied to the target only, once per target refresh (under
-    ZeRO-3 each rank to its own partition). Needs an Adam-family optimizer and exact
-    (unprojected) scoring."""
 
     smooth_neighbors: int | None = field(default=16, metadata=schema.bounds(ge=1, le=2**20))
     """Before the policy, replace each candidate's score by the mean score of the N texts
@@ -121,24 +100,9 @@ class SelectionConfig:
     log-ratio of the candidate's hashed unigrams/bigrams under the target documents vs the
     candidate stream seen so far (selection/content.py; DSIR-style, no model) and ``z``
     standardizes over the micro-batch's candidates; gradient score only (with
-    ``score="content"`` the prior is the score). None (default): 1.0
-    when the target is documents (``target_data``) and the policy ranks (topk, fraction,
-    soft); off for a ``target_store`` (it has no text) and for ``threshold``/``greats`` (they
-    read the scores' scale); a value > 0 there is an error. 0: gradient scores only."""
-
-    fraction: float = field(default=0.5, metadata=schema.bounds(gt=0, le=1))
-    """Kept fraction for ``policy="fraction"``."""
-
-    tau: float = 0.0
-    """Score threshold for ``policy="threshold"``."""
-
-    greats_lr: float | None = field(default=None, metadata=schema.bounds(gt=0))
-    """Step size in the GREATS gain; None = the optimizer's current learning rate."""
-
-    scope: Literal["rank", "global"] = "rank"
-    """``rank``: each data-parallel rank picks from its own candidates; ``global``: pick the
-    best across ranks, then deal the chosen examples back so every rank trains the same
-    number."""
+    ``score="content"`` the prior is the score). None (default): 1.0 when the target is
+    documents (``target_data``), off for a ``target_store`` (it has no text; a value > 0
+    there is an error). 0: gradient scores only."""
 
     refresh_every: int = field(default=10, metadata=schema.bounds(ge=1, le=10**9))
     """Recompute the target gradient every N optimizer steps (it moves with the model)."""
@@ -165,7 +129,7 @@ class SelectionConfig:
     """``on``: forward every candidate on its own (one graph per example) and keep the
     chosen examples' graphs for the training backward (``Selection.loss``), so the chosen
     are not forwarded a second time (``k`` forwards saved per micro-batch; the activations
-    kept are those the batched probe holds anyway). Exact; scope ``rank`` only; needs a
+    kept are those the batched probe holds anyway). Exact; needs a
     model whose loss is reduced as ``capture.loss_reduction`` says. ``auto``: the step
     cost model decides (selection/stepcost.py: on for unpartitioned CPU models, off under
     ZeRO-3, where every model call gathers every module's parameters again, and on GPUs).
@@ -177,31 +141,20 @@ class SelectionConfig:
 
     log_scores: bool = True
     """Write chosen ids and scores of every step to ``<out>/selection.jsonl`` (one file per
-    data-parallel rank under local scope: ``selection.dp<r>.jsonl``)."""
+    data-parallel rank: ``selection.dp<r>.jsonl``)."""
 
     def __post_init__(self) -> None:
         schema.check(self, "selection")
         if self.score == "content":
             self._check_content()
-        if self.precondition == "adam" and (self.projection is not None or self.target_store):
-            raise ConfigError("selection.precondition='adam' scales the exact target gradient "
-                              "by the optimizer's per-parameter second moments: it cannot be "
-                              "combined with selection.projection or selection.target_store")
         if self.top_blocks is not None and self.include:
             raise ConfigError(f"selection.top_blocks={self.top_blocks} and selection.include="
                               f"{list(self.include)} both choose the scored layers; set only "
                               f"one of them")
-        if self.reuse_forward == "on" and self.scope == "global":
-            raise ConfigError("selection.reuse_forward keeps this rank's candidates' graphs "
-                              "for training: examples chosen on another rank have none. Set "
-                              "selection.scope='rank' or reuse_forward='auto'")
         self._check_shortlist()
         if self.target_store is not None and self.projection is None:
             raise ConfigError("selection.target_store holds projected gradients: set "
                               "selection.projection to the store's projection")
-        if self.policy == "greats" and self.scope == "global" and self.projection is None:
-            raise ConfigError("policy 'greats' with scope 'global' compares candidates across "
-                              "ranks: set selection.projection (e.g. {\"dim\": 256})")
 
     def gradient_settings(self) -> list[str]:
         """The fields of ``GRADIENT_SETTINGS`` away from their defaults."""
@@ -221,11 +174,6 @@ class SelectionConfig:
             raise ConfigError(f"{given} {_as_flag_value(value)} only shapes the gradient "
                               f"score, which the default --selection-score content does not "
                               f"compute: add --selection-score alignment, or drop {given}")
-        if self.policy in SCALED_POLICIES:
-            raise ConfigError(f"--selection-policy {self.policy} reads the scores' own scale, "
-                              f"which the content score does not have (its values only rank): "
-                              f"use --selection-policy topk, fraction or soft, or add "
-                              f"--selection-score alignment")
 
     def _check_shortlist(self) -> None:
         """The settings the cascade (``shortlist``) cannot serve, refused at start."""
@@ -240,10 +188,6 @@ class SelectionConfig:
             why = ("ranks candidates by the target documents' n-grams, which "
                    "selection.target_store does not have; give selection.target_data "
                    "instead or unset shortlist")
-        elif self.scope == "global":
-            why = ("shortlists each rank's own candidates: scope 'global' compares every "
-                   "rank's candidates by one score; set selection.scope='rank' or unset "
-                   "shortlist")
         elif self.reuse_forward == "on":
             why = ("leaves the uniform share's examples unprobed, so they have no forward "
                    "graph to reuse; set selection.reuse_forward='auto' or 'off'")

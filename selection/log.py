@@ -1,9 +1,8 @@
 """The log stage: every selection's chosen ids and scores to ``selection.jsonl``, and the
 run statistics of ``OnlineSelector.summary``.
 
-Under global scope (every rank's view identical) DP rank 0 writes ``selection.jsonl``; under
-local scope with several DP ranks each writes its own (``log_file``: ``selection.dp1.jsonl``)
-and ``read_selection_log`` merges them.
+DP rank 0 writes ``selection.jsonl``; with several DP ranks each writes its own
+(``log_file``: ``selection.dp1.jsonl``) and ``read_selection_log`` merges them.
 """
 
 from __future__ import annotations
@@ -32,10 +31,9 @@ def log_file(log_path: str | Path, dp_rank: int) -> Path:
 
 
 def writes_log(config: SelectionConfig, ctx: ParallelContext) -> bool:
-    """Whether this rank writes a selection log: every DP rank under local scope with
-    several ranks, else DP rank 0 only (``log_scores`` on)."""
-    per_rank = config.scope != "global" and ctx.dp_world > 1
-    return config.log_scores and (per_rank or ctx.dp_rank == 0)
+    """Whether this rank writes a selection log (``log_scores`` on): every DP rank (each
+    chooses from its own candidates)."""
+    return config.log_scores
 
 
 def _remove_stale_logs(log_path: str | Path, writers: int) -> None:
@@ -64,7 +62,7 @@ class Log:
     """The last stage: counts the selection into the run statistics and writes its record.
 
     Args:
-        config: the selection settings (``log_scores``, ``scope``).
+        config: the selection settings (``log_scores``).
         ctx: data-parallel group.
         log_path: the run's ``selection.jsonl`` (None: no log), rewritten by every run
             (training restarts at step 0); rank 0 removes logs of ranks a previous, wider
@@ -74,9 +72,8 @@ class Log:
     def __init__(self, config: SelectionConfig, ctx: ParallelContext,
                  log_path: str | Path | None) -> None:
         self.ctx = ctx
-        per_rank = config.scope != "global" and ctx.dp_world > 1
         if log_path is not None and ctx.dp_rank == 0:
-            _remove_stale_logs(log_path, ctx.dp_world if per_rank else 1)
+            _remove_stale_logs(log_path, ctx.dp_world)
         self._file = open(log_file(log_path, ctx.dp_rank), "w", encoding="utf-8") if (
             log_path is not None and writes_log(config, ctx)) else None
         self.stats = {"steps": 0, "candidates": 0, "chosen": 0, "score_sum": 0.0,

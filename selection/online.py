@@ -8,9 +8,8 @@ small object built once from the config:
   content prior ranks all ``C``, the top ``S`` stay in play), ``Probe`` (the target's rows,
   refreshed every ``refresh_every`` steps; one forward and an output-gradient-only
   backward of the candidates; the ``Score``'s ``[C]`` scores, non-finite ones dropped),
-  ``Rank`` (neighbour smoothing, the content prior), ``Choose`` (the ``Policy`` and the
-  uniform mix; ``GlobalChoose`` under ``scope="global"``: scores and token tensors gathered
-  from every rank, never gradients), ``Log``;
+  ``Rank`` (neighbour smoothing, the content prior), ``Choose`` (the top of the ranked
+  candidates and the seeded uniform mix, each data-parallel rank from its own), ``Log``;
 * **content** (``score="content"``, the default): ``TextScore`` (the content prior, no
   probe), ``Rank``, ``Choose``, ``Log``;
 * **uniform** (``random``): ``Uniform`` (a seeded draw), ``Log``.
@@ -24,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -41,13 +39,11 @@ from dattri_ds.selection.cascade import cascade_for
 from dattri_ds.selection.checks import check_engine_supported, check_target_compatible
 from dattri_ds.selection.config import SelectionConfig
 from dattri_ds.selection.log import Log, log_file, read_selection_log, writes_log
-from dattri_ds.selection.policy import POLICIES
-from dattri_ds.selection.precondition import preconditioned
 from dattri_ds.selection.rank import content_weight, rankers
 from dattri_ds.selection.scorer import score_for
 from dattri_ds.selection.smoothing import CandidateText
 from dattri_ds.selection.stages import (
-    Choose, GlobalChoose, Probe, Rank, SampleIds, Shortlist, Stage, TextScore, Uniform,
+    Choose, Probe, Rank, SampleIds, Shortlist, Stage, TextScore, Uniform,
 )
 from dattri_ds.selection.state import load_selector_state, selector_state
 from dattri_ds.selection.step import Batch, Selection, StepState
@@ -67,23 +63,19 @@ class OnlineSelector:
         model: the module the engine calls (``engine.module``).
         config: SelectionConfig.
         target: provider of the target gradient (``build_target`` or ``for_target_data``
-            build it from the config; ``probe_capture`` gives the probe it needs). The
-            selector keeps it shaped by the optimizer as ``rows``.
+            build it from the config; ``probe_capture`` gives the probe it needs); the
+            selector scores against it as ``rows``.
         probe: the probe capture on ``model`` (``probe_capture``).
-        ctx: data-parallel group (for global scope).
-        lr_fn: current learning rate (for GREATS).
+        ctx: data-parallel group.
         log_path: jsonl file for the per-step log of chosen ids and scores (selection/log.py).
         cost: cost model for routing.
-        optimizer: the training optimizer (torch or DeepSpeed ZeRO), read for
-            ``precondition="adam"``.
         content_rows: the target documents' model inputs for the content prior
             (``content_weight``, ``score="content"``); default: a ``ValidationTarget``'s own.
     """
 
     def __init__(self, model: nn.Module, config: SelectionConfig, target: TargetProvider, *,
                  probe: GradientCapture, ctx: ParallelContext | None = None,
-                 lr_fn: Callable[[], float] | None = None, log_path: str | Path | None = None,
-                 cost: CostModel | None = None, optimizer=None,
+                 log_path: str | Path | None = None, cost: CostModel | None = None,
                  content_rows: Batch | None = None) -> None:
         self.model, self.config, self.probe, self.cost = model, config, probe, cost
         self.ctx = ctx or ParallelContext()
@@ -91,27 +83,22 @@ class OnlineSelector:
             target, ValidationTarget) else target.data
         self.documents = documents
         self.rule = score_for(config, cost=cost, ctx=ctx, documents=documents)
-        policy = POLICIES.lookup(config.policy)
-        self.rows = preconditioned(target, probe, ctx, optimizer) \
-            if config.precondition == "adam" else target  # what candidates are scored against
-        self.content_weight = content_weight(config, policy, documents) \
-            if self.rule.ranked else 0.0
+        self.rows = target  # what candidates are scored against
+        self.content_weight = content_weight(config, documents) if self.rule.ranked else 0.0
         self.rankers = rankers(config, self.content_weight, documents) \
             if self.rule.ranked else []
         self.cascade = cascade_for(config, self.rankers, documents)
         self.uniform, self.log = Uniform(self.ctx), Log(config, self.ctx, log_path)
         self.scorer: Probe | None = None
-        self.stages = self._arm(policy, lr_fn) + [self.log]
+        self.stages = self._arm() + [self.log]
         self.plan: StepCost | None = None
 
-    def _arm(self, policy, lr_fn: Callable[[], float] | None) -> list[Stage]:
+    def _arm(self) -> list[Stage]:
         """The stages of this run's arm (module docstring), in order, before the log."""
         cfg, ids = self.config, SampleIds(self.probe.config)
         if cfg.random:
             return [self.uniform]
-        choose = GlobalChoose(cfg, policy, self.cost, lr_fn, self.probe.config, self.ctx) \
-            if cfg.scope == "global" and self.ctx.dp_world > 1 else \
-            Choose(cfg, policy, self.cost, lr_fn, self.probe.config)
+        choose = Choose(cfg.uniform_mix, self.probe.config)
         if not self.rule.needs_probe:
             return [TextScore(self.rule, ids), Rank(self.rankers), choose]
         never = (False, "the cascade's uniform share is not probed") if self.cascade else ()
@@ -141,16 +128,15 @@ class OnlineSelector:
     def for_target_data(cls, model: nn.Module, config: SelectionConfig,
                         target_data: Batch | None, *, capture: CaptureConfig | None = None,
                         ctx: ParallelContext | None = None, device: torch.device | str = "cpu",
-                        lr_fn: Callable[[], float] | None = None,
-                        log_path: str | Path | None = None, optimizer=None) -> OnlineSelector:
-        """The selector of ``config`` on ``model``: a probe capture, the target (a
-        ``ValidationTarget`` on ``target_data`` model inputs, or the store's ``FixedTarget``),
-        preconditioned by ``optimizer`` when ``config.precondition`` asks. Launch and the
-        benchmark build it here, so they run the same selection."""
+                        log_path: str | Path | None = None) -> OnlineSelector:
+        """The selector of ``config`` on ``model``: a probe capture and the target (a
+        ``ValidationTarget`` on ``target_data`` model inputs, or the store's
+        ``FixedTarget``). Launch and the benchmarks build it here, so they run the same
+        selection."""
         probe = cls.probe_capture(model, config, capture)
         goal = build_target(config, model, target_data, probe=probe, ctx=ctx, device=device)
-        return cls(model, config, goal.gradient, probe=probe, ctx=ctx, lr_fn=lr_fn,
-                   log_path=log_path, optimizer=optimizer, content_rows=goal.documents)
+        return cls(model, config, goal.gradient, probe=probe, ctx=ctx, log_path=log_path,
+                   content_rows=goal.documents)
 
     def num_candidates(self, k: int) -> int:
         """Candidates scored for ``k`` trained examples: ``ceil(candidate_multiple * k)``."""

@@ -21,7 +21,6 @@ import torch
 
 from dattri_ds.errors import ConfigError
 from dattri_ds.selection.content import DEFAULT_CONTENT_WEIGHT, ContentRanking
-from dattri_ds.selection.policy import Policy
 from dattri_ds.selection.smoothing import CandidateText, NeighborSmoother
 
 from dattri_ds.selection.config import SelectionConfig
@@ -38,30 +37,21 @@ class Ranker(Protocol):
     def __call__(self, ranked: torch.Tensor, text: CandidateText) -> torch.Tensor: ...
 
 
-def content_weight(config: SelectionConfig, policy: Policy, documents: Batch | None) -> float:
-    """``content_weight``, or when unset 1.0 if the target documents are known and the
-    policy ranks (it is not ``Policy.scaled``), else 0.
+def content_weight(config: SelectionConfig, documents: Batch | None) -> float:
+    """``content_weight``, or when unset 1.0 if the target documents are known, else 0.
 
     Raises:
-        ConfigError: a weight > 0 with a scaled policy, or without target documents.
+        ConfigError: a weight > 0 without target documents (a target store).
     """
     weight = config.content_weight
     if weight is None:
-        weight = DEFAULT_CONTENT_WEIGHT if documents is not None and not policy.scaled else 0.0
-    if weight == 0:
-        return 0.0
-    if policy.scaled:
-        raise ConfigError(
-            f"selection.content_weight={weight} ranks standardized scores, which "
-            f"policy='{config.policy}' cannot use (it reads the scores' own scale: a "
-            f"threshold, GREATS' learning-rate gain); use policy topk, fraction or soft, "
-            f"or set content_weight to 0")
-    if documents is None:
+        weight = DEFAULT_CONTENT_WEIGHT if documents is not None else 0.0
+    if weight and documents is None:
         raise ConfigError(
             f"selection.content_weight={weight} needs the target documents' tokens "
             f"(target_data), which a target_store does not have; set content_weight "
             f"to 0 (or leave it unset) or give target_data")
-    return weight
+    return weight or 0.0
 
 
 def rankers(config: SelectionConfig, weight: float, documents: Batch | None) -> list[Ranker]:

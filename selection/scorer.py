@@ -5,9 +5,6 @@ A ``Score`` knows everything about its rule that the rest of a selection step as
 * ``needs_probe``: it reads the candidates' per-example gradients (the probe pass; a rule
   without it scores the candidates' text alone and the step runs no probe at all);
 * ``ranked``: the rank stages (neighbour smoothing, the content prior) apply to its scores;
-* ``scale``: its values are on a calibrated scale (a cosine, an inner product) that a
-  policy reading the scores' own scale (``threshold``'s tau, GREATS' learning-rate gain) may
-  use; a rule without one can only be ranked;
 * ``check(config)``: the settings it cannot be combined with (when the selector is built);
 * ``__call__(grads, rows, text=...)``: the ``[C]`` scores (``text``: the candidates' hashed
   n-grams, ``CandidateText``).
@@ -34,10 +31,9 @@ from dattri_ds.ops import CostModel, cross_gram, norms
 from dattri_ds.registry import Registry
 from dattri_ds.selection.config import SelectionConfig
 from dattri_ds.selection.content import ContentPrior
-from dattri_ds.selection.policy import POLICIES
 from dattri_ds.selection.smoothing import CandidateText
 
-__all__ = ["alignment_scores", "redundancy_gram", "aligned", "Score", "SCORES", "Alignment",
+__all__ = ["alignment_scores", "aligned", "Score", "SCORES", "Alignment",
            "ContentScore", "score_for"]
 
 Batch = dict[str, torch.Tensor]
@@ -55,12 +51,6 @@ def alignment_scores(candidates: GradBatch, target: GradBatch,
                          f"{target.batch_size} rows (sample ids {list(target.sample_ids)[:4]}); "
                          f"pass a one-row GradBatch such as TargetProvider.get(step)")
     return cross_gram(candidates, target, layers=list(target.layers), cost=cost)[:, 0]
-
-
-def redundancy_gram(candidates: GradBatch, layers: list[str],
-                    cost: CostModel | None = None) -> torch.Tensor:
-    """``[C, C]`` pairwise inner products among candidates (GREATS' redundancy term)."""
-    return cross_gram(candidates, candidates, layers=layers, cost=cost)
 
 
 def aligned(grads: GradBatch, target: GradBatch, normalize: bool,
@@ -86,7 +76,6 @@ class Score(ABC):
     name: ClassVar[str]
     needs_probe: ClassVar[bool] = True
     ranked: ClassVar[bool] = True
-    scale: ClassVar[bool] = True
 
     def __init_subclass__(cls, name: str | None = None, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -120,13 +109,11 @@ class Alignment(Score, name="alignment"):
 class ContentScore(Score, name="content"):
     """The content prior alone (selection/content.py): the mean target-vs-stream log-ratio
     of each candidate's hashed n-grams, no model and no gradient. The step runs no probe
-    (its cost is that of a plain step plus hashing); the values only rank (no scale), and
-    the rank stages do not apply (the prior is the score). The settings it cannot use are
+    (its cost is that of a plain step plus hashing); the rank stages do not apply (the prior is the score). The settings it cannot use are
     refused by ``SelectionConfig`` (``GRADIENT_SETTINGS``)."""
 
     needs_probe = False
     ranked = False
-    scale = False
 
     def __init__(self, config, *, cost=None, ctx=None, documents=None):
         super().__init__(config, cost=cost, ctx=ctx, documents=documents)
@@ -146,13 +133,8 @@ def score_for(config: SelectionConfig, *, cost: CostModel | None = None,
     """The registered rule ``config.score``, built for ``config`` and the target documents.
 
     Raises:
-        ConfigError: settings the rule refuses (``Score.check``), or a policy that reads the
-            scores' own scale with a rule whose values only rank.
+        ConfigError: settings the rule refuses (``Score.check``).
     """
     rule = SCORES.lookup(config.score)
     rule.check(config)
-    if POLICIES.lookup(config.policy).scaled and not rule.scale:
-        raise ConfigError(f"selection.policy='{config.policy}' reads the scores' own scale, "
-                          f"which score='{config.score}' does not have (its values only "
-                          f"rank); use policy topk, fraction or soft")
     return rule(config, cost=cost, ctx=ctx, documents=documents)

@@ -3,8 +3,7 @@ as ``stage(state) -> state`` on the step's ``StepState`` (selection/step.py).
 
 An arm is a list of them (``OnlineSelector`` picks one per run):
 
-* gradient: ``Shortlist`` (with ``shortlist``), ``Probe``, ``Rank``, ``Choose`` (or
-  ``GlobalChoose`` under ``scope="global"``), ``Log``;
+* gradient: ``Shortlist`` (with ``shortlist``), ``Probe``, ``Rank``, ``Choose``, ``Log``;
 * content: ``TextScore``, ``Choose``, ``Log``;
 * uniform (``random``): ``Uniform``, ``Log``.
 
@@ -16,7 +15,6 @@ state.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Protocol
 
@@ -32,7 +30,7 @@ from dattri_ds.ops import CostModel, default_cost_model
 from dattri_ds.ops.projection import stable_seed
 from dattri_ds.selection.cascade import Cascade, needed
 from dattri_ds.selection.config import SelectionConfig
-from dattri_ds.selection.policy import Policy, fill_uniform
+from dattri_ds.selection.policy import fill_uniform, mixed
 from dattri_ds.selection.rank import Ranker
 from dattri_ds.selection.scorer import Score
 from dattri_ds.selection.stepcost import decide_reuse
@@ -41,7 +39,7 @@ from dattri_ds.selection.target import TargetProvider
 from dattri_ds.semantics import batch_info, content_id
 
 __all__ = ["Stage", "SampleIds", "Shortlist", "TextScore", "Probe", "Rank", "Choose",
-           "GlobalChoose", "Uniform", "generator"]
+           "Uniform", "generator"]
 
 
 class Stage(Protocol):
@@ -107,7 +105,7 @@ class Probe:
         rule: the registered ``Score``.
         rows: the provider of what candidates are scored against.
         probe: the probe capture on ``model``.
-        config: the selection settings (``reuse_forward``, ``scope``).
+        config: the selection settings (``reuse_forward``).
         cost: cost model (its roofline weighs forward reuse).
         reuse: None: decided at the first step (``decide_reuse``); False: never (``why``).
     """
@@ -127,7 +125,7 @@ class Probe:
             device = next(self.model.parameters()).device
             roofline = (self.cost or default_cost_model(device)).roofline
             self.reuse, self.why = decide_reuse(
-                self.config.reuse_forward, self.model, self.config.scope, tokens=tokens,
+                self.config.reuse_forward, self.model, tokens=tokens,
                 candidates=candidates, trained=trained, layers=len(self.probe.layers),
                 flops_per_s=roofline.flops_per_s)
         if not self.reuse or getattr(self.model, "_dattri_ds_capture", None) is None:
@@ -208,37 +206,23 @@ class Rank:
 
 
 class Choose:
-    """The policy and the uniform mix (``Policy.mixed``) on this rank's candidates: the
-    policy picks ``n = k - round(uniform_mix * k)`` of those in play, a seeded uniform draw
-    fills up to ``k`` (from all ``C`` when the pool is a shortlist).
+    """The policy and the uniform mix (selection/policy.py ``mixed``) on this rank's
+    candidates: the top ``n = k - round(uniform_mix * k)`` of those in play, a seeded
+    uniform draw fills up to ``k`` (from all ``C`` when the pool is a shortlist).
 
     Args:
-        config: the selection settings (the policy's parameters).
-        policy: the registered ``Policy``.
-        cost: cost model (GREATS' gram).
-        lr_fn: the optimizer's current learning rate (GREATS, without ``greats_lr``).
+        uniform_mix: ``selection.uniform_mix``.
         capture: the probe's capture settings (the reused loss's reduction).
     """
 
-    def __init__(self, config: SelectionConfig, policy: Policy, cost: CostModel | None,
-                 lr_fn: Callable[[], float] | None, capture: CaptureConfig) -> None:
-        self.config, self.policy, self.cost, self.lr_fn = config, policy, cost, lr_fn
-        self.capture = capture
-
-    def mixed(self, ranked: torch.Tensor, k: int, gram_source, gen: torch.Generator,
-              uniform_mix: float) -> torch.Tensor:
-        """``Policy.mixed`` with this run's parameters."""
-        cfg = self.config
-        lr = cfg.greats_lr if cfg.greats_lr is not None else (self.lr_fn() if self.lr_fn else 1.0)
-        return self.policy.mixed(ranked, k, uniform_mix=uniform_mix, gram_source=gram_source,
-                                 cost=self.cost, generator=gen, lr=lr, fraction=cfg.fraction,
-                                 tau=cfg.tau, temperature=cfg.temperature)
+    def __init__(self, uniform_mix: float, capture: CaptureConfig) -> None:
+        self.uniform_mix, self.capture = uniform_mix, capture
 
     def __call__(self, s: StepState) -> StepState:
         if s.shortlisted:
             return replace(s, selection=self._from_shortlist(s))
-        idx = self.mixed(s.ranked, s.k, s.grads, generator(s.step, s.grads.sample_ids),
-                         self.config.uniform_mix)
+        idx = mixed(s.ranked, s.k, uniform_mix=self.uniform_mix,
+                    generator=generator(s.step, s.grads.sample_ids))
         positions = idx if s.pool is None else s.pool[idx]
         sel = Selection(s.rows(positions), positions, s.scores,
                         tuple(s.grads.sample_ids[i] for i in idx.tolist()), s.scores[idx],
@@ -249,8 +233,8 @@ class Choose:
         """The policy's ``n`` among the shortlist, the uniform share from all ``C``; chosen
         examples outside the shortlist have a NaN score."""
         c = s.candidates
-        picked = self.mixed(s.ranked, needed(s.k, c, self.config.uniform_mix), s.grads,
-                            generator(s.step, s.grads.sample_ids), 0.0)
+        picked = mixed(s.ranked, needed(s.k, c, self.uniform_mix), uniform_mix=0.0,
+                       generator=generator(s.step, s.grads.sample_ids))
         chosen = s.pool[picked]
         if chosen.numel() < min(s.k, c):
             chosen = fill_uniform(chosen, c, min(s.k, c), generator(s.step, s.ids))
@@ -279,45 +263,6 @@ class Choose:
         labels = batch.get("labels", batch["input_ids"])[positions.to(batch["input_ids"].device)]
         n = (labels[:, cap.label_shift:] != cap.ignore_index).sum(1).to(chosen.dtype)
         return (chosen * n.to(chosen.device)).sum() / n.sum().clamp_min(1)
-
-
-class GlobalChoose(Choose):
-    """``scope="global"``: every rank's ranked scores and token tensors are gathered
-    (``C * T`` integers each, never gradients; projected vectors when the policy needs the
-    gram), ``k * world`` picked and dealt out round-robin by score, so every rank trains
-    exactly ``k``."""
-
-    def __init__(self, config: SelectionConfig, policy: Policy, cost: CostModel | None,
-                 lr_fn: Callable[[], float] | None, capture: CaptureConfig,
-                 ctx: ParallelContext) -> None:
-        super().__init__(config, policy, cost, lr_fn, capture)
-        self.ctx = ctx
-
-    def __call__(self, s: StepState) -> StepState:
-        import torch.distributed as dist
-
-        ctx, world, grads, scores = self.ctx, self.ctx.dp_world, s.grads, s.ranked
-        batch = s.in_play()[0]
-        gathered = [None] * world
-        vectors = None
-        if self.policy.needs_gram:  # the gram is built from every rank's projected vectors
-            vectors = torch.cat([grads.layers[n].data.values for n in grads.layers], 1).cpu()
-        local = {"scores": scores, "ids": grads.sample_ids,
-                 "batch": {n: v.cpu() for n, v in batch.items()}, "vectors": vectors}
-        dist.all_gather_object(gathered, local, group=ctx.dp_group)
-        all_scores = torch.cat([g["scores"] for g in gathered])
-        all_ids = [i for g in gathered for i in g["ids"]]
-        all_batch = {n: torch.cat([g["batch"][n] for g in gathered]) for n in batch}
-        vecs = torch.cat([g["vectors"] for g in gathered]) if vectors is not None else None
-        chosen = self.mixed(all_scores, s.k * world, vecs, generator(-1, all_ids),
-                            self.config.uniform_mix)
-        per_rank = max(1, chosen.numel() // world)
-        ranked = chosen[torch.argsort(-all_scores[chosen].double(), stable=True)]
-        mine = ranked[ctx.dp_rank::world][:per_rank].sort().values
-        device = next(iter(batch.values())).device
-        sel = Selection({n: v[mine].to(device) for n, v in all_batch.items()}, mine, scores,
-                        tuple(all_ids[i] for i in mine.tolist()), all_scores[mine])
-        return replace(s, selection=sel)
 
 
 class Uniform:

@@ -25,8 +25,7 @@ class Selection:
 
     Attributes:
         batch: model inputs of the chosen examples (``[k, T]`` tensors).
-        indices: chosen candidate indices (into this rank's candidates for rank scope, into
-            the rank-major concatenation of all ranks' candidates for global scope).
+        indices: chosen candidate indices (into this rank's candidates).
         scores: ``[C]`` scores of this rank's candidates (of the kept ones when candidates
             with a NaN/inf gradient or score were dropped).
         chosen_ids: sample ids (content hashes) of the chosen examples.

@@ -160,18 +160,16 @@ class StepCost:
 REUSE_CALL_OVERHEAD_S = 7e-4
 
 
-def decide_reuse(setting: str, model: nn.Module, scope: str, *, tokens: int, candidates: int,
+def decide_reuse(setting: str, model: nn.Module, *, tokens: int, candidates: int,
                  trained: int, layers: int, flops_per_s: float) -> tuple[bool, str]:
     """``(reuse the candidates' forward?, why)`` for ``selection.reuse_forward``.
 
     ``auto`` reuses when the saved forwards outweigh the per-call overhead:
     ``k * 2 * T * P / flops_per_s > C * layers * REUSE_CALL_OVERHEAD_S`` (``P`` parameters),
-    and never for partitioned (ZeRO-3) parameters, global scope or non-CPU devices.
+    and never for partitioned (ZeRO-3) parameters or non-CPU devices.
     """
     if setting != "auto":
         return setting == "on", "set by selection.reuse_forward"
-    if scope == "global":
-        return False, "global scope trains examples of other ranks"
     params = list(model.parameters())
     if any(hasattr(p, "ds_id") for p in params):
         return False, ("ZeRO-3 partitioned parameters: one call per candidate gathers every "

@@ -481,7 +481,7 @@ def _selection_tp2(rank, world):
     tgt["labels"] = torch.randint(0, V, (3, S), generator=gen)
     # no neighbour smoothing: with 4 candidates and k=16 every smoothed score is the same
     # mean, and its 1e-7 layout noise (TP=1 vs TP=2) would decide the ties
-    cfg = SelectionConfig(enabled=True, score="alignment", policy="topk", smooth_neighbors=None)
+    cfg = SelectionConfig(enabled=True, score="alignment", smooth_neighbors=None)
     out = {}
     for tp in (1, 2):
         init_parallel(tp)

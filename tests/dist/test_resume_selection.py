@@ -10,9 +10,9 @@ weights (``torch.equal``). The gradient runs stop between two target refreshes
 (``refresh_every`` 3, stop at step 2), so recomputing the cached target instead of
 restoring it would change the choices of step 2. Checked for ``--backend torch`` (one
 process; the gradient score ``score="alignment"`` with smoothing and the content prior, the
-same with soft sampling and no forward reuse, the content score, the cascade's shortlist,
-the seeded uniform baseline) and ``--backend deepspeed`` ZeRO-3 on 2 gloo ranks (Adam
-preconditioning, per-rank logs). Breaks when any component is not restored, e.g. a fresh
+same with another uniform share and no forward reuse, the content score, the cascade's
+shortlist, the seeded uniform baseline) and ``--backend deepspeed`` ZeRO-3 on 2 gloo ranks
+(the gradient score, per-rank logs). Breaks when any component is not restored, e.g. a fresh
 smoothing memory or content-prior stream after the resume.
 """
 
@@ -103,14 +103,14 @@ def _check_equal(tmp_path: Path, backend: str, world: int, *extra: str) -> dict:
     return ref[0]["selection"]
 
 
-@pytest.mark.parametrize("variant", ["alignment", "soft", "content", "cascade", "random"])
+@pytest.mark.parametrize("variant", ["alignment", "no_reuse", "content", "cascade", "random"])
 def test_torch_resume_with_selection_equals_uninterrupted(tmp_path, variant):
     """One process, ``--backend torch``: 4 steps in one go == 2 steps, then ``--resume
     latest`` to 4 (losses, selection log, selection summary, weights bitwise)."""
     require("deepspeed", "deepspeed")  # the JSON's lr schedule is DeepSpeed's class
     extra = {"alignment": GRADIENT,
-             "soft": (*GRADIENT, "--selection-policy", "soft", "--selection-reuse-forward",
-                      "off"),
+             "no_reuse": (*GRADIENT, "--selection-uniform-mix", "0.25",
+                          "--selection-reuse-forward", "off"),
              "content": ("--selection-score", "content"),
              "cascade": (*GRADIENT, "--selection-shortlist", "1.5", "--candidate-multiple", "3"),
              "random": ("--random-selection",)}[variant]
@@ -122,10 +122,10 @@ def test_torch_resume_with_selection_equals_uninterrupted(tmp_path, variant):
 
 
 def test_zero3_resume_with_selection_equals_uninterrupted(tmp_path):
-    """DeepSpeed ZeRO-3 on 2 gloo ranks, rank scope (a log and a state per rank), Adam
-    preconditioning of the target: resumed == uninterrupted, bitwise."""
+    """DeepSpeed ZeRO-3 on 2 gloo ranks (a log and a state per rank): resumed ==
+    uninterrupted, bitwise."""
     require("deepspeed", "deepspeed")
-    _check_equal(tmp_path, "deepspeed", 2, *GRADIENT, "--selection-precondition", "adam")
+    _check_equal(tmp_path, "deepspeed", 2, *GRADIENT)
     assert (tmp_path / "part" / "selection.dp1.jsonl").exists()
 
 

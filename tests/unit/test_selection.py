@@ -1,7 +1,8 @@
-"""Online selection: scores are exact inner products; policies do what their definitions say.
+"""Online selection: scores are exact inner products; the policy does what its definition says.
 
 Invariants: ``score_b = <g_b, mean_j g_target_j>`` with reference per-example gradients;
-policies are pure functions of the scores; bad configurations fail before any step.
+the policy (top-k plus a seeded uniform share) is a pure function of the scores; bad
+configurations fail before any step.
 """
 
 from __future__ import annotations
@@ -10,10 +11,8 @@ import pytest
 import torch
 
 from dattri_ds import ConfigError, GradientCapture
-from dattri_ds.selection import (
-    OnlineSelector, SelectionConfig, ValidationTarget, choose, greats, threshold, top_fraction,
-    top_k,
-)
+from dattri_ds.selection import OnlineSelector, SelectionConfig, ValidationTarget, top_k
+from dattri_ds.selection.policy import mixed
 from reference import reference_grads, rel_err, tiny_gpt2
 
 
@@ -21,11 +20,10 @@ RAW = dict(score="alignment", normalize=False, per_token=False, uniform_mix=0.0,
            smooth_neighbors=None, content_weight=0.0)  # plain <g_b, g_target>, top-k
 
 
-def _setup(policy="topk", projection=None, model=None):
+def _setup(projection=None, model=None):
     torch.manual_seed(0)
     model = model or tiny_gpt2()
-    cfg = SelectionConfig(enabled=True, policy=policy, projection=projection, refresh_every=3,
-                          **RAW)
+    cfg = SelectionConfig(enabled=True, projection=projection, refresh_every=3, **RAW)
     probe = OnlineSelector.probe_capture(model, cfg)
     tgt_ids = torch.randint(0, 97, (5, 10), generator=torch.Generator().manual_seed(1))
     target = ValidationTarget(probe, lambda b: model(**b).loss,
@@ -75,38 +73,31 @@ def test_projected_scores_track_exact_scores():
     pprobe.detach()
 
 
-def test_policies_on_hand_made_scores():
-    """Each policy chooses what its definition says."""
+def test_policy_on_hand_made_scores():
+    """top-k with ties to the lower index; the mix keeps the top ``k - round(mix * k)`` and
+    draws the rest uniformly from the others, the same draw for the same generator seed."""
     s = torch.tensor([0.5, -1.0, 2.0, 0.1, 2.0])
-    assert top_k(s, 2).tolist() == [2, 4]
-    assert top_fraction(s, 0.4).tolist() == [2, 4]
-    assert top_fraction(s, 0.01).tolist() == [2]
-    assert threshold(s, 0.3).tolist() == [0, 2, 4]
-    assert threshold(s, 0.3, max_k=2).tolist() == [2, 4]
-    assert threshold(s, 5.0).tolist() == [2]  # nothing above: the best one
-    # GREATS: candidates 2 and 4 are identical (redundant); 0 is orthogonal to both.
-    v = torch.tensor([[1.0, 0.0], [0.0, -1.0], [0.0, 2.0], [0.1, 0.1], [0.0, 2.0]])
-    g = v @ v.T
-    assert greats(s, g, 2, lr=0.0).tolist() == [2, 4]  # lr -> 0: plain top-k
-    assert greats(s, g, 2, lr=0.5).tolist() == [0, 2]  # the duplicate is discounted
-    assert choose("topk", s, k=1).tolist() == [2]
+    assert top_k(s, 2).tolist() == [2, 4] and top_k(s, 1).tolist() == [2]
+    assert mixed(s, 2, uniform_mix=0.0, generator=torch.Generator()).tolist() == [2, 4]
+    gen = torch.Generator().manual_seed(3)
+    got = mixed(s, 4, uniform_mix=0.5, generator=gen)
+    assert {2, 4} <= set(got.tolist()) and got.numel() == 4 and got.unique().numel() == 4
+    again = mixed(s, 4, uniform_mix=0.5, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(got, again)
+    assert mixed(s, 9, uniform_mix=0.0, generator=gen).tolist() == [0, 1, 2, 3, 4]  # k <= C
 
 
 def test_bad_selection_input_fails_early():
-    """Empty target set, candidate multiple < 1, unknown policy: errors before any step."""
+    """Empty target set, candidate multiple < 1, an unknown key: errors before any step."""
     with pytest.raises(ConfigError, match="candidate_multiple"):
         SelectionConfig(candidate_multiple=0.5)
     with pytest.raises(ConfigError, match="policy"):
-        SelectionConfig(policy="best")
-    with pytest.raises(ConfigError, match="known"):
-        choose("best", torch.zeros(3), k=1)
+        SelectionConfig.from_dict({"policy": "greats"})  # removed after 0eb5305
     model = tiny_gpt2()
     with GradientCapture(model, probe_only=True) as probe:
         empty = torch.zeros(0, 10, dtype=torch.long)
         with pytest.raises(ConfigError, match="target set is empty"):
             ValidationTarget(probe, lambda b: model(**b).loss, {"input_ids": empty})
-    with pytest.raises(ConfigError, match="greats"):
-        SelectionConfig(policy="greats", scope="global")
 
 
 def test_target_tokenized_differently_is_refused():

@@ -126,12 +126,3 @@ def test_bad_content_settings_fail_at_start(tmp_path):
     docs = OnlineSelector.for_target_data(model, SelectionConfig(score="alignment"), target)
     assert docs.content_weight == 1.0  # the default with target documents and a gradient
     docs.close()
-    for policy in ("threshold", "greats"):  # they read the scores' scale: off by default
-        sel = OnlineSelector.for_target_data(
-            model, SelectionConfig(score="alignment", policy=policy), target)
-        assert sel.content_weight == 0.0
-        sel.close()
-        with pytest.raises(ConfigError, match=f"policy='{policy}' cannot use"):
-            OnlineSelector.for_target_data(
-                model, SelectionConfig(score="alignment", policy=policy, content_weight=1.0),
-                target)

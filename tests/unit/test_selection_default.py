@@ -1,10 +1,9 @@
 """The selection score is an explicit setting: ``content`` by default, ``alignment`` asked for.
 
 Invariants: ``SelectionConfig.score`` defaults to ``"content"`` and is never switched
-silently: a setting only the gradient score reads (``GRADIENT_SETTINGS``), a target store or
-a policy that reads the scores' scale, given with the content score, is a one-line
-ConfigError naming the flag given and ``--selection-score alignment``; with
-``score="alignment"`` each is accepted. The score is what the resolved config, the selector
+silently: a setting only the gradient score reads (``GRADIENT_SETTINGS``, a target store
+among them), given with the content score, is a one-line ConfigError naming the flag given
+and ``--selection-score alignment``; with ``score="alignment"`` each is accepted. The score is what the resolved config, the selector
 summary and the step-plan line show; the defaults raise no warning and no error. Breaks if
 the default goes back to the probe, or a gradient-only knob given without the gradient
 score runs silently (ignored, or switching the run to an 8x-cost step).
@@ -33,7 +32,6 @@ ROOT = Path(__file__).resolve().parents[2]
 GRADIENT_VALUES = {
     "target_store": ("grads", "--selection-target-store grads"),
     "shortlist": (1.5, "--selection-shortlist 1.5"),
-    "precondition": ("adam", "--selection-precondition adam"),
     "content_weight": (0.0, "--selection-content-weight 0.0"),
     "smooth_neighbors": (None, "--selection-smooth-neighbors null"),
     "smooth_memory": (64, "--selection-smooth-memory 64"),
@@ -53,13 +51,12 @@ def _ids(n: int, seed: int) -> torch.Tensor:
 
 
 def test_default_is_content():
-    """No score given: content, no warning, whatever the target or ranking policy."""
+    """No score given: content, no warning, whatever the target."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert SelectionConfig().score == "content"
         assert SelectionConfig(enabled=True, target_data="t.jsonl").score == "content"
-        for policy in ("topk", "fraction", "soft"):  # ranking policies keep it
-            assert SelectionConfig(policy=policy).score == "content"
+        assert SelectionConfig(uniform_mix=0.25, candidate_multiple=4).score == "content"
     assert SelectionConfig.from_dict({"target_data": "t.jsonl"}).score == "content"
 
 
@@ -77,11 +74,6 @@ def test_gradient_settings_with_content_name_the_flag_and_the_fix():
         assert "\n" not in msg and "selection." not in msg, msg  # one line, flags not keys
         cfg = SelectionConfig(score="alignment", **{**NEEDS.get(key, {}), key: value})
         assert getattr(cfg, key) == value and key in cfg.gradient_settings(), key
-    for policy in ("threshold", "greats"):  # they read the scores' own scale
-        with pytest.raises(ConfigError, match=f"--selection-policy {policy} .*--selection-"
-                                              f"score alignment"):
-            SelectionConfig(policy=policy)
-        assert SelectionConfig(score="alignment", policy=policy).policy == policy
 
 
 def test_explicit_score_is_kept_by_replace():
@@ -154,7 +146,7 @@ def test_resolved_config_and_flags_record_the_score(tmp_path):
         dump_json(tmp_path / "resolved.json", run)
         resolved = json.loads((tmp_path / "resolved.json").read_text())
         assert resolved["selection"]["score"] == score, extra
-    for extra in (("--selection-precondition", "adam"), ("--selection-shortlist", "1.5")):
+    for extra in (("--selection-top-blocks", "1"), ("--selection-shortlist", "1.5")):
         with pytest.raises(ConfigError, match=f"{extra[0]} {extra[1]} .*--selection-score "
                                               f"alignment"):
             load_run_config(path, parse_args([*base, *extra]).overrides)

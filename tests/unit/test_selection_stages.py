@@ -2,8 +2,7 @@
 
 Invariants: a ``Score`` registered in this file (one class, plus its name in a config's
 ``score`` Literal) runs through ``OnlineSelector`` unchanged and chooses what a hand
-computation on per-example autograd gradients chooses; policies and scores say themselves
-whether they read or have a scale; the rank stages compose in order; ``build_target`` keeps
+computation on per-example autograd gradients chooses; the rank stages compose in order; ``build_target`` keeps
 the target's documents and gradient apart; each arm is a list of stage objects folding a
 ``StepState``.
 """
@@ -20,7 +19,6 @@ from dattri_ds import ConfigError
 from dattri_ds.ops import cross_gram, sq_norms
 from dattri_ds.selection import OnlineSelector, SelectionConfig
 from dattri_ds.selection.content import ContentRanking, with_content
-from dattri_ds.selection.policy import POLICIES
 from dattri_ds.selection.rank import CandidateText, rankers
 from dattri_ds.selection.scorer import SCORES, Score
 from dattri_ds.selection.smoothing import NeighborSmoother, ngram_features
@@ -38,17 +36,11 @@ class NegSqDistance(Score, name="neg_sq_distance"):
         return -(sq_norms(grads, names, self.cost) - 2 * u + tt)
 
 
-class Unscaled(NegSqDistance, name="unscaled_toy"):
-    """Toy rule whose values only rank (no calibrated scale)."""
-
-    scale = False
-
-
 @dataclass(frozen=True, kw_only=True)
 class ToyConfig(SelectionConfig):
     """The one other edit a new rule needs: its name in ``score``'s Literal."""
 
-    score: Literal["alignment", "neg_sq_distance", "unscaled_toy"] = "neg_sq_distance"
+    score: Literal["alignment", "neg_sq_distance"] = "neg_sq_distance"
 
 
 PLAIN = dict(per_token=False, uniform_mix=0.0, smooth_neighbors=None, content_weight=0.0)
@@ -85,20 +77,6 @@ def test_a_new_rule_is_one_class_and_one_literal_value():
         SelectionConfig(score="neg_sq_distance")
     with pytest.raises(ConfigError, match="registered: .*alignment"):
         SCORES.lookup("nope")
-
-
-def test_stage_properties_come_from_the_classes():
-    """Policies that read the scores' scale refuse a score without one (when the rule is
-    built); GREATS needs the gram; the shipped config's scaled policies are the registry's."""
-    from dattri_ds.selection.config import SCALED_POLICIES
-    from dattri_ds.selection.scorer import score_for
-
-    assert POLICIES.lookup("greats").needs_gram and POLICIES.lookup("greats").scaled
-    assert POLICIES.lookup("threshold").scaled and not POLICIES.lookup("topk").scaled
-    assert set(SCALED_POLICIES) == {n for n in POLICIES.names() if POLICIES.lookup(n).scaled}
-    with pytest.raises(ConfigError, match="policy='threshold' reads the scores' own scale"):
-        score_for(ToyConfig(score="unscaled_toy", policy="threshold", content_weight=0.0))
-    score_for(ToyConfig(score="unscaled_toy", policy="soft"))  # ranking policies take it
 
 
 def test_rank_stages_compose_in_order():
@@ -189,13 +167,12 @@ def test_content_score_runs_no_probe():
 
 
 def test_content_score_refuses_what_needs_a_gradient():
-    """score='content' with settings that need a gradient (preconditioning, a store, a
-    scale-reading policy) or with a content weight: one-line errors at start naming the
-    flag and --selection-score alignment."""
+    """score='content' with settings that need a gradient (a store, the probed layers) or
+    with a content weight: one-line errors at start naming the flag and
+    --selection-score alignment."""
     from dattri_ds import ProjectionConfig
 
-    for kw, flag in (({"precondition": "adam"}, "--selection-precondition"),
-                     ({"policy": "threshold"}, "--selection-policy threshold"),
+    for kw, flag in (({"top_blocks": 2}, "--selection-top-blocks 2"),
                      ({"content_weight": 2.0}, "--selection-content-weight 2.0"),
                      ({"target_store": "grads", "projection": ProjectionConfig(dim=8)},
                       "--selection-target-store grads")):

@@ -160,15 +160,12 @@ def test_reused_forward_gives_the_batch_loss_gradients_and_scores():
 
 def test_reuse_forward_decision_and_refusals(monkeypatch):
     """auto: on for an unpartitioned CPU model whose saved forwards outweigh the per-call
-    overhead when the caller
-    trains on Selection.loss; off for callers that forward the chosen themselves, for global
-    scope, for small per-example work, and with a recording capture attached (it would not
-    see the trained forward), where 'on' is refused."""
+    overhead when the caller trains on Selection.loss; off for callers that forward the
+    chosen themselves, for small per-example work, and with a recording capture attached (it
+    would not see the trained forward), where 'on' is refused."""
     from dattri_ds import GradientCapture
     from dattri_ds.selection import stepcost
 
-    with pytest.raises(ConfigError, match="scope"):
-        SelectionConfig(score="alignment", reuse_forward="on", scope="global")
     model = tiny_gpt2()
     ids = _ids(4, 1)
     batch = {"input_ids": ids, "labels": ids}
@@ -178,12 +175,10 @@ def test_reuse_forward_decision_and_refusals(monkeypatch):
     auto = _selector(model, SelectionConfig(score="alignment"), batch)
     assert auto.select(batch, 2, 0, train_loss=True).loss is not None and auto.plan.reuse
     assert auto.select(batch, 2, 1).loss is None
-    glob = _selector(model, SelectionConfig(score="alignment", scope="global"), batch)
-    assert glob.select(batch, 2, 0, train_loss=True).loss is None and not glob.scorer.reuse
     with GradientCapture(model):
         assert auto.select(batch, 2, 2, train_loss=True).loss is None and not auto.scorer.reuse
         on = _selector(model, SelectionConfig(score="alignment", reuse_forward="on"), batch)
         with pytest.raises(ConfigError, match="capture"):
             on.select(batch, 2, 0, train_loss=True)
-    for s in (small, auto, glob, on):
+    for s in (small, auto, on):
         s.close()

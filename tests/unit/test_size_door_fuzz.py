@@ -26,8 +26,7 @@ from dattri_ds.launch.config import RunConfig, load_run_config
 NOT_SIZES = {"train.seed", "capture.ignore_index", "capture.backward_scale",
              "capture.label_shift", "capture.projection.seed", "selection.projection.seed",
              "capture.projection.kron_speedup", "selection.projection.kron_speedup",
-             "selection.tau", "selection.temperature", "selection.greats_lr",
-             "selection.content_weight", "selection.uniform_mix", "selection.fraction"}
+             "selection.content_weight", "selection.uniform_mix"}
 
 
 def size_leaves() -> list[schema.Leaf]:
