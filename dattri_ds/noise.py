@@ -32,13 +32,20 @@ THIRD_PARTY = ("deepspeed", "megatron", "transformers", "apex", "transformer_eng
 _MARKER_TTL = 600.0
 
 
+def _errors_only(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.ERROR
+
+
 def quiet_third_party() -> None:
     """Hide the libraries' INFO/WARNING logging and their Python warnings (errors stay)."""
     pattern = r"(" + "|".join(THIRD_PARTY) + r")(\.|$)"
     for category in (UserWarning, FutureWarning, DeprecationWarning, RuntimeWarning):
         warnings.filterwarnings("ignore", category=category, module=pattern)
     for name in (*THIRD_PARTY, "DeepSpeed"):  # DeepSpeed's own logger is "DeepSpeed"
-        logging.getLogger(name).setLevel(logging.ERROR)
+        log = logging.getLogger(name)
+        log.setLevel(logging.ERROR)
+        if _errors_only not in log.filters:  # kept when a library resets its level on import
+            log.addFilter(_errors_only)
     try:  # transformers resets its root logger's level when it first configures it
         from transformers.utils import logging as hf_logging
     except ImportError:  # pragma: no cover - transformers is an optional extra

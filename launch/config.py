@@ -53,7 +53,8 @@ class TrainConfig:
     refuses at start what does not fit in memory)."""
 
     vocab_size: int = field(default=1024, metadata=schema.bounds(ge=8, le=2**21))
-    """SentencePiece vocabulary trained on the training texts (cached)."""
+    """SentencePiece vocabulary trained on the training texts (cached); not used with
+    ``init_from`` (that run's tokenizer has its own)."""
 
     steps: int = field(default=200, metadata=schema.bounds(ge=1, le=10**9))
     """Optimizer steps."""
@@ -259,7 +260,8 @@ def check_memory(ds: dict[str, Any], cfg: RunConfig) -> None:
     tc = cfg.train
     src = Path(tc.model_path) / "config.json" if tc.model_path else Path(tc.model_config)
     try:
-        model = ModelShape.from_config(src, vocab_size=None if tc.model_path else tc.vocab_size)
+        model = ModelShape.from_config(src, vocab_size=None if tc.model_path else
+                                       _init_vocab(tc) or tc.vocab_size)
     except (OSError, ValueError, KeyError, TypeError, ConfigError):
         return
     zero = ds.get("zero_optimization") if isinstance(ds.get("zero_optimization"), dict) else {}
@@ -292,7 +294,7 @@ def check_memory(ds: dict[str, Any], cfg: RunConfig) -> None:
         return
     values = {"seq_len": tc.seq_len, "micro_batch": micro,
               "candidate_multiple": sel.candidate_multiple if spec.probes else None,
-              "vocab": None if tc.model_path else tc.vocab_size,
+              "vocab": None if tc.model_path or tc.init_from else tc.vocab_size,
               "k": spec.k or None, "model": tc.model_path or tc.model_config}
     knobs = [Knob(f, key, flag, values[f], default)
              for f, (key, flag, default) in _KNOBS.items() if values[f] is not None]
@@ -303,6 +305,18 @@ def check_memory(ds: dict[str, Any], cfg: RunConfig) -> None:
     device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0') or 0)}" if cuda else "cpu"
     check_fits(model, spec, knobs, device=device, local_ranks=local,
                override=f"--skip-memory-check ({BLOCK}.skip_memory_check)")
+
+
+def _init_vocab(tc: TrainConfig) -> int | None:
+    """The vocabulary of the ``--init-from`` run's model (its tokenizer's), None if unknown."""
+    if not tc.init_from:
+        return None
+    try:
+        d = json.loads((Path(tc.init_from) / "model" / "config.json").read_text("utf-8"))
+    except (OSError, ValueError):
+        return None  # check_init_from names what is wrong with the folder
+    got = d.get("vocab_size") if isinstance(d, dict) else None
+    return got if isinstance(got, int) and not isinstance(got, bool) and got > 0 else None
 
 
 def check_outputs(out: Path, cfg: RunConfig) -> None:

@@ -71,9 +71,9 @@ def prepare_data(cfg: RunConfig, out: Path, rank: int):
 
 
 def main(argv: list[str] | None = None) -> dict:
+    if "--verbose" not in (sys.argv[1:] if argv is None else argv):
+        quiet_third_party()  # DeepSpeed / Megatron / transformers chatter, from their import on
     args = parse_args(argv)
-    if not args.verbose:  # DeepSpeed / Megatron / transformers chatter: --verbose shows it
-        quiet_third_party()
     warn_once_per_launch()  # ranks reading one config warn alike: once per launch
     ds_config, cfg = load_run_config(args.deepspeed_config, args.overrides)
     check_inputs(cfg)  # model positions, target texts, the --init-from run
