@@ -75,7 +75,7 @@ def transformer_kwargs(model_config: str | Path | dict, tp: int,
     """
     from dattri_ds.files import read_json
     d = model_config if isinstance(model_config, dict) else read_json(
-        model_config, "model config", flag="train.model_config")
+        model_config, "model config", flag="--model-config")
     if d.get("model_type", "gpt2") != "gpt2":
         raise ConfigError(f"--backend megatron builds its own GPTModel from GPT-2 style "
                           f"configs only (model_type 'gpt2'); the model config has model_type="
