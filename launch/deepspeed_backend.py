@@ -53,7 +53,7 @@ def build(cfg: RunConfig, tok):
     if cfg.train.model_path:
         from transformers import AutoModelForCausalLM
         from dattri_ds.files import model_dir
-        folder = model_dir(cfg.train.model_path, "train.model_path")
+        folder = model_dir(cfg.train.model_path, "--model-path")
         load_model_config(folder / "config.json")  # a causal LM, else one line naming it
         model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
     else:
