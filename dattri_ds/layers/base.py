@@ -72,6 +72,10 @@ class LayerKind(ABC):
     dense_only: ClassVar[bool] = False
     #: True when the input factor ``a`` is a token index ``[B, T]`` (one-hot input side).
     index_input: ClassVar[bool] = False
+    #: True when ``materialize`` of the factors with ``g`` narrowed to outputs ``[o0, o1)``
+    #: gives rows ``o0..o1`` of the canonical ``[O, I']`` gradient (outer products,
+    #: embeddings): a sparse projection then materializes one column block at a time.
+    output_sliceable: ClassVar[bool] = False
 
     def __init_subclass__(cls, name: str | None = None,
                           modules: tuple[type, ...] = (), **kwargs) -> None:
@@ -264,6 +268,9 @@ class LayerKind(ABC):
         if isinstance(data, Dense):
             return projector.apply(layer, data.values.to(COMPUTE_DTYPE), k)
         f = self.f32(data)
+        if projector.sparse and self.output_sliceable:  # >= 64 output rows per product
+            return projector.apply_columns(layer, lambda start, stop: self.materialize_columns(
+                f, shape, start, stop), shape[0] * shape[1], k, span=64 * shape[1])
 
         def dense() -> torch.Tensor:
             return projector.apply(layer, self.materialize(f, shape), k)
@@ -275,6 +282,15 @@ class LayerKind(ABC):
             return self.cross_dense(f, m, shape)
         return cost.route("project_dense", layer, self, f, shape,
                           {"ghost": ghost, "dense": dense}, path=path, P=k)
+
+    def materialize_columns(self, f: Factorized, shape: tuple[int, int], start: int,
+                            stop: int) -> torch.Tensor:
+        """Columns ``[start, stop)`` of ``materialize(f, shape)``, ``[B, stop - start]``, from
+        the output rows that hold them only (``output_sliceable`` kinds)."""
+        o, i = shape
+        o0, o1 = start // i, -(-stop // i)
+        part = self.materialize(Factorized(f.a, f.g[..., o0:o1]), (o1 - o0, i))
+        return part[:, start - o0 * i:stop - o0 * i]
 
     @staticmethod
     def f32(f: Factorized) -> Factorized:

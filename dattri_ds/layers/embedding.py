@@ -22,6 +22,7 @@ class EmbeddingKind(LayerKind, name="embedding", modules=(nn.Embedding,)):
     every op lives here: the input side is a one-hot column, never a matrix)."""
 
     index_input = True
+    output_sliceable = True
 
     def check(self, module: nn.Module, name: str) -> None:
         if module.max_norm is not None:

@@ -42,6 +42,8 @@ def rows_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 class OuterProductKind(LayerKind):
     """Kinds with ``G_b = sum_t g_t^T a_t``; subclasses define capture and layout only."""
 
+    output_sliceable = True
+
     def materialize(self, f: Factorized, shape: tuple[int, int]) -> torch.Tensor:
         """``einsum('bto,bti->boi')`` flattened: ``[B, O*I]``; cost 2*B*T*O*I flops."""
         b = f.g.shape[0]

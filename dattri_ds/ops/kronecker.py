@@ -477,7 +477,11 @@ class KFACFactors:
         b = x.g.shape[0] if isinstance(x, Factorized) else x.shape[0]
         out = torch.empty(b, o * i, dtype=COMPUTE_DTYPE, device=inv.device)
         for sl in _chunks(b, o * i):  # bounds the float64 intermediates
-            r = self._rotate(lf, _rows(x, sl, b)) * inv
+            rot = self._rotate(lf, _rows(x, sl, b))
+            if whiten and rot.dtype == out.dtype:  # scaled straight into the rows: no copy
+                torch.mul(rot, inv, out=out[sl].view(-1, o, i))
+                continue
+            r = rot * inv
             out[sl] = (r if whiten else self._unrotate(lf, r)).reshape(-1, o * i)
         if not whiten:
             return lg.replace(data=Dense(out), space=lf.space)

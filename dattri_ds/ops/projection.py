@@ -371,11 +371,13 @@ def kron_dims(dim: int, out_dim: int, in_dim: int) -> tuple[int, int]:
 
 
 class _MadeMatrices:
-    """Process-wide LRU of the matrices every ``Projector`` generates on the CPU, keyed by
+    """Process-wide store of the matrices every ``Projector`` generates on the CPU, keyed by
     (seed, distribution, role and shape): every ``Projector`` of one config (a capture, a
     ``collect`` per checkpoint, a query) reuses them instead of drawing and sorting them
-    again. Holds at most the asking config's ``cache_bytes``; device copies stay per
-    ``Projector``."""
+    again. Holds at most the asking config's ``cache_bytes``: matrices of other seeds are
+    dropped first (least recently used); those of the asking seed are kept until it is full
+    and the rest regenerated on use (an LRU would evict every block of a layer-by-layer
+    sweep that does not fit before its next use). Device copies stay per ``Projector``."""
 
     def __init__(self) -> None:
         self._items: OrderedDict[tuple, torch.Tensor] = OrderedDict()
@@ -388,14 +390,16 @@ class _MadeMatrices:
             return hit
         m = make()
         nbytes = _nbytes(m)
-        if nbytes <= budget:
-            while self._items and self._bytes + nbytes > budget:
-                self._bytes -= _nbytes(self._items.popitem(last=False)[1])
+        others = [k for k in self._items if k[:2] != key[:2]]
+        while others and self._bytes + nbytes > budget:
+            self._bytes -= _nbytes(self._items.pop(others.pop(0)))
+        if self._bytes + nbytes <= budget:
             self._items[key] = m
             self._bytes += nbytes
         return m
 
     def clear(self) -> None:
+        """Drop every kept matrix (e.g. after the last projection of a long process)."""
         self._items.clear()
         self._bytes = 0
 
@@ -541,12 +545,9 @@ class Projector:
             if index is None:
                 return self.dense_apply(layer, x, rows)
             return self.dense_apply_at(layer, x, rows, index, d)
-        out = x.new_zeros(rows, x.shape[0])
         if index is None:  # every column: block by block
-            for blk, start in enumerate(range(0, d, BLOCK)):
-                m = self.sparse_csr(layer, blk, rows, min(BLOCK, d - start), x.device, x.dtype)
-                out += torch.sparse.mm(m, x[:, start:start + m.shape[1]].T)
-            return out.T
+            return self.apply_columns(layer, lambda start, stop: x[:, start:stop], d, rows)
+        out = x.new_zeros(rows, x.shape[0])
         index = index.to(x.device)
         blocks = torch.div(index, BLOCK, rounding_mode="floor")
         for blk in torch.unique(blocks).tolist():
@@ -556,6 +557,30 @@ class Projector:
             xb = x.new_zeros(width, x.shape[0])
             xb[index[sel] - blk * BLOCK] = x[:, sel].T
             out += torch.sparse.mm(m, xb)
+        return out.T
+
+    def apply_columns(self, layer: str, columns, d: int, rows: int,
+                      span: int = 0) -> torch.Tensor:
+        """``x [B, D] @ P^T`` -> ``[B, rows]`` for the sparse kind, ``x`` given a few seeded
+        column blocks at a time: ``columns(start, stop)`` -> ``x[:, start:stop]``, asked for
+        at least ``span`` columns (whole blocks) per call.
+
+        The rows need never exist whole: a layer's kind materializes a span from its factors
+        while it is in cache (``LayerKind.project_rows``; ``span`` keeps its products large
+        enough to run at matmul speed), and each block's CSR product consumes it.
+        """
+        span = max(1, -(-span // BLOCK)) * BLOCK
+        out = None
+        for c0 in range(0, d, span):
+            xs = columns(c0, min(d, c0 + span))
+            for start in range(c0, min(d, c0 + span), BLOCK):
+                cols = min(BLOCK, d - start)
+                x = xs[:, start - c0:start - c0 + cols]
+                m = self.sparse_csr(layer, start // BLOCK, rows, cols, x.device, x.dtype)
+                part = torch.sparse.mm(m, x.T.contiguous())  # row-major [cols, B]: fast
+                out = part if out is None else out.add_(part)
+        if out is None:
+            raise ConfigError(f"Layer '{layer}': nothing to project (D = {d} columns)")
         return out.T
 
     def dense_matrix(self, layer: str, d: int, rows: int) -> torch.Tensor:

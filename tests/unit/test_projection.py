@@ -270,11 +270,13 @@ def test_sparse_kernel_is_the_same_map_as_the_column_scatter(distribution, monke
 def test_generated_matrices_are_shared_and_bounded():
     """Projectors of one seed reuse the matrices generated on the CPU (a ``collect`` per
     checkpoint draws and sorts them once per process), other seeds get their own, and the
-    process-wide store never holds more than the asking config's ``cache_bytes`` (breaks if
-    the cache leaked or served another seed's matrix)."""
+    process-wide store never holds more than the asking config's ``cache_bytes``; a sweep
+    over more layers than fit keeps the first ones instead of evicting each before its next
+    use (breaks if the cache leaked, thrashed or served another seed's matrix)."""
     from dattri_ds.ops.projection import _MADE, _nbytes
 
     cpu = torch.device("cpu")
+    _MADE.clear()  # other tests' matrices (seed 23 included) would count against the budget
     a = Projector(ProjectionConfig(kind="sparse", dim=64, seed=21))
     b = Projector(ProjectionConfig(kind="sparse", dim=64, seed=21))
     c = Projector(ProjectionConfig(kind="sparse", dim=64, seed=22))
@@ -283,6 +285,33 @@ def test_generated_matrices_are_shared_and_bounded():
     assert not torch.equal(c.sparse_csr("w", 0, 64, 500, cpu).to_dense(), m.to_dense())
     budget = 3 * _nbytes(m)
     small = Projector(ProjectionConfig(kind="sparse", dim=64, seed=23, cache_bytes=budget))
-    for layer in range(6):
+    first = small.sparse_csr("l0", 0, 64, 500, cpu)
+    for layer in range(1, 6):
         small.sparse_csr(f"l{layer}", 0, 64, 500, cpu)
         assert _MADE._bytes <= budget
+    again = Projector(ProjectionConfig(kind="sparse", dim=64, seed=23, cache_bytes=budget))
+    assert again.sparse_csr("l0", 0, 64, 500, cpu) is first
+
+
+@pytest.mark.parametrize("kind", ["linear", "embedding"])
+def test_blockwise_materialized_sparse_projection_equals_the_rows(kind, monkeypatch):
+    """A sparse projection of factors materializes one seeded column block at a time
+    (``LayerKind.materialize_columns``, blocks straddling output rows): the result equals the
+    projection of the whole materialized rows up to float rounding, for outer-product and
+    index-input kinds. Breaks if a block took the wrong output rows or column offsets."""
+    from dattri_ds.layers import get_kind
+    from dattri_ds.ops import projection
+
+    monkeypatch.setattr(projection, "BLOCK", 97)  # not a multiple of I: blocks cut rows
+    gen = torch.Generator().manual_seed(12)
+    o, i = 13, 29
+    a = (torch.randint(0, i, (4, 6), generator=gen) if kind == "embedding"
+         else torch.randn(4, 6, i, generator=gen))
+    lg = LayerGrad("w", get_kind(kind), Factorized(a, torch.randn(4, 6, o, generator=gen)),
+                   (o, i))
+    proj = Projector(ProjectionConfig(kind="sparse", dim=64, seed=3))
+    rows = lg.kind.rows(lg.data, lg.shape)
+    got = project(lg, proj).data.values
+    torch.testing.assert_close(got, proj.apply("w", rows, 64), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, rows @ proj.dense_matrix("w", o * i, 64).T, rtol=1e-5,
+                               atol=1e-5)
