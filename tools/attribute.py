@@ -305,6 +305,29 @@ class TokenScores:
         progress.close()
 
 
+def _announce(args, available: dict[str, Path], tags: list[str], queries) -> None:
+    """The first line: queries, store, checkpoints, projection, method and factors."""
+    from dattri_ds.store.attach import manifest
+    from dattri_ds.tools.common import announce
+
+    found = manifest(available[tags[0]])
+    proj = found[0].projection_cfg() if found else None
+    rows = "?" if found is None else (f"{proj.kind} k={proj.dim}" + (
+        f", whitened by {found[0].whitened}" if found[0].whitened else ""))
+    weighting = args.weighting or (Recipe(method=args.method).trajectory and
+                                   _default_weighting(args.method))
+    announce("attribute", queries=f"{args.queries} ({len(queries)})", store=args.store,
+             checkpoints=",".join(tags), projection=rows,
+             method=args.method + (f" (weighting {weighting})" if weighting else ""),
+             factors=args.factors if _is_curvature(args.method) else None, out=args.out)
+
+
+def _default_weighting(method: str) -> str:
+    from dattri_ds.methods import get_attributor
+
+    return get_attributor(method).default_weighting
+
+
 def _semantics(store: Path) -> dict:
     from dattri_ds.store.attach import manifest
 
@@ -370,7 +393,8 @@ def main(argv: list[str] | None = None) -> dict:
     available = stores(Path(args.store))
     tags = _choose_tags(args, run, available)
     queries = load_texts(args.queries, run.tokenizer, run.context, args.query_max_docs,
-                         context=run.context, truncate=args.truncate)
+                         context=run.context, truncate=args.truncate, queries=True)
+    _announce(args, available, tags, queries)
     from dattri_ds.plan import check_tool
     check_tool(run.root, args, seq_len=queries.seq_len, examples=len(queries),  # the size door
                method=next((m for m in ("ekfac", "kfac") if m in args.method), "graddot"))
@@ -440,18 +464,42 @@ def text_prior(args, recipe: Recipe, queries) -> TextPrior:
                          f"--method {args.method} has no measured text weight")
     try:
         path, seq_len = _train_data(args)
-        check_file(path, "training data file", "pass an existing jsonl file of documents")
-        if queries.tokenizer_fingerprint == "token-ids":
-            raise ConfigError("--queries holds token ids, not texts")
+        _check_texts(path, queries)
     except ConfigError as e:
         if asked is not None:
             raise ConfigError(f"--text-weight {asked:g} needs the training texts: {e}. Fix: "
                               f"--train-data the jsonl the store was collected from, or "
                               f"--text-weight 0") from None
-        logger.warning("text prior off (%s); pass --train-data to use it", e)
+        logger.warning("text prior off (%s)", e)
         return TextPrior(0.0, f"off: {e}")
     return TextPrior(float(weight), f"TF-IDF overlap of the row texts of '{path}'", path,
                      seq_len)
+
+
+def _check_texts(path, queries) -> None:
+    """The prior's texts are there: the training file(s) exist and hold text (token-id
+    rows a ``text`` field too), and every query has text (token-id rows: ``text``).
+
+    Raises:
+        ConfigError: naming what lacks text and how to give it.
+    """
+    from dattri_ds.errors import ConfigError
+    from dattri_ds.files import check_file, first_json_line
+    from dattri_ds.tools.sources import is_token_file
+
+    for f in [path] if isinstance(path, str) else path:
+        check_file(f, "training data file", "pass an existing jsonl file of documents")
+        if is_token_file(f):
+            first = first_json_line(f, "training data file", "JSON lines", "--train-data")
+            if not (isinstance(first, dict) and isinstance(first.get("text"), str)):
+                raise ConfigError(f"the training rows of '{f}' are token ids without a 'text' "
+                                  f"field; pass --train-data a file whose rows carry their "
+                                  f"text")
+    if queries.tokenizer_fingerprint == "token-ids" and \
+            not all(d.text.strip() for d in queries.docs):
+        raise ConfigError(f"--queries {queries.docs[0].id}...: token-id query rows without a "
+                          f"'text' field; add \"text\" to every query row (or give the "
+                          f"queries as text)")
 
 
 def with_overlap(prior: TextPrior, run, queries, train_ids) -> TextPrior:
@@ -464,7 +512,9 @@ def with_overlap(prior: TextPrior, run, queries, train_ids) -> TextPrior:
     from dattri_ds.errors import ConfigError
     from dattri_ds.eval import tfidf_scores
 
-    tok = run.tokenizer()
+    from dattri_ds.tools.common import row_texts
+
+    tok = run.tokenizer
     rows = load_texts(prior.path, tok, prior.seq_len or queries.seq_len, truncate=True)
     by_id = {d.id: i for i, d in enumerate(rows.docs)}
     missing = [i for i in train_ids if i.split("#")[0] not in by_id]
@@ -472,8 +522,8 @@ def with_overlap(prior: TextPrior, run, queries, train_ids) -> TextPrior:
         raise ConfigError(f"{len(missing)} store rows have no document in '{prior.path}' (e.g. "
                           f"'{missing[0]}'). Fix: --train-data the jsonl the store was "
                           f"collected from, or --text-weight 0")
-    train = rows.subset([by_id[i.split("#")[0]] for i in train_ids]).texts(tok)
-    return replace(prior, overlap=tfidf_scores(train, queries.texts(tok)))
+    train = row_texts(rows.subset([by_id[i.split("#")[0]] for i in train_ids]), tok)
+    return replace(prior, overlap=tfidf_scores(train, row_texts(queries, tok)))
 
 
 def _train_data(args) -> tuple[str, int | None]:
@@ -481,12 +531,14 @@ def _train_data(args) -> tuple[str, int | None]:
     the run's)."""
     from dattri_ds.errors import ConfigError
 
-    recorded = recorded_config(args.store, "collect")
+    recorded = recorded_config(args.store, "collect") or \
+        recorded_config(Path(args.store).parent, "collect")
     if args.train_data:
         return args.train_data, recorded.get("seq_len")
-    if not isinstance(recorded.get("data"), str):
-        raise ConfigError(f"{Path(args.store) / 'collect_config.json'} records no single "
-                          f"collect --data file")
+    if not isinstance(recorded.get("data"), (str, list)) or not recorded["data"]:
+        raise ConfigError(f"{Path(args.store) / 'collect_config.json'} records no collect "
+                          f"--data file; pass --train-data the jsonl the store was collected "
+                          f"from")
     return recorded["data"], recorded.get("seq_len")
 
 

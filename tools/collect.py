@@ -44,15 +44,17 @@ import torch  # noqa: E402
 
 from dattri_ds.tools.configs import COLLECT, add_flags, values  # noqa: E402
 from dattri_ds.tools.common import (  # noqa: E402
-    Run, add_checkpoint_args, add_source_args, example_ids, gradients, init_distributed,
-    load_texts, logger, open_source, seq_len_of, setup_logging, source_tags, write_config,
+    Run, add_checkpoint_args, add_source_args, announce, describe_data, example_ids, gradients,
+    init_distributed, load_texts, logger, open_source, seq_len_of, setup_logging, source_tags,
+    training_data, write_config,
 )
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dattri-ds collect", description=__doc__.splitlines()[0])
     add_source_args(p)
-    p.add_argument("--data", default="data/corpus/train.jsonl", help="jsonl to collect")
+    p.add_argument("--data", default=None, help="jsonl of documents or token ids to collect "
+                   "(default: with --run-dir, the run's own training data and --max-docs)")
     add_checkpoint_args(p, "checkpoints to collect (default all)")
     p.add_argument("--out", required=True, help="store root (one store per checkpoint)")
     p.add_argument("--factors", default=None,
@@ -245,6 +247,8 @@ def _factors(args, tag: str):
 
 
 def main(argv: list[str] | None = None) -> dict:
+    from dattri_ds import ProjectionConfig
+
     args = build_parser().parse_args(argv)
     if args.whiten is None and args.factors:  # factors given: the default method's rows
         args.whiten = "ekfac"
@@ -254,7 +258,13 @@ def main(argv: list[str] | None = None) -> dict:
     tags = source_tags(run, args, "all")
     from dattri_ds.outputs import check_dir
     check_dir(args.out, flag="--out", folders=tags)  # the output door, before any work
-    data = load_texts(args.data, run.tokenizer, seq_len_of(run, args), args.max_docs)
+    files, max_docs, where = training_data(run, args)
+    data = load_texts(files, run.tokenizer, seq_len_of(run, args), max_docs)
+    proj = ProjectionConfig(**values(args, COLLECT, ProjectionConfig))
+    announce("collect", data=describe_data(files, where, len(data)), checkpoints=",".join(tags),
+             projection=f"{proj.kind} k={proj.dim} seed {proj.seed}",
+             rows=f"whitened by {args.whiten} factors {args.factors}" if args.whiten
+             else "plain (not whitened)", out=args.out)
     check_stores(run, tags, args)
     from dattri_ds.plan import check_tool
     check_tool(run.root, args, seq_len=data.seq_len, examples=len(data))  # the size door

@@ -19,6 +19,8 @@ __all__ = ["Run", "setup_logging", "init_distributed", "write_config", "add_sour
            "store_of"]
 
 logger = logging.getLogger("dattri_ds.tools")
+#: The project folder: a run's relative data paths are also looked up from here.
+_PROJECT = Path(__file__).resolve().parents[1]
 
 
 #: ``--verbose``: third-party output (DeepSpeed's checkpoint consolidation banners,
@@ -112,6 +114,33 @@ class Run:
         from dattri_ds.tools.sources import required_context
 
         return required_context(self.root / "model/config.json")
+
+    def train_data(self) -> tuple[list[str], int | None] | None:
+        """The run's own training data: ``(train.train_data files, train.max_docs)`` from
+        ``resolved_dattri_ds_config.json`` (relative files found from the current folder or
+        the project's), None when the run records none.
+
+        Raises:
+            ConfigError: a recorded file is not found (named, with ``--data``).
+        """
+        cfg = self.root / "resolved_dattri_ds_config.json"
+        data = read_json(cfg, "--run") if cfg.is_file() else None
+        train = data.get("train") if isinstance(data, dict) else None
+        files = train.get("train_data") if isinstance(train, dict) else None
+        files = [files] if isinstance(files, str) else files
+        if not isinstance(files, list) or not files or \
+                not all(isinstance(f, str) for f in files):
+            return None
+        found = []
+        for f in files:
+            path = next((p for p in (Path(f), _PROJECT / f) if p.is_file()), None)
+            if path is None:
+                raise ConfigError(f"The run's training data '{f}' ({cfg}: train.train_data) is "
+                                  f"not found from {Path.cwd()} nor {_PROJECT}. Fix: pass --data "
+                                  f"the jsonl the run trained on")
+            found.append(str(path))
+        max_docs = train.get("max_docs")
+        return found, max_docs if type(max_docs) is int and max_docs > 0 else None
 
     def tokenizer(self):
         """SentencePiece ``tokenizer.model``, else the Hugging Face tokenizer found at open."""
@@ -402,6 +431,45 @@ def source_tags(source, args, default: str, flag: str = "--checkpoints",
     return checkpoint_tags(source, default if wanted is None else wanted, flag)
 
 
+def training_data(source, args, flag: str = "--data") -> tuple[str | list[str], int | None, str]:
+    """``(file or files, max_docs, where from)`` of the documents a tool reads: ``flag``
+    when given, else the run's own training data (``Run.train_data``: its files and its
+    ``max_docs`` unless ``--max-docs`` is given). The tool's ``args.data`` and
+    ``args.max_docs`` are set to them (so its recorded config names what it read).
+
+    Raises:
+        ConfigError: no ``flag`` and the source records no training data (a model folder),
+            naming the flag.
+    """
+    given = getattr(args, flag.lstrip("-").replace("-", "_"), None)
+    if given:
+        return given, args.max_docs, flag
+    recorded = source.train_data() if hasattr(source, "train_data") else None
+    if recorded is None:
+        raise ConfigError(f"{flag} is needed: {source.root} records no training data (only a "
+                          f"launch/train.py run does, in resolved_dattri_ds_config.json). Fix: "
+                          f"pass {flag} the jsonl of documents (or token ids) to read")
+    files, max_docs = recorded
+    data = files[0] if len(files) == 1 else files
+    args.data = data
+    if args.max_docs is None:
+        args.max_docs = max_docs
+    return data, args.max_docs, "the run's training data"
+
+
+def announce(tool: str, **parts) -> None:
+    """The first line a tool prints: what it reads and does (data, checkpoints, projection,
+    method), ``key value`` pairs in order; None values are left out."""
+    logger.info("%s: %s", tool, "; ".join(f"{k.replace('_', ' ')} {v}" for k, v in parts.items()
+                                        if v is not None))
+
+
+def describe_data(data, where: str, n: int) -> str:
+    """``FILE (N documents, the run's training data)`` for ``announce``."""
+    files = data if isinstance(data, str) else ", ".join(data)
+    return f"{files} ({n} documents, {where})" if where != "--data" else f"{files} ({n} documents)"
+
+
 def seq_len_of(source, args) -> int:
     """``--seq-len``, else the source's own."""
     return args.seq_len or source.seq_len
@@ -589,25 +657,36 @@ def _bar(total: int, desc: str | None):
     return bar(total, desc)
 
 
-def load_texts(path: str, tokenizer, seq_len: int, max_docs: int | None = None,
-               context: int | None = None, truncate: bool = True):
+def load_texts(path: str | list[str], tokenizer, seq_len: int, max_docs: int | None = None,
+               context: int | None = None, truncate: bool = True, queries: bool = False):
     """Tokenized documents of a jsonl file of texts or of token ids (``is_token_file``).
 
     ``tokenizer`` is a Tokenizer, a callable returning one (called only for text files),
-    or None for token-id files. Errors name the file and the fix.
+    or None for token-id files. ``queries``: a text line needs only ``text`` (``id``
+    defaults to ``q<line>``, ``source`` and ``title`` to empty). Errors name the file and
+    the fix.
     """
     from dattri_ds.data import load_documents, tokenize_documents
     from dattri_ds.files import check_file
     from dattri_ds.tools.sources import is_token_file, load_token_ids, vocab_size_of
 
-    p = check_file(path, "data file", "pass an existing jsonl file of documents or token ids")
-    if is_token_file(p):
+    if not isinstance(path, (str, os.PathLike)):  # several text files (a run's train_data)
+        if len(path) == 1:
+            path = path[0]
+        else:
+            for f in path:
+                check_file(f, "data file", "pass existing jsonl files of documents")
+            p = Path(path[0])
+    if isinstance(path, (str, os.PathLike)):
+        p = check_file(path, "data file", "pass an existing jsonl file of documents or token ids")
+    if isinstance(path, (str, os.PathLike)) and is_token_file(p):
         data = load_token_ids(p, seq_len, max_docs, vocab_size_of(tokenizer))
         _check_truncation(data, p, seq_len, context, truncate)
         return data
     if callable(tokenizer) and not hasattr(tokenizer, "encode_batch"):
         tokenizer = tokenizer()
-    docs = load_documents(p)
+    docs = _query_documents(p) if queries and isinstance(path, (str, os.PathLike)) else \
+        load_documents(p if isinstance(path, (str, os.PathLike)) else list(path))
     if max_docs:
         docs = docs[:max_docs]
     if not docs:
@@ -618,6 +697,46 @@ def load_texts(path: str, tokenizer, seq_len: int, max_docs: int | None = None,
                               add_eos=getattr(tokenizer, "eos_id", None) is not None)
     _check_truncation(data, p, seq_len, context, truncate)
     return data
+
+
+def _query_documents(p: Path) -> list:
+    """Query documents: every line a JSON object with a string ``text``; ``id``, ``source``
+    and ``title`` optional (a query needs no metadata).
+
+    Raises:
+        InputFileError: a line without a string ``text`` (file and line named), a repeated id.
+    """
+    from dattri_ds.data import Document
+    from dattri_ds.errors import InputFileError
+    from dattri_ds.files import iter_json_lines
+
+    fix = 'write one {"id": ..., "text": ...} object per line'
+    docs, seen = [], set()
+    for n, d in iter_json_lines(p, "--queries file", 'one {"id"?, "text"} object per line',
+                                fix):
+        if not isinstance(d, dict) or not isinstance(d.get("text"), str):
+            raise InputFileError(f"--queries file {p}:{n}: expected a JSON object with a string "
+                                 f"'text', got {str(d)[:60]}. Fix: {fix}")
+        doc_id = str(d.get("id", f"q{n}"))
+        if doc_id in seen:
+            raise InputFileError(f"--queries file {p}:{n}: id '{doc_id}' repeats an earlier "
+                                 f"line. Fix: give every query its own id")
+        seen.add(doc_id)
+        docs.append(Document(doc_id, str(d.get("source", "")), str(d.get("title", "")),
+                             d["text"]))
+    return docs
+
+
+def row_texts(data, tokenizer) -> list[str] | None:
+    """The text each row of ``data`` holds: token-id rows their ``text`` field (None when
+    one lacks it), text rows their tokens decoded (``tokenizer`` a Tokenizer or a callable
+    returning one)."""
+    if data.tokenizer_fingerprint == "token-ids":
+        texts = [d.text for d in data.docs]
+        return texts if all(t.strip() for t in texts) else None
+    if callable(tokenizer) and not hasattr(tokenizer, "decode"):
+        tokenizer = tokenizer()
+    return data.texts(tokenizer)
 
 
 def _check_truncation(data, p: Path, seq_len: int, context: int | None, truncate: bool) -> None:

@@ -33,8 +33,9 @@ import torch  # noqa: E402
 
 from dattri_ds.tools.configs import FIT, add_flags, values  # noqa: E402
 from dattri_ds.tools.common import (  # noqa: E402
-    add_checkpoint_args, add_source_args, gradients, init_distributed, load_texts, logger,
-    open_source, seq_len_of, setup_logging, source_tags, store_of, tag_choice, write_config,
+    add_checkpoint_args, add_source_args, announce, describe_data, gradients, init_distributed,
+    load_texts, logger, open_source, seq_len_of, setup_logging, source_tags, store_of,
+    tag_choice, training_data, write_config,
 )
 
 
@@ -45,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="'last' (default), 'all' or comma-separated tags of --run-dir (several: "
                         "--out is a folder)")
     add_checkpoint_args(p, "checkpoints to fit, as --checkpoint")
-    p.add_argument("--data", default="data/corpus/train.jsonl")
+    p.add_argument("--data", default=None, help="jsonl of documents or token ids to fit on "
+                   "(default: with --run-dir, the run's own training data and --max-docs)")
     p.add_argument("--store", help="fit in this store's space if it is Kronecker-projected "
                    "(LoGra; a folder of per-checkpoint stores for several checkpoints); "
                    "exact factors for other projections")
@@ -125,7 +127,7 @@ def _config(args):
 
 
 def main(argv: list[str] | None = None) -> list[Path]:
-    from dattri_ds import Projector, fit_factors
+    from dattri_ds import ProjectionConfig, Projector, fit_factors
     from dattri_ds.distributed import ParallelContext
 
     args = build_parser().parse_args(argv)
@@ -138,8 +140,15 @@ def main(argv: list[str] | None = None) -> list[Path]:
                           f"{' '.join(args.checkpoints)}: both choose the checkpoints to fit")
     tags = source_tags(run, args, "last", "--checkpoint" if args.checkpoint else "--checkpoints",
                        chosen=args.checkpoint)
-    data = load_texts(args.data, run.tokenizer, seq_len_of(run, args), args.max_docs)
+    files, max_docs, where = training_data(run, args)
+    data = load_texts(files, run.tokenizer, seq_len_of(run, args), max_docs)
     rows = torch.arange(rank, len(data), world)
+    given = values(args, FIT, ProjectionConfig)
+    announce("fit", data=describe_data(files, where, len(data)), checkpoints=",".join(tags),
+             method="kfac" if args.kfac_only else "ekfac",
+             projection=f"the store {args.store}'s (LoGra if Kronecker)" if args.store else
+             f"kronecker k={given['dim']} (LoGra)" if "dim" in given else "none (exact factors)",
+             out=args.out)
     from dattri_ds.plan import check_tool
     check_tool(run.root, args, seq_len=data.seq_len, examples=len(data),  # the size door
                method="kfac" if args.kfac_only else "ekfac")

@@ -28,8 +28,9 @@ from dattri_ds.tools.common import logger, setup_logging  # noqa: E402
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dattri-ds report", description=__doc__.splitlines()[0])
     p.add_argument("--attribution", required=True, help="output folder of tools/attribute.py")
-    p.add_argument("--train-data", default="data/corpus/train.jsonl",
-                   help="jsonl holding the training texts (ids before '#' in store ids)")
+    p.add_argument("--train-data", default=None,
+                   help="jsonl holding the training texts (ids before '#' in store ids; "
+                        "default: the file attribute or collect read, as they recorded it)")
     add_flag(p, "--top-k", int, ge=1, default=5)
     add_flag(p, "--chars", int, ge=1,
              default=300, help="characters of text shown")
@@ -48,16 +49,43 @@ def _prior_note(summary: dict) -> str:
             f"z(TF-IDF overlap) per query; the method's own scores are model_scores.npy)")
 
 
-def _docs(path: str) -> dict[str, dict]:
+def train_data(att: Path, given: str | None) -> str | list[str]:
+    """``--train-data``, else the training file(s) the attribution read: attribute's
+    recorded ``--train-data``, else the ``--data`` collect recorded next to its store.
+
+    Raises:
+        ConfigError: none is given or recorded (names --train-data).
+    """
+    from dattri_ds.errors import ConfigError
+    from dattri_ds.tools.common import recorded_config
+
+    if given:
+        return given
+    rec = recorded_config(att, "attribute")
+    if rec.get("train_data"):
+        return rec["train_data"]
+    store = rec.get("store")
+    for folder in ([Path(store), Path(store).parent] if isinstance(store, str) else []):
+        data = recorded_config(folder, "collect").get("data")
+        if isinstance(data, (str, list)) and data:
+            return data
+    raise ConfigError(f"--train-data is needed: {att} records no training data (neither "
+                      f"attribute's --train-data nor a collect_config.json next to its store "
+                      f"{store!r}). Fix: pass --train-data the jsonl the store was collected "
+                      f"from")
+
+
+def _docs(path: str | list[str]) -> dict[str, dict]:
     """``--train-data`` documents by id (any JSON object with an ``id`` per line)."""
     out = {}
     fix = "pass --train-data the jsonl of documents the store was collected from"
-    for n, d in files.iter_json_lines(path, "--train-data file",
-                                      "one JSON object with an 'id' per line", fix):
-        if not isinstance(d, dict) or not isinstance(d.get("id"), str):
-            raise InputFileError(f"--train-data file {path}:{n}: expected a JSON object with "
-                                 f"a string 'id', got {str(d)[:60]}. Fix: {fix}")
-        out[d["id"]] = d
+    for one in [path] if isinstance(path, str) else path:
+        for n, d in files.iter_json_lines(one, "--train-data file",
+                                          "one JSON object with an 'id' per line", fix):
+            if not isinstance(d, dict) or not isinstance(d.get("id"), str):
+                raise InputFileError(f"--train-data file {one}:{n}: expected a JSON object "
+                                     f"with a string 'id', got {str(d)[:60]}. Fix: {fix}")
+            out[d["id"]] = d
     if not out:
         raise InputFileError(f"--train-data file '{path}' holds no documents (it is empty or "
                              f"blank). Fix: {fix}")
@@ -149,9 +177,11 @@ def _plots(att: Path, scores: np.ndarray, queries: list[dict], top: list[dict],
 
 def _entry(e: dict, docs: dict[str, dict], chars: int) -> tuple[str, str, str, float]:
     doc_id = e["id"].split("#")[0].split("@")[0]
-    d = docs.get(doc_id, {})
-    text = " ".join(d.get("text", "(text not found)").split())[:chars]
-    return doc_id, d.get("source", "?"), text, e["score"]
+    d = docs.get(doc_id)
+    if d is None:
+        return doc_id, "?", "(not in --train-data)", e["score"]
+    text = d.get("text") or ("(token ids, no text)" if "input_ids" in d else "(no text)")
+    return doc_id, d.get("source", ""), " ".join(text.split())[:chars], e["score"]
 
 
 def _token_view(att: Path, train_ids: list[str]):
@@ -186,7 +216,11 @@ def main(argv: list[str] | None = None) -> Path:
     summary, queries, top, train_ids, scores = read_attribution(att)
     from dattri_ds.outputs import check_dir, writing
     check_dir(att, flag="--attribution", force=True, overwrites=("report.md", "report.html"))
-    docs = _docs(args.train_data)
+    data = train_data(att, args.train_data)
+    from dattri_ds.tools.common import announce
+    announce("report", attribution=att, training_texts=data if isinstance(data, str)
+             else ", ".join(data))
+    docs = _docs(data)
     with writing(att):  # a full disk: one line naming the folder
         plots = _plots(att, scores, queries, top, train_ids)
     md = [f"# Attribution report ({summary['method']})", "",

@@ -155,18 +155,36 @@ class HFModelDir:
         return HFTokenizer(self.tokenizer_path)
 
     def trajectory(self) -> list[dict]:
-        return [{"tag": self.tag, "step": 0, "lr": 1.0}]
+        """One entry; its step and learning rate are unknown (None): a model folder records
+        neither, and no stand-in is assumed."""
+        return [{"tag": self.tag, "step": None, "lr": None}]
 
     def checkpoint(self, tag: str) -> dict:
+        """The entry of ``tag``, read by lr-weighted scores: its learning rate is unknown.
+
+        Raises:
+            ConfigError: ``tag`` is not this model, or (always) its learning rate is unknown,
+                naming the flags that supply it or score without it.
+        """
+        self._check_tag(tag)
+        raise ConfigError(
+            f"The learning rate of '{self.root}' is unknown (a model folder records neither "
+            f"its step nor its learning rate), and lr-weighted scores need it. Fix: pass the "
+            f"folder as --checkpoints {self.root} --lrs LR (and --steps STEP), or score "
+            f"without lr weighting (attribute --weighting uniform or normalized)")
+
+    def _check_tag(self, tag: str) -> None:
         if tag != self.tag:
             raise ConfigError(f"'{self.root}' is a single model (tag '{self.tag}'), not "
                               f"checkpoint '{tag}'")
-        return self.trajectory()[0]
 
     def tags(self, wanted: str | None) -> list[str]:
         if wanted in (None, "all", "last"):
             return [self.tag]
-        return [self.checkpoint(t.strip())["tag"] for t in wanted.split(",") if t.strip()]
+        tags = [t.strip() for t in wanted.split(",") if t.strip()]
+        for t in tags:
+            self._check_tag(t)
+        return tags
 
     @property
     def run_id(self) -> None:
@@ -184,7 +202,7 @@ class HFModelDir:
         """The model in fp32, eval mode (dropout off)."""
         from transformers import AutoModelForCausalLM
 
-        self.checkpoint(tag)
+        self._check_tag(tag)
         model = AutoModelForCausalLM.from_pretrained(str(self.root), dtype=torch.float32)
         return model.to(device).eval()
 

@@ -24,6 +24,8 @@ What is supported:
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Iterable
 
 import torch
@@ -37,6 +39,8 @@ from dattri_ds.ops.inner import project_batch
 from dattri_ds.ops.kronecker import KFACConfig, KFACFactors
 from dattri_ds.ops.projection import Projector
 from dattri_ds.spill import Spill
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["KFAC", "EKFAC", "fit_factors"]
 
@@ -145,12 +149,27 @@ def _fit(factors: KFACFactors, first: Iterable[GradBatch], ekfac: bool,
          ctx: ParallelContext | None,
          again: Callable[[], Iterable[GradBatch]] | None = None) -> KFACFactors:
     """Factor sums over ``first``, reduce, eigendecompose; EK-FAC pass over ``again()``
-    (default: ``first`` itself, a re-iterable)."""
+    (default: ``first`` itself, a re-iterable). A log line at least every 10 s of the
+    eigendecomposition and the EK-FAC pass (the caller's progress covers the first pass)."""
     for b in first:
         factors.update(b)
+    t0 = time.perf_counter()
     factors.reduce(ctx).eigendecompose()
+    if time.perf_counter() - t0 > 10:
+        logger.info("fit: eigendecomposed %d layers' factors in %.0f s", len(factors.layers),
+                    time.perf_counter() - t0)
     if ekfac:
+        t0 = last = time.perf_counter()
+        rows = 0
+        logger.info("fit: EK-FAC eigenvalue pass (the data once more)")
         for b in (again() if again is not None else first):
             factors.update_correction(b)
+            rows += b.batch_size
+            now = time.perf_counter()
+            if now - last >= 10:
+                last = now
+                logger.info("fit: EK-FAC eigenvalue pass: %d rows, %.0f s", rows, now - t0)
         factors.reduce(ctx)
+        logger.info("fit: EK-FAC eigenvalue pass done: %d rows in %.1f s", rows,
+                    time.perf_counter() - t0)
     return factors

@@ -579,3 +579,72 @@ def test_interrupted_collect_commits_its_rows_and_the_rerun_counts_them(tmp_path
                            text=True, timeout=300)
     assert again.returncode == 0 and f"{got[0]} examples already stored" in again.stderr, \
         again.stderr[-2000:]
+
+
+def test_text_prior_on_token_id_rows_that_carry_text_and_minimal_query_files(tmp_path):
+    """Token-id training and query rows that also carry ``text`` switch the text prior on
+    (the overlap of those texts: equal to the prior computed by hand from them); a query
+    file of only {"id", "text"} lines is read (no source/title needed), and token-id
+    queries without text turn the default prior off saying that the rows lack 'text'.
+    Breaks if token ids alone decide that there are no texts."""
+    from dattri_ds.eval import tfidf_scores, with_text_prior
+    from dattri_ds.tools import attribute, collect, fit
+
+    folder = _tiny_folder(tmp_path / "m")
+    g = torch.Generator().manual_seed(2)
+
+    def rows(path, n, text=True):
+        out = []
+        with open(path, "w") as fh:
+            for i in range(n):
+                ids = torch.randint(4, 64, (9,), generator=g).tolist()
+                out.append(" ".join(f"w{t}" for t in ids))
+                rec = {"id": f"{path.stem}{i}", "input_ids": ids}
+                fh.write(json.dumps({**rec, "text": out[-1]} if text else rec) + "\n")
+        return str(path), out
+
+    train, train_texts = rows(tmp_path / "t.jsonl", 6)
+    queries, query_texts = rows(tmp_path / "q.jsonl", 2)
+    collect.main(["--model", str(folder), "--projection-dim", "8", "--data", train, "--out",
+                  str(tmp_path / "g")])
+    fit.main(["--model", str(folder), "--data", train, "--out", str(tmp_path / "f.pt")])
+    base = ["--model", str(folder), "--store", str(tmp_path / "g"), "--method", "ekfac",
+            "--factors", str(tmp_path / "f.pt"), "--train-data", train]
+    on = attribute.main([*base, "--queries", queries, "--out", str(tmp_path / "on")])
+    assert on["text_weight"] == 0.5, on["text_prior"]
+    ids = json.loads((tmp_path / "on/train_ids.json").read_text())
+    by_id = dict(zip([f"t{i}" for i in range(6)], train_texts))
+    overlap = tfidf_scores([by_id[i.split("#")[0]] for i in ids], query_texts)
+    want = with_text_prior(torch.from_numpy(np.load(tmp_path / "on/model_scores.npy")),
+                           overlap.float(), 0.5)
+    np.testing.assert_allclose(np.load(tmp_path / "on/scores.npy"), want.numpy(), rtol=1e-5,
+                               atol=1e-6)
+    minimal = tmp_path / "mq.jsonl"
+    minimal.write_text("".join(json.dumps({"id": f"m{i}", "text": t}) + "\n"
+                               for i, t in enumerate(query_texts)))
+    text_q = attribute.main([*base, "--queries", str(minimal), "--out", str(tmp_path / "mq")])
+    assert text_q["queries"] == 2 and text_q["text_weight"] == 0.5
+    bare, _ = rows(tmp_path / "b.jsonl", 2, text=False)
+    off = attribute.main([*base, "--queries", bare, "--out", str(tmp_path / "off")])
+    assert off["text_weight"] == 0 and "without a 'text' field" in off["text_prior"]
+
+
+def test_a_model_folder_has_no_invented_learning_rate(tmp_path):
+    """A single model folder records no step or learning rate: its trajectory says None
+    (not lr 1.0 at step 0), TracIn (lr-weighted) refuses in one error naming --lrs and
+    --weighting, and --weighting uniform scores. Breaks if a stand-in lr comes back."""
+    from dattri_ds.errors import ConfigError
+    from dattri_ds.tools import attribute, collect
+    from dattri_ds.tools.sources import HFModelDir
+
+    folder = _tiny_folder(tmp_path / "m")
+    assert HFModelDir.open(folder).trajectory() == [{"tag": "m", "step": None, "lr": None}]
+    data = _texts(tmp_path / "t.jsonl", 4)
+    collect.main(["--model", str(folder), "--projection-dim", "8", "--data", data, "--out",
+                  str(tmp_path / "g")])
+    base = ["--model", str(folder), "--store", str(tmp_path / "g"), "--queries", data,
+            "--method", "tracin"]
+    with pytest.raises(ConfigError, match=r"learning rate .* unknown.*--lrs.*--weighting"):
+        attribute.main([*base, "--out", str(tmp_path / "a")])
+    assert attribute.main([*base, "--weighting", "uniform", "--out", str(tmp_path / "b")])[
+        "train"] == 4

@@ -34,11 +34,12 @@ def test_run_or_model_required():
 
 
 #: Every flag collect, fit and attribute had before their flags were generated, with its
-#: default: generation must keep each name and default.
+#: default: generation must keep each name and default (--data: None since issue 37, the
+#: run's own training data, not a cwd-relative corpus).
 KEPT = {
     "collect": {"--projection": "auto", "--projection-dim": 4096, "--seed": 0, "--whiten": None,
                 "--dtype": "float32", "--flush-every": 256, "--batch-size": 8,
-                "--max-docs": None, "--data": "data/corpus/train.jsonl", "--factors": None,
+                "--max-docs": None, "--data": None, "--factors": None,
                 "--checkpoints": None},
     "fit": {"--projection-dim": None, "--seed": None, "--damping": None,
             "--damping-mode": None, "--power": None, "--kfac-only": False, "--batch-size": 8,
