@@ -138,7 +138,7 @@ class Run:
                 raise ConfigError(f"The run's training data '{f}' ({cfg}: train.train_data) is "
                                   f"not found from {Path.cwd()} nor {_PROJECT}. Fix: pass --data "
                                   f"the jsonl the run trained on")
-            found.append(str(path))
+            found.append(str(path.resolve()))  # recorded: found from any folder later
         max_docs = train.get("max_docs")
         return found, max_docs if type(max_docs) is int and max_docs > 0 else None
 

@@ -143,3 +143,40 @@ def test_lds_methods_are_the_registry():
     lds = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(lds)
     assert sorted(lds.METHODS) == sorted(registered_attributors())
+
+
+def test_tools_given_a_run_read_its_own_training_data(tmp_path, monkeypatch):
+    """collect/fit without --data read the run's train.train_data and max_docs from its
+    resolved config (relative paths from the current folder or the project), recorded in
+    the tool's args; --data and --max-docs override; a model folder without --data is a
+    ConfigError naming --data. Breaks if a cwd-relative corpus default comes back."""
+    import argparse
+    import json
+
+    from dattri_ds.tools.common import Run, training_data
+
+    run = tmp_path / "run"
+    (run / "model").mkdir(parents=True)
+    (run / "model/config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    (tmp_path / "own.jsonl").write_text("")
+    (run / "resolved_dattri_ds_config.json").write_text(json.dumps(
+        {"train": {"train_data": ["own.jsonl"], "max_docs": 200, "seq_len": 16}}))
+    monkeypatch.chdir(tmp_path)
+    args = argparse.Namespace(data=None, max_docs=None)
+    own = str(tmp_path / "own.jsonl")
+    got = training_data(Run.open(run), args)
+    assert got == (own, 200, "the run's training data")
+    assert (args.data, args.max_docs) == (own, 200)
+    args = argparse.Namespace(data=None, max_docs=50)
+    assert training_data(Run.open(run), args)[:2] == (own, 50)
+    args = argparse.Namespace(data="other.jsonl", max_docs=None)
+    assert training_data(Run.open(run), args) == ("other.jsonl", None, "--data")
+    (tmp_path / "own.jsonl").unlink()
+    with pytest.raises(ConfigError, match="own.jsonl.*--data"):
+        training_data(Run.open(run), argparse.Namespace(data=None, max_docs=None))
+
+    class Folder:
+        root = tmp_path / "hf"
+
+    with pytest.raises(ConfigError, match="--data is needed"):
+        training_data(Folder(), argparse.Namespace(data=None, max_docs=None))
