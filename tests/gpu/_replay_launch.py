@@ -72,14 +72,33 @@ def install(opts: dict) -> None:
         if missing:
             raise RuntimeError(f"replay: step {s.step} has no candidates {missing}: the runs "
                                f"read different data")
-        order = {w: len(want) - r for r, w in enumerate(want)}
-        ranked = torch.tensor([float(order.get(x, -1)) for x in ids], dtype=s.ranked.dtype,
-                              device=s.ranked.device)
-        forced = original(self, replace(s, ranked=ranked))
+        forced = original(self, replace(s, ranked=_forcing(self, s, ids, want)))
         assert list(forced.selection.chosen_ids) == want, (forced.selection.chosen_ids, want)
         return forced
 
     Choose.__call__ = choose
+
+
+def _forcing(choose, s, ids: list[str], want: list[str]) -> torch.Tensor:
+    """Scores that make ``Choose`` pick ``want``: the policy's top ``n`` are some ``n`` of
+    them and the seeded uniform draw fills the rest, so find the ``n`` whose draw (same
+    generator, same excluded set) completes ``want``."""
+    from itertools import combinations
+
+    from dattri_ds.selection.policy import mixed
+    from dattri_ds.selection.stages import generator
+
+    k = len(want)
+    n = k - round(choose.uniform_mix * k)
+    pos = [ids.index(w) for w in want]
+    for top in combinations(pos, n):
+        ranked = torch.full((len(ids),), -1.0, dtype=torch.float64)
+        ranked[list(top)] = 1.0
+        got = mixed(ranked, k, uniform_mix=choose.uniform_mix,
+                    generator=generator(s.step, s.grads.sample_ids))
+        if sorted(got.tolist()) == sorted(pos):
+            return ranked.to(s.ranked)
+    raise RuntimeError(f"replay: no ranking makes the policy choose {want} at step {s.step}")
 
 
 def main() -> int:
