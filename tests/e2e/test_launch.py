@@ -2,7 +2,10 @@
 
 Invariants: the real ``deepspeed`` launcher trains 2 CPU ranks under ZeRO-3 and writes
 reloadable checkpoints; a capturing run killed with SIGKILL and restarted ends with exactly
-the store of an uninterrupted run (no example lost, none duplicated).
+the store of an uninterrupted run (no example lost, none duplicated), also when it was
+killed while writing its final checkpoint (``--resume latest`` skips the half-written one);
+the offline curation recipe trains its subset model with the warm-up run's tokenizer
+(``--init-from``); ranks of one launch print a shared error once.
 """
 
 from __future__ import annotations
