@@ -1,8 +1,8 @@
 """OnlineSelector: every micro-batch, score candidates against the target and keep the best.
 
 A step (``C = ceil(candidate_multiple * k)`` candidates, ``k`` trained) folds a
-``StepState`` (selection/step.py) through the stages of one arm (selection/stages.py), each a
-small object built once from the config:
+``StepState`` through the stages of one arm (selection/stages.py), each a small object
+built once from the config:
 
 * **gradient** (``score="alignment"``): ``Shortlist`` (the cascade, ``shortlist``: the
   content prior ranks all ``C``, the top ``S`` stay in play), ``Probe`` (the target's rows,
@@ -38,15 +38,15 @@ from dattri_ds.selection.blocks import probe_share, top_block_patterns
 from dattri_ds.selection.cascade import cascade_for
 from dattri_ds.selection.checks import check_engine_supported, check_target_compatible
 from dattri_ds.selection.config import SelectionConfig
-from dattri_ds.selection.log import Log, log_file, read_selection_log, writes_log
+from dattri_ds.selection.log import log_file, read_selection_log, writes_log
 from dattri_ds.selection.rank import content_weight, rankers
 from dattri_ds.selection.scorer import score_for
 from dattri_ds.selection.smoothing import CandidateText
 from dattri_ds.selection.stages import (
-    Choose, Probe, Rank, SampleIds, Shortlist, Stage, TextScore, Uniform,
+    Batch, Choose, Log, Probe, Rank, SampleIds, Selection, Shortlist, Stage, StepState,
+    TextScore, Uniform,
 )
 from dattri_ds.selection.state import load_selector_state, selector_state
-from dattri_ds.selection.step import Batch, Selection, StepState
 from dattri_ds.selection.stepcost import StepCost
 from dattri_ds.selection.target import TargetProvider, ValidationTarget, build_target
 
@@ -84,6 +84,7 @@ class OnlineSelector:
         self.documents = documents
         self.rule = score_for(config, cost=cost, ctx=ctx, documents=documents)
         self.rows = target  # what candidates are scored against
+        self._target_rows = target.rows_per_rank  # target examples this rank forwards
         self.content_weight = content_weight(config, documents) if self.rule.ranked else 0.0
         self.rankers = rankers(config, self.content_weight, documents) \
             if self.rule.ranked else []
@@ -91,7 +92,8 @@ class OnlineSelector:
         self.uniform, self.log = Uniform(self.ctx), Log(config, self.ctx, log_path)
         self.scorer: Probe | None = None
         self.stages = self._arm() + [self.log]
-        self.plan: StepCost | None = None
+        self.plan: StepCost | None = None  # predicted at the first step (it needs C, k)
+        self._share = probe_share(model, list(probe.layers))  # of the blocks probed
 
     def _arm(self) -> list[Stage]:
         """The stages of this run's arm (module docstring), in order, before the log."""
@@ -157,7 +159,8 @@ class OnlineSelector:
             reuse = train_loss and self.scorer is not None and self.scorer.reusing(t, c, k)
             if self.plan is None:
                 self._explain(c, k, reuse)
-        state = StepState(batch, k, step, user_ids, reuse=reuse, text=CandidateText.of(batch))
+        text = CandidateText(batch["input_ids"], batch.get("attention_mask"))
+        state = StepState(batch, k, step, user_ids, reuse=reuse, text=text)
         for stage in self.stages:
             state = stage(state)
         return state.selection
@@ -169,15 +172,16 @@ class OnlineSelector:
         no layers) and their ``[P]`` scores, candidates with a NaN/inf gradient or score
         dropped."""
         stage = self.scorer or TextScore(self.rule, SampleIds(self.probe.config))
-        s = stage(StepState(batch, 0, step, user_ids, text=CandidateText.of(batch)))
+        text = CandidateText(batch["input_ids"], batch.get("attention_mask"))
+        s = stage(StepState(batch, 0, step, user_ids, text=text))
         return s.grads, s.scores
 
     def _explain(self, candidates: int, trained: int, reuse: bool) -> None:
         """Predict this run's step cost (selection/stepcost.py) and log it once (rank 0)."""
         cfg, layers, probing = self.config, list(self.probe.layers), self.scorer is not None
         self.plan = StepCost(
-            candidates=candidates, trained=trained, share=probe_share(self.model, layers),
-            normalize=cfg.normalize, target_examples=self.rows.rows_per_rank,
+            candidates=candidates, trained=trained, share=self._share,
+            normalize=cfg.normalize, target_examples=self._target_rows,
             refresh_every=cfg.refresh_every, reuse=reuse, probe=probing,
             probed=None if self.cascade is None else self.cascade.size(trained, candidates))
         if self.ctx.dp_rank != 0:

@@ -109,8 +109,9 @@ class Alignment(Score, name="alignment"):
 class ContentScore(Score, name="content"):
     """The content prior alone (selection/content.py): the mean target-vs-stream log-ratio
     of each candidate's hashed n-grams, no model and no gradient. The step runs no probe
-    (its cost is that of a plain step plus hashing); the rank stages do not apply (the prior is the score). The settings it cannot use are
-    refused by ``SelectionConfig`` (``GRADIENT_SETTINGS``)."""
+    (its cost is that of a plain step plus hashing); the rank stages do not apply (the
+    prior is the score). The settings it cannot use are refused by ``SelectionConfig``
+    (``GRADIENT_SETTINGS``)."""
 
     needs_probe = False
     ranked = False

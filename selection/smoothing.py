@@ -75,11 +75,6 @@ class CandidateText:
     valid: torch.Tensor | None = None
     content: torch.Tensor | None = None
 
-    @classmethod
-    def of(cls, batch: dict[str, torch.Tensor]) -> CandidateText:
-        """The text of a batch of model inputs (``input_ids``, ``attention_mask``)."""
-        return cls(batch["input_ids"], batch.get("attention_mask"))
-
     def subset(self, positions: torch.Tensor,
                content: torch.Tensor | None = None) -> CandidateText:
         """The candidates at ``positions`` (their hashed counts indexed, not recomputed),

@@ -1,21 +1,27 @@
 """The stages of a selection step: each a small object built once from the config, called
-as ``stage(state) -> state`` on the step's ``StepState`` (selection/step.py).
+as ``stage(state) -> state`` on the step's ``StepState``, the last one's ``Selection`` the
+step's outcome.
 
 An arm is a list of them (``OnlineSelector`` picks one per run):
 
 * gradient: ``Shortlist`` (with ``shortlist``), ``Probe``, ``Rank``, ``Choose``, ``Log``;
-* content: ``TextScore``, ``Choose``, ``Log``;
+* content: ``TextScore``, ``Rank``, ``Choose``, ``Log``;
 * uniform (``random``): ``Uniform``, ``Log``.
 
 A stage keeps only what outlives a step (a refresh clock, a stream's counts, a draw
-counter), each saved with the selector's state; everything about one step travels in the
-state.
+counter, the run statistics), each saved with the selector's state; everything about one
+step travels in the state (``dataclasses.replace``), nothing is kept on the selector between
+calls.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import os
 import warnings
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -23,23 +29,115 @@ from torch import nn
 
 from dattri_ds.capture import GradientCapture
 from dattri_ds.config import CaptureConfig
-from dattri_ds.distributed import ParallelContext
+from dattri_ds.distributed import ParallelContext, all_reduce_sum
 from dattri_ds.errors import CaptureError, ConfigError
 from dattri_ds.gradient import GradBatch
 from dattri_ds.ops import CostModel, default_cost_model
 from dattri_ds.ops.projection import stable_seed
 from dattri_ds.selection.cascade import Cascade, needed
 from dattri_ds.selection.config import SelectionConfig
+from dattri_ds.selection.log import log_file, remove_stale_logs, writes_log
 from dattri_ds.selection.policy import fill_uniform, mixed
 from dattri_ds.selection.rank import Ranker
 from dattri_ds.selection.scorer import Score
+from dattri_ds.selection.smoothing import CandidateText
 from dattri_ds.selection.stepcost import decide_reuse
-from dattri_ds.selection.step import Batch, Selection, StepState
 from dattri_ds.selection.target import TargetProvider
 from dattri_ds.semantics import batch_info, content_id
 
-__all__ = ["Stage", "SampleIds", "Shortlist", "TextScore", "Probe", "Rank", "Choose",
-           "Uniform", "generator"]
+__all__ = ["Batch", "Selection", "StepState", "Stage", "SampleIds", "Shortlist", "TextScore",
+           "Probe", "Rank", "Choose", "Uniform", "Log", "generator"]
+
+
+Batch = dict[str, torch.Tensor]
+
+#: The run statistics the ``Log`` stage counts (``OnlineSelector.summary``).
+_STATS = ("steps", "candidates", "chosen", "score_sum", "chosen_score_sum")
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The outcome of one selection.
+
+    Attributes:
+        batch: model inputs of the chosen examples (``[k, T]`` tensors).
+        indices: chosen candidate indices (into this rank's candidates).
+        scores: ``[C]`` scores of this rank's candidates (of the kept ones when candidates
+            with a NaN/inf gradient or score were dropped).
+        chosen_ids: sample ids (content hashes) of the chosen examples.
+        chosen_scores: ``[k]`` their scores.
+        loss: with ``reuse_forward``, the model's loss on ``batch`` computed from the
+            candidates' retained forward graphs: back-propagate it instead of forwarding
+            ``batch`` again. None: forward ``batch`` as usual.
+        probed: the positions of the candidates ``scores`` covers when not all were
+            probed (the cascade's shortlist less dropped ones); ``chosen_scores`` is NaN for
+            chosen examples outside it (the uniform share). None: ``scores`` covers all.
+    """
+
+    batch: Batch
+    indices: torch.Tensor
+    scores: torch.Tensor
+    chosen_ids: tuple[str, ...]
+    chosen_scores: torch.Tensor
+    loss: torch.Tensor | None = None
+    probed: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class StepState:
+    """One micro-batch's selection so far.
+
+    Attributes:
+        batch: all ``C`` candidates' model inputs.
+        k: examples to train from them.
+        step: the optimizer step.
+        user_ids: prefixes of the candidates' sample ids (e.g. document ids), or None.
+        reuse: the probe keeps one graph per candidate for the training backward.
+        text: the hashed n-grams of the candidates in play (``pool``).
+        pool: positions (into ``batch``) of the candidates in play: the shortlist, less
+            those dropped for a non-finite gradient or score. None: all ``C``.
+        shortlisted: ``pool`` is the cascade's shortlist (the uniform share then comes
+            from all ``C``, and ``Selection.probed`` names the pool).
+        ids: sample ids of all ``C`` candidates, when a stage computed them without a
+            probe (the shortlist, a text score).
+        grads: the per-example gradients of the candidates in play (no layers for a score
+            that reads none).
+        scores: ``[P]`` scores of the candidates in play (float32, CPU): what is logged.
+        ranked: ``[P]`` what the policy ranks (the scores through the rank stages).
+        losses: with ``reuse``, the probed candidates' own losses (one graph each).
+        selection: the outcome, set by the choosing stage.
+    """
+
+    batch: Batch
+    k: int
+    step: int
+    user_ids: list[str] | None = None
+    reuse: bool = False
+    text: CandidateText | None = None
+    pool: torch.Tensor | None = None
+    shortlisted: bool = False
+    ids: tuple[str, ...] | None = None
+    grads: GradBatch | None = None
+    scores: torch.Tensor | None = None
+    ranked: torch.Tensor | None = None
+    losses: tuple[torch.Tensor, ...] | None = None
+    selection: Selection | None = None
+
+    @property
+    def candidates(self) -> int:
+        """``C``: the micro-batch's candidates."""
+        return self.batch["input_ids"].shape[0]
+
+    def rows(self, positions: torch.Tensor) -> Batch:
+        """The model inputs of the candidates at ``positions`` (into ``batch``)."""
+        return {n: v[positions.to(v.device)] for n, v in self.batch.items()}
+
+    def in_play(self) -> tuple[Batch, list[str] | None]:
+        """The model inputs and user ids of the candidates in play (``pool``)."""
+        if self.pool is None:
+            return self.batch, self.user_ids
+        users = None if self.user_ids is None else [self.user_ids[i] for i in self.pool.tolist()]
+        return self.rows(self.pool), users
 
 
 class Stage(Protocol):
@@ -290,3 +388,76 @@ class Uniform:
 
     def load_state_dict(self, state: dict) -> None:
         self.draws = int(state["draws"])
+
+
+class Log:
+    """The last stage: counts the selection into the run statistics and writes its record.
+
+    Args:
+        config: the selection settings (``log_scores``).
+        ctx: data-parallel group.
+        log_path: the run's ``selection.jsonl`` (None: no log), rewritten by every run
+            (training restarts at step 0); rank 0 removes logs of ranks a previous, wider
+            run left behind.
+    """
+
+    def __init__(self, config: SelectionConfig, ctx: ParallelContext,
+                 log_path: str | Path | None) -> None:
+        self.ctx = ctx
+        if log_path is not None and ctx.dp_rank == 0:
+            remove_stale_logs(log_path, ctx.dp_world)
+        self._file = open(log_file(log_path, ctx.dp_rank), "w", encoding="utf-8") if (
+            log_path is not None and writes_log(config, ctx)) else None
+        self.stats = {"steps": 0, "candidates": 0, "chosen": 0, "score_sum": 0.0,
+                      "chosen_score_sum": 0.0}
+
+    def __call__(self, state: StepState) -> StepState:
+        sel, st = state.selection, self.stats
+        st["steps"] += 1
+        st["candidates"] += sel.scores.numel()
+        st["chosen"] += sel.indices.numel()
+        st["score_sum"] += float(sel.scores.sum())
+        finite = sel.chosen_scores[torch.isfinite(sel.chosen_scores)]
+        st["chosen_score_sum"] += float(finite.sum())
+        if self._file is not None:
+            record = {
+                "step": state.step, "dp_rank": self.ctx.dp_rank, "chosen": list(sel.chosen_ids),
+                "chosen_scores": [round(float(s), 6) if math.isfinite(s) else None
+                                  for s in sel.chosen_scores.tolist()],
+                "candidate_scores": [round(float(s), 6) for s in sel.scores]}
+            if sel.probed is not None:
+                record["probed"] = sel.probed.tolist()
+            self._file.write(json.dumps(record) + "\n")
+        return state
+
+    def totals(self, device: torch.device | str) -> dict:
+        """The run statistics summed over the data-parallel ranks (collective)."""
+        local = torch.tensor([float(self.stats[k]) for k in _STATS], dtype=torch.float64,
+                             device=device)
+        total = all_reduce_sum(local, self.ctx.dp_group, self.ctx.dp_world).tolist()
+        return {k: (v if k.endswith("sum") else int(round(v))) for k, v in zip(_STATS, total)}
+
+    def flush(self) -> None:
+        """Write the log through to disk (before a checkpoint records how far it got)."""
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+
+    def resume(self, lines: list[str] | tuple[str, ...]) -> None:
+        """Continue the log with ``lines`` (a checkpoint's records before the resumed step)."""
+        if self._file is not None and lines:
+            self._file.writelines(line if line.endswith("\n") else line + "\n"
+                                  for line in lines)
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def state_dict(self) -> dict:
+        return {"stats": dict(self.stats)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stats.clear()
+        self.stats.update(state["stats"])

@@ -3,10 +3,11 @@
 Invariants: ``SelectionConfig.score`` defaults to ``"content"`` and is never switched
 silently: a setting only the gradient score reads (``GRADIENT_SETTINGS``, a target store
 among them), given with the content score, is a one-line ConfigError naming the flag given
-and ``--selection-score alignment``; with ``score="alignment"`` each is accepted. The score is what the resolved config, the selector
-summary and the step-plan line show; the defaults raise no warning and no error. Breaks if
-the default goes back to the probe, or a gradient-only knob given without the gradient
-score runs silently (ignored, or switching the run to an 8x-cost step).
+and ``--selection-score alignment``; with ``score="alignment"`` each is accepted. The score
+is what the resolved config, the selector summary and the step-plan line show; the defaults
+raise no warning and no error. Breaks if the default goes back to the probe, or a
+gradient-only knob given without the gradient score runs silently (ignored, or switching
+the run to an 8x-cost step).
 """
 
 from __future__ import annotations

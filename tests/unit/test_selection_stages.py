@@ -2,9 +2,9 @@
 
 Invariants: a ``Score`` registered in this file (one class, plus its name in a config's
 ``score`` Literal) runs through ``OnlineSelector`` unchanged and chooses what a hand
-computation on per-example autograd gradients chooses; the rank stages compose in order; ``build_target`` keeps
-the target's documents and gradient apart; each arm is a list of stage objects folding a
-``StepState``.
+computation on per-example autograd gradients chooses; the rank stages compose in order;
+``build_target`` keeps the target's documents and gradient apart; each arm is a list of
+stage objects folding a ``StepState``.
 """
 
 from __future__ import annotations
@@ -117,9 +117,9 @@ def test_each_arm_is_a_list_of_stages():
     through them: the selector keeps nothing about a step between calls."""
     from dataclasses import fields
 
-    from dattri_ds.selection.log import Log
-    from dattri_ds.selection.stages import Choose, Probe, Rank, Shortlist, TextScore, Uniform
-    from dattri_ds.selection.step import StepState
+    from dattri_ds.selection.stages import (
+        Choose, Log, Probe, Rank, Shortlist, StepState, TextScore, Uniform,
+    )
 
     model = tiny_gpt2(seed=2)
     docs = {"input_ids": _ids(4, 8), "labels": _ids(4, 8)}
