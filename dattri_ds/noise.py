@@ -110,4 +110,16 @@ def first_report(text: str) -> bool:
     except OSError:  # no writable temp folder: print rather than lose the line
         return True
     os.close(fd)
+    _prune(folder)
     return True
+
+
+def _prune(folder: Path) -> None:
+    """Remove the markers of earlier launches (older than the TTL)."""
+    now = time.time()
+    for old in folder.iterdir():
+        try:
+            if now - old.stat().st_mtime > _MARKER_TTL:
+                old.unlink()
+        except OSError:  # another rank removed it first
+            pass
