@@ -41,7 +41,7 @@ Batch = dict[str, torch.Tensor]
 
 def needed(k: int, candidates: int, uniform_mix: float) -> int:
     """``n``: examples the policy chooses of ``k`` (capped at ``C``), the rest uniform:
-    ``min(k, C) - round(uniform_mix * min(k, C))`` (as ``Policy.mixed``)."""
+    ``min(k, C) - round(uniform_mix * min(k, C))`` (as ``policy.mixed``)."""
     k = min(k, candidates)
     return k - round(uniform_mix * k)
 

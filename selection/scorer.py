@@ -56,7 +56,7 @@ def alignment_scores(candidates: GradBatch, target: GradBatch,
 def aligned(grads: GradBatch, target: GradBatch, normalize: bool,
             cost: CostModel | None = None) -> torch.Tensor:
     """``[C]`` ``<g_b, target>`` (over ``|g_b|`` when ``normalize``: a cosine up to the target's
-    norm), summed over the target's layers; also the held-out check's measure."""
+    norm), summed over the target's layers."""
     scores = alignment_scores(grads, target, cost)
     if normalize:
         scores = scores / norms(grads, list(target.layers), cost).clamp_min(1e-12)
@@ -99,8 +99,7 @@ class Score(ABC):
 
 
 class Alignment(Score, name="alignment"):
-    """``<g_b, g_t>`` (``/ |g_b|`` when ``normalize``), ``g_t`` the target gradient
-    (``precondition`` has already shaped it)."""
+    """``<g_b, g_t>`` (``/ |g_b|`` when ``normalize``), ``g_t`` the target gradient."""
 
     def __call__(self, grads, rows, *, text):
         return aligned(grads, rows, self.config.normalize, self.cost)

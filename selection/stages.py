@@ -147,7 +147,7 @@ class Stage(Protocol):
 
 
 def generator(step: int, ids) -> torch.Generator:
-    """Seeded by the step and the candidates' content ids: soft and mixed choices replay
+    """Seeded by the step and the candidates' content ids: mixed choices replay
     exactly and do not depend on the parallel layout (DP rank, accumulation, TP)."""
     return torch.Generator().manual_seed(stable_seed("select", step, *ids))
 

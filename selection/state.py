@@ -17,9 +17,8 @@ the uninterrupted one would.
   ``summary()``.
 
 Cached target rows are **saved, not recomputed**: a ``ValidationTarget``'s rows were
-computed with the model as it was at the last refresh (and ``precondition="adam"``'s with
-the optimizer's second moments of then), which a resumed run starting between two
-refreshes no longer has; recomputing them would change every choice until the next
+computed with the model as it was at the last refresh, which a resumed run starting
+between two refreshes no longer has; recomputing them would change every choice until the next
 refresh. A ``FixedTarget`` is rebuilt from its store. The probe learned nothing; the
 policy's randomness is seeded by (step, candidate ids) and the global torch RNG is the
 loop's (``LoopState``).
@@ -52,8 +51,8 @@ __all__ = ["FORMAT_VERSION", "grad_batch_state", "grad_batch_from_state", "selec
 
 FORMAT_VERSION = 2
 """Version of the state layout (a checkpoint of another version is refused; 2: the
-selector of selection/stages.py, without the controller, contrast pool, held-out check and
-repeat cap of version 1)."""
+selector of selection/stages.py, without the controller, contrast pool, held-out check,
+repeat cap and preconditioned target of version 1)."""
 
 
 # ---- cached gradients ---------------------------------------------------------------------

@@ -6,8 +6,8 @@
   the content prior reads them; a ``target_store`` has none);
 * the target **gradient**: a ``TargetProvider`` of their mean gradient (or a store's mean
   vector), refreshed as the model moves;
-* the score's **rows**: what candidates are scored against, the gradient shaped by the
-  optimizer (``precondition``: ``PreconditionedTarget``, selection/precondition.py).
+* the score's **rows**: what candidates are scored against (``OnlineSelector.rows``: the
+  gradient itself).
 
 Providers:
 
