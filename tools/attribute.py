@@ -119,7 +119,7 @@ def store_requests(args, run: Run, available: dict[str, Path], tags: list[str],
     requests = {}
     for tag in tags:
         model = models.get(tag) if models is not None else run.model(tag)
-        by = _factors(args, tag, None).fingerprint() if whitened and \
+        by = _factors(args, tag, None, model).fingerprint() if whitened and \
             _is_curvature(args.method) else None
         requests[tag] = StoreRequest(
             consumer="attribute", projection=proj, whitening=(whitened, by), fixes=_FIXES,
@@ -187,8 +187,9 @@ def _check_whitened(method: str, whitened: str | None, store: Path) -> None:
                           f"{whitened}-trajectory, or collect without --whiten")
 
 
-def _factors(args, tag: str, proj):
-    """The curvature factors of checkpoint ``tag`` (a file, or ``<dir>/<tag>.pt``)."""
+def _factors(args, tag: str, proj, model=None):
+    """The curvature factors of checkpoint ``tag`` (a file, or ``<dir>/<tag>.pt``), checked
+    against ``model``'s layer shapes when given."""
     from dattri_ds import KFACFactors, Projector
     from dattri_ds.errors import ConfigError
 
@@ -203,6 +204,9 @@ def _factors(args, tag: str, proj):
                           f"'{tag}' (got --factors {args.factors!r}, looked for {path}); fit "
                           f"them with tools/fit.py {source}{every} --out <dir>")
     factors = KFACFactors.load(path, projector=Projector(proj) if proj else None)
+    if model is not None:
+        from dattri_ds.tools.common import check_factors
+        check_factors(factors, path, model, _source_flags(args))
     if proj is not None and all(lf.projection is None for lf in factors.layers.values()):
         logger.warning("%s: exact factors on a %s-projected store of raw gradients: the query "
                        "is preconditioned exactly, then projected, which can lose most of "
@@ -233,7 +237,8 @@ def _checkpoints(args, run: Run, available: dict[str, Path], tags: list[str], qu
         q = GradBatch.cat(list(gradients(model, queries, torch.arange(len(queries)),
                                          capture=capture,
                                          batch_size=len(queries) if recipe.curvature else 8)))
-        factors = _factors(args, tag, recipe.factor_projection) if recipe.curvature else None
+        factors = _factors(args, tag, recipe.factor_projection, model) if recipe.curvature \
+            else None
         try:
             lr, step = _schedule(run, tag, recipe)
             yield Checkpoint(store.iter_batches(args.block_rows), q, lr, factors, step)
@@ -303,6 +308,11 @@ class TokenScores:
             del q, got
             progress.update(where.shape[0])
         progress.close()
+
+
+def _source_flags(args) -> str:
+    return (f"--run-dir {args.run}" if args.run else f"--model {args.model}" if args.model
+            else f"--checkpoints {' '.join(args.checkpoints or [])}")
 
 
 def _announce(args, available: dict[str, Path], tags: list[str], queries) -> None:

@@ -74,6 +74,12 @@ def prepare(run: Run, tag: str, args):
     capture = CaptureConfig(projection=proj, **values(args, COLLECT, CaptureConfig))
     factors = _factors(args, tag)
     model = run.model(tag)
+    if factors is not None:
+        from dattri_ds.tools.common import check_factors
+
+        source = f"--run-dir {args.run}" if args.run else f"--model {args.model}" \
+            if args.model else f"--checkpoints {' '.join(args.checkpoints or [])}"
+        check_factors(factors, args.factors, model, source)
     origin = {"fingerprint": f"{run.fingerprint()}@{tag}", "run_id": run.run_id,
               "checkpoint": tag, "weights_hash": weights_hash(model)}
     whitened_by = None if factors is None else factors.fingerprint()

@@ -457,6 +457,29 @@ def training_data(source, args, flag: str = "--data") -> tuple[str | list[str], 
     return data, args.max_docs, "the run's training data"
 
 
+def check_factors(factors, path, model, source: str) -> None:
+    """Refuse curvature factors fitted on a model of other layer shapes before any work.
+
+    Raises:
+        ConfigError: one line naming the factors file, the first differing layer with both
+            shapes, and the fix (fit on this model, or pass the model they were fitted on).
+    """
+    from dattri_ds.store.attach import model_layers
+
+    have = model_layers(model)
+    diff = [(n, tuple(lf.shape), tuple(have[n][1])) for n, lf in factors.layers.items()
+            if n in have and tuple(have[n][1]) != tuple(lf.shape)]
+    if not diff and not any(n in have for n in factors.layers):
+        diff = [(next(iter(factors.layers)), "a layer", "absent")]
+    if diff:
+        name, theirs, ours = diff[0]
+        raise ConfigError(
+            f"--factors {path} were fitted on another model: layer '{name}' is {theirs} there "
+            f"and {ours} in {source} ({len(diff)} layer(s) differ). Fix: fit factors on this "
+            f"model (tools/fit.py {source} --out <file or dir>), or pass the model the factors "
+            f"were fitted on")
+
+
 def announce(tool: str, **parts) -> None:
     """The first line a tool prints: what it reads and does (data, checkpoints, projection,
     method), ``key value`` pairs in order; None values are left out."""

@@ -648,3 +648,37 @@ def test_a_model_folder_has_no_invented_learning_rate(tmp_path):
         attribute.main([*base, "--out", str(tmp_path / "a")])
     assert attribute.main([*base, "--weighting", "uniform", "--out", str(tmp_path / "b")])[
         "train"] == 4
+
+
+def test_factors_of_another_width_are_refused_naming_the_file_and_the_fix(tmp_path, capsys):
+    r"""Factors fitted on a model of another width: attribute and collect --factors exit 2
+    with one line naming the factors file, a differing layer with both shapes and the fit
+    command that fixes it (it was a ShapeError naming neither). Breaks if the factors are
+    used before their layers are compared with the model's."""
+    import re
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from dattri_ds.cli import run
+    from dattri_ds.tools import attribute, collect, fit
+
+    small = _tiny_folder(tmp_path / "small")
+    wide = tmp_path / "wide"
+    GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=24, n_embd=48, n_layer=2, n_head=4,
+                               bos_token_id=2, eos_token_id=3)).save_pretrained(wide)
+    data = _tokens(tmp_path / "t.jsonl", 4)
+    fit.main(["--model", str(small), "--data", data, "--out", str(tmp_path / "f.pt")])
+    collect.main(["--model", str(wide), "--projection-dim", "8", "--data", data, "--out",
+                  str(tmp_path / "g")])
+    capsys.readouterr()
+    for main, extra in ((attribute.main, ["--store", str(tmp_path / "g"), "--queries", data,
+                                          "--method", "ekfac"]),
+                        (collect.main, ["--data", data])):
+        code = run(main, ["--model", str(wide), *extra, "--factors", str(tmp_path / "f.pt"),
+                          "--out", str(tmp_path / "o")])
+        err = [ln for ln in capsys.readouterr().err.splitlines() if "error" in ln]
+        assert code == 2 and len(err) == 1, err
+        assert f"--factors {tmp_path / 'f.pt'} were fitted on another model" in err[0]
+        assert re.search(r"layer .* is \(\d+, \d+\) there and \(\d+, \d+\) in --model",
+                         err[0]), err
+        assert "tools/fit.py --model" in err[0]
