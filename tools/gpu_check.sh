@@ -42,7 +42,8 @@ if [[ $MODE == bundle ]]; then
       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any \
       -d .gpu/whl "megatron-core==$(ver megatron-core)" "pydantic==$(ver pydantic)" \
       "pydantic-core==$(ver pydantic-core)" annotated-types typing-inspection
-  SP=$("$PY" -c 'import deepspeed, os; print(os.path.dirname(os.path.dirname(deepspeed.__file__)))')
+  SP=$("$PY" -c 'import importlib.util as u, os
+print(os.path.dirname(os.path.dirname(u.find_spec("deepspeed").origin)))')  # no import: no log
   cp -a "$SP/deepspeed" "$SP"/deepspeed-*.dist-info "$SP/hjson" "$SP"/hjson-*.dist-info .gpu/site/
   find .gpu/site -name __pycache__ -prune -exec rm -rf {} +
   git rev-parse HEAD > .gpu/COMMIT
