@@ -553,6 +553,8 @@ def train(backend: Backend, cfg: RunConfig, data, out: Path, tok, rank: int,
         selector.load_state_dict(state, resumed.selection.log)
     if resumed is not None:
         resumed.restore_rng()
+    else:  # dropout's stream from the seed: equal on every launch, node layout and launcher
+        torch.manual_seed(tc.seed)
     for step in range(start, tc.steps):
         idx = micro_batch_indices(len(data), step, n_cand, gas, ctx.dp_rank, ctx.dp_world,
                                   tc.seed, origin)

@@ -1,0 +1,180 @@
+"""Two "nodes" on one host: torchrun with ``--nnodes 2`` equals one node of the same world size.
+
+Each node is its own ``torchrun --nnodes 2 --nproc_per_node P --rdzv_backend c10d
+--rdzv_endpoint 127.0.0.1:PORT`` process (started by the test, as on two machines), so
+every node's processes have ``LOCAL_RANK`` 0..P-1 while their global ranks run 0..2P-1, and
+the c10d rendezvous, not ``--node_rank``, decides which node holds global rank 0.
+
+Invariant: nothing of ours depends on the local rank, the node, or which node holds rank 0:
+* ``launch/train.py`` under DeepSpeed ZeRO-3 with ``--capture --online-selection`` on 2
+  nodes x 1 process equals the same run as one node with 2 processes bit for bit: per-step
+  losses, the selection logs (chosen ids and scores of every rank), the final weights and
+  the gradient store (every shard's ids and rows);
+* ``dattri-ds collect`` on 2 nodes x 2 processes equals 4 processes on one node (each
+  global rank writes its own shard: ids and rows equal), and ``dattri-ds fit`` on 2 nodes x
+  1 process equals 2 processes on one node (the factors, every tensor equal).
+Breaks when a shard, log or file is named by the local rank (two nodes' rank-0 processes
+would then write one shard: the shard lock refuses, or rows go missing), or when a step
+runs on a per-node rather than global reduction.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from _deps import require
+
+from _dist import free_port, run
+
+pytestmark = pytest.mark.dist
+ROOT = Path(__file__).resolve().parents[2]
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+       "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+TINY = str(ROOT / "data/tiny/train.jsonl")
+
+
+def nodes(script: str, argv: list[str], n_nodes: int = 2, per_node: int = 1,
+          timeout: float = 240) -> list[subprocess.CompletedProcess]:
+    """Run ``script argv`` as ``n_nodes`` torchrun agents of ``per_node`` processes each,
+    meeting at a c10d rendezvous on this host; every agent's exit and output."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen(
+        [TORCHRUN, "--nnodes", str(n_nodes), "--nproc_per_node", str(per_node), "--node_rank",
+         str(i), "--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint, "--max_restarts", "0",
+         script, *argv], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True) for i in range(n_nodes)]
+    done = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            done.append(subprocess.CompletedProcess(p.args, p.returncode, out, ""))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return done
+
+
+def _ok(done: list[subprocess.CompletedProcess]) -> None:
+    assert all(d.returncode == 0 for d in done), "\n".join(
+        f"--- node {i} (exit {d.returncode}) ---\n{d.stdout[-3000:]}" for i, d in enumerate(done))
+
+
+def _train(rank, world, argv):
+    from dattri_ds.launch.train import main
+
+    return main(argv)
+
+
+def _tool(rank, world, name, argv):
+    import importlib
+
+    return importlib.import_module(f"dattri_ds.tools.{name}").main(argv)
+
+
+def train_argv(tmp: Path, out: Path, steps: int, *extra: str) -> list[str]:
+    cfg = json.loads((ROOT / "configs/zero3_cpu.json").read_text())
+    cfg.update(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2)
+    cfg["optimizer"]["params"]["lr"] = 0.01
+    cfg["scheduler"]["params"].update(warmup_num_steps=2, total_num_steps=8)
+    cfg["dattri_ds"]["capture"]["projection"]["dim"] = 32
+    (tmp / "ds.json").write_text(json.dumps(cfg))
+    model = {"model_type": "gpt2", "n_layer": 2, "n_head": 4, "n_embd": 32, "n_positions": 64,
+             "resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.0,
+             "tie_word_embeddings": False}
+    (tmp / "model.json").write_text(json.dumps(model))
+    return ["--deepspeed_config", str(tmp / "ds.json"), "--model-config",
+            str(tmp / "model.json"), "--out", str(out), "--steps", str(steps), "--save-every",
+            "2", "--capture", "--train-data", TINY, "--max-docs", "48", "--seq-len", "32",
+            "--vocab-size", "512", "--log-every", "1", *extra]
+
+
+def same_store(a: Path, b: Path) -> None:
+    """Two stores hold the same shards: ids and rows of every shard equal."""
+    from dattri_ds.store import GradientStore
+    from dattri_ds.store.format import list_shards
+
+    assert [p.rank for p in list_shards(a)] == [p.rank for p in list_shards(b)]
+    with GradientStore.open(a, require_complete=True) as sa, \
+            GradientStore.open(b, require_complete=True) as sb:
+        assert sa.ids == sb.ids and len(sa) > 0
+        assert torch.equal(sa.read(slice(None)), sb.read(slice(None)))
+
+
+def test_two_nodes_train_equals_one_node(tmp_path):
+    """ZeRO-3, ``--capture --online-selection``, dropout on: 2 nodes x 1 process == 1 node x
+    2 processes (losses, selection logs, weights, store), bit for bit."""
+    require("deepspeed", "deepspeed")
+    one, two = tmp_path / "one", tmp_path / "two"
+    sel = ("--online-selection", "--target-data", str(ROOT / "data/tiny/target.jsonl"),
+           "--target-max-docs", "8")
+    script = str(ROOT / "launch/train.py")  # fresh processes on both sides (dropout RNG)
+    _ok(nodes(script, train_argv(tmp_path, one, 3, *sel), n_nodes=1, per_node=2))
+    _ok(nodes(script, train_argv(tmp_path, two, 3, *sel)))
+    sa, sb = (json.loads((d / "summary.json").read_text()) for d in (one, two))
+    assert sb["world"] == 2 and sa["examples"] == sb["examples"] == 3 * 2 * 2 * 2
+    assert sa["selection"] == sb["selection"]
+    la, lb = (json.loads((d / "trajectory.json").read_text())["lrs"] for d in (one, two))
+    assert la == lb
+    logs = sorted(p.name for p in two.glob("selection*.jsonl"))
+    assert logs == ["selection.dp1.jsonl", "selection.jsonl"]
+    assert all((one / n).read_bytes() == (two / n).read_bytes() for n in logs)
+    from dattri_ds.integrations.checkpoints import load_state_dict
+
+    wa, wb = (load_state_dict(d / "checkpoints", "step3") for d in (one, two))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    same_store(one / "grad_store", two / "grad_store")
+
+
+def _run_dir(tmp_path: Path) -> Path:
+    run_dir = tmp_path / "run"
+    run(_train, 1, timeout=300, argv=train_argv(tmp_path, run_dir, 2))
+    return run_dir
+
+
+def test_two_nodes_of_two_collect_equals_one_node(tmp_path):
+    """``collect`` on 2 nodes x 2 processes (local ranks 0, 1 on each) == 4 processes on
+    one node: the same 4 shards, every shard's ids and rows equal."""
+    require("deepspeed", "deepspeed")
+    run_dir = _run_dir(tmp_path)
+    collect = ["--run-dir", str(run_dir), "--data", TINY, "--max-docs", "16",
+               "--projection-dim", "32", "--batch-size", "4", "--checkpoints", "step2"]
+    run(_tool, 4, timeout=300, name="collect", argv=[*collect, "--out", str(tmp_path / "c1")])
+    _ok(nodes(str(ROOT / "tools/collect.py"), [*collect, "--out", str(tmp_path / "c2")],
+              per_node=2))
+    same_store(tmp_path / "c1" / "step2", tmp_path / "c2" / "step2")
+
+
+def test_two_nodes_fit_equals_one_node(tmp_path):
+    """``fit`` on 2 nodes x 1 process == 2 processes on one node: every factor equal."""
+    require("deepspeed", "deepspeed")
+    run_dir = _run_dir(tmp_path)
+    fit = ["--run-dir", str(run_dir), "--data", TINY, "--max-docs", "16", "--checkpoint",
+           "step2"]
+    run(_tool, 2, timeout=300, name="fit", argv=[*fit, "--out", str(tmp_path / "f1.pt")])
+    _ok(nodes(str(ROOT / "tools/fit.py"), [*fit, "--out", str(tmp_path / "f2.pt")]))
+    fa, fb = (torch.load(tmp_path / f, weights_only=False) for f in ("f1.pt", "f2.pt"))
+    _same_nested(fa, fb)
+
+
+def _same_nested(a, b, where: str = "factors") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for k in a:
+            _same_nested(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same_nested(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, (where, a, b)
