@@ -5,10 +5,10 @@
   transformers) are kept to errors: their banners, per-bucket parameter lists, "falling
   back to" notices and scheduler warnings, repeated once per rank, buried the tools' own
   lines. ``--verbose`` shows everything, as the libraries log it.
-* ``first_report(text)``: whether this process is the first of its launch to report an
-  error line (``warn_once_per_launch`` applies it to Python warnings). Ranks started by one launcher (``torchrun``, ``deepspeed``) that fail the
-  same way print the line once per host instead of once per rank; a line only one rank
-  hits is printed by that rank.
+* ``first_report(text)``: whether this process is the first of its launch to report an error
+  line (``warn_once_per_launch`` applies it to Python warnings). Ranks started by one
+  launcher (``torchrun``, ``deepspeed``) that fail the same way print the line once per host
+  instead of once per rank; a line only one rank hits is printed by that rank.
 
 Only the standard library is imported here; the libraries are configured if installed.
 """

@@ -1,4 +1,4 @@
-"""Start a run from an earlier run: its tokenizer (``--init-from RUN``) and its weights (``--init-checkpoint TAG``).
+"""Start from an earlier run: its tokenizer (``--init-from``), its weights (``--init-checkpoint``).
 
     python launch/train.py ... --init-from runs/warm                         # tokenizer only
     python launch/train.py ... --init-from runs/warm --init-checkpoint latest  # and weights
