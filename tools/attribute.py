@@ -601,7 +601,10 @@ def write_outputs(out: Path, args, run, tags, queries, train_ids, total, per_ckp
                     "proponents": [{"id": train_ids[i], "score": float(col[i])} for i in pro],
                     "opponents": [{"id": train_ids[i], "score": float(col[i])} for i in opp]})
     (out / "topk.json").write_text(json.dumps(top, indent=1))
-    summary = {"method": args.method, "checkpoints": tags, "train": len(train_ids),
+    weighting = args.weighting or (_default_weighting(args.method) if
+                                   _is_trajectory(args.method) else None)
+    summary = {"method": args.method, "weighting": weighting, "checkpoints": tags,
+               "train": len(train_ids),
                "queries": len(queries), "seconds": round(seconds, 3),
                "pairs_per_second": round(len(train_ids) * len(queries) / max(seconds, 1e-9)),
                "text_weight": prior.weight, "text_prior": prior.reason}

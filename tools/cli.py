@@ -30,9 +30,22 @@ def main(argv: list[str] | None = None) -> int:
     return run(_dispatch, argv)
 
 
+def help_text() -> str:
+    """The module docstring as plain text (reST ``literals`` without their backticks) and
+    one line per subcommand (its own description)."""
+    lines = [__doc__.strip().replace("``", ""), "", "subcommands:"]
+    for name, module in COMMANDS.items():
+        try:
+            doc = (importlib.import_module(module).__doc__ or "").strip().splitlines()[0]
+        except Exception:  # noqa: BLE001 - a subcommand that cannot import still shows its name
+            doc = ""
+        lines.append(f"  {name:<10} {doc.replace('``', '')}")
+    return "\n".join(lines) + "\n"
+
+
 def _dispatch(argv: list[str]) -> None:
     if not argv or argv[0] in ("-h", "--help"):
-        sys.stdout.write(__doc__.strip() + "\n")
+        sys.stdout.write(help_text())
         return
     if argv[0] not in COMMANDS:
         raise UsageError(f"unknown subcommand '{argv[0]}'; choose one of {sorted(COMMANDS)} "

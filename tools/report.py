@@ -3,8 +3,10 @@
     python tools/report.py --attribution runs/main/attr-ekfac --train-data data/corpus/train.jsonl
 
 Writes ``report.md`` and ``report.html`` next to the attribution, plus ``scores_hist.png``
-(score distribution per query) and, for TracIn, ``tracin_checkpoints.png`` (each
-checkpoint's lr-weighted contribution to the top proponents' scores).
+(score distribution per query) and, for trajectories (TracIn, the EK-FAC trajectory),
+``tracin_checkpoints.png`` (titled by the method; each checkpoint's weighted contribution
+to the top proponents' scores). Without ``--train-data`` the training texts are the file
+attribute or collect recorded.
 """
 
 from __future__ import annotations
@@ -165,8 +167,11 @@ def _plots(att: Path, scores: np.ndarray, queries: list[dict], top: list[dict],
             bottom += vals
         ax.set_xticks(range(len(rows)), [train_ids[r].split("#")[0] for r in rows],
                       rotation=20, fontsize=7)
-        ax.set_ylabel("lr-weighted contribution")
-        ax.set_title(f"TracIn: top proponents of {queries[0]['id']} by checkpoint", fontsize=9)
+        weighting = summary.get("weighting") or ("lr" if summary["method"] == "tracin"
+                                                 else "normalized")
+        ax.set_ylabel(f"{weighting}-weighted contribution")
+        ax.set_title(f"{summary['method']}: top proponents of {queries[0]['id']} by checkpoint",
+                     fontsize=9)
         ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(att / "tracin_checkpoints.png")
