@@ -188,18 +188,23 @@ def spearman(x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def diagnose(selector, model, batch, ids, step: int, chosen: torch.Tensor | None) -> dict:
-    """How this micro-batch's scores relate to the candidates' gradient norms and losses, and
-    how the chosen compare with all candidates (scored again: the training is unchanged)."""
+    """How this micro-batch's scores relate to the candidates' losses (and gradient norms,
+    for a gradient score), and how the chosen compare with all candidates (scored again: the
+    training is unchanged). The uniform and content arms probe no gradient: losses only."""
     from dattri_ds.ops import norms
 
-    grads, scores = selector.score(batch, step, ids)
-    gn, loss = norms(grads).cpu().double(), example_losses(model, batch).cpu().double()
-    out = {"norm_ratio": float(gn[chosen].mean() / gn.mean()),
-           "loss_ratio": float(loss[chosen].mean() / loss.mean())}
+    loss = example_losses(model, batch).cpu().double()
+    out = {"loss_ratio": float(loss[chosen].mean() / loss.mean())}
     if selector.config.random:
         return out
+    grads, scores = selector.score(batch, step, ids)
     scores = scores.detach().cpu().double()
-    return {**out, "rho_norm": spearman(scores, gn), "rho_loss": spearman(scores, loss)}
+    out["rho_loss"] = spearman(scores, loss)
+    if grads.layers:
+        gn = norms(grads).cpu().double()
+        out.update(norm_ratio=float(gn[chosen].mean() / gn.mean()),
+                   rho_norm=spearman(scores, gn))
+    return out
 
 
 def domain_choice(sources: list[str], own: str, k: int, mix: float,
