@@ -629,10 +629,12 @@ def test_text_prior_on_token_id_rows_that_carry_text_and_minimal_query_files(tmp
     assert off["text_weight"] == 0 and "without a 'text' field" in off["text_prior"]
 
 
-def test_a_model_folder_has_no_invented_learning_rate(tmp_path):
+def test_a_model_folder_has_no_invented_learning_rate(tmp_path, monkeypatch):
     """A single model folder records no step or learning rate: its trajectory says None
     (not lr 1.0 at step 0), TracIn (lr-weighted) refuses in one error naming --lrs and
-    --weighting, and --weighting uniform scores. Breaks if a stand-in lr comes back."""
+    --weighting, and --weighting uniform scores, loading the model once (the start-up
+    check's model is reused: a ZeRO-3 checkpoint is consolidated once). Breaks if a
+    stand-in lr comes back."""
     from dattri_ds.errors import ConfigError
     from dattri_ds.tools import attribute, collect
     from dattri_ds.tools.sources import HFModelDir
@@ -646,8 +648,13 @@ def test_a_model_folder_has_no_invented_learning_rate(tmp_path):
             "--method", "tracin"]
     with pytest.raises(ConfigError, match=r"learning rate .* unknown.*--lrs.*--weighting"):
         attribute.main([*base, "--out", str(tmp_path / "a")])
+    loads = []
+    original = HFModelDir.model
+    monkeypatch.setattr(HFModelDir, "model",
+                        lambda self, tag, *a: loads.append(tag) or original(self, tag, *a))
     assert attribute.main([*base, "--weighting", "uniform", "--out", str(tmp_path / "b")])[
         "train"] == 4
+    assert loads == ["m"]
 
 
 def test_factors_of_another_width_are_refused_naming_the_file_and_the_fix(tmp_path, capsys):
