@@ -496,10 +496,30 @@ def resume(backend: Backend, cfg: RunConfig, out: Path, rank: int) -> LoopState 
                        "the selector starts fresh at step %d", tag, state.step)
     if elastic:
         backend.load_resharded(out / "checkpoints", tag, state.layout)
+        _rollback_store(cfg, out, rank, state.step)
     else:
         backend.load(out / "checkpoints", tag)
     logger.info("resuming from %s at step %d", tag, state.step)
     return replace(state, selection=selection)
+
+
+def _rollback_store(cfg: RunConfig, out: Path, rank: int, step: int) -> None:
+    """Elastic resume with capture: rank 0 drops the stored rows of steps from ``step`` on
+    (the stopped run's, of a data order this run does not repeat), before any rank opens
+    its shard."""
+    import torch.distributed as dist
+
+    if not cfg.capture_enabled:
+        return
+    if rank == 0:
+        from dattri_ds.store.shard import rollback_to_step
+
+        dropped = rollback_to_step(cfg.store_config(out).path, step)
+        if dropped:
+            logger.info("--resume: dropped %d stored rows of steps >= %d (written after the "
+                        "checkpoint by the stopped run)", sum(dropped.values()), step)
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def _trim_dropped_logs(log: Path | None, world: int, saved: int, step: int) -> None:

@@ -10,6 +10,10 @@ Commit protocol, per ``commit``:
 A crash before step 3 leaves bytes past the committed sizes; ``open`` truncates them (the
 "torn tail") so the resumed run appends right after the last commit. A crash during step 3
 leaves the old or the new index, never a mix.
+
+``rollback_to_step`` drops the committed rows captured at or after a training step (an
+elastic resume from a checkpoint: rows the stopped run wrote after it belong to a trajectory
+the resumed run does not follow) by committing a shorter index under the shard's lock.
 """
 
 from __future__ import annotations
@@ -29,11 +33,11 @@ import numpy as np
 from dattri_ds.errors import ConfigError
 from dattri_ds.store.format import (
     META_COLUMNS, Chunk, ShardIndex, ShardPaths, StoreCorruptError, check_sizes, digest,
-    list_shards, read_committed_ids, verify_data, write_json_atomic,
+    list_shards, read_committed_ids, row_bytes, save_info, verify_data, write_json_atomic,
 )
 from dattri_ds.store.spec import mismatch_error
 
-__all__ = ["ShardAppender"]
+__all__ = ["ShardAppender", "rollback_to_step"]
 
 logger = logging.getLogger(__name__)
 
@@ -180,3 +184,77 @@ def other_shard_ids(root: Path, rank: int, row_nbytes: int) -> list[str]:
         verify_data(paths, index, row_nbytes)
         out.extend(ids)
     return out
+
+
+def rollback_to_step(root: str | Path, step: int, fsync: bool = True) -> dict[int, int]:
+    """Drop every committed row of ``root`` captured at training step ``step`` or later.
+
+    Each shard's rows are in step order (a training run captures step after step), so the
+    rows kept are a prefix: the new index keeps the commits before the cut whole and the
+    cut commit's first rows (their digests recomputed); the bytes after it become an
+    uncommitted tail, cut when a writer next opens the shard. Each shard is edited under
+    its lock (no live writer); a sealed store is unsealed (its row counts changed).
+
+    Returns:
+        Shard number -> rows dropped (shards that lost none are left out).
+
+    Raises:
+        ConfigError: a live writer holds a shard.
+        StoreCorruptError: a shard is damaged, or its rows are not in step order (it was
+            not written by one training run; nothing is dropped from it).
+    """
+    from dattri_ds.store.spec import load_manifest
+
+    root = Path(root)
+    stored = load_manifest(root, with_complete=True)
+    if stored is None:
+        return {}
+    spec, dtype, complete = stored
+    nbytes = row_bytes(spec.width, dtype)
+    dropped: dict[int, int] = {}
+    for paths in list_shards(root):
+        lock = _acquire(paths)
+        try:
+            index = ShardIndex.load(paths.index, paths.rank)
+            check_sizes(paths, index, nbytes)
+            ids, meta = read_committed_ids(paths, index)
+            late = meta[:, 0] >= step
+            if not late.any():
+                continue
+            cut = int(np.argmax(late))
+            if not late[cut:].all():
+                raise StoreCorruptError(
+                    f"Shard '{paths.index}' holds rows of step >= {step} before rows of "
+                    f"earlier steps (row {cut}): it was not written by one training run, so "
+                    f"its rows after step {step} cannot be told apart; move the store away "
+                    f"(store.path) and resume into a new one")
+            write_json_atomic(paths.index, _prefix(paths, index, cut, nbytes, ids, meta)
+                              .to_json(), fsync)
+            dropped[paths.rank] = index.rows - cut
+        finally:
+            lock.close()
+    if dropped and complete is not None:
+        save_info(root, spec.to_json(), dtype, fsync)
+    return dropped
+
+
+def _prefix(paths: ShardPaths, index: ShardIndex, cut: int, nbytes: int, ids: list[str],
+            meta: np.ndarray) -> ShardIndex:
+    """The index of the first ``cut`` committed rows of a shard."""
+    chunks, start, id_bytes = [], 0, 0
+    for c in index.chunks:
+        if start + c.rows <= cut:
+            chunks.append(c)
+            id_bytes += c.id_bytes
+        elif start < cut:  # the commit the cut falls in: its first rows, digests recomputed
+            k = cut - start
+            with open(paths.data, "rb") as f:
+                f.seek(start * nbytes)
+                data = f.read(k * nbytes)
+            id_buf = "".join(f"{i}\n" for i in ids[start:cut]).encode("utf-8")
+            part = np.ascontiguousarray(meta[start:cut], dtype="<i8")
+            chunks.append(Chunk(k, len(id_buf), digest(data), digest(id_buf), digest(part)))
+            id_bytes += len(id_buf)
+        start += c.rows
+    return ShardIndex(rank=index.rank, world=index.world, spec_digest=index.spec_digest,
+                      rows=cut, ids_bytes=id_bytes, chunks=chunks)

@@ -22,6 +22,9 @@ Invariants:
   steps), the loss stays within noise of the uninterrupted run's, the selector's target
   refresh clock is carried (2 refreshes at steps 0 and 3, not a fresh one at the resumed
   step), and the merged selection log holds W records a micro-batch before and W' after.
+  The stopped run went one step past its checkpoint: the rows and log records it wrote
+  after the checkpoint are dropped (``store.shard.rollback_to_step``), so the store holds
+  exactly the examples the resumed trajectory trained on.
 """
 
 from __future__ import annotations
@@ -142,10 +145,12 @@ def test_elastic_resume_with_selection_keeps_the_invariants(tmp_path, before, af
            "--target-max-docs", "8", *GRADIENT)
     full, part = tmp_path / "full", tmp_path / "part"
     ref = run(_train, before, timeout=300, argv=_argv(tmp_path, full, STEPS, *sel, batch=batch))
-    run(_train, before, timeout=300, argv=_argv(tmp_path, part, HALF, *sel, batch=batch))
-    kept = [r for r in map(json.loads, (part / "selection.jsonl").read_text().splitlines())]
+    # the stopped run went one step past its checkpoint: its rows and log of step 2 go
+    run(_train, before, timeout=300, argv=_argv(tmp_path, part, HALF + 1, *sel, batch=batch))
+    kept = [r for r in map(json.loads, (part / "selection.jsonl").read_text().splitlines())
+            if r["step"] < HALF]
     sums = run(_train, after, timeout=300,
-               argv=_argv(tmp_path, part, STEPS, "--resume", "latest", *sel, batch=batch))
+               argv=_argv(tmp_path, part, STEPS, "--resume", f"step{HALF}", *sel, batch=batch))
     assert sums[0]["world"] == after and sums[0]["examples"] == 2 * 2 * (
         HALF * before + (STEPS - HALF) * after)
     assert _lrs(part) == _lrs(full)
