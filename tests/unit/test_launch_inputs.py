@@ -70,6 +70,13 @@ def test_whitespace_target_is_refused_at_start(tmp_path, capsys, score):
     code, errors = _errors(capsys, _base(tmp_path, "--eval-every", "1", "--eval-data",
                                          str(blank)))
     assert code == 2 and f"--eval-data {blank}" in errors[0], errors
+    mixed = _docs(tmp_path / "mixed.jsonl", [" ", "\n", "a real target text"])
+    code, errors = _errors(capsys, _base(tmp_path, "--online-selection", "--target-data",
+                                         str(mixed), "--target-max-docs", "2"))
+    assert code == 2 and "the 2 texts it reads (documents 0..1)" in errors[0], errors
+    code, errors = _errors(capsys, _base(tmp_path, "--online-selection", "--target-data",
+                                         str(mixed), "--eval-every", "1"))  # eval skips 64
+    assert code == 2 and "holds 3 documents" in errors[0] and "--eval-skip" in errors[0]
 
 
 def test_init_from_refusals(tmp_path, capsys):
