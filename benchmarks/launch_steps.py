@@ -99,6 +99,10 @@ def _bare(ds_path: str, argv: list[str], marks: _Marks, out: Path) -> dict:
     from dattri_ds.launch.loop import micro_batch_indices
     from dattri_ds.launch.train import prepare_data
 
+    from dattri_ds.launch.deepspeed_backend import setup_distributed
+
+    if not torch.distributed.is_initialized():  # bare alone: no launch ran before it
+        setup_distributed()
     args = parse_args(["--deepspeed_config", ds_path, *argv])
     ds_config, cfg = load_run_config(ds_path, args.overrides)
     out.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,7 @@ weight, ``s = R`` when the state is sharded by the ZeRO stage, else 1):
 | factors     | captured output-grads ``B T O e`` per layer, norms ``B D 4`` (the inputs ``a``    |
 |             | are tensors autograd saves anyway: see ``captured_factor_bytes``)    |
 | projections | per layer ``ProjectionKind.matrix_bytes``: Kronecker ``(ko O + ki I) 4``;   |
-|             | dense ``k I O 4``; sparse ``12 s I O`` (int64 row + fp32 value per non-zero); |
+|             | dense ``k I O 4``; sparse ``8 s I O`` (int32 CSR index + fp32 value per non-zero); |
 |             | auto: the kind ``ops.cost.choose_projection`` picks for the layer          |
 | kfac        | ``(I^2 + O^2) 4`` per layer, twice with eigenvectors (EK-FAC adds ``I O 4``); |
 |             | norms ``12 W^2`` (exact block, ``W <= KFACConfig.full_max``) or ``12 W``     |

@@ -111,10 +111,10 @@ else
   "$PY" -c 'import torch, transformers, deepspeed; print("torch", torch.__version__,
             "transformers", transformers.__version__, "deepspeed", deepspeed.__version__)' \
       | tee "$OUT/versions.txt"
-  step cuda-tests 240 bash -c "$GPU_TESTS" "$PY"
+  step cuda-tests 300 bash -c "$GPU_TESTS" "$PY"
   step throughput 180 "$PY" benchmarks/scale.py throughput --sizes "$SIZES" --device cuda \
       --batch 4 --seq-len 512 --reps 3 --out "$OUT"
-  step launch-steps 300 "$PY" benchmarks/launch_steps.py --device cuda --out "$OUT"
+  step launch-steps 330 "$PY" benchmarks/launch_steps.py --device cuda --out "$OUT"
   step planner-calibration 60 "$PY" -m dattri_ds.calibrate
   if [[ "$NGPU" -ge 2 ]]; then
     TRAIN=(launch/train.py --model-config configs/model_llama_tiny.json

@@ -127,7 +127,7 @@ def test_store_bytes_equal_the_projected_width(k, kind):
 
 
 def test_sparse_projection_memory_is_its_nonzeros():
-    """The planner's sparse projection memory is 12 bytes (int64 row, fp32 value) per
+    """The planner's sparse projection memory is 8 bytes (int32 CSR index, fp32 value) per
     non-zero, ``min(16, k)`` per column of every projected linear layer; Kronecker's is the
     two sides. Breaks if plan.py prices sparse like a dense matrix."""
     shape = ModelShape.from_config(LLAMA, vocab_size=VOCAB)
@@ -135,7 +135,7 @@ def test_sparse_projection_memory_is_its_nonzeros():
     mem = {kind: plan(shape, "cpu", RunSpec(seq_len=T, micro_batch=B, k=k, projection=kind))
            .memory["projections"] for kind in ("sparse", "dense")}
     linear = [L for L in shape.captured_layers() if L.kind != "norm" and L.O * L.I > k]
-    assert mem["sparse"] == sum(12 * 16 * L.O * L.I * L.count for L in linear)
+    assert mem["sparse"] == sum(8 * 16 * L.O * L.I * L.count for L in linear)
     assert mem["dense"] == sum(4 * k * L.O * L.I * L.count for L in linear)
 
 
