@@ -3,6 +3,8 @@
     dattri-ds plan --model configs/model_llama_1b.json --vocab-size 4096 --world 2 \
         --device cpu --seq-len 256 --micro-batch 1 --dtype float32 --optimizer sgd
     dattri-ds plan --model path/to/hf/config.json --world 4 --device h200 --seq-len 512 --json
+    dattri-ds plan --model ... --world 8 --nodes 2 --method selection --selection-probe
+        # + the inter-node bytes per step of capture and selection (docs/multinode.md)
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ if __package__ in (None, ""):
 
 from dattri_ds.ops.projection import KINDS  # noqa: E402
 from dattri_ds.plan import DEVICES, ModelShape, RunSpec, plan  # noqa: E402
+from dattri_ds.plan_traffic import TrafficSpec, traffic  # noqa: E402
 from dattri_ds.schema import add_flag, flag_type  # noqa: E402
 
 _CHOICES = {"zero_stage": [0, 1, 2, 3], "offload": ["none", "optimizer", "all"],
@@ -43,9 +46,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(p, "--memory-gb", float, gt=0, default=None,
              help="override the device's memory (e.g. what is free on a shared host)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    defaults = RunSpec()
-    docs = field_docs(RunSpec)
-    for f in fields(RunSpec):  # one flag per RunSpec field, defaults from the dataclass
+    for cls in (RunSpec, TrafficSpec):
+        _add_flags(p, cls)
+    return p
+
+
+def _add_flags(p: argparse.ArgumentParser, cls: type) -> None:
+    defaults = cls()
+    docs = field_docs(cls)
+    for f in fields(cls):  # one flag per field, defaults from the dataclass
         flag = "--" + f.name.replace("_", "-")
         value = getattr(defaults, f.name)
         helptext = f"{docs[f.name]} [default {value}]".replace("%", "%%")
@@ -57,7 +66,6 @@ def build_parser() -> argparse.ArgumentParser:
                       if isinstance(value, (int, float)) else type(value))
             p.add_argument(flag, type=strict, default=value, choices=_CHOICES.get(f.name),
                            help=helptext)
-    return p
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -84,8 +92,15 @@ def main(argv: list[str] | None = None) -> dict:
         dev = replace(dev, memory_bytes=args.memory_gb * 1e9)
     spec = RunSpec(**{f.name: getattr(args, f.name) for f in fields(RunSpec)})
     result = plan(model, dev, spec)
-    print(json.dumps(result.to_dict(), indent=1) if args.json else result.table())
-    return result.to_dict()
+    out = result.to_dict()
+    nodes = TrafficSpec(**{f.name: getattr(args, f.name) for f in fields(TrafficSpec)})
+    text = result.table()
+    if nodes.nodes > 1:  # inter-node bytes of capture and selection (dattri_ds/plan_traffic.py)
+        moved = traffic(model, result.spec, nodes, k=result.spec.k)
+        out["traffic"] = moved.to_dict()
+        text += "\n" + moved.table()
+    print(json.dumps(out, indent=1) if args.json else text)
+    return out
 
 
 if __name__ == "__main__":
