@@ -599,14 +599,12 @@ def _nonfinite_rows(batch: GradBatch, agree: bool) -> tuple[torch.Tensor | None,
     checks only its shard) the ``[B]`` mask is max-reduced over each shard group: one
     B-element reduction per batch. The layer is ``""`` when only a peer's shard was bad.
     """
-    bad, first = None, None
-    for n, lg in batch.layers.items():
-        rows = _bad_rows(lg.data)
-        if first is None and bool(rows.any()):
-            first = n
-        bad = rows if bad is None else bad | rows.to(bad.device)
-    if bad is None:
+    per_layer = {n: _bad_rows(lg.data) for n, lg in batch.layers.items()}
+    if not per_layer:
         return None, None
+    bad = None  # OR of every layer's rows on the device: no host sync per layer
+    for rows in per_layer.values():
+        bad = rows if bad is None else bad | rows.to(bad.device)
     groups = {id(lg.shard.group): lg.shard for lg in batch.layers.values()
               if lg.shard is not None and lg.shard.world > 1} if agree else {}
     if groups:
@@ -616,6 +614,7 @@ def _nonfinite_rows(batch: GradBatch, agree: bool) -> tuple[torch.Tensor | None,
         for shard in groups.values():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=shard.group)
         bad = flag > 0
-    if not bool(bad.any()):
+    if not bool(bad.any()):  # the one sync of a finite batch
         return None, None
-    return bad, first if first is not None else ""
+    first = next((n for n, rows in per_layer.items() if bool(rows.any())), "")
+    return bad, first
