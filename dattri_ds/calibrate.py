@@ -16,12 +16,14 @@ commit 0eb5305; issue 34): the throughput ladder of ``benchmarks/scale.py throug
 by a grid over (efficiency, kernel latency), the other two in closed form (least squares
 of the relative errors), minimizing the squared relative error of every point used.
 ``python -m dattri_ds.calibrate`` prints the fit, each point's prediction and error, and the
-leave-one-size-out predictions (a size's two ladder points held out of the fit).
+leave-one-size-out predictions (a size's two ladder points held out of the fit);
+``--from runs/gpu_check`` refits on a new ``tools/gpu_check.sh`` run's measurements.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
@@ -30,7 +32,7 @@ import numpy as np
 
 from dattri_ds.plan import DEVICES, DeviceSpec, ModelShape, RunSpec, plan
 
-__all__ = ["Measurement", "RECORDED", "predict", "fit", "leave_one_out"]
+__all__ = ["Measurement", "RECORDED", "predict", "fit", "leave_one_out", "from_run"]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -153,25 +155,63 @@ def leave_one_out(points: tuple[Measurement, ...] = RECORDED, base: str = "h200"
     out: dict[str, tuple[float, float]] = {}
     for size in _QWEN:
         held = [m for m in points if m.config == _QWEN[size]]
+        if not held or all(m in held for m in points if m.fitted):
+            continue
         dev = fit(tuple(m for m in points if m not in held), base)
         out.update({m.name: (predict(m, dev), m.seconds) for m in held})
     return out
 
 
+def from_run(folder: str | Path) -> tuple[Measurement, ...]:
+    """The measurements of a ``tools/gpu_check.sh`` run: its ``throughput.json`` (ladder:
+    fwd+bwd and collect per size) and ``launch_steps.json`` (the plain step fitted, the
+    capture step held out)."""
+    folder, out = Path(folder), []
+    tp = folder / "throughput.json"
+    for r in (json.loads(tp.read_text()) if tp.exists() else []):
+        if r["size"] not in _QWEN:
+            continue
+        lad = {**_LADDER, "micro_batch": r["B"], "seq_len": r["T"]}
+        out += [Measurement(f"{r['size']} fwd+bwd", _QWEN[r["size"]], "train",
+                            RunSpec(**lad, capture=False, optimizer="sgd"), r["train_s"]),
+                Measurement(f"{r['size']} collect", _QWEN[r["size"]], "collect",
+                            RunSpec(**lad, train=False), r["collect_s"])]
+    ls = folder / "launch_steps.json"
+    if ls.exists():
+        rec = json.loads(ls.read_text())
+        o = rec["opts"]
+        cfg = o["model_config"]  # absolute, or relative to the repository root
+        launch = {**_LAUNCH, "micro_batch": o["micro"] * o["gas"], "seq_len": o["seq_len"]}
+        for r in rec["rows"]:
+            if r.get("variant") in ("plain", "capture") and "step_s" in r:
+                cap = r["variant"] == "capture"
+                out.append(Measurement(f"launch {r['variant']}", cfg,
+                                       "capture_step" if cap else "train",
+                                       RunSpec(**launch, capture=cap), r["step_s"],
+                                       vocab=o["vocab"], fitted=not cap))
+    return tuple(out)
+
+
 def main(argv: list[str] | None = None) -> None:
-    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
-    dev = fit()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--from", dest="run", default=None,
+                   help="refit on a tools/gpu_check.sh output folder instead of RECORDED")
+    args = p.parse_args(argv)
+    points = from_run(args.run) if args.run else RECORDED
+    if not any(m.fitted for m in points):
+        raise SystemExit(f"no ladder or launch measurement under {args.run}")
+    dev = fit(points)
     print(f"fit: efficiency {dev.efficiency}, kernel_latency_s {dev.kernel_latency_s:.3g}, "
           f"capture_layer_s {dev.capture_layer_s:.3g}, zero3_tensor_s {dev.zero3_tensor_s:.3g}")
     print("| point | measured s | fitted planner s | error | shipped planner s | error |")
     print("|---|---|---|---|---|---|")
-    for m in RECORDED:
+    for m in points:
         a, b = predict(m, dev), predict(m, "h200")
         print(f"| {m.name}{'' if m.fitted else ' (held out)'} | {m.seconds:.3f} | {a:.3f} | "
               f"{a / m.seconds - 1:+.0%} | {b:.3f} | {b / m.seconds - 1:+.0%} |")
     print("\nleave one size out (that size's two points not fitted):")
-    for name, (p, y) in leave_one_out().items():
-        print(f"  {name}: predicted {p:.3f} s, measured {y:.3f} s ({p / y - 1:+.0%})")
+    for name, (pred, y) in leave_one_out(points).items():
+        print(f"  {name}: predicted {pred:.3f} s, measured {y:.3f} s ({pred / y - 1:+.0%})")
 
 
 if __name__ == "__main__":

@@ -53,3 +53,25 @@ def test_launch_bound_small_model_and_cpu_unchanged():
     tc = plan(shape, "cpu", RunSpec(world=1, micro_batch=1, seq_len=64, zero_stage=0,
                                     dtype="float32", capture=False, k=64)).times
     assert tc["train_step"] == pytest.approx(3 * tc["forward"])
+
+
+def test_refit_reads_a_gpu_check_run(tmp_path):
+    """``calibrate.from_run`` reads a gpu_check folder (throughput.json, launch_steps.json):
+    the recorded values written in that form refit to the same terms."""
+    import json
+
+    rec = {m.name: m.seconds for m in calibrate.RECORDED}
+    (tmp_path / "throughput.json").write_text(json.dumps(
+        [{"size": s, "B": 4, "T": 512, "train_s": rec[f"{s} fwd+bwd"],
+          "collect_s": rec[f"{s} collect"]} for s in ("0.5b", "1.5b", "7b")]))
+    (tmp_path / "launch_steps.json").write_text(json.dumps({
+        "opts": {"model_config": "configs/model_llama_1b.json", "micro": 8, "gas": 1,
+                 "seq_len": 512, "vocab": 8192},
+        "rows": [{"variant": "plain", "step_s": rec["1b launch ZeRO-3 plain"]},
+                 {"variant": "capture", "step_s": rec["1b launch ZeRO-3 --capture"]},
+                 {"variant": "bare", "step_s": 0.45}]}))
+    points = calibrate.from_run(tmp_path)
+    assert len(points) == 8 and sum(not m.fitted for m in points) == 1
+    dev, ref = calibrate.fit(points), calibrate.fit()
+    for f in ("efficiency", "kernel_latency_s", "capture_layer_s", "zero3_tensor_s"):
+        assert getattr(dev, f) == pytest.approx(getattr(ref, f), rel=1e-6), f
