@@ -449,6 +449,7 @@ def resume(backend: Backend, cfg: RunConfig, out: Path, rank: int) -> LoopState 
         ConfigError: no such checkpoint, one written by another process layout, or one
             written with selection that lacks this rank's selector state.
     """
+    check_shared_out(out, rank)
     if not cfg.train.resume:
         return None
     found = Checkpoints.of(out)
@@ -501,6 +502,45 @@ def resume(backend: Backend, cfg: RunConfig, out: Path, rank: int) -> LoopState 
         backend.load(out / "checkpoints", tag)
     logger.info("resuming from %s at step %d", tag, state.step)
     return replace(state, selection=selection)
+
+
+def check_shared_out(out: Path, rank: int) -> None:
+    """Every rank sees the ``--out`` that rank 0 wrote to (several nodes need it on a shared
+    file system): rank 0 writes a token there, every rank reads it back (collective; a no-op
+    in one process).
+
+    Raises:
+        ConfigError: on every rank, naming the ranks and hosts that do not see it.
+    """
+    import os
+    import socket
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    mark = out / f".shared.{make_run_id('check', out)[4:]}"
+    token = f"{socket.gethostname()}:{os.urandom(8).hex()}"  # not torch's RNG: the run's
+    sent = [token]
+    dist.broadcast_object_list(sent, src=0)
+    if rank == 0:
+        mark.write_text(sent[0], encoding="utf-8")
+    dist.barrier()
+    try:
+        seen = mark.read_text(encoding="utf-8") == sent[0]
+    except OSError:
+        seen = False
+    blind = [None] * dist.get_world_size()
+    dist.all_gather_object(blind, None if seen else f"rank {rank} on {socket.gethostname()}")
+    dist.barrier()
+    if rank == 0:
+        mark.unlink(missing_ok=True)
+    blind = [b for b in blind if b is not None]
+    if blind:
+        raise ConfigError(f"--out {out} is not shared: {', '.join(blind)} cannot read what "
+                          f"rank 0 ({sent[0].split(':')[0]}) wrote there; runs on several "
+                          f"nodes need --out on a file system every node mounts at the same "
+                          f"path (docs/multinode.md)")
 
 
 def _rollback_store(cfg: RunConfig, out: Path, rank: int, step: int) -> None:

@@ -178,3 +178,28 @@ def _same_nested(a, b, where: str = "factors") -> None:
             _same_nested(x, y, f"{where}[{i}]")
     else:
         assert a == b, (where, a, b)
+
+
+def _blind_rank(rank, world, out):
+    import torch.distributed as dist
+
+    from dattri_ds.errors import ConfigError
+    from dattri_ds.launch.loop import check_shared_out
+
+    dist.init_process_group("gloo")
+    if rank == 1:  # this "node" mounts another file system at the same path
+        Path.read_text = lambda self, *a, **k: (_ for _ in ()).throw(FileNotFoundError(self))
+    try:
+        check_shared_out(Path(out), rank)
+    except ConfigError as err:
+        return str(err)
+    return None
+
+
+def test_out_not_shared_is_refused_on_every_rank(tmp_path):
+    """A rank that cannot read what rank 0 wrote to --out (no shared file system) makes
+    every rank refuse at start, naming that rank and its host, instead of failing later
+    on one node while the others wait in a collective; a shared --out passes."""
+    got = run(_blind_rank, 2, timeout=120, out=str(tmp_path))
+    assert got[0] == got[1] and "rank 1 on" in got[0] and "is not shared" in got[0]
+    assert not list(tmp_path.glob(".shared.*"))  # the token file is removed
