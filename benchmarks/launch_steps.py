@@ -226,11 +226,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=14)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--train-data", default=str(ROOT / "data/corpus/train.jsonl"),
+                   help="documents long enough to fill --seq-len (the tiny set is padding)")
+    p.add_argument("--max-docs", type=int, default=400)
     p.add_argument("--out", default="runs/gpu_check")
     args = p.parse_args(argv)
     if args.dry_run:
         args.device, args.micro, args.seq_len, args.vocab_size = "cpu", 2, 32, 512
         args.steps, args.warmup = 4, 2
+        args.train_data, args.max_docs = str(ROOT / "data/tiny/train.jsonl"), 64
         args.model_config = str(ROOT / "configs/model_llama_tiny.json")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -243,8 +247,8 @@ def main(argv: list[str] | None = None) -> int:
             "variants": args.variants.split(","), "out": str(out),
             "planner_device": args.planner_device or ("h200" if args.device.startswith("cuda")
                                                       else "cpu"),
-            "common": ["--model-config", args.model_config, "--train-data",
-                       str(ROOT / "data/tiny/train.jsonl"), "--max-docs", "64", "--seq-len",
+            "common": ["--model-config", args.model_config, "--train-data", args.train_data,
+                       "--max-docs", str(args.max_docs), "--seq-len",
                        str(args.seq_len), "--vocab-size", str(args.vocab_size), "--steps",
                        str(args.steps), "--log-every", "1000000", "--save-every", "0",
                        "--skip-memory-check"]}
