@@ -134,6 +134,27 @@ def test_two_nodes_train_equals_one_node(tmp_path):
     same_store(one / "grad_store", two / "grad_store")
 
 
+def test_two_nodes_megatron_tp_equals_one_node(tmp_path):
+    """``--backend megatron`` with tensor parallelism 2 across the two nodes (each node one
+    TP rank), ``--capture --online-selection``: equals TP=2 on one node bit for bit (losses,
+    selection log, consolidated weights, store)."""
+    require("megatron.core", "megatron")
+    one, two = tmp_path / "one", tmp_path / "two"
+    extra = ("--backend", "megatron", "--tensor-model-parallel-size", "2", "--online-selection",
+             "--target-data", str(ROOT / "data/tiny/target.jsonl"), "--target-max-docs", "8")
+    script = str(ROOT / "launch/train.py")
+    _ok(nodes(script, train_argv(tmp_path, one, 2, *extra), n_nodes=1, per_node=2))
+    _ok(nodes(script, train_argv(tmp_path, two, 2, *extra)))
+    la, lb = (json.loads((d / "trajectory.json").read_text())["lrs"] for d in (one, two))
+    assert la == lb and len(la) == 2
+    assert (one / "selection.jsonl").read_bytes() == (two / "selection.jsonl").read_bytes()
+    from dattri_ds.integrations.megatron_checkpoint import read_consolidated
+
+    wa, wb = (read_consolidated(d / "checkpoints" / "step2") for d in (one, two))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    same_store(one / "grad_store", two / "grad_store")
+
+
 def _run_dir(tmp_path: Path) -> Path:
     run_dir = tmp_path / "run"
     run(_train, 1, timeout=300, argv=train_argv(tmp_path, run_dir, 2))
