@@ -103,7 +103,8 @@ def test_token_plan_sizes_the_chunk_and_refuses_a_larger_one():
 
     shapes = [(384, 129), (128, 129), (1024, 129)]
     row = TokenPlan.row_cost(shapes, 256, dense_query=True)
-    assert row == 4 * 3 * 256 * sum(o + i for o, i in shapes) + 4 * 3 * sum(o * i for o, i in shapes)
+    assert row == (4 * 3 * 256 * sum(o + i for o, i in shapes)
+                   + 4 * 3 * sum(o * i for o, i in shapes))
     plan = TokenPlan.make(shapes, seq_len=256, rows=255, dense_query=True, budget=10 * row + 5)
     assert (plan.chunk, plan.chunks, plan.need) == (10, 26, 10 * row)
     assert TokenPlan.make(shapes, seq_len=256, rows=4, dense_query=True, budget=10 * row).chunk == 4
