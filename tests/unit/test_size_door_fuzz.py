@@ -44,6 +44,17 @@ def _start(argv: list[str]) -> None:
     load_run_config(args.deepspeed_config, args.overrides)
 
 
+#: The shipped tiny GPT-2 with 2^20 positions: long sequences reach the planner (the tiny
+#: model's own 256 positions refuse them first, naming --seq-len: tests/unit/test_launch_inputs.py).
+LONG = {"model_type": "gpt2", "n_layer": 4, "n_head": 4, "n_embd": 128, "n_positions": 2 ** 20}
+
+
+def _long_model(tmp: Path) -> str:
+    path = tmp / "model_long.json"
+    path.write_text(json.dumps(LONG))
+    return str(path)
+
+
 def _ds(tmp: Path, block: dict, micro: int = 2) -> str:
     cfg = json.loads((ROOT / "configs/zero2_cpu.json").read_text())
     cfg.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=1)
@@ -72,11 +83,14 @@ def _cases(tmp: Path) -> list[tuple[str, list[str], str]]:
             needle = flag_name(leaf) if leaf.path[0] == "engine" else f"dattri_ds.{leaf.key}"
             cases.append((f"{leaf.key}={huge:g}", ["--deepspeed_config", _ds(tmp, block)],
                           needle))
-    plan = [("train.seq_len 2^20", {"train": {"seq_len": 2 ** 20}}, 2, "train.seq_len"),
+    long = _long_model(tmp)
+    plan = [("train.seq_len 2^20", {"train": {"seq_len": 2 ** 20, "model_config": long}}, 2,
+             "train.seq_len"),
             # the gradient probe forwards every candidate (content scoring forwards none)
             ("candidate_multiple 1000 (probe)", {**SELECT, "selection": {
                 **SELECT["selection"], "candidate_multiple": 1000.0, "score": "alignment"},
-              "train": {"seq_len": 1024}}, 64, "selection.candidate_multiple"),
+              "train": {"seq_len": 1024, "model_config": long}}, 64,
+             "selection.candidate_multiple"),
             ("micro-batch 10^6", {}, 10 ** 6, "train_micro_batch_size_per_gpu")]
     for name, block, micro, needle in plan:
         cases.append((f"planner: {name}", ["--deepspeed_config", _ds(tmp, block, micro)],
@@ -97,7 +111,8 @@ def test_size_door(tmp_path):
 def test_planner_message_names_knob_need_limit_and_override(tmp_path):
     """The planner's refusal names the JSON key, its flag, the bytes needed and available,
     and the expert override; with the override the same config is accepted."""
-    argv = ["--deepspeed_config", _ds(tmp_path, {"train": {"seq_len": 2 ** 20}})]
+    argv = ["--deepspeed_config", _ds(tmp_path, {"train": {"seq_len": 2 ** 20,
+                                                           "model_config": _long_model(tmp_path)}})]
     code, err = in_process(_start, argv)
     line = err.strip().splitlines()[-1]
     assert code == 2, err
@@ -108,7 +123,7 @@ def test_planner_message_names_knob_need_limit_and_override(tmp_path):
     assert code == 0, err
 
 
-@pytest.mark.parametrize("block", [{}, {"train": {"seq_len": 512}}, SELECT,
+@pytest.mark.parametrize("block", [{}, {"train": {"seq_len": 256}}, SELECT,
                                    {"capture_enabled": True}])
 def test_ordinary_runs_pass_the_planner(tmp_path, block):
     """The shipped settings and ordinary variations are not refused (no false alarm)."""
