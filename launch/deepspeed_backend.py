@@ -77,6 +77,10 @@ class DeepSpeedBackend(Backend):
 
         model = build(cfg, tok)
         init_hf_weights(model, cfg)  # --init-checkpoint: an earlier run's weights
+        # recorded in every checkpoint: what ds_to_universal needs to convert a ZeRO-1/2 one
+        # (no tensor-parallel patterns: the model is whole on each rank)
+        from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_VERSION_VALUE as version
+        model.universal_checkpoint_info = {"universal_checkpoint_version": version}
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
             config=ds_config)

@@ -53,8 +53,9 @@ def _train(rank, world, argv):
     return main(argv)
 
 
-def _argv(tmp: Path, out: Path, steps: int, *extra: str, batch: dict) -> list[str]:
-    cfg = json.loads((ROOT / "configs/zero3_cpu.json").read_text())
+def _argv(tmp: Path, out: Path, steps: int, *extra: str, batch: dict,
+          stage: int = 3) -> list[str]:
+    cfg = json.loads((ROOT / f"configs/zero{stage}_cpu.json").read_text())
     cfg.pop("gradient_accumulation_steps")
     cfg.update(batch)
     cfg["optimizer"]["params"]["lr"] = 0.01
@@ -86,17 +87,18 @@ def _stored(out: Path):
     return GradientStore.open(out / "grad_store", require_complete=True)  # duplicates raise
 
 
-def test_elastic_2_to_1_same_global_batch_equals_uninterrupted(tmp_path):
-    """2 ranks x 2 micro-batches for 2 steps, then ``--resume latest`` on 1 rank x 4
-    micro-batches (the universal checkpoint) == 4 steps on 2 ranks: losses, lrs, final
-    weights, the stored rows (rel. err <= 1e-5), each stored id once."""
+@pytest.mark.parametrize("stage", [2, 3])
+def test_elastic_2_to_1_same_global_batch_equals_uninterrupted(tmp_path, stage):
+    """ZeRO-2 and ZeRO-3: 2 ranks x 2 micro-batches for 2 steps, then ``--resume latest`` on
+    1 rank x 4 micro-batches (the universal checkpoint) == 4 steps on 2 ranks: losses, lrs,
+    final weights, the stored rows (rel. err <= 1e-5), each stored id once."""
     require("deepspeed", "deepspeed")
     batch = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2}
     full, part = tmp_path / "full", tmp_path / "part"
-    run(_train, 2, timeout=300, argv=_argv(tmp_path, full, STEPS, batch=batch))
-    run(_train, 2, timeout=300, argv=_argv(tmp_path, part, HALF, batch=batch))
+    run(_train, 2, timeout=300, argv=_argv(tmp_path, full, STEPS, batch=batch, stage=stage))
+    run(_train, 2, timeout=300, argv=_argv(tmp_path, part, HALF, batch=batch, stage=stage))
     sums = run(_train, 1, timeout=300, argv=_argv(tmp_path, part, STEPS, "--resume", "latest",
-                                                  batch=batch))
+                                                  batch=batch, stage=stage))
     assert sums[0]["world"] == 1 and sums[0]["checkpoints"] == [f"step{HALF}", f"step{STEPS}"]
     assert (part / "checkpoints" / f"step{HALF}" / "universal" / f"step{HALF}" / "zero").is_dir()
     assert _lrs(part) == _lrs(full)
