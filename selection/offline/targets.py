@@ -6,7 +6,7 @@ per-layer matrices), laid out in the store's column order: ``[Q, P]``.
 
 LESS's optimizer-aware target: the exact target gradient ``g_q`` is scaled by the
 checkpoint's Adam preconditioner ``D = 1 / (sqrt(v / (1 - beta2^t)) + eps)``
-(``selection.precondition.precondition_target``, second moments from the checkpoint's
+(``selection.offline.precondition.precondition_target``, second moments from the checkpoint's
 optimizer state: ``training_state.pt`` of ``--backend torch``, DeepSpeed ZeRO-1/2/3 or
 Megatron optimizer files, ``dattri_ds.integrations.optim_state``), then projected:
 ``t_q = Proj(D g_q)``.
@@ -67,7 +67,7 @@ def capture_of(spec: StoreSpec, *, exact: bool):
 
 
 class SavedAdamMoments:
-    """``SecondMoments`` (``selection.precondition``) of an ``AdamState`` read from a
+    """``SecondMoments`` (``selection.offline.precondition``) of an ``AdamState`` read from a
     checkpoint's optimizer files: the full ``v`` of each of ``model``'s parameters."""
 
     partitioned = False
@@ -103,7 +103,7 @@ def load_adam_moments(model: torch.nn.Module, checkpoint: Path):
             parameters do not match the model.
     """
     from dattri_ds.integrations.optim_state import has_adam_state, read_adam_state
-    from dattri_ds.selection.precondition import TorchAdamMoments
+    from dattri_ds.selection.offline.precondition import TorchAdamMoments
 
     if has_adam_state(checkpoint):
         return SavedAdamMoments(model, read_adam_state(checkpoint, model))
@@ -134,7 +134,7 @@ def adam_precondition(exact: GradBatch, layers: dict, moments) -> GradBatch:
     """``D g_q`` per target row of an exact batch, dense and unprojected (``layers``: name
     -> (module, LayerKind) of a capture on the same model)."""
     from dattri_ds.ops.inner import materialize
-    from dattri_ds.selection.precondition import precondition_target
+    from dattri_ds.selection.offline.precondition import precondition_target
 
     dense = GradBatch(step=exact.step, sample_ids=exact.sample_ids, token_counts=exact.token_counts,
                       layers={n: lg.replace(data=Dense(materialize(lg).reshape(

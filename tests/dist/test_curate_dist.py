@@ -120,7 +120,7 @@ parameter order drift."""
     from dattri_ds.selection.offline.targets import adam_precondition, load_adam_moments
     from dattri_ds.integrations.optim_state import read_adam_state
     from dattri_ds.ops.inner import materialize
-    from dattri_ds.selection.precondition import TorchAdamMoments
+    from dattri_ds.selection.offline.precondition import TorchAdamMoments
     from reference import tiny_gpt2
 
     full = run(_zero_train_save, world, timeout=300, stage=stage, out=str(tmp_path / "ckpt"))[0]
