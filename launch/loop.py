@@ -596,6 +596,9 @@ def train(backend: Backend, cfg: RunConfig, data, out: Path, tok, rank: int,
                  record=resumed.record if resumed is not None else None)
 
     def save(tag: str, step: int, lr: float) -> None:
+        if capture is not None:  # a checkpoint implies the rows of its steps are committed:
+            for cb in capture.callbacks:  # a resume from it never recomputes them
+                cb.on_detach()  # StoreCallback: commit the buffered rows
         backend.save(ckpt_dir, tag, {"tag": tag, "step": step, "lr": lr}, data)
         LoopState(step=step, record=log.record, rng=LoopState.capture_rng(),
                   layout=backend.layout(), origin=origin, per_step=per_step

@@ -181,3 +181,49 @@ def test_elastic_resume_with_selection_keeps_the_invariants(tmp_path, before, af
         steps = [int(i.split("@")[1].split("#")[0]) for i in store.ids]
         assert [steps.count(s) for s in range(STEPS)] == [
             2 * 2 * before] * HALF + [2 * 2 * after] * (STEPS - HALF)
+
+
+#: launch/train.py, killed (SIGKILL, global rank 0) after training step 2, before its end:
+#: the checkpoint of step 2 is complete, the rows of step 2 are buffered, not committed.
+KILLER = """
+import os, signal, sys
+from dattri_ds.launch import runlog
+
+_end = runlog.RunLog.end_step
+def end_step(self, step, *a, **k):
+    if step == 2 and os.environ["RANK"] == "0":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _end(self, step, *a, **k)
+runlog.RunLog.end_step = end_step
+from dattri_ds.cli import run
+from dattri_ds.launch.train import main
+sys.exit(run(main))
+"""
+
+
+def test_preempted_two_node_run_resumes_on_one_rank(tmp_path):
+    """Preemption: a 2-node run (torchrun ``--nnodes 2``) is killed with SIGKILL during
+    step 3, after its step-2 checkpoint, with the rows of steps 0-1 captured under the
+    default ``flush_every`` (512, so nothing was committed during training); ``--resume
+    latest`` on 1 rank (same global batch) ends with the store, losses and weights of the
+    uninterrupted 2-rank run: the checkpoint committed the rows of its steps (none lost),
+    the rows of the killed step were never committed or are rolled back (none twice)."""
+    require("deepspeed", "deepspeed")
+    from test_multinode import nodes
+
+    batch = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2}
+    full, part = tmp_path / "full", tmp_path / "part"
+    run(_train, 2, timeout=300, argv=_argv(tmp_path, full, STEPS, batch=batch))
+    killer = tmp_path / "killer.py"
+    killer.write_text(KILLER)
+    done = nodes(str(killer), _argv(tmp_path, part, STEPS, batch=batch))
+    assert any(d.returncode != 0 for d in done)
+    assert json.loads((part / "trajectory.json").read_text())["checkpoints"][-1]["tag"] == \
+        f"step{HALF}"
+    run(_train, 1, timeout=300, argv=_argv(tmp_path, part, STEPS, "--resume", "latest",
+                                           batch=batch))
+    la, lb = _losses(full), _losses(part)
+    assert len(lb) == STEPS and rel_err(torch.tensor(lb), torch.tensor(la)) <= TOL, (la, lb)
+    with _stored(full) as a, _stored(part) as b:
+        assert len(b) == len(set(b.ids)) == len(a) == STEPS * 8 and set(a.ids) == set(b.ids)
+        assert rel_err(b.read([b.index_of(i) for i in a.ids]), a.read(slice(None))) <= TOL
