@@ -633,8 +633,8 @@ def test_a_model_folder_has_no_invented_learning_rate(tmp_path, monkeypatch):
     """A single model folder records no step or learning rate: its trajectory says None
     (not lr 1.0 at step 0), TracIn (lr-weighted) refuses in one error naming --lrs and
     --weighting, and --weighting uniform scores, loading the model once (the start-up
-    check's model is reused: a ZeRO-3 checkpoint is consolidated once). Breaks if a
-    stand-in lr comes back."""
+    check's model is reused: a ZeRO-3 checkpoint is consolidated once); report without
+    --train-data finds the texts collect recorded. Breaks if a stand-in lr comes back."""
     from dattri_ds.errors import ConfigError
     from dattri_ds.tools import attribute, collect
     from dattri_ds.tools.sources import HFModelDir
@@ -655,6 +655,11 @@ def test_a_model_folder_has_no_invented_learning_rate(tmp_path, monkeypatch):
     assert attribute.main([*base, "--weighting", "uniform", "--out", str(tmp_path / "b")])[
         "train"] == 4
     assert loads == ["m"]
+    from dattri_ds.tools import report  # finds the texts collect recorded (no --train-data)
+
+    md = report.main(["--attribution", str(tmp_path / "b")]).read_text()
+    first = json.loads(Path(data).read_text().splitlines()[0])
+    assert " ".join(first["text"].split())[:40] in md and "(not in --train-data)" not in md
 
 
 def test_factors_of_another_width_are_refused_naming_the_file_and_the_fix(tmp_path, capsys):
