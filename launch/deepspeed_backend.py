@@ -153,7 +153,9 @@ class DeepSpeedBackend(Backend):
                 f"ranks and this run has {self.ctx.dp_world}; converting it to DeepSpeed's "
                 f"universal checkpoint failed"
                 + (f" ({reason})" if dist.get_rank() == 0 else "")
-                + "; resume with the number of processes that wrote it")
+                + "; a ZeRO-1/2 checkpoint written before dattri-ds recorded its "
+                  "universal_checkpoint_info cannot be converted: resume with the number of "
+                  "processes that wrote it")
         config = self.engine._config  # DeepSpeed reads the flag per call; no public setter
         config.load_universal_checkpoint = True
         try:
