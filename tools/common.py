@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import os
@@ -26,33 +27,22 @@ _PROJECT = Path(__file__).resolve().parents[1]
 #: ``--verbose``: third-party output (DeepSpeed's checkpoint consolidation banners,
 #: transformers' warnings and progress bars, the per-layer projection table) is shown.
 VERBOSE = False
-_THIRD_PARTY = ("DeepSpeed", "deepspeed", "transformers", "torch.distributed")
 
 
 def setup_logging(rank: int = 0, verbose: bool = False) -> None:
-    """The tools' log lines (rank 0 at INFO, other ranks WARNING); third-party loggers at
-    ERROR and their progress bars off unless ``verbose``."""
+    """The tools' log lines (rank 0 at INFO, other ranks WARNING); third-party logging,
+    warnings and progress bars kept to errors unless ``verbose`` (``dattri_ds.noise``, as
+    launch/train.py does)."""
+    from dattri_ds.noise import setup_logging as setup
+
     global VERBOSE
     VERBOSE = verbose
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    if verbose:
-        return
-    for name in _THIRD_PARTY:
-        logging.getLogger(name).setLevel(logging.ERROR)
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
-    except ImportError:
-        pass
+    setup(rank, verbose)
 
 
 def quiet_stdout():
-    """A context in which prints of third-party code (DeepSpeed's ``zero_to_fp32``) are
-    dropped unless ``--verbose``."""
-    import contextlib
+    """A context in which third-party prints (DeepSpeed's ``zero_to_fp32`` banners) are
+    dropped unless ``--verbose`` (their logging is kept to errors by ``setup_logging``)."""
     import io
 
     return contextlib.nullcontext() if VERBOSE else contextlib.redirect_stdout(io.StringIO())
