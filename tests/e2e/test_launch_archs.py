@@ -1,7 +1,7 @@
 """launch/train.py trains Hugging Face architectures beyond GPT-2 and Llama, as users run it.
 
-Invariants: a tiny Qwen2 (tied head, q/k/v biases) under DeepSpeed ZeRO-3 and a tiny OLMo-2
-(q/k RMSNorms) under ZeRO-2 and under ``--backend torch`` train a few steps with
+Invariants: a tiny Qwen2 (tied head, q/k/v biases) under DeepSpeed ZeRO-3 and ZeRO-1 and a tiny
+OLMo-2 (q/k RMSNorms) under ZeRO-2, ZeRO-0 and ``--backend torch`` train a few steps with
 ``--capture`` to a finite loss and a gradient store holding every example; a Qwen2
 ``save_pretrained`` folder trains through ``--model-path``; a model capture cannot read
 (Mamba) is refused at start in one line naming its model type. Breaks if launch goes back to
@@ -50,6 +50,8 @@ def _check_run(out: Path, proc: subprocess.CompletedProcess, model_type: str) ->
 
 @pytest.mark.parametrize("arch,stage,backend", [("qwen2", 3, "deepspeed"),
                                                 ("olmo2", 2, "deepspeed"),
+                                                ("qwen2", 1, "deepspeed"),
+                                                ("olmo2", 0, "deepspeed"),
                                                 ("olmo2", 0, "torch")])
 def test_tiny_architecture_trains_with_capture(tmp_path, arch, stage, backend):
     """Two steps with --capture: finite loss, a store, the model type saved."""
