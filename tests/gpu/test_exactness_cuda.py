@@ -132,8 +132,8 @@ def _zero3_worker(out: str) -> None:
     from reference import reference_grads, rel_err, tiny_gpt2
 
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    deepspeed.init_distributed(dist_backend="nccl")
     torch.cuda.set_device(0)
+    deepspeed.init_distributed(dist_backend="nccl")
     model = tiny_gpt2(seed=0)
     ref_model = copy.deepcopy(model).cuda()
     cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
