@@ -10,14 +10,13 @@ links carries, per call with a payload of ``S`` bytes,
 
 (0 when ``N = 1``: nothing leaves the node). Per optimizer step, with ``e`` bytes per
 weight, ``P`` parameters, ``gas`` micro-batches a step, ``k`` the projected width per layer
-(``w_l = min(k, I_l O_l)`` floats for each captured layer instance), ``D_l = I_l O_l``:
+(``w_l = min(k, I_l O_l)`` floats for each captured layer instance):
 
 | path | collective | payload S | calls per step |
 |---|---|---|---|
 | capture (DP, any ZeRO stage) | none: projections are seeded per layer, each rank writes its own shard | - | 0 |
 | selection, probe under ZeRO-3 | all_gather of the weights, probe forward and backward | ``P e`` | ``2 gas`` |
 | selection, target refresh | all_reduce of the target rows and their count | ``4 (1 + sum_l w_l)`` | ``1 / refresh_every`` |
-| selection, target refresh, ``precondition="adam"`` under ZeRO | all_reduce of the preconditioned target | ``4 sum_l D_l`` | ``1 / refresh_every`` |
 | selection, target refresh under ZeRO-3 | all_gather of the weights, each target pass forward and backward | ``P e`` | ``2 ceil(ceil(n_t / R) / b_t) / refresh_every`` |
 
 ``n_t`` target documents, ``b_t`` target batch size. A content score (no probe) issues none of
@@ -48,8 +47,6 @@ class TrafficSpec:
         refresh_every: steps between two target refreshes (selection.refresh_every).
         target_docs: target documents (selection.target_max_docs).
         target_batch_size: examples per target pass (selection.target_batch_size).
-        precondition_adam: selection.precondition="adam" (the target is scaled by Adam's
-            second moments, which ZeRO shards).
     """
 
     nodes: int = field(default=1, metadata=schema.bounds(ge=1))
@@ -57,7 +54,6 @@ class TrafficSpec:
     refresh_every: int = field(default=10, metadata=schema.bounds(ge=1))
     target_docs: int = field(default=64, metadata=schema.bounds(ge=1))
     target_batch_size: int = field(default=8, metadata=schema.bounds(ge=1))
-    precondition_adam: bool = False
 
     def __post_init__(self) -> None:
         schema.check(self, "plan.traffic")
@@ -154,10 +150,6 @@ def traffic(model, spec, t: TrafficSpec, k: int) -> Traffic:
                 "backward", "all_gather", weights, 2 * t.gas)
         add("selection", "target refresh: target rows and count", "all_reduce",
             4 * (1 + width), 1 / t.refresh_every)
-        if t.precondition_adam and spec.zero_stage >= 1:
-            add("selection", "target refresh: Adam-preconditioned target (moments sharded)",
-                "all_reduce", 4 * sum(s.count * s.I * s.O for s in layers),
-                1 / t.refresh_every)
         if spec.zero_stage == 3:
             passes = math.ceil(math.ceil(t.target_docs / ranks) / t.target_batch_size)
             add("selection", "target refresh: weights gathered for each target pass",

@@ -25,8 +25,7 @@ class _Model:
 
 PROBE = RunSpec(world=4, method="selection", selection_probe=True, zero_stage=3,
                 dtype="bfloat16")
-TWO = TrafficSpec(nodes=2, gas=2, refresh_every=10, target_docs=64, target_batch_size=8,
-                  precondition_adam=True)
+TWO = TrafficSpec(nodes=2, gas=2, refresh_every=10, target_docs=64, target_batch_size=8)
 
 
 def test_ring_formulas():
@@ -42,24 +41,23 @@ def test_ring_formulas():
 def test_probe_selection_under_zero3_by_hand():
     """Weights 1000 x 2 B. Probe: 2 gas x 2 gathers x 3/4 x 2000 = 6000. Target rows:
     widths min(64, 200) x 2 + min(64, 8) = 136 floats + count: all_reduce of 548 B every 10
-    steps: 0.1 x 1.5 x 548 = 82.2. Adam target: 4 x (2 x 200 + 8) = 1632 B: 0.1 x 1.5 x 1632
-    = 244.8. Target passes: ceil(ceil(64 / 4) / 8) = 2, forward and backward, every 10
-    steps: 0.4 x 1500 = 600. Sum 6927."""
+    steps: 0.1 x 1.5 x 548 = 82.2. Target passes: ceil(ceil(64 / 4) / 8) = 2, forward and
+    backward, every 10 steps: 0.4 x 1500 = 600. Sum 6682.2."""
     got = traffic(_Model(), PROBE, TWO, k=64)
-    assert got.per_path() == {"capture": 0.0, "selection": pytest.approx(6927.0)}
+    assert got.per_path() == {"capture": 0.0, "selection": pytest.approx(6682.2)}
     assert sorted(c.link_bytes for c in got.collectives) == pytest.approx(
-        [82.2, 244.8, 600, 6000])
-    assert got.to_dict()["bytes_per_step_per_link"]["selection"] == pytest.approx(6927.0)
+        [82.2, 600, 6000])
+    assert got.to_dict()["bytes_per_step_per_link"]["selection"] == pytest.approx(6682.2)
     assert "8 ranks" not in got.table() and "4 ranks on 2 nodes" in got.table()
 
 
 def test_other_layouts_by_hand():
-    """ZeRO-2: weights are replicated, only the refresh's all-reduces remain (82.2 + 244.8);
+    """ZeRO-2: weights are replicated, only the refresh's all-reduce remains (82.2);
     one node: 0; a content score (no probe): no collective a step; 3 ranks on 2 nodes:
     refused naming both numbers."""
     z2 = traffic(_Model(), RunSpec(world=4, method="selection", selection_probe=True,
                                    zero_stage=2, dtype="bfloat16"), TWO, k=64)
-    assert z2.per_path()["selection"] == pytest.approx(327.0)
+    assert z2.per_path()["selection"] == pytest.approx(82.2)
     assert traffic(_Model(), PROBE, TrafficSpec(nodes=1), k=64).per_path() == {
         "capture": 0.0, "selection": 0.0}
     content = RunSpec(world=4, method="selection", selection_probe=False, zero_stage=3)
