@@ -40,12 +40,19 @@ def setup_logging(rank: int = 0, verbose: bool = False) -> None:
     setup(rank, verbose)
 
 
+@contextlib.contextmanager
 def quiet_stdout():
-    """A context in which third-party prints (DeepSpeed's ``zero_to_fp32`` banners) are
-    dropped unless ``--verbose`` (their logging is kept to errors by ``setup_logging``)."""
+    """A context in which third-party prints and progress bars (DeepSpeed's ``zero_to_fp32``
+    banners, its "Loading checkpoint shards" / "Gathering sharded weights" bars) are dropped
+    unless ``--verbose`` (their logging is kept to errors by ``setup_logging``); an error
+    raised inside still propagates."""
     import io
 
-    return contextlib.nullcontext() if VERBOSE else contextlib.redirect_stdout(io.StringIO())
+    if VERBOSE:
+        yield
+        return
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        yield
 
 
 @dataclass(frozen=True)

@@ -154,10 +154,9 @@ def _fit(factors: KFACFactors, first: Iterable[GradBatch], ekfac: bool,
     for b in first:
         factors.update(b)
     t0 = time.perf_counter()
+    logger.info("fit: eigendecomposing %d layers' factors", len(factors.layers))
     factors.reduce(ctx).eigendecompose()
-    if time.perf_counter() - t0 > 10:
-        logger.info("fit: eigendecomposed %d layers' factors in %.0f s", len(factors.layers),
-                    time.perf_counter() - t0)
+    logger.info("fit: eigendecomposed in %.1f s", time.perf_counter() - t0)
     if ekfac:
         t0 = last = time.perf_counter()
         rows = 0
