@@ -16,6 +16,7 @@ import torch
 
 from dattri_ds import GradientCapture, GradBatch, LayerGrad, Dense
 from dattri_ds.errors import DattriDSError, ShapeError
+from dattri_ds.layers import get_kind
 from dattri_ds.ops import ProjectionConfig, Projector, cross_gram, kron_dims, project_batch
 from dattri_ds.ops.kronecker import KFACConfig, KFACFactors
 from reference import (
@@ -265,7 +266,7 @@ def test_bad_inputs_name_the_layer(setup):
         sub.precondition(query, "kfac")
     lg = query.layers[name]
     with pytest.raises(ShapeError, match=name):
-        f.precondition_layer(lg.replace(kind="linear"), "kfac")
+        f.precondition_layer(lg.replace(kind=get_kind("linear")), "kfac")
     with pytest.raises(DattriDSError, match="update_correction"):
         f.precondition(query, "ekfac")
     with pytest.raises(ShapeError, match=f"{name}.*factorized form"):
