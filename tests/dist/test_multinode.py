@@ -34,7 +34,7 @@ from _dist import free_port, run
 
 pytestmark = pytest.mark.dist
 ROOT = Path(__file__).resolve().parents[2]
-TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # the torchrun command
 ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
        "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 TINY = str(ROOT / "data/tiny/train.jsonl")
@@ -46,7 +46,7 @@ def nodes(script: str, argv: list[str], n_nodes: int = 2, per_node: int = 1,
     meeting at a c10d rendezvous on this host; every agent's exit and output."""
     endpoint = f"127.0.0.1:{free_port()}"
     procs = [subprocess.Popen(
-        [TORCHRUN, "--nnodes", str(n_nodes), "--nproc_per_node", str(per_node), "--node_rank",
+        [*TORCHRUN, "--nnodes", str(n_nodes), "--nproc_per_node", str(per_node), "--node_rank",
          str(i), "--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint, "--max_restarts", "0",
          script, *argv], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True) for i in range(n_nodes)]
