@@ -10,8 +10,9 @@ processes of one node (N = 3 ranks appending to a store written by M = 2).
 Invariants: every row committed before the kill is still there, bit for bit, at the head of
 its shard (committed rows are never rewritten); the finished store holds every example
 exactly once (0 rows lost, 0 duplicated: ``GradientStore.open`` refuses duplicates) with the
-rows of an uninterrupted collect on 2 ranks; ``attribute`` reads the mixed store (shards of
-2 and 3 writers) to the same scores, example by example, as the uninterrupted store.
+rows of an uninterrupted collect on 2 ranks; ``fit --store`` and ``attribute`` read the
+mixed store (shards of 2 and 3 writers): the same factors, and the same scores example by
+example, as from the uninterrupted store.
 Breaks when a restarted collect recomputes stored examples into another shard (duplicates),
 skips ones that were never committed (lost), or truncates a shard it does not own.
 """
@@ -100,6 +101,15 @@ def test_kill9_one_node_mid_collect_loses_nothing_committed(tmp_path):
         assert sum(a["step2"] for a in added) == 24 - sum(len(i) for i, _ in before.values())
         assert torch.allclose(got.read([got.index_of(i) for i in ref.ids]),
                               ref.read(slice(None)), rtol=1e-5, atol=1e-7)
+
+    factors = []
+    for name, store in (("ref", tmp_path / "ref"), ("mix", out)):  # fit --store reads the mix
+        _tool(0, 1, "fit", ["--run-dir", str(run_dir), "--data", TINY, "--max-docs", "8",
+                            "--checkpoint", "step2", "--store", str(store), "--out",
+                            str(tmp_path / f"f-{name}.pt")])
+        factors.append(torch.load(tmp_path / f"f-{name}.pt", weights_only=False))
+    from test_multinode import _same_nested
+    _same_nested(*factors)
 
     scores = {}
     for name, store in (("ref", tmp_path / "ref"), ("mix", out)):
