@@ -134,6 +134,29 @@ def test_two_nodes_train_equals_one_node(tmp_path):
     same_store(one / "grad_store", two / "grad_store")
 
 
+def test_two_nodes_of_two_train_equals_one_node(tmp_path):
+    """2 nodes x 2 processes (local ranks 0, 1 on each, global 0-3), ZeRO-3 with capture and
+    selection, 2 steps: equals 4 processes on one node (forked from pytest; the run seeds its
+    own RNG, so the launcher does not matter) bit for bit: losses, the 4 selection logs,
+    weights, the 4 store shards."""
+    require("deepspeed", "deepspeed")
+    one, two = tmp_path / "one", tmp_path / "two"
+    sel = ("--online-selection", "--target-data", str(ROOT / "data/tiny/target.jsonl"),
+           "--target-max-docs", "8", "--max-docs", "96")  # 64 candidate slots in one epoch
+    run(_train, 4, timeout=300, argv=train_argv(tmp_path, one, 2, *sel))
+    _ok(nodes(str(ROOT / "launch/train.py"), train_argv(tmp_path, two, 2, *sel), per_node=2))
+    la, lb = (json.loads((d / "trajectory.json").read_text())["lrs"] for d in (one, two))
+    assert la == lb and len(la) == 2
+    logs = sorted(p.name for p in two.glob("selection*.jsonl"))
+    assert len(logs) == 4
+    assert all((one / n).read_bytes() == (two / n).read_bytes() for n in logs)
+    from dattri_ds.integrations.checkpoints import load_state_dict
+
+    wa, wb = (load_state_dict(d / "checkpoints", "step2") for d in (one, two))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    same_store(one / "grad_store", two / "grad_store")
+
+
 def test_two_nodes_megatron_tp_equals_one_node(tmp_path):
     """``--backend megatron`` with tensor parallelism 2 across the two nodes (each node one
     TP rank), ``--capture --online-selection``: equals TP=2 on one node bit for bit (losses,
