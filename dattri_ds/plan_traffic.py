@@ -1,4 +1,4 @@
-"""Inter-node traffic that capture and online selection add to a training step (``plan --nodes``).
+"""Inter-node bytes per step that capture and online selection add (``plan --nodes``).
 
 Only the collectives dattri-ds issues (or makes the engine issue) are counted, not the
 engine's own training traffic (ZeRO's gathers and reduce-scatters of the step itself).
@@ -12,12 +12,15 @@ links carries, per call with a payload of ``S`` bytes,
 weight, ``P`` parameters, ``gas`` micro-batches a step, ``k`` the projected width per layer
 (``w_l = min(k, I_l O_l)`` floats for each captured layer instance):
 
-| path | collective | payload S | calls per step |
-|---|---|---|---|
-| capture (DP, any ZeRO stage) | none: projections are seeded per layer, each rank writes its own shard | - | 0 |
-| selection, probe under ZeRO-3 | all_gather of the weights, probe forward and backward | ``P e`` | ``2 gas`` |
-| selection, target refresh | all_reduce of the target rows and their count | ``4 (1 + sum_l w_l)`` | ``1 / refresh_every`` |
-| selection, target refresh under ZeRO-3 | all_gather of the weights, each target pass forward and backward | ``P e`` | ``2 ceil(ceil(n_t / R) / b_t) / refresh_every`` |
+* capture (data parallel, any ZeRO stage): no collective; projections are seeded per
+  layer and each rank writes its own shard;
+* selection, gradient probe under ZeRO-3: ``all_gather`` of the weights (``S = P e``) for
+  the candidates' forward and backward, ``2 gas`` calls a step;
+* selection, target refresh: ``all_reduce`` of the target rows and their count
+  (``S = 4 (1 + sum_l w_l)``), ``1 / refresh_every`` calls a step;
+* selection, target refresh under ZeRO-3: ``all_gather`` of the weights (``S = P e``) for
+  each target pass forward and backward, ``2 ceil(ceil(n_t / R) / b_t) / refresh_every``
+  calls a step.
 
 ``n_t`` target documents, ``b_t`` target batch size. A content score (no probe) issues none of
 these per step: its statistics are all-reduced once, for the summary. Tensor parallelism is
