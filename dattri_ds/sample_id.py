@@ -51,8 +51,13 @@ class SampleId:
         """The document id to look the example up by (the digest when the loop gave none)."""
         return self.digest if self.document is None else self.document
 
+    @staticmethod
+    def user_id(document: str, step: int | None = None) -> str:
+        """The loop's id of an example (what ``GradientCapture.tag`` takes): ``document``,
+        or ``document@step`` for one trained at ``step``."""
+        return document if step is None else f"{document}@{step}"
+
     def __str__(self) -> str:
         if self.document is None:
             return self.digest
-        user = self.document if self.step is None else f"{self.document}@{self.step}"
-        return f"{user}#{self.digest}"
+        return f"{self.user_id(self.document, self.step)}#{self.digest}"

@@ -48,6 +48,7 @@ from dattri_ds.errors import ConfigError
 from dattri_ds.launch.config import RunConfig
 from dattri_ds.launch.engine import BACKENDS
 from dattri_ds.launch.runlog import RunLog, RunRecord, make_run_id
+from dattri_ds.sample_id import SampleId
 from dattri_ds.selection.state import SelectionCheckpoint, config_difference, log_lines_before
 
 __all__ = ["Backend", "BACKENDS", "backend_class", "LoopState", "train", "resume",
@@ -632,10 +633,10 @@ def train(backend: Backend, cfg: RunConfig, data, out: Path, tok, rank: int,
                 sel = selector.select(batch, micro, step, user_ids=doc_ids,
                                       train_loss=backend.reuses_selection_forward)
                 batch, reused = sel.batch, sel.loss
-                doc_ids = [c.split("#")[0] for c in sel.chosen_ids]  # "<doc id>#<hash>"
+                doc_ids = [SampleId.parse(c).doc for c in sel.chosen_ids]
             # ---- end of online selection -----------------------------------------------
             if capture is not None:  # stored ids: "<doc id>@<step>#<content hash>"
-                capture.tag([f"{d}@{step}" for d in doc_ids])
+                capture.tag([SampleId.user_id(d, step) for d in doc_ids])
             loss = backend.forward_backward(batch) if reused is None else \
                 backend.backward_reused(reused)
             step_loss += loss.double() / gas

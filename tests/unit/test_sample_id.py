@@ -37,3 +37,9 @@ def test_content_id_writes_the_parsed_forms():
     tagged = content_id(tokens, user_id="doc-9@40")
     assert SampleId.parse(tagged) == SampleId(bare, "doc-9", 40)
     assert tagged == f"doc-9@40#{bare}"
+
+
+def test_user_id_is_the_part_before_the_digest():
+    """``SampleId.user_id`` is what the loop tags captured examples with."""
+    assert SampleId.user_id("doc") == "doc" and SampleId.user_id("doc", 3) == "doc@3"
+    assert str(SampleId("ab", "doc", 3)) == SampleId.user_id("doc", 3) + "#ab"
