@@ -314,7 +314,8 @@ def test_target_store_that_differs_fails_at_launch_start(run_dir, tmp_path):
 
     grads = tmp_path / "g"
     _collect(run_dir, grads, 4)  # --projection-dim 32
-    cfg = _config(tmp_path, 2, selection={"enabled": True, "target_store": str(grads / "step4"),
+    cfg = _config(tmp_path, 2, selection={"enabled": True, "score": "alignment",
+                                          "target_store": str(grads / "step4"),
                                           "projection": {"dim": 16}})
     cmd = [sys.executable, str(ROOT / "launch/train.py"), "--deepspeed_config", str(cfg),
            "--out", str(tmp_path / "run"), "--steps", "2", *SMALL]

@@ -18,13 +18,13 @@ from dattri_ds.cli import run
 from dattri_ds.schema import FlagType
 
 #: tool -> the required flags (pointing nowhere: a parse that wrongly succeeded fails fast).
+#: ``lds`` is absent: it has no numeric flag (``test_lds_command_has_no_numeric_flag``).
 TOOLS = {
     "collect": ["--out", "/nonexistent/out"],
     "fit": ["--out", "/nonexistent/out"],
     "attribute": ["--store", "/nonexistent/s", "--queries", "/nonexistent/q",
                   "--out", "/nonexistent/out"],
     "report": ["--attribution", "/nonexistent/a"],
-    "lds": [],
     "plan": ["--model", "/nonexistent/m.json"],
     "curate": ["--store", "/nonexistent/s", "--out", "/nonexistent/out"],
     "demo": [],
@@ -89,6 +89,15 @@ def test_every_numeric_tool_flag_is_strict():
     assert loose == []
     for tool in TOOLS:
         assert any(isinstance(a.type, FlagType) for a in _actions(tool)), tool
+
+
+def test_lds_command_has_no_numeric_flag():
+    """``dattri-ds lds`` takes files and choices only; a numeric flag added later must join
+    ``TOOLS`` (and so the strictness checks above)."""
+    from dattri_ds.tools import lds
+
+    assert not [a for a in lds.build_parser()._actions if a.type in (int, float)
+                or isinstance(a.type, FlagType)]
 
 
 @pytest.mark.parametrize("tool,action", CASES,
