@@ -55,6 +55,7 @@ from dattri_ds.tools.common import (  # noqa: E402
     recorded_config, setup_logging, store_paths, tag_choice, write_config,
 )
 from dattri_ds.recipe import Recipe  # noqa: E402
+from dattri_ds.sample_id import SampleId  # noqa: E402
 
 __all__ = ["build_parser", "main", "DEFAULT_METHOD"]
 
@@ -546,12 +547,12 @@ def with_overlap(prior: TextPrior, run, queries, train_ids) -> TextPrior:
     tok = run.tokenizer
     rows = load_texts(prior.path, tok, prior.seq_len or queries.seq_len, truncate=True)
     by_id = {d.id: i for i, d in enumerate(rows.docs)}
-    missing = [i for i in train_ids if i.split("#")[0] not in by_id]
+    missing = [i for i in train_ids if SampleId.parse(i).doc not in by_id]
     if missing:
         raise ConfigError(f"{len(missing)} store rows have no document in '{prior.path}' (e.g. "
                           f"'{missing[0]}'). Fix: --train-data the jsonl the store was "
                           f"collected from, or --text-weight 0")
-    train = row_texts(rows.subset([by_id[i.split("#")[0]] for i in train_ids]), tok)
+    train = row_texts(rows.subset([by_id[SampleId.parse(i).doc] for i in train_ids]), tok)
     return replace(prior, overlap=tfidf_scores(train, row_texts(queries, tok)))
 
 

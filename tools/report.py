@@ -25,6 +25,7 @@ from dattri_ds import files  # noqa: E402
 from dattri_ds.errors import InputFileError  # noqa: E402
 from dattri_ds.schema import add_flag  # noqa: E402
 from dattri_ds.tools.common import logger, setup_logging  # noqa: E402
+from dattri_ds.sample_id import SampleId  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -165,7 +166,7 @@ def _plots(att: Path, scores: np.ndarray, queries: list[dict], top: list[dict],
             vals = contrib[c, rows, 0]
             ax.bar(range(len(rows)), vals, bottom=bottom, label=tag)
             bottom += vals
-        ax.set_xticks(range(len(rows)), [train_ids[r].split("#")[0] for r in rows],
+        ax.set_xticks(range(len(rows)), [SampleId.parse(train_ids[r]).doc for r in rows],
                       rotation=20, fontsize=7)
         weighting = summary.get("weighting") or ("lr" if summary["method"] == "tracin"
                                                  else "normalized")
@@ -181,7 +182,7 @@ def _plots(att: Path, scores: np.ndarray, queries: list[dict], top: list[dict],
 
 
 def _entry(e: dict, docs: dict[str, dict], chars: int) -> tuple[str, str, str, float]:
-    doc_id = e["id"].split("#")[0].split("@")[0]
+    doc_id = SampleId.parse(e["id"]).doc
     d = docs.get(doc_id)
     if d is None:
         return doc_id, "?", "(not in --train-data)", e["score"]
