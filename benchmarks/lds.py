@@ -516,7 +516,13 @@ def table(rows: list[dict]) -> str:
     """Markdown fidelity-cost table; ``*`` = best at its cost, ``(default)`` = the default."""
     return markdown(rows, _KEY_COLUMNS + [
         ("LDS (mean ± std over queries)", lambda r: f"{r['lds_mean']:+.3f} ± {r['lds_std']:.3f}"),
-        ("CPU s", lambda r: f"{r['time_s']:.2f}")] + _TAIL_COLUMNS)
+        ("CPU s", lambda r: f"{r['time_s']:.2f}")] + _TAIL_COLUMNS) + "\n\n" + LEGEND
+
+
+#: Printed under every table: what the last column's marks mean.
+LEGEND = ("`*` best at its cost: no row has a higher LDS for fewer CPU seconds (over seeds: "
+          "higher by more than the paired standard error); `(default)` what `dattri-ds "
+          "attribute` runs by default.")
 
 
 def full_run(train: Callable, init: torch.nn.Module, ds: TokenizedDocuments,
@@ -738,7 +744,8 @@ def summarize(reports: list[dict], out: Path) -> dict:
         ("LDS (mean ± s.e. over seeds)", lambda r: f"{r['lds_mean']:+.3f} ± {r['lds_se']:.3f}"),
         ("of exact", lambda r: _opt(None if r["pct_exact"] is None else 100 * r["pct_exact"],
                                     ".0f") + ("%" if r["pct_exact"] is not None else "")),
-        ("CPU s", lambda r: f"{r['time_s']:.2f} ± {r['time_se']:.2f}")] + _TAIL_COLUMNS)
+        ("CPU s", lambda r: f"{r['time_s']:.2f} ± {r['time_se']:.2f}")] + _TAIL_COLUMNS) \
+        + "\n\n" + LEGEND
     seeds = [rep["args"]["seed"] for rep in reports]
     agree = [rep["seed_agreement"]["mean"] for rep in reports if rep["seed_agreement"]]
     head = f"LDS over seeds {seeds} (each: {reports[0]['head'].split(';')[0]})"

@@ -181,7 +181,9 @@ def _target_rows(args, source, stores, tags, config, docs) -> dict[str, torch.Te
     method = METHODS.lookup(config.method)(config)
     adam = method.precondition == "adam"
     out = {}
-    for t in tags:
+    for n, t in enumerate(tags, 1):
+        logger.info("target %d/%d (%s): capturing %d documents%s", n, len(tags), t, len(docs),
+                    " exactly, then Adam-preconditioned and projected" if adam else "")
         spec = stores[t].spec
         model = source.model(t)
         capture = capture_of(spec, exact=adam)
@@ -189,6 +191,7 @@ def _target_rows(args, source, stores, tags, config, docs) -> dict[str, torch.Te
                                              capture=capture, batch_size=8)))
         if adam:
             folder = source.folder(t) if hasattr(source, "folder") else source.root
+            logger.info("target %s: reading the Adam moments of %s", t, folder)
             moments = load_adam_moments(model, folder)
             probe = GradientCapture(model, capture, probe_only=True).attach()
             try:

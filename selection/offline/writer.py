@@ -87,12 +87,17 @@ def _histogram(scores: np.ndarray, chosen: np.ndarray, bins: int = 10) -> list[s
             f"{'#' * int(round(20 * allc[i] / top))} |" for i in range(bins)]
 
 
+def _budget_text(budget: dict) -> str:
+    """``{"kind": "examples", "amount": 20}`` -> ``20 examples``."""
+    return f"{budget['amount']} {budget['kind']}"
+
+
 def _report(pool, scores, chosen, summary, docs, resolved, k) -> str:
     cfg = resolved["config"]
     lines = [f"# Curated subset: {cfg['method']}", "",
              f"Kept {summary['kept_rows']} of {summary['pool_rows']} rows "
              f"({summary['kept_tokens']} of {summary['pool_tokens']} tokens); budget "
-             f"{resolved['budget']}; seed {cfg['seed']}.", "",
+             f"{_budget_text(resolved['budget'])}; seed {cfg['seed']}.", "",
              "## Score distribution (pool, kept)", "", "| bin | pool | kept | |",
              "|---|---|---|---|", *_histogram(scores, chosen), "",
              "## Per-source shares", "", "| source | pool | pool share | kept | kept share |",

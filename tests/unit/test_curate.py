@@ -396,7 +396,8 @@ def test_cli_selects_writes_and_refuses_overwrite(cli, setup, capsys):
     assert np.load(out / "scores.npy").shape == (24,)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["config"]["examples"] == 5 and cfg["result"]["kept_rows"] == 5
-    assert "## Per-source shares" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "## Per-source shares" in report and "budget 5 examples;" in report
     assert "<table>" in (out / "report.html").read_text()
     capsys.readouterr()
     assert _select(cli, "--target-store", str(cli["tstore"]), "--examples", "5",

@@ -168,6 +168,7 @@ def test_summary_over_seeds_is_mean_and_standard_error(tmp_path):
     assert rows["sparse:4"]["pct_exact"] == pytest.approx(0.5 / 0.6)
     assert rows["exact"]["best_at_cost"] and rows["sparse:4"]["best_at_cost"]
     assert out["seeds"] == [0, 1] and (tmp_path / "lds.md").is_file()
+    assert "`*` best at its cost" in (tmp_path / "lds.md").read_text()  # the legend
 
 
 def test_query_sets_and_model_options():
