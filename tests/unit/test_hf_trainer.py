@@ -18,7 +18,7 @@ from _deps import require
 from reference import reference_grads, rel_err, tiny_gpt2
 
 transformers = require("transformers", "hf")
-TOL = 1e-5
+TOL = 1e-6
 
 
 class Recorder(TrainingCallback):

@@ -19,7 +19,7 @@ from dattri_ds.ops import (
 )
 from reference import rel_err
 
-TOL = 1e-5
+TOL = 1e-6
 
 
 class FakeConv1D(nn.Module):
