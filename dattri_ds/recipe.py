@@ -39,7 +39,7 @@ T = TypeVar("T")
 #: ``attribute`` adds to each method's scores by default: chosen leave-one-regime-out on 16
 #: LDS regimes, where it raised the method on every held-out regime or tied
 #: (docs/attribution_fidelity.md, "A second data set, and text overlap mixed into the
-#: scores"). Methods not measured with it (TracIn, grad-dot, grad-cos, SOURCE): 0.
+#: scores"). Methods not measured with it (TracIn, grad-dot, grad-cos): 0.
 TEXT_WEIGHTS = {"ekfac-trajectory": 0.25, "ekfac": 0.5, "kfac-trajectory": 0.5, "kfac": 0.5}
 
 

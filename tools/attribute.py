@@ -346,24 +346,6 @@ def _semantics(store: Path) -> dict:
     return dict((found[0].semantics or {}) if found else {})
 
 
-def _check_separable(method: str) -> None:
-    """--per-token scores each checkpoint on its own (chunk by chunk): a method whose
-    trajectory couples the checkpoints (``source``) cannot be split so.
-
-    Raises:
-        ConfigError: naming the method and the ones that work.
-    """
-    from dattri_ds.errors import ConfigError
-    from dattri_ds.methods import Trajectory, get_attributor
-
-    cls = get_attributor(method)
-    if issubclass(cls, Trajectory) and cls.trajectory_scores is not Trajectory.trajectory_scores:
-        raise ConfigError(f"--per-token with --method {method}: its scores couple the "
-                          f"checkpoints, and token rows are scored checkpoint by checkpoint; "
-                          f"use --method ekfac-trajectory (the default), kfac-trajectory, "
-                          f"tracin or a single-checkpoint method")
-
-
 def _token_plan(args, store: Path, queries):
     """The per-token chunk (``TokenPlan``), checked at start against --token-memory-gb and
     this machine's free memory, from the store's layer shapes (no model is loaded).
@@ -378,7 +360,6 @@ def _token_plan(args, store: Path, queries):
     from dattri_ds.plan import available_memory
     from dattri_ds.store.attach import manifest
 
-    _check_separable(args.method)
     found = manifest(store)
     cfg = CaptureConfig(**_semantics(store))
     _, where = token_rows(queries.batch(torch.arange(len(queries))),
@@ -402,7 +383,7 @@ def _token_plan(args, store: Path, queries):
 
 def _schedule(run, tag: str, recipe: Recipe) -> tuple[float, int | None]:
     """``(lr, step)`` of checkpoint ``tag`` when the scores read them (``Trajectory.
-    reads_schedule``: a trajectory under ``weighting="lr"``, and ``source`` always); ``(1.0,
+    reads_schedule``: a trajectory under ``weighting="lr"``); ``(1.0,
     None)`` (``Checkpoint``'s defaults, unread) otherwise, so a checkpoint folder without a
     recorded learning rate scores under the other weightings."""
     from dattri_ds.methods import get_attributor

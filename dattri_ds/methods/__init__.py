@@ -1,7 +1,7 @@
 """Attribution methods sharing one train x query scoring loop; importing registers them.
 
 ``graddot``, ``gradcos``, ``tracin``, ``kfac``, ``ekfac``, ``kfac-trajectory``,
-``ekfac-trajectory``, ``source``: ``make_attributor(name, ...)``.
+``ekfac-trajectory``: ``make_attributor(name, ...)``.
 """
 
 from dattri_ds.methods.base import (
@@ -9,7 +9,6 @@ from dattri_ds.methods.base import (
 )
 from dattri_ds.methods.curvature import EKFAC, KFAC, fit_factors
 from dattri_ds.methods.graddot import GradCos, GradDot
-from dattri_ds.methods.source import Source
 from dattri_ds.methods.tracin import (
     Checkpoint, EKFACTrajectory, KFACTrajectory, TracIn, Trajectory,
 )
@@ -17,5 +16,5 @@ from dattri_ds.methods.tracin import (
 __all__ = [
     "Attributor", "Scores", "get_attributor", "make_attributor", "registered_attributors",
     "GradDot", "GradCos", "TracIn", "Trajectory", "EKFACTrajectory", "KFACTrajectory",
-    "Checkpoint", "KFAC", "EKFAC", "fit_factors", "Source",
+    "Checkpoint", "KFAC", "EKFAC", "fit_factors",
 ]

@@ -113,18 +113,3 @@ def test_token_plan_sizes_the_chunk_and_refuses_a_larger_one():
                        chunk=11)
     with pytest.raises(ConfigError, match="raise --token-memory-gb"):
         TokenPlan.make(shapes, seq_len=256, rows=255, dense_query=True, budget=row - 1)
-
-
-def test_per_token_refuses_a_method_that_couples_checkpoints():
-    """attribute --per-token scores token rows checkpoint by checkpoint, which equals the
-    trajectory's sum for the summing trajectories; ``source`` couples the checkpoints, so it
-    is refused at start naming the methods that work."""
-    import pytest
-
-    from dattri_ds.errors import ConfigError
-    from dattri_ds.tools.attribute import _check_separable
-
-    for method in ("ekfac-trajectory", "kfac-trajectory", "tracin", "ekfac", "graddot"):
-        _check_separable(method)
-    with pytest.raises(ConfigError, match="--per-token with --method source.*ekfac-trajectory"):
-        _check_separable("source")
