@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -136,6 +137,9 @@ def collect_checkpoint(run: Run, tag: str, data, args, rank: int, world: int) ->
                     _log_projection(spec, proj, args.verbose)
                 writer = GradientStoreWriter(cfg, spec, rank=rank, world=world)
             added += writer.append(batch)
+        if writer is not None:
+            with _signals_deferred():  # a stop never lands inside the final commit
+                writer.close()
     except BaseException as err:  # commit what is buffered, then say what is kept
         kept = _commit_kept(writer, len(done) if world == 1 else None)
         if isinstance(err, KeyboardInterrupt):
@@ -144,8 +148,6 @@ def collect_checkpoint(run: Run, tag: str, data, args, rank: int, world: int) ->
                        "command to resume after them", tag, "?" if kept is None else kept,
                        path)
         raise
-    if writer is not None:
-        writer.close()
     return added
 
 
@@ -164,7 +166,10 @@ def _commit_kept(writer, stored: int | None) -> int | None:
     if writer is None:
         return stored
     try:
-        writer.close()
+        with _signals_deferred():
+            writer.close()
+    except KeyboardInterrupt:  # another stop during this commit: it finished; one is handled
+        pass
     except Exception as e:  # noqa: BLE001 - the first error is the one reported
         logger.warning("committing the buffered rows of %s failed: %s", writer.path, e)
     try:
@@ -293,6 +298,30 @@ def main(argv: list[str] | None = None) -> dict:
                          f"resume\n")
         raise SystemExit(130) from None
     return summary
+
+
+@contextmanager
+def _signals_deferred():
+    """SIGINT/SIGTERM that arrive while rows are being committed wait until the commit is
+    done, then interrupt as usual (``KeyboardInterrupt``): a stop never lands between a
+    commit taking the buffered rows and writing them."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    for s in old:
+        signal.signal(s, lambda signum, frame: got.append(signum))
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+    if got:
+        raise KeyboardInterrupt
 
 
 def _sigterm_interrupts() -> None:

@@ -556,7 +556,7 @@ def test_interrupted_collect_commits_its_rows_and_the_rerun_counts_them(tmp_path
     import time
 
     folder = _tiny_folder(tmp_path / "m")
-    data = _tokens(tmp_path / "d.jsonl", 3000)
+    data = _tokens(tmp_path / "d.jsonl", 30000)  # ~100 s to collect: stopped long before
     cmd = [sys.executable, "-m", "dattri_ds.tools.collect", "--model", str(folder), "--data",
            data, "--out", str(tmp_path / "s"), "--flush-every", "100000", "--batch-size", "1"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
@@ -565,7 +565,7 @@ def test_interrupted_collect_commits_its_rows_and_the_rerun_counts_them(tmp_path
         seen.append(line)
         if "[phase] collect" in line:
             break
-    time.sleep(1)
+    time.sleep(0.5)
     proc.send_signal(getattr(signal, sig))
     rest = proc.stderr.read()
     proc.wait(timeout=120)

@@ -145,3 +145,21 @@ def test_a_run_that_raises_records_the_step_reached_and_the_cause(tmp_path):
     assert (s["status"], s["steps"], s["steps_requested"], s["cause"]) == \
         ("failed", 2, 6, "write_failed")
     assert "No space left" in s["error"] and s["error_type"] == "OSError"
+
+
+def test_a_stop_during_a_commit_waits_for_the_commit():
+    """Ctrl-C (SIGINT) arriving while collect commits its buffered rows is delivered after
+    the commit (``KeyboardInterrupt`` then), never inside it: a commit takes the buffer
+    before writing it, so a stop in between would lose those rows."""
+    import os
+    import signal
+
+    from dattri_ds.tools.collect import _signals_deferred
+
+    steps = []
+    with pytest.raises(KeyboardInterrupt):
+        with _signals_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            steps.append("committed")
+    assert steps == ["committed"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
