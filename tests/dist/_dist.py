@@ -75,3 +75,31 @@ def run(fn, world_size: int = 2, timeout: float = 180, **kwargs):
     if errors:
         raise AssertionError("\n".join(f"--- rank {r} ---\n{e}" for r, e in errors.items()))
     return [results[r] for r in range(world_size)]
+
+
+def tiny_run_files(tmp, stage: int = 3, dropout: float = 0.1, **batch) -> list[str]:
+    """``--deepspeed_config`` / ``--model-config`` flags of the launch tests' tiny run:
+    ``configs/zero<stage>_cpu.json`` at lr 0.01 (warm-up 2 of 8 steps, capture projected to
+    32) with ``batch`` keys replacing its batch settings (a ``None`` value drops the key),
+    and a 2-layer 32-wide GPT-2 (``dropout`` on residuals and embeddings), written to
+    ``tmp``."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = json.loads((root / f"configs/zero{stage}_cpu.json").read_text())
+    for key, value in batch.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    cfg["optimizer"]["params"]["lr"] = 0.01
+    cfg["scheduler"]["params"].update(warmup_num_steps=2, total_num_steps=8)
+    cfg["dattri_ds"]["capture"]["projection"]["dim"] = 32
+    (Path(tmp) / "ds.json").write_text(json.dumps(cfg))
+    model = {"model_type": "gpt2", "n_layer": 2, "n_head": 4, "n_embd": 32, "n_positions": 64,
+             "resid_pdrop": dropout, "embd_pdrop": dropout, "attn_pdrop": 0.0,
+             "tie_word_embeddings": False}
+    (Path(tmp) / "model.json").write_text(json.dumps(model))
+    return ["--deepspeed_config", str(Path(tmp) / "ds.json"), "--model-config",
+            str(Path(tmp) / "model.json")]

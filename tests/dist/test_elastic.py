@@ -38,7 +38,7 @@ from _deps import require
 
 from reference import rel_err
 
-from _dist import run
+from _dist import run, tiny_run_files
 
 pytestmark = pytest.mark.dist
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,19 +55,9 @@ def _train(rank, world, argv):
 
 def _argv(tmp: Path, out: Path, steps: int, *extra: str, batch: dict,
           stage: int = 3) -> list[str]:
-    cfg = json.loads((ROOT / f"configs/zero{stage}_cpu.json").read_text())
-    cfg.pop("gradient_accumulation_steps")
-    cfg.update(batch)
-    cfg["optimizer"]["params"]["lr"] = 0.01
-    cfg["scheduler"]["params"].update(warmup_num_steps=2, total_num_steps=8)
-    cfg["dattri_ds"]["capture"]["projection"]["dim"] = 32
-    (tmp / "ds.json").write_text(json.dumps(cfg))
-    model = {"model_type": "gpt2", "n_layer": 2, "n_head": 4, "n_embd": 32, "n_positions": 64,
-             "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
-             "tie_word_embeddings": False}
-    (tmp / "model.json").write_text(json.dumps(model))
-    return ["--deepspeed_config", str(tmp / "ds.json"), "--model-config",
-            str(tmp / "model.json"), "--out", str(out), "--steps", str(steps), "--save-every",
+    files = tiny_run_files(tmp, stage, dropout=0.0,
+                           **{"gradient_accumulation_steps": None, **batch})
+    return [*files, "--out", str(out), "--steps", str(steps), "--save-every",
             str(HALF), "--capture", "--train-data", str(ROOT / "data/tiny/train.jsonl"),
             "--max-docs", "96", "--seq-len", "32", "--vocab-size", "512", "--log-every", "1",
             *extra]

@@ -30,7 +30,7 @@ import pytest
 import torch
 from _deps import require
 
-from _dist import free_port, run
+from _dist import free_port, run, tiny_run_files
 
 pytestmark = pytest.mark.dist
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,18 +81,9 @@ def _tool(rank, world, name, argv):
 
 
 def train_argv(tmp: Path, out: Path, steps: int, *extra: str) -> list[str]:
-    cfg = json.loads((ROOT / "configs/zero3_cpu.json").read_text())
-    cfg.update(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2)
-    cfg["optimizer"]["params"]["lr"] = 0.01
-    cfg["scheduler"]["params"].update(warmup_num_steps=2, total_num_steps=8)
-    cfg["dattri_ds"]["capture"]["projection"]["dim"] = 32
-    (tmp / "ds.json").write_text(json.dumps(cfg))
-    model = {"model_type": "gpt2", "n_layer": 2, "n_head": 4, "n_embd": 32, "n_positions": 64,
-             "resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.0,
-             "tie_word_embeddings": False}
-    (tmp / "model.json").write_text(json.dumps(model))
-    return ["--deepspeed_config", str(tmp / "ds.json"), "--model-config",
-            str(tmp / "model.json"), "--out", str(out), "--steps", str(steps), "--save-every",
+    files = tiny_run_files(tmp, 3, train_micro_batch_size_per_gpu=2,
+                           gradient_accumulation_steps=2)
+    return [*files, "--out", str(out), "--steps", str(steps), "--save-every",
             "2", "--capture", "--train-data", TINY, "--max-docs", "48", "--seq-len", "32",
             "--vocab-size", "512", "--log-every", "1", *extra]
 

@@ -25,7 +25,7 @@ import torch
 
 from reference import rel_err
 
-from _dist import run
+from _dist import run, tiny_run_files
 
 pytestmark = pytest.mark.dist
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,19 +40,11 @@ def _train(rank, world, argv):
 
 def _argv(tmp: Path, backend: str, out: Path, steps: int, *extra: str, tp: int = 2,
           stage: int = 2) -> list[str]:
-    cfg = json.loads((ROOT / f"configs/zero{stage}_cpu.json").read_text())
-    cfg.update(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2)
-    cfg["optimizer"]["params"]["lr"] = 0.01
-    cfg["scheduler"]["params"].update(warmup_num_steps=2, total_num_steps=8)
-    cfg["dattri_ds"]["capture"]["projection"]["dim"] = 32
-    (tmp / "ds.json").write_text(json.dumps(cfg))
-    model = {"model_type": "gpt2", "n_layer": 2, "n_head": 4, "n_embd": 32, "n_positions": 64,
-             "resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.0,
-             "tie_word_embeddings": False}  # Megatron ignores the dropout (transformer_kwargs)
-    (tmp / "model.json").write_text(json.dumps(model))
+    # Megatron ignores the dropout (transformer_kwargs)
+    files = tiny_run_files(tmp, stage, train_micro_batch_size_per_gpu=2,
+                           gradient_accumulation_steps=2)
     parallel = ["--tensor-model-parallel-size", str(tp)] if backend == "megatron" else []
-    return ["--backend", backend, *parallel, "--deepspeed_config", str(tmp / "ds.json"),
-            "--model-config", str(tmp / "model.json"), "--out", str(out), "--steps", str(steps),
+    return ["--backend", backend, *parallel, *files, "--out", str(out), "--steps", str(steps),
             "--save-every", str(HALF), "--capture", "--train-data",
             str(ROOT / "data/tiny/train.jsonl"), "--max-docs", "32", "--seq-len", "32",
             "--vocab-size", "512", "--log-every", "1", "--eval-every", "1", "--eval-data",
