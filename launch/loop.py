@@ -32,6 +32,7 @@ the selector state of rank ``r mod W`` (tests/dist/test_elastic.py).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import logging
@@ -262,6 +263,13 @@ class LoopState:
         return self.step, self.origin[1] + (self.step - self.origin[0]) * self.per_step
 
 
+@functools.lru_cache(maxsize=2)
+def _epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
+    """The seeded permutation of epoch ``epoch`` (kept: a step reads at most two epochs, and
+    drawing ``randperm(n)`` per example cost O(n) host time per example)."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1000 + epoch))
+
+
 def micro_batch_indices(n: int, step: int, micro: int, gas: int, rank: int, world: int,
                         seed: int, origin: tuple[int, int] = (0, 0)) -> torch.Tensor:
     """Example indices ``[gas, micro]`` of (step, micro-batch, rank): a seeded permutation per
@@ -276,8 +284,7 @@ def micro_batch_indices(n: int, step: int, micro: int, gas: int, rank: int, worl
         idx = []
         for k in range(start, start + micro):
             epoch, pos = divmod(k, n)
-            perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1000 + epoch))
-            idx.append(int(perm[pos]))
+            idx.append(int(_epoch_order(n, seed, epoch)[pos]))
         out.append(torch.tensor(idx))
     return torch.stack(out)
 
