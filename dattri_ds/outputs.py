@@ -216,3 +216,20 @@ def writing(path: str | os.PathLike, *, nbytes: int | None = None,
                 p.unlink()
         cause = e if isinstance(e, OSError) else _why_write_failed(p)
         raise write_error(cause, path, nbytes, committed) from None
+
+
+def write_atomic(path: str | os.PathLike, data: bytes | str) -> None:
+    """Write ``data`` to ``path`` so readers see the old or the new file, never a torn one:
+    a unique temporary file beside it, fsynced, then ``os.replace`` (removed on failure)."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -22,6 +22,7 @@ from dattri_ds import schema
 from dattri_ds.config import CaptureConfig
 from dattri_ds.errors import ConfigError
 from dattri_ds.launch.engine import EngineConfig
+from dattri_ds.outputs import write_atomic
 from dattri_ds.selection import SelectionConfig
 from dattri_ds.store import StoreConfig
 
@@ -393,7 +394,4 @@ def _plain(obj: Any) -> Any:
 def dump_json(path: Path, obj: Any) -> None:
     """Write a config (dataclasses included) as indented JSON, atomically (a run killed while
     writing leaves the previous file, never a torn one)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(_plain(obj), indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(_plain(obj), indent=2, sort_keys=True) + "\n")

@@ -49,6 +49,7 @@ from dattri_ds.errors import ConfigError
 from dattri_ds.launch.config import RunConfig
 from dattri_ds.launch.engine import BACKENDS
 from dattri_ds.launch.runlog import RunLog, RunRecord, make_run_id
+from dattri_ds.outputs import write_atomic
 from dattri_ds.sample_id import SampleId
 from dattri_ds.selection.state import SelectionCheckpoint, config_difference, log_lines_before
 
@@ -578,9 +579,7 @@ def _trim_dropped_logs(log: Path | None, world: int, saved: int, step: int) -> N
     for r in range(world, saved):
         path = log_file(log, r) if log is not None else None
         if path is not None and path.exists():
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text("".join(log_lines_before(path, step)), encoding="utf-8")
-            tmp.replace(path)
+            write_atomic(path, "".join(log_lines_before(path, step)))
 
 
 def train(backend: Backend, cfg: RunConfig, data, out: Path, tok, rank: int,

@@ -24,7 +24,6 @@ import io
 import json
 import logging
 import os
-import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +32,7 @@ import torch
 
 from dattri_ds.data.corpus import Document
 from dattri_ds.errors import ConfigError, InputFileError
+from dattri_ds.outputs import write_atomic
 
 __all__ = ["Tokenizer", "TokenizedDocuments", "train_tokenizer", "tokenize_documents",
            "default_cache_dir", "PAD_ID", "UNK_ID", "BOS_ID", "EOS_ID", "IGNORE_INDEX"]
@@ -109,7 +109,7 @@ class Tokenizer:
     def save(self, path: str | os.PathLike) -> Path:
         """Write the ``.model`` bytes (atomically) and return the path."""
         path = Path(path)
-        _atomic_write(path, self._proto)
+        write_atomic(path, self._proto)
         return path
 
     @property
@@ -144,20 +144,6 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size}, fingerprint='{self.fingerprint}')"
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _cache_key(texts: Sequence[str], vocab_size: int, model_type: str) -> str:
@@ -240,7 +226,7 @@ def train_tokenizer(texts: Iterable[str], *, vocab_size: int = 1024, model_type:
         raise ConfigError(f"SentencePiece training failed for vocab_size={vocab_size} on "
                           f"{len(texts)} texts: {e}. Lower tokenizer vocab_size or give more "
                           f"text") from None
-    _atomic_write(path, buf.getvalue())
+    write_atomic(path, buf.getvalue())
     logger.info("Trained %s tokenizer (vocab %d) on %d texts -> %s", model_type, vocab_size,
                 len(texts), path)
     return Tokenizer.load(path)
