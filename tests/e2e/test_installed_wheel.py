@@ -28,22 +28,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "structure"))
+from test_import_graph import modules  # noqa: E402  (module names as setup.py installs them)
 pytestmark = pytest.mark.slow
-
-
-def _modules_of(tree: Path) -> dict[str, Path]:
-    """Installed module name -> file of every ``.py`` file in ``tree``'s four package folders
-    (setup.py's mapping: ``selection/`` is ``dattri_ds.selection`` and so on)."""
-    out = {}
-    for pkg, folder in (("dattri_ds", "dattri_ds"), ("dattri_ds.selection", "selection"),
-                        ("dattri_ds.launch", "launch"), ("dattri_ds.tools", "tools")):
-        for f in sorted((tree / folder).rglob("*.py")):
-            rel = f.relative_to(tree / folder).with_suffix("").parts
-            if "__pycache__" in rel or (pkg == "dattri_ds" and rel[0] in (
-                    "selection", "launch", "tools")):
-                continue
-            out[".".join((pkg, *rel)).removesuffix(".__init__")] = f
-    return out
 
 
 def _run(cmd: list[str], cwd: Path, env: dict | None = None) -> str:
@@ -96,7 +83,7 @@ def installed(tmp_path_factory):
     work = tmp / "work"
     work.mkdir()
     return {"py": py, "cli": env_dir / "bin" / "dattri-ds", "env": env, "work": work,
-            "wheel": wheel, "sdist": sdist, "modules": _modules_of(build), "tree": build}
+            "wheel": wheel, "sdist": sdist, "modules": modules(build), "tree": build}
 
 
 def test_wheel_and_sdist_hold_every_module(installed):

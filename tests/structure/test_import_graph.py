@@ -21,9 +21,10 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-#: package name -> folder, as setup.py installs them
-PACKAGE_DIRS = {"dattri_ds": ROOT / "dattri_ds", "dattri_ds.selection": ROOT / "selection",
-                "dattri_ds.launch": ROOT / "launch", "dattri_ds.tools": ROOT / "tools"}
+#: package name -> folder under the repository root, as setup.py installs them
+FOLDERS = {"dattri_ds": "dattri_ds", "dattri_ds.selection": "selection",
+           "dattri_ds.launch": "launch", "dattri_ds.tools": "tools"}
+PACKAGE_DIRS = {pkg: ROOT / folder for pkg, folder in FOLDERS.items()}
 #: layer of a module -> the layers it may import at module level
 ALLOWED = {"core": {"core"}, "selection": {"core", "selection"},
            "launch": {"core", "selection", "launch"}, "tools": {"core", "selection", "tools"},
@@ -32,10 +33,12 @@ ALLOWED = {"core": {"core"}, "selection": {"core", "selection"},
 APPS = ("dattri_ds.tools.main_job", "dattri_ds.tools.demo")
 
 
-def modules() -> dict[str, Path]:
-    """Module name -> file, for every ``.py`` file of the installed packages."""
+def modules(root: Path = ROOT) -> dict[str, Path]:
+    """Module name -> file, for every ``.py`` file of the installed packages in the tree
+    ``root`` (this checkout by default)."""
     out: dict[str, Path] = {}
-    for pkg, folder in PACKAGE_DIRS.items():
+    for pkg, sub in FOLDERS.items():
+        folder = root / sub
         for f in sorted(folder.rglob("*.py")):
             rel = f.relative_to(folder).with_suffix("").parts
             if any(p.startswith(".") or p == "__pycache__" for p in rel):
