@@ -1,12 +1,7 @@
-"""Truncated scoring: the module-name patterns of a model's top ``N`` repeated blocks.
-
-A transformer's blocks are the children of its longest ``nn.ModuleList`` whose children
-all have one type (``transformer.h`` in GPT-2, ``model.layers`` in Llama,
-``decoder.layers`` in Megatron). Scoring only the layers of the last ``N`` blocks makes the
-probe backward stop there: ``torch.autograd.grad`` w.r.t. the captured outputs runs only
-the autograd nodes between the loss and the lowest captured output, so the blocks below,
-the embeddings and every weight-gradient GEMM are never computed (``probe_share``).
-"""
+"""Truncated scoring: the module-name patterns of a model's top ``N`` repeated blocks (the
+children of its longest ``nn.ModuleList`` of one type: ``transformer.h`` in GPT-2,
+``model.layers`` in Llama). Scoring only them stops the probe backward at the lowest scored
+block (``probe_share``)."""
 
 from __future__ import annotations
 

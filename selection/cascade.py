@@ -1,24 +1,7 @@
-"""The cascade: the content prior shortlists the candidates the gradient probe may look at.
-
-A selection step must choose ``n = k - round(uniform_mix * k)`` examples by score (the rest
-is a uniform draw). The probe pass (forward of every candidate, backward to the scored
-layers) is most of a step's cost and grows with the candidates probed. The cascade spends it
-only where it can change the choice:
-
-1. the content prior (selection/content.py; hashed n-grams, no model) scores all ``C``
-   candidates, ``c [C]``;
-2. the top ``S = min(C, ceil(shortlist * n))`` by ``c`` form the shortlist (ties: lower
-   index first);
-3. only the shortlist is probed and scored; the rank stages and the policy choose the ``n``
-   among the ``S``, exactly as the full selector would on a micro-batch of those ``S``
-   candidates (``CandidateText.content`` carries their ``c`` so the content rank stage does
-   not count them into the stream twice);
-4. the uniform share is drawn from all ``C`` candidates the policy did not pick.
-
-The probe then costs ``S`` instead of ``C`` candidates: at ``C = 4k``, ``uniform_mix = 0.5``
-and ``shortlist = 1.5``, ``S = 0.75k``, a fifth of the full probe (selection/stepcost.py
-predicts every mode's ratio before the run).
-"""
+"""The cascade: the content prior ranks all ``C`` candidates (no model) and only the top
+``S = min(C, ceil(shortlist * n))`` are probed and scored (ties: lower index first),
+``n = k - round(uniform_mix * k)``; the uniform share is drawn from all ``C``
+(docs/selection_stages.md, "The cascade"; cost: docs/selection_cost.md)."""
 
 from __future__ import annotations
 

@@ -56,25 +56,16 @@ class SelectionConfig:
 
     score: Literal["content", "alignment"] = "content"
     """What ranks the candidates. ``content`` (default): the target documents' hashed
-    n-grams against the candidate stream (selection/content.py): no model pass, no
-    gradient, a step costs about a plain one (0.97x measured at 4x candidates); the values
-    only rank. ``alignment``: ``<g_b, g_target>`` from a
-    per-example gradient probe of every candidate (a cosine when ``normalize``), ~8x a
-    plain step at 4x candidates (less with ``shortlist`` and ``top_blocks``); the settings
-    of ``GRADIENT_SETTINGS`` shape it and are refused with ``content``. Measured through
-    launch (docs/selection_compute.md), content reaches random's final target loss in
-    0.35-0.86x random's CPU and no gradient mode is ahead of it at equal data. Each is a
-    registered ``Score`` (selection/scorer.py)."""
+    n-grams against the candidate stream, no model pass, about a plain step's cost.
+    ``alignment``: ``<g_b, g_target>`` from a per-example gradient probe (a cosine when
+    ``normalize``), ~8x a plain step at 4x candidates; the settings of ``GRADIENT_SETTINGS``
+    shape it and are refused with ``content``. Measurements: docs/selection_compute.md."""
 
     shortlist: float | None = field(default=None, metadata=schema.bounds(gt=0, le=1024))
-    """The cascade (selection/cascade.py): the content prior ranks all candidates (no
-    model), and only the top ``ceil(shortlist * n)`` are probed and scored, ``n = k -
-    round(uniform_mix * k)`` the examples the policy chooses; the rank stages and the policy
-    choose among that shortlist, the uniform share comes from all candidates. 1.5 probes
-    1.5x what the policy needs (at 4x candidates and ``uniform_mix`` 0.5, 3/16 of them).
-    Needs target documents (``target_data``) and ``score="alignment"``; >= 1. The
-    step-cost plan logged at the first step predicts each mode's cost
-    (selection/stepcost.py). None: every candidate is probed."""
+    """The cascade (selection/cascade.py): the content prior ranks all candidates and only
+    the top ``ceil(shortlist * n)`` are probed and scored, ``n = k - round(uniform_mix * k)``
+    the examples the policy chooses (1.5 probes 1.5x what it needs). Needs ``target_data``
+    and ``score="alignment"``; >= 1. None: every candidate is probed."""
 
     uniform_mix: float = field(default=0.5, metadata=schema.bounds(ge=0, le=1))
     """Share of every micro-batch drawn uniformly from the candidates the policy did not
@@ -87,22 +78,17 @@ class SelectionConfig:
     smooth_neighbors: int | None = field(default=16, metadata=schema.bounds(ge=1, le=2**20))
     """Before the policy, replace each candidate's score by the mean score of the N texts
     nearest to it in content (hashed unigram/bigram bags; itself included) among this
-    batch and the last ``smooth_memory`` scored candidates (selection/smoothing.py): the
-    choice follows what a *kind* of text does for the target, not one text's own tokens.
-    The memory is per data-parallel rank, so the choice (not the update's exactness) depends
-    on how micro-batches are dealt to ranks. Gradient score only. None: raw scores."""
+    batch and this rank's last ``smooth_memory`` scored candidates (selection/smoothing.py).
+    Gradient score only. None: raw scores."""
 
     smooth_memory: int = field(default=1024, metadata=schema.bounds(ge=1, le=2**24))
     """Earlier scored candidates (this rank's) kept as neighbours for ``smooth_neighbors``."""
 
     content_weight: float | None = field(default=None, metadata=schema.bounds(ge=0))
-    """Rank ``z(score) + content_weight * z(content)``, where ``content`` is the mean
-    log-ratio of the candidate's hashed unigrams/bigrams under the target documents vs the
-    candidate stream seen so far (selection/content.py; DSIR-style, no model) and ``z``
-    standardizes over the micro-batch's candidates; gradient score only (with
-    ``score="content"`` the prior is the score). None (default): 1.0 when the target is
-    documents (``target_data``), off for a ``target_store`` (it has no text; a value > 0
-    there is an error). 0: gradient scores only."""
+    """Rank ``z(score) + content_weight * z(content)``, ``content`` the content prior
+    (selection/content.py), ``z`` standardizing over the micro-batch; gradient score only.
+    None (default): 1.0 with ``target_data``, off for a ``target_store`` (no text; a value
+    > 0 there is an error). 0: gradient scores only."""
 
     refresh_every: int = field(default=10, metadata=schema.bounds(ge=1, le=10**9))
     """Recompute the target gradient every N optimizer steps (it moves with the model)."""
@@ -126,14 +112,11 @@ class SelectionConfig:
     and the head are never back-propagated or scored). None: every layer (or ``include``)."""
 
     reuse_forward: Literal["auto", "on", "off"] = "auto"
-    """``on``: forward every candidate on its own (one graph per example) and keep the
-    chosen examples' graphs for the training backward (``Selection.loss``), so the chosen
-    are not forwarded a second time (``k`` forwards saved per micro-batch; the activations
-    kept are those the batched probe holds anyway). Exact; needs a
-    model whose loss is reduced as ``capture.loss_reduction`` says. ``auto``: the step
-    cost model decides (selection/stepcost.py: on for unpartitioned CPU models, off under
-    ZeRO-3, where every model call gathers every module's parameters again, and on GPUs).
-    ``off``: the chosen are forwarded again."""
+    """``on``: forward every candidate on its own and keep the chosen examples' graphs for
+    the training backward (``Selection.loss``), so the chosen are not forwarded twice
+    (exact; needs a loss reduced as ``capture.loss_reduction`` says). ``auto``: the step
+    cost model decides (selection/stepcost.py; off under ZeRO-3 and on GPUs). ``off``: the
+    chosen are forwarded again."""
 
     random: bool = False
     """Baseline: keep a uniformly random subset of the same candidates (no scoring), for

@@ -1,19 +1,12 @@
-"""Content prior: how much more likely a candidate's text is under the target than under the
-candidate stream (hashed n-gram multinomials, in the manner of DSIR's importance weights).
+"""Content prior (DSIR-style): how much more likely a candidate's text is under the target
+than under the candidate stream, from hashed n-gram multinomials:
 
     c_b = (1 / n_b) sum over b's valid unigrams and bigrams h of [log p_t(h) - log p_s(h)]
 
-``p_t``: add-one smoothed frequencies of the target documents' hashed unigrams and bigrams
-(``smoothing.ngram_features`` buckets); ``p_s``: the same over every candidate this rank has
-seen, the current ones included (it tracks the data as it streams, no pass over the
-corpus). No model, no gradient. It measures what the gradient scores measure poorly at one
-example at a time (selection's diagnosis: the lasting benefit is the *kind* of text; a
-label oracle choosing the target's domain beats per-example gradient choice), while the
-gradient score says what the current model still lacks. The selector ranks
-``z(score) + content_weight * z(c)``, ``z`` standardizing over the micro-batch's
-candidates, so the weight is scale-free. Counts are per data-parallel rank (the choice, not
-the update's exactness, depends on how micro-batches are dealt to ranks).
-"""
+``p_t``: add-one smoothed frequencies of the target documents' hashed unigrams and bigrams;
+``p_s``: the same over every candidate this rank has seen, the current ones included. No
+model, no gradient; counts are per data-parallel rank. Why it is the default:
+docs/selection.md."""
 
 from __future__ import annotations
 

@@ -1,23 +1,7 @@
-"""OnlineSelector: every micro-batch, score candidates against the target and keep the best.
-
-A step (``C = ceil(candidate_multiple * k)`` candidates, ``k`` trained) folds a
-``StepState`` through the stages of one arm (selection/stages.py), each a small object
-built once from the config:
-
-* **gradient** (``score="alignment"``): ``Shortlist`` (the cascade, ``shortlist``: the
-  content prior ranks all ``C``, the top ``S`` stay in play), ``Probe`` (the target's rows,
-  refreshed every ``refresh_every`` steps; one forward and an output-gradient-only
-  backward of the candidates; the ``Score``'s ``[C]`` scores, non-finite ones dropped),
-  ``Rank`` (neighbour smoothing, the content prior), ``Choose`` (the top of the ranked
-  candidates and the seeded uniform mix, each data-parallel rank from its own), ``Log``;
-* **content** (``score="content"``, the default): ``TextScore`` (the content prior, no
-  probe), ``Rank``, ``Choose``, ``Log``;
-* **uniform** (``random``): ``Uniform`` (a seeded draw), ``Log``.
-
-The training loop then runs its ordinary forward/backward on the chosen examples only, so
-the update is exactly that of a batch which never contained the others (or back-propagates
-``Selection.loss`` from the retained probe graphs with ``reuse_forward``).
-"""
+"""OnlineSelector: every micro-batch, score ``C = ceil(candidate_multiple * k)`` candidates
+against the target and keep ``k``, folding a ``StepState`` through the stages of one arm
+(gradient, content or uniform: selection/stages.py; docs/selection_stages.md). The loop then
+trains on the chosen only (or back-propagates ``Selection.loss`` with ``reuse_forward``)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
-"""The policy stage: pure functions from candidate scores to the chosen indices.
-
-Scores follow the library's sign convention: higher = the candidate is more useful for the
-target (a larger gradient alignment, a higher content log-ratio). The policy keeps the top
-``n = k - round(uniform_mix * k)`` and fills up to ``k`` by a seeded uniform draw from the
-others (``mixed``); every function returns a sorted ``LongTensor`` of chosen indices.
-
-(Other policies, soft sampling, a threshold, the fraction rule and GREATS' greedy with a
-redundancy discount, shipped until 0eb5305; no measurement showed one ahead of top-k with
-the uniform mix, so they were removed: docs/selection.md.)
-"""
+"""The policy stage: pure functions from candidate scores (higher = more useful) to chosen
+indices: the top ``n = k - round(uniform_mix * k)``, filled up to ``k`` by a seeded uniform
+draw from the others (``mixed``); every function returns a sorted ``LongTensor``."""
 
 from __future__ import annotations
 

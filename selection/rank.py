@@ -1,17 +1,7 @@
-"""Rank stages: what the policy ranks, made from the scores by composable ``Ranker`` stages.
-
-Between the score and the policy a step runs, in order, the stages ``rankers(config, ...)``
-builds (each optional):
-
-1. ``NeighborSmoother`` (``smooth_neighbors``, selection/smoothing.py): each score replaced
-   by the mean score of the texts nearest in content;
-2. ``ContentRanking`` (``content_weight``, selection/content.py): ``z(ranked) + w z(c)``
-   with the content prior's target-vs-stream n-gram log-ratio ``c``.
-
-Both read the candidates' hashed unigram/bigram counts, which ``CandidateText`` computes
-once per micro-batch. A new stage is one class with ``__call__(ranked, text) -> ranked``
-and one line in ``rankers``.
-"""
+"""Rank stages: what the policy ranks, made from the scores by the optional ``Ranker`` stages
+``rankers`` builds, in order: ``NeighborSmoother`` (``smooth_neighbors``), then
+``ContentRanking`` (``content_weight``: ``z(ranked) + w z(c)``). A new stage is one class with
+``__call__(ranked, text) -> ranked`` and one line in ``rankers``."""
 
 from __future__ import annotations
 

@@ -1,21 +1,9 @@
-"""Scoring: candidates x rows -> ``scores [C]``, one registered ``Score`` class per rule.
+"""Scoring: candidates x rows -> ``scores [C]``, one registered ``Score`` class per rule
+(``needs_probe``, ``ranked``, ``check(config)``, ``__call__``; a new rule:
+docs/selection_stages.md, "Adding a scoring rule").
 
-A ``Score`` knows everything about its rule that the rest of a selection step asks:
-
-* ``needs_probe``: it reads the candidates' per-example gradients (the probe pass; a rule
-  without it scores the candidates' text alone and the step runs no probe at all);
-* ``ranked``: the rank stages (neighbour smoothing, the content prior) apply to its scores;
-* ``check(config)``: the settings it cannot be combined with (when the selector is built);
-* ``__call__(grads, rows, text=...)``: the ``[C]`` scores (``text``: the candidates' hashed
-  n-grams, ``CandidateText``).
-
-The shared measure, ``score_b = <g_b, g_target>`` summed over the target's layers, is routed
-ghost vs dense by the cost model: a factorized candidate against a dense target costs
-``2*T*I*O`` per example and never builds the per-example weight gradient (``cross_dense``).
-
-A new rule is one subclass, ``class MyScore(Score, name="mine")``, plus ``"mine"`` in
-``SelectionConfig.score``'s ``Literal``; nothing else changes.
-"""
+The shared measure ``score_b = <g_b, g_target>`` is routed ghost vs dense by the cost model:
+a factorized candidate against a dense target never builds its weight gradient."""
 
 from __future__ import annotations
 
@@ -64,7 +52,8 @@ def aligned(grads: GradBatch, target: GradBatch, normalize: bool,
 
 
 class Score(ABC):
-    """One scoring rule (see the module docstring for what each property means).
+    """One scoring rule: ``needs_probe`` (it reads per-example gradients: the probe pass),
+    ``ranked`` (the rank stages apply to its scores), ``check(config)`` (what it refuses).
 
     Args:
         config: the selection settings.

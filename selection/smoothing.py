@@ -1,19 +1,10 @@
-"""Neighbour smoothing: a candidate's score shared with the texts most like it.
-
-One candidate's gradient alignment mixes what its *kind* of text does for the target (its
-domain, register, format: what a better mixture of the data is made of) with what this one
-text happens to do (its own tokens; most of a per-example score at the sequence lengths of
-language-model training). Top-k on raw scores chases the second part. Averaging the score
-over the ``K`` texts nearest in content keeps the first:
+"""Neighbour smoothing: a candidate's score shared with the texts most like it, so the choice
+follows what a *kind* of text does for the target (docs/selection.md):
 
     s~_b = mean of s_j over the K nearest of {b} + memory, by cosine of phi(b), phi(j)
 
-``phi`` is a hashed bag of unigrams and bigrams of the example's valid tokens (unit norm):
-no model, no gradient, the same on every rank and layout. The memory holds the last
-``memory`` scored candidates of this rank (features and scores); scores against older
-targets stay in it until pushed out (they are cosines of one scale). Per rank, no
-communication.
-"""
+``phi`` is a hashed, unit-norm bag of unigrams and bigrams of the valid tokens; the memory
+holds the last ``memory`` scored candidates of this rank (no communication)."""
 
 from __future__ import annotations
 

@@ -1,18 +1,7 @@
-"""The stages of a selection step: each a small object built once from the config, called
-as ``stage(state) -> state`` on the step's ``StepState``, the last one's ``Selection`` the
-step's outcome.
-
-An arm is a list of them (``OnlineSelector`` picks one per run):
-
-* gradient: ``Shortlist`` (with ``shortlist``), ``Probe``, ``Rank``, ``Choose``, ``Log``;
-* content: ``TextScore``, ``Rank``, ``Choose``, ``Log``;
-* uniform (``random``): ``Uniform``, ``Log``.
-
-A stage keeps only what outlives a step (a refresh clock, a stream's counts, a draw
-counter, the run statistics), each saved with the selector's state; everything about one
-step travels in the state (``dataclasses.replace``), nothing is kept on the selector between
-calls.
-"""
+"""The stages of a selection step: objects built once from the config, each called as
+``stage(state) -> state`` on the step's ``StepState``; the last one's ``Selection`` is the
+outcome. A stage keeps only what outlives a step (saved with the selector's state). The
+arms' stage lists: docs/selection_stages.md."""
 
 from __future__ import annotations
 

@@ -1,33 +1,11 @@
-"""Selector state in checkpoints: what an ``OnlineSelector`` learned while training, saved
-with every checkpoint and restored by ``--resume`` so the resumed run chooses exactly what
-the uninterrupted one would.
+"""Selector state in checkpoints, restored by ``--resume`` so a resumed run chooses what the
+uninterrupted one would (docs/training.md: what is saved and why).
 
-``OnlineSelector.state_dict()`` collects one entry per stateful component
-(``OnlineSelector.components``, ``selector_state``), each the component's own
-``state_dict()``; plain tensors, numbers, strings, lists and dicts only, so
-``torch.load(weights_only=True)`` reads it back:
-
-* ``rankers``: the rank stages in order: the neighbour smoother's memory (features and
-  scores of the last ``smooth_memory`` candidates), the content prior's stream counts;
-* ``rule``: the score's own state (``score="content"``: its prior's stream counts);
-* ``rows``: the target provider: refresh clock (the step of the last refresh, the refresh
-  count) and the **cached rows** themselves;
-* ``cascade``: the shortlist's prior and statistics, when the selector has one;
-* ``uniform``: the uniform arm's draw counter (its seed); ``log``: the run statistics of
-  ``summary()``.
-
-Cached target rows are **saved, not recomputed**: a ``ValidationTarget``'s rows were
-computed with the model as it was at the last refresh, which a resumed run starting
-between two refreshes no longer has; recomputing them would change every choice until the next
-refresh. A ``FixedTarget`` is rebuilt from its store. The probe learned nothing; the
-policy's randomness is seeded by (step, candidate ids) and the global torch RNG is the
-loop's (``LoopState``).
-
-The log (``selection.jsonl``) is continued: the records of the steps before the resumed
-one are kept (``log_lines_before``) and the run appends, so a resumed run's log equals the
-uninterrupted one's. The checkpoint also records the resolved selection config
-(``selection_config.json``); a resume under another one is refused (``config_difference``).
-"""
+``selector_state`` holds one ``state_dict()`` per stateful component
+(``OnlineSelector.components``, and the rank stages), plain data for
+``torch.load(weights_only=True)``; cached target rows are saved, not recomputed. The log is
+continued (``log_lines_before``); a resume under another selection config is refused
+(``config_difference``)."""
 
 from __future__ import annotations
 
@@ -43,16 +21,13 @@ import torch
 from dattri_ds.errors import ConfigError
 from dattri_ds.gradient import Dense, GradBatch, LayerGrad, ShardInfo
 from dattri_ds.layers import get_kind
-from dattri_ds.layers.base import get_kind
 
 __all__ = ["FORMAT_VERSION", "grad_batch_state", "grad_batch_from_state", "selector_state",
            "load_selector_state", "config_difference", "log_lines_before",
            "SelectionCheckpoint"]
 
 FORMAT_VERSION = 2
-"""Version of the state layout (a checkpoint of another version is refused; 2: the
-selector of selection/stages.py, without the controller, contrast pool, held-out check,
-repeat cap and preconditioned target of version 1)."""
+"""Version of the state layout (a checkpoint of another version is refused)."""
 
 
 # ---- cached gradients ---------------------------------------------------------------------
@@ -144,7 +119,7 @@ def _load_component(obj: Any, state: Any, name: str) -> None:
 
 
 def selector_state(selector: Any) -> dict:
-    """``OnlineSelector.state_dict()``: every component's state (module docstring).
+    """``OnlineSelector.state_dict()``: every component's state.
 
     Flushes the selector's log to disk, so the log holds every step the checkpoint has.
     """

@@ -1,57 +1,9 @@
 """What a selection step costs against a plain step, in forward units, explained once per run.
 
-Units per example: a forward is 1, the activation-gradient half of a backward is 1, the
-weight-gradient half is 1, so a plain step on ``k`` examples is ``3k``. With ``C``
-candidates, a probe backward that reaches a share ``s`` of the blocks (``s = 1`` when every
-layer is scored: the backward must reach the embeddings; ``N / L`` for the top ``N`` of
-``L`` blocks), ``n`` target examples recomputed every ``r`` steps:
-
-| part                 | units                  | why                                        |
-|----------------------|------------------------|--------------------------------------------|
-| probe forward        | ``C``                  | every candidate is forwarded once          |
-| probe backward       | ``C * s``              | activation gradients only, no weight GEMMs |
-| scoring              | ``C * s * (1 + norm)`` | a ghost ``<G_b, G_target>`` costs one      |
-|                      |                        | weight-gradient GEMM per scored layer;     |
-|                      |                        | cosine adds the ghost norms (``norm ~ 1``) |
-| training step        | ``3k``                 | the chosen are forwarded again (no reuse)  |
-| target refresh       | ``n * (1 + 2s) / r``   | forward of the target examples (never      |
-|                      |                        | truncated), backward to the scored blocks, |
-|                      |                        | one weight-gradient GEMM for the dense sum |
-
-The refresh's forward is never truncated: at 64 target documents every 10 steps it costs
-0.8x a plain step with every layer scored and 0.4x with the top block of four (measured
-0.79-0.83x and 0.45-0.47x, benchmarks/selection_step.py, GPT-2 4x256, k = 8), which is what
-is left of a cascade's cost once the probe is small.
-
-At ``C = 2k`` without forward reuse the ratio is at least ``(2 + 2s + 3) / 3``: 2.33x with
-every layer scored, 1.67x as ``s -> 0``. Only reusing the candidates' forward for the
-training backward (``2 + 2s + 2``)/3 can reach 1.5x, and only with ``s <= 0.25``.
-
-The cascade (``selection.shortlist``, selection/cascade.py) probes only ``S`` of the ``C``
-candidates: probe forward, backward and scoring scale with ``S`` instead of ``C`` (the
-content prior that picks the ``S`` hashes n-grams: not counted, ~2% of a plain step
-measured). Every mode of a run, predicted before it (``StepCost.modes``, in the plan line):
-
-| mode       | probed       | ratio to a plain step                                   |
-|------------|--------------|---------------------------------------------------------|
-| uniform    | 0            | 1 (a plain step on ``k`` of the ``C``)                  |
-| content    | 0            | 1 (+ hashing)                                           |
-| cascade S  | ``S``        | ``(S (1 + s + s(1 + norm)) + 3k + refresh) / 3k``       |
-| full probe | ``C``        | ``(C (1 + s + s(1 + norm)) + 3k + refresh) / 3k``       |
-
-With every layer scored (``s = 1``, cosine) a probed candidate costs 4 units: at ``k = 8``,
-``C = 32``, ``uniform_mix = 0.5``, ``shortlist = 1.5`` (``S = 6``) that is 2.0x against
-6.3x for the full probe; ``top_blocks`` (small ``s``) brings a probed candidate towards 1.
-``shortlist_within(budget)`` inverts it: the most candidates a cascade may probe within a
-ratio budget.
-
-Forward reuse (``selection.reuse_forward``) needs one model call per candidate (a graph
-per example, so the chosen can be back-propagated alone). Measured here (GPT-2 4x256,
-T=128, 16 examples, CPU-s of one thread): 16 single calls cost 1.17x one batched call in
-one process, but 2.4-2.8x under ZeRO-3 on 2 ranks, where every call gathers every
-module's partitioned parameters again; and the per-call bookkeeping of the probe (one
-record per call and layer) costs more than the saved forwards at that size (a reused step
-5.21x a plain one against 4.97x without). ``decide_reuse`` encodes both.
+Units per example: a forward is 1, each half of a backward (activation and weight gradients)
+is 1, so a plain step on ``k`` examples is ``3k``. The per-part table, the ratio of every
+mode (uniform, content, cascade, full probe) and the measurements behind the constants are
+in docs/selection_cost.md ("The step-cost model").
 """
 
 from __future__ import annotations
@@ -65,7 +17,7 @@ __all__ = ["StepCost", "decide_reuse", "REUSE_CALL_OVERHEAD_S"]
 
 @dataclass(frozen=True)
 class StepCost:
-    """Predicted units of one selection step (see the module table).
+    """Predicted units of one selection step (docs/selection_cost.md, "The step-cost model").
 
     Attributes:
         candidates: ``C``, candidates scored per micro-batch.
@@ -131,15 +83,12 @@ class StepCost:
     def shortlist_within(self, budget: float) -> int:
         """The most candidates a cascade may probe so that a step costs at most ``budget``
         times a plain step (0: not even one; capped at ``candidates``)."""
-        free = budget * 3.0 * self.trained - replace(self, probed=0, reuse=False, probe=True).units_sum()
+        fixed = replace(self, probed=0, reuse=False, probe=True).units()
+        free = budget * 3.0 * self.trained - sum(fixed.values())
         if free <= 0:
             return 0
         # the refresh does not grow with S: each probed candidate adds per_probed() units
         return min(self.candidates, int(free // self.per_probed() + 1e-9))
-
-    def units_sum(self) -> float:
-        """All units of the step; with ``probed=0`` the training step and target refresh."""
-        return sum(self.units().values())
 
     def explain(self, scored: str, reuse_why: str) -> str:
         parts = ", ".join(f"{name} {v:.3g}" for name, v in self.units().items())
@@ -153,10 +102,8 @@ class StepCost:
                 f"a cascade within 1.5x probes at most {self.shortlist_within(1.5)} candidates")
 
 
-#: Fixed CPU seconds per model call and captured layer that per-candidate calls add (Python,
-#: hooks, one per-record build per layer, concatenation), measured here: GPT-2 4x256, T=128,
-#: 16 candidates x 28 layers added 0.31 s to a step (probe forward +77 ms, probe backward
-#: +154 ms, training backward through 8 graphs +79 ms) while saving a 151 ms forward.
+#: Fixed CPU seconds per model call and captured layer that per-candidate calls add
+#: (measured: docs/selection_cost.md, "The step-cost model").
 REUSE_CALL_OVERHEAD_S = 7e-4
 
 

@@ -1,25 +1,10 @@
-"""The target of a selection: the one place it is built (``build_target``, ``prepare``).
+"""The target of a selection, built in one place (``build_target``): the documents, their
+gradient's ``TargetProvider`` and the score's rows (docs/selection_stages.md, "Three things
+called target").
 
-"Target" names three things, kept apart here and in the selector:
-
-* the target **documents**: model inputs of the texts the user cares about (``target_data``;
-  the content prior reads them; a ``target_store`` has none);
-* the target **gradient**: a ``TargetProvider`` of their mean gradient (or a store's mean
-  vector), refreshed as the model moves;
-* the score's **rows**: what candidates are scored against (``OnlineSelector.rows``: the
-  gradient itself).
-
-Providers:
-
-* ``ValidationTarget``: the mean per-example gradient of a target set, recomputed every
-  ``refresh_every`` steps with probe passes (no parameter gradient is touched), the target
-  examples split over data-parallel ranks and the per-layer sums all-reduced.
-* ``FixedTarget``: the mean vector of a gradient store (projected space).
-
-Both return a one-row GradBatch of dense per-layer vectors (``[1, D]`` exact or ``[1, P]``
-projected): a dense target against factorized candidates is the cheap ``cross_dense``
-route of the cost model.
-"""
+``ValidationTarget``: the mean per-example gradient of the target set, recomputed every
+``refresh_every`` steps with probe passes; ``FixedTarget``: the mean vector of a gradient
+store. Both give a one-row GradBatch of dense per-layer vectors (``[1, D]`` or ``[1, P]``)."""
 
 from __future__ import annotations
 

@@ -1,17 +1,7 @@
-"""Adam's diagonal preconditioner on a target gradient (LESS): ``P g_target``.
-
-An Adam step on example b moves the parameters by ``-lr * P g_b`` (first step of a fresh
-moment; in general the update direction is preconditioned by ``P = 1/(sqrt(v_hat) + eps)``),
-so the first-order drop of the target loss is ``lr * <g_target, P g_b> = lr * <g_b, P g_target>``.
-``P`` is diagonal, so it is applied to the (dense) target rows and the candidates stay
-factorized. Offline curation's ``--method adam-cosine`` uses it (selection/offline/
-targets.py: second moments from a torch optimizer, or read from a checkpoint, possibly a
-partition per rank, ``SecondMoments.partitioned``).
-
-(The online selector's ``selection.precondition="adam"`` used it until 0eb5305; the
-screening measured it behind the plain cosine on all 4 cells, so it was removed:
-docs/selection.md.)
-"""
+"""Adam's diagonal preconditioner on a target gradient (LESS): ``P g_target``,
+``P = 1/(sqrt(v_hat) + eps)``, so the first-order drop of the target loss after an Adam step
+on example b is ``lr * <g_b, P g_target>``. ``P`` is applied to the dense target rows; the
+candidates stay factorized. Used by offline curation's ``--method adam-cosine``."""
 
 from __future__ import annotations
 

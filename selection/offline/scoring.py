@@ -1,25 +1,9 @@
-"""Streamed scoring of a pool: each rank reads its slice of the store rows block by block.
-
-Rank ``r`` of ``R`` scores rows ``[r N / R, (r + 1) N / R)``: per block, one ``[n, P]`` read
-per checkpoint the method uses, the method's ``block`` score, and (content methods, or a
-cluster cap) the block's documents tokenized for their n-gram counts and MinHash
-signatures. Only per-row numbers are kept; the columns are all-gathered (``R > 1``) so
-every rank ends with the whole pool's, and the pool-wide n-gram counts of the content
-prior are all-reduced between its two passes (counts, then scores).
-
-Memory per rank (``N`` rows, ``P`` columns, ``C`` checkpoints read, ``Q`` target rows,
-``b`` = ``block_rows``)::
-
-    M ~= C * b * P * 4  (one block per checkpoint, float32)
-         + b * P * 8      (one block in float64 inside the cosine matmul)
-         + C * Q * P * 8  (targets, float64 in the matmul)
-         + N * (250 + 200 * C) B  (per row: ids, scores, sources, signatures, token counts;
-                                   per checkpoint store: its ids and id -> row map)
-
-e.g. N = 1M rows, P = 64 layers x 4096 = 262144, C = 4, b = 1024, Q = 64:
-4.3 + 2.1 + 0.5 + 1.05 GB ~= 8 GB, inside 24 GB (``memory_bound``; an estimate from the
-sizes above, not a measurement); halve ``block_rows`` to halve the first two terms.
-"""
+"""Streamed scoring of a pool: rank ``r`` of ``R`` reads rows ``[r N / R, (r + 1) N / R)`` of
+the store block by block (one read per checkpoint the method uses), scores them with the
+method's ``block`` and, for content methods or a cluster cap, tokenizes their documents.
+Only per-row numbers are kept and all-gathered; the content prior's pool-wide counts are
+all-reduced between its two passes. Memory per rank: ``memory_bound`` (docs/curation.md,
+"Streaming and memory")."""
 
 from __future__ import annotations
 
@@ -38,7 +22,7 @@ from dattri_ds.store.reader import GradientStore
 
 __all__ = ["Scored", "score_pool", "rank_slice", "memory_bound", "align_rows"]
 
-#: Bytes kept per pool row on a rank (ids, 3 float64 columns, codes): see module doc.
+#: Bytes kept per pool row on a rank (ids, 3 float64 columns, codes).
 ROW_BYTES = 250
 #: Bytes per row of each open checkpoint store (its id tuple and id -> row dict).
 STORE_ROW_BYTES = 200
@@ -46,7 +30,7 @@ STORE_ROW_BYTES = 200
 
 def memory_bound(rows: int, width: int, *, block_rows: int = 1024, checkpoints: int = 1,
                  targets: int = 64) -> int:
-    """Bytes a select run holds per rank (module docstring formula)."""
+    """Bytes a select run holds per rank (formula: docs/curation.md, "Streaming and memory")."""
     return (checkpoints * block_rows * width * 4 + block_rows * width * 8
             + checkpoints * targets * width * 8 + rows * (ROW_BYTES + STORE_ROW_BYTES * checkpoints))
 
