@@ -1,18 +1,9 @@
 """DeepSpeed engine adapter: ZeRO-0/1/2/3, gradient accumulation, fp32/bf16/fp16 loss scaling.
 
-What capture needs from DeepSpeed, and why it is safe under ZeRO-3:
-
-* hooks go on ``engine.module``; ZeRO-3 gathers parameters around each module's forward,
-  but activations and output-grads are full-size on every rank, so each rank captures the
-  examples of its own micro-batches and never reads a (partitioned) weight;
-* the engine scales the loop's loss by ``loss_scale / gradient_accumulation_steps`` before
-  backward (``engine.backward`` divides the loss; a plain ``loss.backward()`` is divided by
-  DeepSpeed's own output hooks), so ``backward_scale()`` returns exactly that factor;
-* the optimizer step follows the engine's accumulation boundary: ``engine.step()`` is
-  wrapped on the instance (restored on detach), never the user's loop.
-
-``import dattri_ds`` does not import DeepSpeed; this module only touches engine attributes.
-"""
+Hooks go on ``engine.module`` (under ZeRO-3 activations and output-grads are full-size, so
+no partitioned weight is read); ``backward_scale()`` is the engine's ``loss_scale /
+gradient_accumulation_steps``; ``engine.step()`` is wrapped on the instance (restored on
+detach) to mark the step boundary. Why each is safe: docs/integrations.md."""
 
 from __future__ import annotations
 

@@ -1,39 +1,15 @@
 """Hugging Face Trainer / TRL SFTTrainer: capture and online selection in an unmodified loop.
 
-What Trainer does to the loss, and how each piece is undone (``semantics.py`` defines the
-per-example gradient ``dS_b/dtheta``, ``S_b`` the summed loss of example b's valid tokens):
-
-* ``num_items_in_batch`` (``N``): Trainer counts the loss tokens of every micro-batch of
-  the accumulated step (on every data-parallel rank when ``average_tokens_across_devices``)
-  and the loss becomes ``sum_b S_b / N``; without it the model's own token mean applies.
-  ``compute_loss`` is wrapped on the trainer instance to read ``N`` from its argument and
-  pass it to ``GradientCapture.normalize_next``: no count is re-derived here, so the label
-  shift, completion-only masks and ``shift_labels`` are whatever Trainer/TRL counted.
-* the backward scale ``c``: ``num_processes`` when ``N`` counts every rank (DDP then
-  averages), ``1 / current_gradient_accumulation_steps`` when Trainer divides the loss for
-  accumulation (``loss_is_scaled_for_ga`` false), else 1.
-* step boundaries: ``on_step_end`` (after the optimizer step) marks the step; a
-  micro-batch's GradBatch.step is ``state.global_step`` while it runs.
-* online selection: Trainer draws the ``gradient_accumulation_steps`` micro-batches of a
-  step together (``get_batch_samples``); that method is wrapped on the instance so that
-  each micro-batch of ``C`` candidates is replaced by the ``k`` the selector chooses and
-  ``N`` is recounted over the chosen examples, exactly as Trainer would for a dataset that
-  only held them.
-* TRL's fused LM head (``fused_lm_head=True``) computes the head without calling the
-  ``lm_head`` module, which would leave it uncaptured: from construction to ``close()``
-  the fused forward is replaced by one that calls the model's own forward
-  (``integrations/trl.py``).
-
-Refused with ConfigError: label smoothing and ``compute_loss_func`` (the loss is not a sum
-of token losses), TRL ``padding_free``/packing (a row holds several documents), ``n_gpu > 1``
-(DataParallel) and DeepSpeed engines (their loss scaling is not verified under Trainer yet).
+``TrainerCapture`` reads Trainer's ``num_items_in_batch`` and undoes its accumulation and
+world-size scaling, marks steps at ``on_step_end`` and, with a selector, replaces each
+micro-batch of ``get_batch_samples`` by the chosen examples; how each piece of Trainer's
+loss is undone and what is refused: docs/integrations.md.
 
 Example:
     >>> trainer = Trainer(model=model, args=args, train_dataset=ds)
     >>> TrainerCapture(trainer, CaptureConfig(projection=ProjectionConfig(dim=64)),
     ...                callbacks=[store_callback])
-    >>> trainer.train()     # the store is closed when training ends
-"""
+    >>> trainer.train()     # the store is closed when training ends"""
 
 from __future__ import annotations
 

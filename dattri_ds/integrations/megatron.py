@@ -1,27 +1,9 @@
-"""Megatron-core adapter: TP/DP groups from parallel_state, and model preparation for capture.
-
-What capture needs from a Megatron model, and what this module provides:
-
-* ``prepare_model(model)``: marks the modules of every ``TransformerBlock``/``TransformerLayer``
-  that a batch-first kind would misread. LayerNorm/RMSNorm there see sequence-first
-  ``[S, B, H]`` activations (sequence-sharded with sequence parallelism) and are captured by
-  ``SequenceFirstNormKind``; a plain ``nn.Linear``/``nn.Embedding`` there is marked
-  unsupported (capture refuses it by name at start unless excluded). Column/Row-parallel
-  linears and the vocabulary-parallel embedding know their own layout (layers/megatron.py).
-* ``MegatronAdapter``: an ``EngineAdapter`` whose ``parallel_context()`` holds Megatron's data-
-  and tensor-parallel groups. Sharded layers reduce their partial inner products over the
-  tensor-parallel group (``ShardInfo.group``, set by the kinds); consumers reduce over
-  examples over the *data*-parallel group only: tensor-parallel ranks hold the same examples.
-* ``megatron_capture(model, config)``: a GradientCapture on a prepared model with the adapter.
-
-The loop owns backward and the optimizer: call ``adapter.step_done()`` after every optimizer
-step. Megatron's GPT loss is per token and its labels are already shifted, so use
-``CaptureConfig(label_shift=0)`` with ``loss_reduction`` matching the loop's reduction.
-
-Not supported (clear errors at start): pipeline parallelism, MoE experts, Transformer Engine
-modules, an output layer tied to the embedding. ``import dattri_ds`` does not import megatron;
-this module imports it inside functions only.
-"""
+"""Megatron-core adapter: ``prepare_model`` (marks the modules a batch-first kind would
+misread), ``MegatronAdapter`` (data- and tensor-parallel groups from parallel_state) and
+``megatron_capture``. The loop owns backward and the optimizer: call ``adapter.step_done()``
+after every optimizer step; use ``CaptureConfig(label_shift=0)`` (Megatron's labels are
+shifted). Details and what is refused: docs/integrations.md. Megatron is imported inside
+functions only."""
 
 from __future__ import annotations
 

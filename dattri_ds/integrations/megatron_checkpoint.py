@@ -1,22 +1,7 @@
-"""The consolidated Megatron checkpoint format: written by ``launch/train.py --backend megatron``,
-read by the offline tools (any TP size) and by a resumed run.
-
-A checkpoint is one folder ``<out>/checkpoints/<tag>/`` holding:
-
-* ``megatron_consolidated.pt``: ``torch.save`` of a plain ``{name: tensor}`` dict, the
-  GPTModel's full (TP=1-equivalent) state dict: every tensor-parallel parameter is
-  all-gathered along its ``partition_dim`` over the TP group, then global rank 0 writes.
-  ``load_consolidated`` loads it into a GPTModel of any TP size (slicing sharded tensors).
-* ``megatron_consolidated.json``: ``format``, ``format_version``, the caller's ``meta``
-  (launch: tag, step, lr, the model config) and ``check``: per-example losses of the first
-  training examples computed by the live (sharded) model, so a reload can be verified.
-* ``megatron_optimizer.rank<R>.pt`` (format_version 2), one per global rank: the rank's
-  optimizer state (of its own TP shard), the lr schedule state and the ``(tp, dp)`` layout
-  that wrote it. ``load_optimizer_state`` restores them into a run of the same layout;
-  weights come from the consolidated file, so a resume needs nothing else from Megatron.
-
-Format version 1 (before optimizer files) is still read for weights; it cannot resume.
-"""
+"""The consolidated Megatron checkpoint format: written by ``launch/train.py --backend
+megatron``, read by the offline tools (any TP size) and by a resumed run. Files
+(``megatron_consolidated.pt`` / ``.json``, ``megatron_optimizer.rank<R>.pt``) and versions:
+docs/integrations.md, "Megatron checkpoints"."""
 
 from __future__ import annotations
 

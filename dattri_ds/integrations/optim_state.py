@@ -1,28 +1,8 @@
-"""Adam second moments from saved checkpoints, by parameter name: DeepSpeed ZeRO-1/2/3 and Megatron.
-
-The offline tools read weights from any checkpoint (``checkpoints.load_state_dict``); LESS's
-optimizer-aware score also needs the optimizer's second moments ``v`` (``exp_avg_sq``),
-its ``beta2``, ``eps`` and step count. :func:`read_adam_state` returns them as full,
-parameter-shaped fp32 tensors keyed by the parameter names the tools' model uses:
-
-* DeepSpeed ZeRO-3 (``zero_pp_rank_<r>_mp_rank_00_optim_states.pt``, one per data-parallel
-  rank): the inner optimizer's state holds one flat fp32 partition per sub-group, laid out
-  like ``fp32_flat_groups`` (the master weights ``zero_to_fp32`` consolidates): parameters
-  in ``param_shapes`` order (from the ``*_model_states.pt`` files), each contributing
-  ``ceil(numel / world)`` entries per rank (zero padded at the end). Reassembled as
-  ``zero_to_fp32`` reassembles the weights: per parameter, rank 0's slice, rank 1's, ...,
-  trimmed to ``numel``.
-* DeepSpeed ZeRO-1/2: the same files, ``single_partition_of_fp32_groups`` layout (each
-  group's flat vector split contiguously over the ranks); merged by DeepSpeed's own
-  ``zero_to_fp32`` routine applied to the moments in place of the weights.
-* Megatron (``megatron_optimizer.rank<R>.pt`` of ``launch/train.py --backend megatron``):
-  a torch Adam/AdamW ``state_dict`` per global rank over the rank's tensor-parallel shard of
-  ``model.parameters()`` (one group); shards of TP-split parameters are concatenated along
-  their ``partition_dim`` (ranks of data-parallel rank 0; Megatron's order: TP rank fastest).
-
-Files are read on the CPU (the optimizer files with ``mmap``); a checkpoint without Adam
-moments, or whose layout does not match the model, is a ConfigError naming the file.
-"""
+"""Adam second moments from saved checkpoints, by parameter name: DeepSpeed ZeRO-1/2/3 and
+Megatron (``read_adam_state``: full, parameter-shaped fp32 ``exp_avg_sq`` with ``beta2``,
+``eps`` and the step, for LESS's optimizer-aware score). How each layout is reassembled:
+docs/integrations.md, "Adam moments of a checkpoint". A checkpoint without Adam moments, or
+whose layout does not match the model, is a ConfigError naming the file."""
 
 from __future__ import annotations
 

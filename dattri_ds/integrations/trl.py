@@ -1,13 +1,9 @@
 """TRL's fused LM head, replaced while capturing by one that calls the ``lm_head`` module.
 
-TRL (``trl.trainer.utils.add_fused_lm_head``) patches ``model.forward`` so that
-``model(..., fused_lm_head=True)`` returns per-token log-probabilities computed from the
-head's *weight* in tiles, without calling the ``lm_head`` module: its forward hook never
-runs and its per-example gradient would be missing. ``unfuse_lm_head`` swaps in a forward
-with the same outputs (``loss``, ``log_probs``, ``entropy``, ``is_top1``, ``label_mask``)
-computed from the model's own logits: ``[B, T, V]`` logits are materialized, which costs
-memory for large vocabularies but makes every layer's gradient exact.
-"""
+TRL's fused head (``model(..., fused_lm_head=True)``) computes log-probabilities from the
+head's weight without calling ``lm_head``, so its hook never runs. ``unfuse_lm_head`` swaps
+in a forward with the same outputs from the model's own ``[B, T, V]`` logits (memory for
+large vocabularies, but every layer's gradient exact)."""
 
 from __future__ import annotations
 

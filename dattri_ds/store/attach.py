@@ -1,23 +1,11 @@
 """attach: the one door to an existing gradient store; what a consumer asks is compared first.
 
-Every consumer of a store (``collect`` resuming into it, ``fit --store``, ``attribute``, a
-selector's ``selection.target_store``) states what it is about to do with the rows as a
-:class:`StoreRequest` and calls :func:`attach`. The store's manifest is read through the
-store reader (a damaged one is the reader's StoreCorruptError naming the file), every field
-the request names is compared with it, and a difference is refused before any gradient is
-computed, with one StoreMismatchError line that shows, per differing field, the stored and
-the requested value and the flag that fixes it::
-
-    Gradient store 'grads/step4' does not hold what collect asks for: projection.dim:
-    stored 32, requested 64 (fix: --projection-dim 32); dtype: stored 'float32', requested
-    'float16' (fix: --dtype float32); or write a new store: --out <another folder>
-
-Fields (a request leaves out those its consumer takes from the store): the provenance
-(``fingerprint``, ``run_id``, ``checkpoint``, ``weights_hash``), the projection (``kind``,
-``dim``, ``seed``, ``distribution``, ``kron_speedup``), the storage ``dtype``, the
-``layers`` (name, kind, canonical shape), the capture ``semantics``, and the whitening
-(``whitened`` kind and the ``whitened_by`` factors' fingerprint).
-"""
+Every consumer (``collect`` resuming, ``fit --store``, ``attribute``, a selector's
+``selection.target_store``) states what it will do with the rows as a ``StoreRequest`` and
+calls ``attach``: every field the request names (provenance, projection, dtype, layers,
+capture semantics, whitening) is compared with the manifest before any gradient is
+computed, and a difference is one StoreMismatchError line with both values and the flag
+that fixes it (docs/store.md, "Attaching")."""
 
 from __future__ import annotations
 

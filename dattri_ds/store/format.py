@@ -1,30 +1,7 @@
-"""On-disk layout of a gradient store: manifest, shard files, checksums, atomic JSON.
-
-A store is a directory::
-
-    info.json                 manifest: format_version, dtype, StoreSpec (layers + widths,
-                              projection, capture semantics, run id, checkpoint tag and
-                              weights hash), the expected shards and rows once the store is
-                              complete ("complete", set by ``seal``), and a checksum of itself
-    shard-00000.data          rows [N_0, P], C order, little-endian <f4 / <f2 / raw bf16 <i2
-    shard-00000.ids           sample ids, UTF-8, one per line, in row order
-    shard-00000.meta          int64 [N_0, 2]: (optimizer step, loss token count or -1)
-    shard-00000.index.json    committed rows, ids bytes, spec digest, per-commit checksums
-    shard-00000.lock          flock held by the shard's writer (released when it dies)
-    shard-00001.*             ... one shard per data-parallel rank
-
-The three shard files are append-only. A writer appends to all three, fsyncs, then replaces
-the index atomically (tmp file + ``os.replace``): the index is the commit record, and
-anything past what it commits is a torn write that a reader ignores and a writer truncates.
-Each commit ("chunk") records a CRC-32 of the bytes it added to each file (``crc32:``
-prefixed): it detects truncation, torn and flipped bytes at several GB/s, so verifying a
-store costs a fraction of reading it (not a defence against deliberate tampering).
-
-``info.json`` and every index also carry a ``checksum`` of their own content: an edit made
-outside dattri-ds (even one that leaves valid JSON) reads as corruption of that file
-(StoreCorruptError), never as a configuration mismatch (StoreMismatchError), which is kept for
-valid files written under another configuration, run or checkpoint.
-"""
+"""On-disk layout of a gradient store: manifest (``info.json``), shard files, checksums, atomic
+JSON. The layout, the commit record and what the checksums detect: docs/store.md, "On-disk
+layout". An edit made outside dattri-ds reads as corruption (StoreCorruptError), never as a
+configuration mismatch (StoreMismatchError)."""
 
 from __future__ import annotations
 

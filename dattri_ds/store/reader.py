@@ -1,14 +1,8 @@
 """GradientStore: a read-only, memory-mapped view that merges every shard of a store.
 
-Row order (deterministic): shards in rank order, rows of a shard in commit order. Reads
-copy only the requested rows out of the memory maps, so ``iter_blocks`` scores a store of
-any size in ``O(block_rows * P)`` memory.
-
-Duplicates across shards (two ranks stored the same id: a padding sampler such as
-``DistributedSampler``, or a resume with another world size racing an old shard) are an
-error by default; ``duplicates="first"`` keeps the first copy in that row order and drops
-the others, so the result does not depend on file-system listing order.
-"""
+Rows: shards in rank order, rows of a shard in commit order; reads copy only the requested
+rows (``iter_blocks`` needs ``O(block_rows * P)`` memory). An id stored in two shards is an
+error by default; ``duplicates="first"`` keeps the first copy in that order."""
 
 from __future__ import annotations
 

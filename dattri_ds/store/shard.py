@@ -1,20 +1,7 @@
-"""ShardAppender: crash-safe appends to one rank's shard (write, fsync, then commit the index).
-
-Commit protocol, per ``commit``:
-
-1. append the new rows, ids and meta to ``.data``, ``.ids`` and ``.meta``;
-2. flush and fsync the three files;
-3. write the new index to a temporary file, fsync it, ``os.replace`` it over the index, fsync
-   the directory.
-
-A crash before step 3 leaves bytes past the committed sizes; ``open`` truncates them (the
-"torn tail") so the resumed run appends right after the last commit. A crash during step 3
-leaves the old or the new index, never a mix.
-
-``rollback_to_step`` drops the committed rows captured at or after a training step (an
-elastic resume from a checkpoint: rows the stopped run wrote after it belong to a trajectory
-the resumed run does not follow) by committing a shorter index under the shard's lock.
-"""
+"""ShardAppender: crash-safe appends to one rank's shard: append rows, ids and meta, fsync
+them, then replace the index atomically (docs/store.md, "On-disk layout"); ``open``
+truncates a torn tail. ``rollback_to_step`` drops the committed rows captured at or after a
+training step (an elastic resume) by committing a shorter index under the shard's lock."""
 
 from __future__ import annotations
 

@@ -1,13 +1,9 @@
 """StoreSpec: what a gradient store holds (layers, projection, model), and how specs are compared.
 
-A stored row is the concatenation, in ``StoreSpec.layers`` order, of the projected Dense
-vectors of one example: ``row = [v_layer0 (P_0) | v_layer1 (P_1) | ...]`` of width
-``P = sum_l P_l``. Rows are comparable only when the projection, the layer set with its
-widths, the capture semantics (per-example loss, reduction, label shift, ignore index) and
-the model fingerprint are equal; the provenance (run id, checkpoint tag, hash of the
-checkpoint weights) says which weights produced them. ``diff`` lists what differs, and
-``mismatch_error`` turns that into a StoreMismatchError showing both sides and the fix.
-"""
+A row is the concatenation, in ``StoreSpec.layers`` order, of one example's projected Dense
+vectors (width ``P = sum_l P_l``). Rows are comparable only when the projection, layers,
+capture semantics and model fingerprint are equal; ``diff`` lists what differs and
+``mismatch_error`` makes it a StoreMismatchError showing both sides and the fix."""
 
 from __future__ import annotations
 

@@ -1,21 +1,10 @@
 """GradientStoreWriter: append projected GradBatches to this rank's shard, crash-safely.
 
-Rows are buffered in host memory and committed every ``StoreConfig.flush_every`` rows (see
-``store/shard.py`` for the commit protocol). With ``async_write`` the commits run on a
-background thread fed by a bounded queue; ``append`` then only validates, drops duplicates
-and copies the rows to the host.
-
-Nothing appended is lost by a normal exit: a writer that is still open with buffered rows
-when the interpreter exits commits them then (``atexit``; a warning names the store and the
-count), and a write that fails (disk full, file size limit, permission) is one
-:class:`~dattri_ds.errors.WriteError` naming the file, the bytes and the committed rows that
-stay safe (the commit protocol never touches them; a rerun resumes after them).
-
-Duplicates: a sample id already stored in *any* shard of the store when the writer opened
-(a resumed run, possibly with another world size), or already appended to this writer, is
-skipped silently. Two ranks writing the same new id concurrently both store it; the reader
-detects such cross-shard duplicates (``GradientStore.open(duplicates=...)``).
-"""
+Rows are buffered and committed every ``StoreConfig.flush_every`` rows (store/shard.py),
+on a background thread with ``async_write``; a writer still open at interpreter exit
+commits then (``atexit``, with a warning), and a failed write is one ``WriteError`` naming
+the file and the committed rows that stay safe. A sample id already stored in any shard, or
+already appended, is skipped silently (cross-shard duplicates: ``GradientStore.open``)."""
 
 from __future__ import annotations
 
