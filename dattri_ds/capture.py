@@ -33,7 +33,7 @@ from torch import nn
 from dattri_ds.callbacks import TrainingCallback
 from dattri_ds.config import CaptureConfig
 from dattri_ds.errors import CaptureError, ConfigError, UnsupportedLayerError
-from dattri_ds.gradient import Dense, Factorized, GradBatch, LayerGrad
+from dattri_ds.gradient import Dense, Factorized, GradBatch, LayerGrad, ShardInfo
 from dattri_ds.integrations.base import EngineAdapter
 from dattri_ds.layers import LayerKind, kind_for
 from dattri_ds.ops.cost import CostModel
@@ -122,6 +122,8 @@ class GradientCapture:
         #: forward's batch) when some were dropped as non-finite; None when all were kept.
         self.last_kept: torch.Tensor | None = None
         self.layers: dict[str, tuple[nn.Module, LayerKind]] = {}
+        #: name -> the layer's canonical ``(O, I')`` and shard, read from the module once
+        self._shapes: dict[str, tuple[tuple[int, int], ShardInfo | None]] = {}
         self.unsupported: list[str] = []
         if self.config.whiten is not None:
             raise ConfigError(f"capture.whiten='{self.config.whiten}' needs the curvature "
@@ -214,7 +216,7 @@ class GradientCapture:
 
     def _discover(self) -> None:
         cfg = self.config
-        self.layers, self.unsupported = {}, []
+        self.layers, self.unsupported, self._shapes = {}, [], {}
         for name, module in self.model.named_modules():
             if _matches(name, cfg.exclude) or not _has_own_trainable(module):
                 continue  # containers hold no parameter of their own: nothing to match
@@ -226,6 +228,7 @@ class GradientCapture:
                 continue
             kind.check(module, name)
             self.layers[name] = (module, kind)
+            self._shapes[name] = (kind.layer_shape(module), kind.shard_info(module))
         if self.unsupported:
             msg = (f"{len(self.unsupported)} trainable module(s) have no LayerKind and are not "
                    f"captured: {', '.join(self.unsupported)}. Register a LayerKind, or list them "
@@ -406,8 +409,8 @@ class GradientCapture:
             parts = [kind.build(module, a, g if post else
                                 self._scaled(g, scale, _batch_dim(kind, module)))
                      for a, g in pairs]
-            layers[name] = LayerGrad(name, kind, _merge(parts), kind.layer_shape(module),
-                                     shard=kind.shard_info(module))
+            shape, shard = self._shapes[name]
+            layers[name] = LayerGrad(name, kind, _merge(parts), shape, shard=shard)
         merge_tied(layers, self._tied)
         batch = GradBatch(rec.step, info.sample_ids, layers, rec.index, info.token_counts)
         if post:  # NaN/inf propagate through the projection: check the small projected rows

@@ -15,8 +15,7 @@ so a user's class overrides a built-in one of the same name.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Generic, TypeVar
+from typing import TypeVar
 
 from dattri_ds.errors import ConfigError, DattriDSError
 
@@ -25,8 +24,9 @@ __all__ = ["Registry"]
 T = TypeVar("T")
 
 
-class Registry(Generic[T]):
-    """A named table of strategies with one lookup and one error message.
+class Registry(dict[str, T]):
+    """A named table of strategies (a dict in registration order) with one lookup and one
+    error message.
 
     Args:
         what: what an entry is, for messages ("layer kind", "attribution method").
@@ -36,16 +36,16 @@ class Registry(Generic[T]):
 
     def __init__(self, what: str, *, error: type[DattriDSError] = ConfigError,
                  hint: str = "") -> None:
+        super().__init__()
         self.what = what
         self.error = error
         self.hint = hint
-        self._table: dict[str, T] = {}
 
     def register(self, name: str, entry: T) -> T:
         """Add (or replace) ``name``; returns ``entry`` so it can be used as an expression."""
         if not isinstance(name, str) or not name:
             raise ConfigError(f"{self.what} name must be a non-empty string, got {name!r}")
-        self._table[name] = entry
+        self[name] = entry
         return entry
 
     def register_class(self, cls: type, name: str | None, *, instance: bool = False) -> None:
@@ -63,49 +63,25 @@ class Registry(Generic[T]):
             ``self.error``: ``name`` is not registered.
         """
         entry = self.lookup(name)
-        del self._table[name]
+        del self[name]
         return entry
 
-    def lookup(self, name: str) -> T:
-        """The entry called ``name``; ``self.error`` naming the value and the known names."""
-        try:
-            return self._table[name]
-        except (KeyError, TypeError):
-            hint = f" ({self.hint})" if self.hint else ""
-            raise self.error(f"{self.what} '{name}' is not registered; registered: "
-                             f"{self.names()}{hint}") from None
+    #: ``lookup(name)``: the entry called ``name``; ``self.error`` naming the value and the
+    #: known names (``__missing__``). The dict's own lookup: no Python call on a hit.
+    lookup = dict.__getitem__
+
+    def __missing__(self, name: str) -> T:
+        hint = f" ({self.hint})" if self.hint else ""
+        raise self.error(f"{self.what} '{name}' is not registered; registered: "
+                         f"{self.names()}{hint}")
 
     def names(self) -> list[str]:
         """Registered names, sorted."""
-        return sorted(self._table)
-
-    def items(self):
-        """``(name, entry)`` pairs in registration order."""
-        return self._table.items()
-
-    def keys(self):
-        """Registered names in registration order."""
-        return self._table.keys()
-
-    def values(self):
-        """Entries in registration order."""
-        return self._table.values()
+        return sorted(self)
 
     def as_dict(self) -> dict[str, T]:
         """A copy of the table (name -> entry)."""
-        return dict(self._table)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._table
-
-    def __getitem__(self, name: str) -> T:
-        return self.lookup(name)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._table)
-
-    def __len__(self) -> int:
-        return len(self._table)
+        return dict(self)
 
     def __repr__(self) -> str:
         return f"Registry({self.what!r}, {self.names()})"

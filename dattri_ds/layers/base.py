@@ -61,6 +61,13 @@ KINDS: Registry[LayerKind] = Registry(
     "layer kind", error=UnsupportedLayerError,
     hint="define class MyKind(LayerKind, name='my', modules=(MyModule,)) before using it")
 _MATCH_ORDER: list[LayerKind] = []
+#: Instance attributes that change how one module matches start with this (integrations
+#: mark modules, e.g. ``integrations.megatron.prepare_model``): such a module is matched on
+#: its own, never from its class's cached plan.
+MARK_PREFIX = "_dattri_ds_"
+#: class -> (kinds to ask per module, in match order; the kind every other module of the
+#: class gets): ``kind_for``'s per-class plan, cleared whenever a kind registers or leaves.
+_BY_CLASS: dict[type, tuple[tuple[LayerKind, ...], LayerKind | None]] = {}
 
 
 class LayerKind(ABC):
@@ -86,6 +93,7 @@ class LayerKind(ABC):
         cls.modules = tuple(modules)
         inst = KINDS.register(name, cls())
         _MATCH_ORDER.insert(0, inst)  # later registrations win (user kinds override ours)
+        _BY_CLASS.clear()
 
     def __reduce__(self):  # pickles / deep copies resolve to the registered instance
         return get_kind, (self.name,)
@@ -109,6 +117,14 @@ class LayerKind(ABC):
     def matches(self, module: nn.Module) -> bool:
         """Whether this kind handles ``module`` (default: isinstance of ``modules``)."""
         return bool(self.modules) and isinstance(module, self.modules)
+
+    def match_class(self, cls: type) -> bool | None:
+        """Whether every module of class ``cls`` matches (True), none does (False), or each
+        must be asked (None: ``matches`` reads the instance). ``kind_for`` asks it once per
+        class (unmarked modules). Default: by ``modules`` when ``matches`` is the default."""
+        if type(self).matches is LayerKind.matches:
+            return bool(self.modules) and issubclass(cls, self.modules)
+        return None
 
     def check(self, module: nn.Module, name: str) -> None:
         """Raise UnsupportedLayerError when a matching module uses an unsupported variant."""
@@ -139,12 +155,6 @@ class LayerKind(ABC):
             g: gradient w.r.t. ``output``, same leading layout, scaled so that example b's
                 gradient is the gradient of its own loss.
         """
-
-    def to_batch_first(self, t: torch.Tensor, feature_dims: int = 1) -> torch.Tensor:
-        """Reshape ``[B, *, F]`` to ``[B, T, F]`` (``[B, F]`` becomes ``[B, 1, F]``)."""
-        if feature_dims == 0:
-            return t.reshape(t.shape[0], -1)
-        return t.reshape(t.shape[0], -1, t.shape[-1])
 
     # ---- maths on the factorized form -----------------------------------------------
     @abstractmethod
@@ -319,14 +329,27 @@ def param_shape(p: torch.Tensor) -> tuple[int, ...]:
 def kind_for(module: nn.Module) -> LayerKind | None:
     """The registered kind that handles ``module``, or None (later registrations first).
 
-    Kinds that keep the default ``matches`` are tested here by ``isinstance`` directly."""
+    Resolved once per class (``LayerKind.match_class``); only kinds that must read the
+    instance are asked per module. A marked module (``MARK_PREFIX``) asks every kind."""
+    if any(k.startswith(MARK_PREFIX) for k in vars(module)):
+        return next((kind for kind in _MATCH_ORDER if kind.matches(module)), None)
+    plan = _BY_CLASS.get(type(module))
+    if plan is None:
+        plan = _BY_CLASS[type(module)] = _class_plan(type(module))
+    ask, answer = plan
+    return next((kind for kind in ask if kind.matches(module)), answer)
+
+
+def _class_plan(cls: type) -> tuple[tuple[LayerKind, ...], LayerKind | None]:
+    """``(kinds to ask per module, the class's kind)`` in match order."""
+    ask = []
     for kind in _MATCH_ORDER:
-        if type(kind).matches is LayerKind.matches:
-            if kind.modules and isinstance(module, kind.modules):
-                return kind
-        elif kind.matches(module):
-            return kind
-    return None
+        every = kind.match_class(cls)
+        if every is None:
+            ask.append(kind)
+        elif every:
+            return tuple(ask), kind
+    return tuple(ask), None
 
 
 def unregister_kind(name: str) -> LayerKind:
@@ -337,6 +360,7 @@ def unregister_kind(name: str) -> LayerKind:
     """
     kind = KINDS.unregister(name)
     _MATCH_ORDER.remove(kind)
+    _BY_CLASS.clear()
     return kind
 
 

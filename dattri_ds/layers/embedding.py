@@ -38,8 +38,8 @@ class EmbeddingKind(LayerKind, name="embedding", modules=(nn.Embedding,)):
     def build(self, module, a, g):
         if tuple(a.shape) != tuple(g.shape[:-1]):
             a = a.expand(g.shape[:-1])  # e.g. position ids [1, T] broadcast over the batch
-        idx = self.to_batch_first(a, feature_dims=0)
-        g3 = self.to_batch_first(g)
+        idx = a.reshape(a.shape[0], -1)
+        g3 = g.reshape(g.shape[0], -1, g.shape[-1])
         if module.padding_idx is not None:
             g3 = g3 * (idx != module.padding_idx).unsqueeze(-1).to(g3.dtype)
         return Factorized(idx, g3)

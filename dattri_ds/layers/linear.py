@@ -5,33 +5,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dattri_ds.gradient import Factorized
-from dattri_ds.layers.outer import OuterProductKind, with_bias_column
+from dattri_ds.layers.outer import OuterProductKind, has_bias
 
 __all__ = ["LinearKind", "Conv1DKind"]
-
-
-def _has_bias(module: nn.Module) -> bool:
-    return getattr(module, "bias", None) is not None
-
-
-def _build(module: nn.Module, kind: OuterProductKind, a: torch.Tensor,
-           g: torch.Tensor) -> Factorized:
-    a3 = kind.to_batch_first(a)
-    g3 = kind.to_batch_first(g)
-    if _has_bias(module):
-        a3 = with_bias_column(a3)
-    return Factorized(a3, g3)
 
 
 class LinearKind(OuterProductKind, name="linear", modules=(nn.Linear,)):
     """``y = x W^T + b``, W ``[O, I]``: canonical layout is W itself, bias as last column."""
 
     def layer_shape(self, module: nn.Module) -> tuple[int, int]:
-        return module.out_features, module.in_features + int(_has_bias(module))
-
-    def build(self, module, a, g):
-        return _build(module, self, a, g)
+        return module.out_features, module.in_features + int(has_bias(module))
 
     def canonical(self, module, grads):
         w = grads["weight"]
@@ -54,11 +37,15 @@ class Conv1DKind(OuterProductKind, name="conv1d"):
     def matches(self, module: nn.Module) -> bool:
         return _is_hf_conv1d(module)
 
-    def layer_shape(self, module: nn.Module) -> tuple[int, int]:
-        return module.nf, module.nx + int(_has_bias(module))
+    def match_class(self, cls: type) -> bool | None:
+        """Hugging Face's own class always has ``nf``/``nx``; another class of the name is
+        asked one module at a time."""
+        if cls.__name__ != "Conv1D":
+            return False
+        return True if cls.__module__.startswith("transformers.") else None
 
-    def build(self, module, a, g):
-        return _build(module, self, a, g)
+    def layer_shape(self, module: nn.Module) -> tuple[int, int]:
+        return module.nf, module.nx + int(has_bias(module))
 
     def canonical(self, module, grads):
         w = grads["weight"].transpose(-1, -2)

@@ -46,7 +46,7 @@ from torch import nn
 
 from dattri_ds.errors import CaptureError, ConfigError, UnsupportedLayerError
 from dattri_ds.gradient import Factorized, ShardInfo
-from dattri_ds.layers.base import LayerKind, get_kind
+from dattri_ds.layers.base import MARK_PREFIX, LayerKind, get_kind
 from dattri_ds.layers.embedding import EmbeddingKind
 from dattri_ds.layers.norm import DenseKind
 from dattri_ds.layers.outer import OuterProductKind, with_bias_column
@@ -56,9 +56,9 @@ __all__ = ["ColumnParallelLinearKind", "RowParallelLinearKind", "VocabParallelEm
            "UNSUPPORTED_ATTR", "tp_of", "split_even", "gather_sequence"]
 
 #: Set by ``prepare_model`` on norms in a Megatron decoder: ``(sp_group, sp_world)``.
-SEQUENCE_FIRST_ATTR = "_dattri_ds_sequence_first"
+SEQUENCE_FIRST_ATTR = MARK_PREFIX + "sequence_first"
 #: Set by ``prepare_model`` on modules dattri-ds would capture wrongly: the reason.
-UNSUPPORTED_ATTR = "_dattri_ds_unsupported"
+UNSUPPORTED_ATTR = MARK_PREFIX + "unsupported"
 
 #: Megatron / Transformer Engine classes with trainable parameters that are not supported.
 _UNSUPPORTED_CLASSES = {
@@ -74,13 +74,14 @@ _UNSUPPORTED_CLASSES = {
     "FusedLayerNorm": "an Apex fused layer norm",
     "TopKRouter": "an MoE router",
 }
+_LINEARS = {"ColumnParallelLinear", "RowParallelLinear"}
 _NAMES: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
 
 
-def _megatron_class(module: nn.Module, names: set[str] | str) -> str | None:
-    """The first class of ``module``'s MRO named in ``names`` and defined by megatron/TE."""
+def _megatron_class(cls: type, names: set[str] | str) -> str | None:
+    """The first class of ``cls``'s MRO named in ``names`` and defined by megatron/TE."""
     names = {names} if isinstance(names, str) else names
-    for c in type(module).__mro__:
+    for c in cls.__mro__:
         if c.__name__ in names and c.__module__.startswith(("megatron.", "transformer_engine.")):
             return c.__name__
     return None
@@ -174,7 +175,10 @@ class _MegatronLinear(OuterProductKind):
     shard_dim: int = 0
 
     def matches(self, module: nn.Module) -> bool:
-        return _megatron_class(module, self.cls_name) is not None
+        return self.match_class(type(module))
+
+    def match_class(self, cls: type) -> bool:
+        return _megatron_class(cls, self.cls_name) is not None
 
     def batch_dim(self, module: nn.Module) -> int:
         return 1
@@ -293,7 +297,10 @@ class VocabParallelEmbeddingKind(EmbeddingKind, name="megatron_vocab_embedding")
     """
 
     def matches(self, module):
-        return _megatron_class(module, "VocabParallelEmbedding") is not None
+        return self.match_class(type(module))
+
+    def match_class(self, cls):
+        return _megatron_class(cls, "VocabParallelEmbedding") is not None
 
     def check(self, module, name):
         _NAMES[module] = name
@@ -333,8 +340,8 @@ class VocabParallelEmbeddingKind(EmbeddingKind, name="megatron_vocab_embedding")
         valid = (idx >= 0) & (idx < module.num_embeddings_per_partition)
         idx = torch.where(valid, idx, torch.zeros_like(idx))
         g = g * valid.unsqueeze(-1).to(g.dtype)
-        return Factorized(self.to_batch_first(idx, feature_dims=0).contiguous(),
-                          self.to_batch_first(g).contiguous())
+        return Factorized(idx.reshape(idx.shape[0], -1).contiguous(),
+                          g.reshape(g.shape[0], -1, g.shape[-1]).contiguous())
 
 
 def _base_norm(module: nn.Module) -> LayerKind | None:
@@ -356,6 +363,9 @@ class SequenceFirstNormKind(DenseKind, name="megatron_norm"):
     def matches(self, module):
         return getattr(module, SEQUENCE_FIRST_ATTR, None) is not None and \
             _base_norm(module) is not None
+
+    def match_class(self, cls):
+        return False  # only marked modules, which kind_for matches one by one
 
     def check(self, module, name):
         _NAMES[module] = name
@@ -389,17 +399,24 @@ class UnsupportedMegatronKind(LayerKind, name="megatron_unsupported"):
     def matches(self, module):
         return self._reason(module) is not None
 
+    def match_class(self, cls):
+        """Marked modules aside: the unsupported classes all match, Megatron linears are
+        asked one by one (expert layers), others never match."""
+        if _megatron_class(cls, set(_UNSUPPORTED_CLASSES)):
+            return True
+        return None if _megatron_class(cls, _LINEARS) else False
+
     @staticmethod
     def _reason(module: nn.Module) -> str | None:
         marked = getattr(module, UNSUPPORTED_ATTR, None)
         if marked is not None:
             return marked
-        cls = _megatron_class(module, set(_UNSUPPORTED_CLASSES))
+        cls = _megatron_class(type(module), set(_UNSUPPORTED_CLASSES))
         if cls is not None:
             return _UNSUPPORTED_CLASSES[cls]
         expert = getattr(module, "is_expert", False) or getattr(module, "explicit_expert_comm",
                                                                 False)
-        if expert and _megatron_class(module, {"ColumnParallelLinear", "RowParallelLinear"}):
+        if expert and _megatron_class(type(module), _LINEARS):
             return "an expert (MoE) layer, whose tokens are permuted across experts and ranks"
         return None
 

@@ -38,7 +38,8 @@ class DenseKind(LayerKind):
         rows come back in ``g``'s dtype, the capture dtype, like the factors of other kinds.
         """
         if token_dim is None:
-            xhat, g, token_dim = self.to_batch_first(xhat), self.to_batch_first(g), 1
+            xhat = xhat.reshape(xhat.shape[0], -1, xhat.shape[-1])
+            g, token_dim = g.reshape(g.shape[0], -1, g.shape[-1]), 1
         out_dtype, g = g.dtype, g.to(xhat.dtype)
         rows = [(g * xhat).sum(token_dim)]
         if getattr(module, "bias", None) is not None:
@@ -97,6 +98,9 @@ class RMSNormKind(DenseKind, name="rmsnorm"):
 
     def matches(self, module):
         return _is_rmsnorm(module)
+
+    def match_class(self, cls):
+        return None if cls.__name__.endswith("RMSNorm") else False
 
     def layer_shape(self, module):
         return 1 + int(getattr(module, "bias", None) is not None), param_shape(module.weight)[-1]

@@ -12,7 +12,7 @@ import torch
 from dattri_ds.gradient import Factorized
 from dattri_ds.layers.base import LayerKind
 
-__all__ = ["OuterProductKind", "row_chunks", "rows_matmul", "with_bias_column"]
+__all__ = ["OuterProductKind", "has_bias", "row_chunks", "rows_matmul", "with_bias_column"]
 
 #: Upper bound on elements of one ``[c, T, B2, S]`` ghost intermediate (about 64 MB fp32).
 GHOST_CHUNK_ELEMENTS = 1 << 24
@@ -30,6 +30,11 @@ def with_bias_column(a: torch.Tensor) -> torch.Tensor:
     return torch.cat([a, a.new_ones(a.shape[:-1] + (1,))], dim=-1)
 
 
+def has_bias(module: torch.nn.Module) -> bool:
+    """Whether the module adds a bias (folded in as the last input column)."""
+    return getattr(module, "bias", None) is not None
+
+
 def rows_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x @ w`` for ``x [B, T, F]``, also when ``x`` is a ``[T, B, F]`` tensor seen through
     ``transpose(0, 1)`` (sequence-first layers): multiplied in its own memory layout, so
@@ -43,6 +48,14 @@ class OuterProductKind(LayerKind):
     """Kinds with ``G_b = sum_t g_t^T a_t``; subclasses define capture and layout only."""
 
     output_sliceable = True
+
+    def build(self, module, a, g):
+        """Batch-first factors ``[B, T, I']`` (a bias column of ones when the module has a
+        bias) and ``[B, T, O]``."""
+        a3 = a.reshape(a.shape[0], -1, a.shape[-1])
+        if has_bias(module):
+            a3 = with_bias_column(a3)
+        return Factorized(a3, g.reshape(g.shape[0], -1, g.shape[-1]))
 
     def materialize(self, f: Factorized, shape: tuple[int, int]) -> torch.Tensor:
         """``einsum('bto,bti->boi')`` flattened: ``[B, O*I]``; cost 2*B*T*O*I flops."""
