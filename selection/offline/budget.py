@@ -1,18 +1,10 @@
 """Budget: how many rows (or tokens) a subset holds, and the capped greedy choice that meets it.
 
-The ranking is by score, highest first; ties are broken by a seeded random order, so a
-subset is reproducible from (scores, seed). Walking the ranking, a row is skipped when
-
-* ``dedupe`` and a row with its content hash is already kept,
-* its near-duplicate cluster already holds ``max_per_cluster`` rows,
-* its source already holds ``max_source_share`` of the budget,
-* (token budget) its tokens exceed what is left,
-
-and the walk stops when the budget is met: ``examples`` (or ``round(fraction * N)``, at
-least 1) rows exactly; for ``tokens``, at most that many tokens and no skipped row that
-would still fit (the greedy fill). A cap that leaves fewer rows than an examples budget is
-an error naming the caps, never a smaller subset.
-"""
+Rows are ranked by score (ties: a seeded random order) and taken in order, skipping
+duplicates (``dedupe``), full near-duplicate clusters (``max_per_cluster``), full sources
+(``max_source_share``) and, for a token budget, rows that no longer fit, until the budget is
+met. A cap that leaves fewer rows than an examples budget is an error naming the caps
+(docs/curation.md, "Diversity and de-duplication")."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""CurateConfig: what ``dattri-ds select`` does (method, budget, diversity), one frozen record.
-
-The flags of ``tools/curate.py`` (``dattri-ds select``) are generated from these fields (``max_per_cluster`` ->
-``--max-per-cluster``); the resolved record is written to the output's ``config.json``.
-"""
+"""CurateConfig: what ``dattri-ds select`` does (method, budget, diversity), one frozen record;
+the flags of ``tools/curate.py`` are generated from its fields."""
 
 from __future__ import annotations
 
@@ -27,12 +24,10 @@ class CurateConfig:
     """
 
     method: str = "content"
-    """A registered curation method (``dattri_ds.selection.offline.methods.METHODS``): cosine,
-    adam-cosine, trajectory, content, combined. The default, content (the DSIR-style
-    content prior), is what the curation benchmark supports: no measured method was ahead
-    of it on any target, and cosine, adam-cosine and combined were behind it
-    (docs/curation.md, "Measured effect"). It needs --target documents; with only a
-    --target-store choose a gradient method (--method cosine)."""
+    """A registered curation method (``METHODS``): cosine, adam-cosine, trajectory, content,
+    combined. The default, content (the DSIR-style content prior), is what the curation
+    benchmark supports (docs/curation.md, "Measured effect"). It needs --target documents;
+    with only a --target-store choose a gradient method (--method cosine)."""
 
     fraction: float | None = field(default=None, metadata=schema.bounds(gt=0, le=1))
     """Budget: this share of the pool's rows, in (0, 1] (round(fraction * N), at least 1)."""
@@ -79,27 +74,12 @@ class CurateConfig:
     def __post_init__(self) -> None:
         from dattri_ds.selection.offline.methods import get_method
 
+        schema.check(self, "select")  # types and the declared bounds
         get_method(self.method)
         given = [n for n in ("fraction", "examples", "tokens") if getattr(self, n) is not None]
         if len(given) != 1:
             raise ConfigError(f"select needs exactly one budget of --fraction, --examples and "
                               f"--tokens; got {given or 'none'}")
-        f = self.fraction
-        if f is not None and not (isinstance(f, (int, float)) and 0 < f <= 1):
-            raise ConfigError(f"--fraction {f!r} is outside (0, 1]: give a share of the pool "
-                              f"such as 0.1, or --examples N")
-        for name in ("examples", "tokens", "block_rows"):
-            v = getattr(self, name)
-            if v is not None and (type(v) is not int or v < 1):
-                raise ConfigError(f"--{name.replace('_', '-')} {v!r} must be an integer >= 1")
-        if self.max_per_cluster is not None and (type(self.max_per_cluster) is not int
-                                                 or self.max_per_cluster < 1):
-            raise ConfigError(f"--max-per-cluster {self.max_per_cluster!r} must be an integer "
-                              f">= 1 (omit it for no cap)")
-        s = self.max_source_share
-        if s is not None and not 0 < s <= 1:
-            raise ConfigError(f"--max-source-share {s!r} is outside (0, 1]: give a share of "
-                              f"the budget such as 0.5 (omit it for no cap)")
         if self.aggregate not in AGGREGATES:
             raise ConfigError(f"--aggregate {self.aggregate!r}: choose one of {AGGREGATES}")
         if self.precondition not in PRECONDITIONS:
@@ -109,8 +89,6 @@ class CurateConfig:
         if not inner.gradient or inner.name == "combined":
             raise ConfigError(f"--combine-with {self.combine_with!r} must be a gradient method "
                               f"(cosine, adam-cosine, trajectory)")
-        if not self.content_weight >= 0:
-            raise ConfigError(f"--content-weight {self.content_weight!r} must be >= 0")
 
     @classmethod
     def from_dict(cls, d: dict) -> CurateConfig:

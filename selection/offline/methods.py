@@ -1,24 +1,8 @@
-"""Curation methods: one registered class per way of scoring a pool row against a target.
-
-Every gradient method scores a row ``x_b`` (``[P]``, the store's projected space) against
-the target rows ``t_q`` (``[Q, P]``, captured in the same space) by cosine,
-
-    cos(b, q) = <x_b, t_q> / (|x_b| |t_q|)        (0 when either norm is 0)
-
-aggregated over the targets (``aggregate``: the mean over q, or the max: LESS's max over
-target tasks). ``adam-cosine`` uses LESS's optimizer-aware target ``t_q = Proj(D g_q)``,
-``D = 1 / (sqrt(v_hat) + eps)`` from the checkpoint's Adam second moments (the exact target
-is preconditioned, then projected: ``<Proj x, Proj D g> ~ <x, D g>``; the row's norm is the
-stored, unpreconditioned one). ``trajectory`` sums the last-checkpoint score over every
-checkpoint with the learning rates of ``trajectory.json``: ``s_b = sum_c lr_c cos_c(b)``.
-``content`` is the DSIR-style hashed n-gram log-ratio alone (no gradient); ``combined``
-ranks ``z(gradient score) + content_weight * z(content)``, ``z`` standardizing over the
-whole pool (after every rank's rows are gathered).
-
-A method has two parts: ``block`` (streamed: one block of rows per checkpoint in, one
-score per row out) and ``finalize`` (whole pool: the per-row columns in, the ranked score
-out).
-"""
+"""Curation methods: one registered class per way of scoring a pool row against a target
+(cosine, adam-cosine, trajectory, content, combined; formulas: docs/curation.md,
+"Methods"). A method has two parts: ``block`` (streamed: one block of rows per checkpoint
+in, one score per row out) and ``finalize`` (whole pool: the gathered per-row columns in,
+the ranked score out)."""
 
 from __future__ import annotations
 

@@ -1,20 +1,11 @@
-"""Pool: the documents behind a store's rows, streamed (source, content hash, n-gram signals).
-
-A store row's sample id is ``<doc id>#<content hash>`` (``dattri_ds.semantics``); the pool
-jsonl files (the ``--data`` that ``collect`` read) give each row its document. Only per-row
-metadata is kept (source code, content hash, token count); texts are read in chunks when a
-rank computes its rows' n-gram signals, and once more for the subset's documents.
+"""Pool: the documents behind a store's rows (``<doc id>#<content hash>`` sample ids), streamed:
+per-row metadata only (source, content hash, token count); texts are read in chunks.
 
 Near-duplicate clusters: a row's signature is a 2-function MinHash of its hashed token
 trigrams; two rows share a cluster iff both minima agree (probability ``J^2`` for trigram
-Jaccard similarity ``J``: 0.81 at J = 0.9, 0.04 at J = 0.2). Rows with fewer than 3 tokens
-get a signature of their own.
-
-Content prior (DSIR-style): ``c_b = (1 / n_b) sum_h count_b(h) [log p_t(h) - log p_s(h)]``
-over hashed unigrams and bigrams (``selection.smoothing.ngram_features``), ``p_t`` the
-add-one smoothed target frequencies, ``p_s`` the same over the *whole pool* (every rank's
-counts summed), so the score of a row does not depend on the order rows are read.
-"""
+Jaccard similarity ``J``); rows with fewer than 3 tokens get a signature of their own.
+The content prior's pool counts are the whole pool's (every rank's summed), so a row's score
+does not depend on the order rows are read (formula: selection/content.py)."""
 
 from __future__ import annotations
 
@@ -135,7 +126,7 @@ def ngram_counts(input_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 def content_log_ratio(counts: torch.Tensor, target_counts: torch.Tensor,
                       pool_counts: torch.Tensor) -> torch.Tensor:
-    """``[C]`` mean log-ratio ``log p_t - log p_s`` of each row's n-grams (module doc)."""
+    """``[C]`` mean log-ratio ``log p_t - log p_s`` of each row's n-grams."""
     dim = target_counts.numel()
     log_t = torch.log((target_counts.double() + 1) / (target_counts.double().sum() + dim))
     log_s = torch.log((pool_counts.double() + 1) / (pool_counts.double().sum() + dim))

@@ -1,16 +1,8 @@
 """curate: score a pool store against a target, keep a budget under diversity caps, write it.
 
-Stages, in order:
-
-1. budget   ``resolve_budget``: the config's budget on this pool (checked before any work);
-2. score    ``score_pool``: each rank streams its slice of the store rows through the
-            method's ``block`` (and, for the content prior / clusters, its documents),
-            the per-row columns are all-gathered;
-3. finalize the method's ``finalize`` (z-scores of a combination over the whole pool);
-4. choose   ``choose``: rank by score (seeded ties), skip duplicates and capped sources
-            or clusters, stop when the budget is met;
-5. write    rank 0 writes the folder (``writer.write_outputs``).
-"""
+Stages: ``resolve_budget`` (checked before any work), ``score_pool`` (each rank streams its
+slice through the method's ``block``; columns all-gathered), the method's ``finalize``,
+``choose`` (rank, skip capped rows, stop at the budget), ``writer.write_outputs`` (rank 0)."""
 
 from __future__ import annotations
 

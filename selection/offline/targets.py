@@ -1,16 +1,7 @@
-"""Targets: the target documents' gradients in a pool store's space, optionally Adam-preconditioned.
-
-The target rows are captured with the store's own capture semantics and projection (so a
-target and a row are comparable: the store's ``ProjectionConfig`` rebuilds the same
-per-layer matrices), laid out in the store's column order: ``[Q, P]``.
-
-LESS's optimizer-aware target: the exact target gradient ``g_q`` is scaled by the
-checkpoint's Adam preconditioner ``D = 1 / (sqrt(v / (1 - beta2^t)) + eps)``
-(``selection.offline.precondition.precondition_target``, second moments from the checkpoint's
-optimizer state: ``training_state.pt`` of ``--backend torch``, DeepSpeed ZeRO-1/2/3 or
-Megatron optimizer files, ``dattri_ds.integrations.optim_state``), then projected:
-``t_q = Proj(D g_q)``.
-"""
+"""Targets: the target documents' gradients in a pool store's space, ``[Q, P]`` in the store's
+column order, captured with the store's own capture semantics and projection. With Adam
+preconditioning (LESS) the exact target ``g_q`` is scaled by the checkpoint's
+``D = 1 / (sqrt(v_hat) + eps)`` before it is projected: ``t_q = Proj(D g_q)``."""
 
 from __future__ import annotations
 

@@ -1,14 +1,5 @@
-"""Writer: a curation's output folder (subset, scores, resolved config, report).
-
-    subset.jsonl   one line per kept row, in rank order: {"id", "sample_id", "source",
-                   "score", "rank"}; with text, the document's {"id", "source", "title",
-                   "text"} as well: the training-data format launch/ reads (train.train_data)
-    scores.npy     [N] float64 ranked score of every pool row (store order)
-    ids.json       [N] the rows' sample ids (scores.npy's order)
-    config.json    the resolved CurateConfig, budget, inputs, what was kept, the seed
-    report.md      summary, score distribution, per-source shares, top / bottom examples
-    report.html    the same with a histogram plot (score_hist.png), when matplotlib is there
-"""
+"""Writer: a curation's output folder (``OUTPUTS``: subset.jsonl, scores.npy, ids.json,
+config.json, report.md / .html; formats: docs/curation.md, "Outputs")."""
 
 from __future__ import annotations
 
