@@ -11,8 +11,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-__all__ = ["ParallelContext", "all_reduce_sum", "all_gather_object", "broadcast_object",
-           "default_rendezvous_env"]
+__all__ = ["ParallelContext", "all_reduce_sum", "all_gather_object", "default_rendezvous_env"]
 
 
 @dataclass(frozen=True)
@@ -41,10 +40,6 @@ class ParallelContext:
             return ParallelContext(dp_rank=dist.get_rank(), dp_world=dist.get_world_size())
         return ParallelContext()
 
-    @property
-    def is_main(self) -> bool:
-        return self.dp_rank == 0 and self.tp_rank == 0
-
 
 def all_reduce_sum(t: torch.Tensor, group: Any = None, world: int = 1) -> torch.Tensor:
     """Sum ``t`` over ``group`` in place and return it; nothing happens at world 1."""
@@ -60,15 +55,6 @@ def all_gather_object(obj: Any, group: Any = None, world: int = 1) -> list[Any]:
     out: list[Any] = [None] * world
     dist.all_gather_object(out, obj, group=group)
     return out
-
-
-def broadcast_object(obj: Any, src: int = 0, group: Any = None, world: int = 1) -> Any:
-    """Rank ``src``'s ``obj`` on every rank (``obj`` itself at world 1)."""
-    if world == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]
 
 
 def default_rendezvous_env() -> None:

@@ -5,28 +5,13 @@ The influence of training example n on the loss of query q's token t is
 ``labels[q, t]`` (from position ``t - shift``). Summed over t it is the sequence score
 ``<g_n, grad L_q>`` (``L_q = sum_t l[q, t]``, the default per-example loss).
 
-``grad l[q, t]`` is a per-example gradient in its own right: that of a copy of query q
-whose labels keep token t only (every other label ``ignore_index``). So one row per
-(query, loss-bearing token) goes through the ordinary capture (``collect``): a batch of
-copies costs one forward and one backward per row, exactly what ``T`` separate token
-gradients cost, and every row stays factorized (or projected) as any GradBatch; the
-scoring routes each layer's cross gram through the cost model (ghost vs. dense), so no
-per-token weight gradient ``[O, I]`` is built unless the cost model finds it cheaper.
-
-Memory: the rows stream in chunks (``token_chunks``) of at most ``chunk`` rows, so what is
-held at once grows with the chunk, not with the query length. A chunk is cut to its last
-loss-bearing position (``trim``): in a causal LM positions after ``t`` never reach the
-prediction of token ``t``, so their gradients are exactly zero and the cut changes nothing
-but the work. ``TokenPlan`` predicts the bytes a chunk needs from the layer shapes::
-
-    row = 4 * 3 * T * sum_l (I_l + O_l)      capture: inputs, output gradients, saved for
-                                             backward (factorized rows of T tokens)
-        + 4 * 3 * sum_l I_l * O_l            curvature methods: the preconditioned query
-                                             built dense, rotated, and projected
-    need = chunk * row
-
-(``T`` the query length, ``l`` the captured layers; measured peak RSS in
-tests/unit/test_per_token.py).
+``grad l[q, t]`` is the gradient of a copy of query q whose labels keep token t only, so
+one row per (query, loss-bearing token) goes through the ordinary capture (``collect``)
+and stays factorized or projected. The rows stream in chunks (``token_chunks``), each cut
+after its last loss-bearing position (exact for causal LMs), sized by ``TokenPlan``
+(``row = 4*3*T*sum(I+O)`` bytes, plus ``4*3*sum(I*O)`` for curvature methods'
+dense preconditioned query). Measurements and memory: docs/offline_tools.md
+("Per-token scores").
 """
 
 from __future__ import annotations
@@ -43,7 +28,7 @@ from dattri_ds.errors import ConfigError
 from dattri_ds.gradient import GradBatch
 from dattri_ds.ops.cost import CostModel
 
-__all__ = ["token_rows", "token_chunks", "collect_per_token", "scatter_tokens", "TokenPlan"]
+__all__ = ["token_rows", "token_chunks", "token_gradients", "scatter_tokens", "TokenPlan"]
 
 Batch = Mapping[str, torch.Tensor]
 
@@ -123,25 +108,6 @@ def token_gradients(model: nn.Module, chunks: Iterable[dict[str, torch.Tensor]],
     return GradBatch.cat(list(collect(model, batches(), cfg, device=device, cost=cost)))
 
 
-def collect_per_token(model: nn.Module, queries: Batch, config: CaptureConfig | None = None, *,
-                      batch_size: int = 16, device: torch.device | str | None = None,
-                      cost: CostModel | None = None) -> tuple[GradBatch, torch.Tensor]:
-    """The gradients ``grad l[q, t]`` of every loss-bearing query token, as one GradBatch
-    (all ``R`` rows at once: ``token_chunks`` streams them instead).
-
-    ``config.per_example_loss`` must be ``"sum"``: only then do the token scores sum to the
-    sequence scores.
-
-    Returns:
-        The GradBatch (``R`` rows) and ``where [R, 2]`` ``(q, t)`` of its rows.
-    """
-    cfg = config or CaptureConfig()
-    parts = list(token_chunks(queries, cfg, chunk=batch_size, trim=False))
-    grads = token_gradients(model, (rows for rows, _ in parts), cfg, batch_size=batch_size,
-                            device=device, cost=cost)
-    return grads, torch.cat([w for _, w in parts])
-
-
 def scatter_tokens(values: torch.Tensor, where: torch.Tensor, q: int, t: int) -> torch.Tensor:
     """``[N, R]`` row scores -> ``[N, Q, T]`` (0 at tokens without loss)."""
     out = values.new_zeros(values.shape[0], q, t)
@@ -185,8 +151,7 @@ class TokenPlan:
 
     @staticmethod
     def make(shapes: Iterable[tuple[int, int]], *, seq_len: int, rows: int, dense_query: bool,
-             budget: int, chunk: int | None = None, chunk_flag: str = "--token-chunk",
-             budget_flag: str = "--token-memory-gb") -> TokenPlan:
+             budget: int, chunk: int | None = None) -> TokenPlan:
         """The largest chunk within ``budget`` bytes, or ``chunk`` checked against it.
 
         Raises:
@@ -195,7 +160,7 @@ class TokenPlan:
         """
         row = TokenPlan.row_cost(shapes, seq_len, dense_query)
         fit = budget // row
-        gb = 1024 ** 3
+        gb, chunk_flag, budget_flag = 1024 ** 3, "--token-chunk", "--token-memory-gb"
         if fit < 1:
             raise ConfigError(
                 f"per-token attribution: one token row of a {seq_len}-token query needs about "

@@ -2,11 +2,7 @@
 
 One document per line. Extra keys (``question``, ``answer``, ...) are ignored; a missing
 required key, a non-string value, an empty text or a repeated ``id`` is an error that names
-the file and line. Two backends give identical results:
-
-* ``backend="json"`` (default): the standard library, milliseconds for the shipped data.
-* ``backend="datasets"``: ``datasets.load_dataset("json", ...)`` with
-  ``HF_DATASETS_OFFLINE=1``; imported only when asked for.
+the file and line.
 """
 
 from __future__ import annotations
@@ -82,23 +78,9 @@ def iter_jsonl(path: str | os.PathLike, what: str = "document file") -> Iterator
         yield _document(row, f"{Path(path)}:{lineno}")
 
 
-def _load_datasets(path: Path, cache_dir: str | None) -> list[Document]:
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import datasets  # optional dependency, imported only for this backend
-
-    ds = datasets.load_dataset("json", data_files=str(path), split="train", cache_dir=cache_dir)
-    missing = [k for k in FIELDS if k not in ds.column_names]
-    if missing:
-        raise ConfigError(f"{path}: column(s) {missing} missing; every line needs {list(FIELDS)}")
-    cols = {k: ds[k] for k in FIELDS}
-    return [_document({k: cols[k][i] for k in FIELDS}, f"{path}: row {i + 1}")
-            for i in range(len(ds))]
-
-
 def load_documents(paths: str | os.PathLike | Sequence[str | os.PathLike], *,
-                   limit: int | None = None, sources: Iterable[str] | None = None,
-                   backend: str = "json", cache_dir: str | None = None) -> list[Document]:
+                   limit: int | None = None, sources: Iterable[str] | None = None
+                   ) -> list[Document]:
     """Load documents from one or more local JSONL files, in file order.
 
     Args:
@@ -106,8 +88,6 @@ def load_documents(paths: str | os.PathLike | Sequence[str | os.PathLike], *,
         limit: keep at most this many documents (after the ``sources`` filter). The shipped
             pools are in a seeded random order, so a prefix is a mixed sample.
         sources: keep only documents whose ``source`` is in this set.
-        backend: ``"json"`` (standard library) or ``"datasets"`` (Hugging Face, offline).
-        cache_dir: ``datasets`` cache directory (backend ``"datasets"`` only).
 
     Returns:
         The documents, ids unique across all files.
@@ -115,10 +95,8 @@ def load_documents(paths: str | os.PathLike | Sequence[str | os.PathLike], *,
     Raises:
         InputFileError: a path is missing (or a folder, a dangling symlink, ...), a file
             holds no document, or a line is not UTF-8 JSON (file and line named).
-        ConfigError: an unknown backend, a malformed document, or a repeated id.
+        ConfigError: a malformed document, or a repeated id.
     """
-    if backend not in ("json", "datasets"):
-        raise ConfigError(f"load_documents backend must be 'json' or 'datasets', got '{backend}'")
     if limit is not None and limit < 0:
         raise ConfigError(f"load_documents limit must be >= 0, got {limit}")
     path_list = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
@@ -127,9 +105,8 @@ def load_documents(paths: str | os.PathLike | Sequence[str | os.PathLike], *,
     seen: dict[str, Path] = {}
     for p in map(Path, path_list):
         check_file(p, "document file", "pass an existing .jsonl file of documents")
-        items = iter_jsonl(p) if backend == "json" else _load_datasets(p, cache_dir)
         n_file = 0
-        for doc in items:
+        for doc in iter_jsonl(p):
             n_file += 1
             if keep is not None and doc.source not in keep:
                 continue

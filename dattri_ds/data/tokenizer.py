@@ -130,9 +130,6 @@ class Tokenizer:
             ids = ids.tolist()
         return self._sp.decode(list(ids))
 
-    def id_to_piece(self, i: int) -> str:
-        return self._sp.id_to_piece(i)
-
     def __len__(self) -> int:
         return self.vocab_size
 
@@ -275,11 +272,6 @@ class TokenizedDocuments:
     def ids(self) -> list[str]:
         """Document ids, in row order."""
         return [d.id for d in self.docs]
-
-    @property
-    def lengths(self) -> torch.Tensor:
-        """``[N]`` number of real (non-pad) tokens per example."""
-        return self.attention_mask.sum(1)
 
     def __len__(self) -> int:
         return len(self.docs)

@@ -11,8 +11,15 @@ import torch
 
 import dattri_ds
 from dattri_ds import CaptureConfig, GradBatch, ProjectionConfig, make_attributor
-from dattri_ds.per_token import collect_per_token, scatter_tokens
+from dattri_ds.per_token import scatter_tokens, token_chunks, token_gradients
 from reference import reference_grads, tiny_gpt2
+
+
+def collect_per_token(model, queries, config=None, *, batch_size=16):
+    """Every loss-bearing token row's gradient at once (untrimmed), and its ``(q, t)``."""
+    parts = list(token_chunks(queries, config, chunk=batch_size, trim=False))
+    grads = token_gradients(model, (rows for rows, _ in parts), config, batch_size=batch_size)
+    return grads, torch.cat([w for _, w in parts])
 
 
 def _data():
@@ -70,7 +77,6 @@ def test_chunked_token_rows_equal_all_rows_at_once():
     gives the scores of all rows captured at once, for plain and EK-FAC-preconditioned
     queries: chunking and trimming change the memory, never the scores."""
     from dattri_ds import KFACConfig, fit_factors
-    from dattri_ds.per_token import token_chunks, token_gradients
 
     model = tiny_gpt2()
     train, queries = _data()
