@@ -1,16 +1,10 @@
 """One error path for every command line: ``dattri-ds: error: <message>`` and an exit code.
 
 ``launch/train.py``, ``python tools/<x>.py`` and ``dattri-ds <cmd>`` run their ``main``
-through :func:`run`:
-
-* a :class:`~dattri_ds.errors.ConfigError` (bad config, bad flag, usage error: argparse's
-  errors are raised as :class:`~dattri_ds.errors.UsageError`) or a
-  :class:`~dattri_ds.errors.StoreMismatchError` (a store that holds something other than
-  what was asked: a flag fixes it) exits with code 2;
-* any other error exits with code 1;
-* either way one line ``dattri-ds: error: <message>`` goes to stderr (once per launch on a
-  host when several ranks fail alike: :func:`dattri_ds.noise.first_report`), no traceback. Pass
-  ``--debug`` (anywhere on the command line) or set ``DATTRI_DS_DEBUG=1`` for the traceback.
+through :func:`run`: a ConfigError (argparse's errors raised as UsageError) or a
+StoreMismatchError exits 2, any other error 1, each as one stderr line without traceback
+unless ``--debug`` / ``DATTRI_DS_DEBUG=1`` (docs/training.md, "Configuration, flags and
+errors").
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """The one door for every file dattri-ds reads: each failure names the file, the line and the fix.
 
-Every reader below checks the path first (:func:`check_file` / :func:`check_dir`: missing,
-dangling symlink, symlink loop, a directory where a file is expected, not readable), then the
+Every reader checks the path first (:func:`check_file` / :func:`check_dir`), then the
 content, and raises :class:`~dattri_ds.errors.InputFileError` (a ConfigError: exit code 2)
 with a one-line message ``<what> '<path>'[:line]: <what is wrong>; expected <...>. Fix: <...>``.
-
-* text lines (:func:`iter_lines`): UTF-8, a leading UTF-8 BOM is stripped, UTF-16/32 and
-  binary (NUL) content refused, an invalid byte named with its line and byte offset, lines
-  longer than :func:`max_line_bytes` refused before they are read whole (``readline`` is
-  capped, so a multi-GB line never sits in memory);
-* JSON lines (:func:`iter_json_lines`) and JSON files (:func:`read_json`): syntax errors name
-  line and column, CSV and truncated files are recognised as such, repeated keys refused;
-* NumPy arrays (:func:`load_array`): ``allow_pickle=False`` always;
-* torch files (:func:`load_torch`): ``weights_only=True`` unless the caller names the
-  manifest that makes the file ours (``trusted=``);
-* Hugging Face model folders (:func:`model_dir`): ``config.json`` readable, ``model_type``
-  known to the installed transformers (checked before transformers is called), weights
-  present with a readable safetensors header.
+What each reader checks (text and JSON lines, JSON, ``.npy``, torch files, Hugging Face
+folders): docs/input_files.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """What a command prints: our own lines, third-party chatter only on request, each error once.
 
-* ``setup_logging(rank, verbose)``: ``dattri_ds.*`` loggers log INFO on rank 0 (WARNING on
-  the others); without ``verbose`` the libraries underneath (DeepSpeed, Megatron-core,
-  transformers) are kept to errors: their banners, per-bucket parameter lists, "falling
-  back to" notices and scheduler warnings, repeated once per rank, buried the tools' own
-  lines. ``--verbose`` shows everything, as the libraries log it.
-* ``first_report(text)``: whether this process is the first of its launch to report an error
-  line (``warn_once_per_launch`` applies it to Python warnings). Ranks started by one
-  launcher (``torchrun``, ``deepspeed``) that fail the same way print the line once per host
-  instead of once per rank; a line only one rank hits is printed by that rank.
-
-Only the standard library is imported here; the libraries are configured if installed.
+``setup_logging(rank, verbose)`` logs ours at INFO on rank 0 and keeps DeepSpeed,
+Megatron-core and transformers to errors unless ``verbose``; ``first_report(text)`` lets the
+ranks of one launch print an error line once per host (docs/training.md). Only the standard
+library is imported here; the libraries are configured if installed.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """The output door: every path a tool or launch writes is checked once, at start, here.
 
-``check_dir`` / ``check_file`` run before any work (the tools' ``--out``, launch's
-``--out`` and ``store.path``, the gradient store writer): an existing file where a folder is
-expected (or a folder where a file is), a parent that is a file, a path that cannot be
-created or written, or an earlier result that would be overwritten without ``--force`` is
-one :class:`~dattri_ds.errors.OutputError` (exit 2) naming the path, the flag and the fix.
-The folder is created and a probe file written and removed, so a read-only or foreign file
-system is found at start, not after hours of work.
-
-``writing`` turns an ``OSError`` raised while writing (disk full, file size limit, quota,
-permission) into one :class:`~dattri_ds.errors.WriteError` (exit 1) that names the path, the
-bytes needed (when known) and what stays committed.
+``check_dir`` / ``check_file`` run before any work and raise one
+:class:`~dattri_ds.errors.OutputError` (exit 2) naming the path, the flag and the fix;
+``writing`` turns an ``OSError`` raised while writing into one
+:class:`~dattri_ds.errors.WriteError` (exit 1) naming the path, the bytes and what stays
+committed. What is checked: docs/outputs_and_memory.md ("Output paths").
 """
 
 from __future__ import annotations
@@ -74,8 +68,8 @@ def _where(flag: str, p: Path) -> str:
 
 
 def check_dir(path: str | os.PathLike, *, flag: str, force: bool = False,
-              overwrites: Iterable[str] = (), force_flag: str = "--force",
-              what: str = "an earlier result", fix: str | None = None,
+              overwrites: Iterable[str] = (), what: str = "an earlier result",
+              fix: str | None = None,
               folders: Iterable[str] = ()) -> Path:
     """Validate (and create) the output folder ``path`` at start.
 
@@ -85,9 +79,8 @@ def check_dir(path: str | os.PathLike, *, flag: str, force: bool = False,
         force: overwriting is allowed.
         overwrites: names of files (or folders) in ``path`` the command replaces; one that
             exists is refused unless ``force``.
-        force_flag: the flag (or key) that allows overwriting, named in the message.
         what: what the existing files are, for the message.
-        fix: the fix of an overwrite (default: pass ``force_flag``, or another folder).
+        fix: the fix of an overwrite (default: pass ``--force``, or another folder).
         folders: names of subfolders the command keeps in ``path`` (not created here); one
             that exists as a file is refused.
 
@@ -125,14 +118,13 @@ def check_dir(path: str | os.PathLike, *, flag: str, force: bool = False,
                               f"Fix: move it away, or pass another {flag or 'folder'}")
     existing = [n for n in overwrites if (p / n).exists()]
     if existing and not force:
-        fix = fix or f"pass {force_flag} to replace it, or another {flag or 'folder'}"
+        fix = fix or f"pass --force to replace it, or another {flag or 'folder'}"
         raise OutputError(f"{where} already holds {existing[0]} ({what}), which this command "
                           f"would overwrite. Fix: {fix}")
     return p
 
 
-def check_file(path: str | os.PathLike, *, flag: str, force: bool = False,
-               force_flag: str = "--force") -> Path:
+def check_file(path: str | os.PathLike, *, flag: str, force: bool = False) -> Path:
     """Validate the output file ``path`` at start (its folder is created and probed).
 
     Raises:
@@ -147,7 +139,7 @@ def check_file(path: str | os.PathLike, *, flag: str, force: bool = False,
     check_dir(p.parent, flag=f"the folder of {flag}" if flag else "", force=True)
     if p.exists() and not force:
         raise OutputError(f"{where} already exists, and this command would overwrite it. "
-                          f"Fix: pass {force_flag} to replace it, or another {flag or 'file'}")
+                          f"Fix: pass --force to replace it, or another {flag or 'file'}")
     return p
 
 

@@ -2,28 +2,10 @@
 
 The dataclasses are the single source of truth: a field's type hint says what a JSON value
 or a flag string may be, ``field(metadata=bounds(...))`` declares its range once, and the
-attribute docstring under it is its help text. Rules:
-
-* ``bool``: only ``true``/``false`` (JSON booleans; on the command line the words
-  ``true``/``false``); never ``"false"``, ``0`` or ``1``.
-* ``int``: only integers (not ``2.5``, not ``true``); ``float``: integers or floats, finite
-  unless ``bounds(nonfinite=True)``.
-* ``str``: a non-empty string. ``Literal[...]``: one of the choices (same type).
-* ``tuple[str, ...]``: a list of strings; a single string means a list of one (``"train_data":
-  "file.jsonl"`` is ``["file.jsonl"]``).
-* seeds are plain ``int`` fields: any integer, negative ones included.
-* size-like fields (tokens, rows, documents, candidates, bytes, steps) declare an upper
-  bound too, so an absurd value fails here, naming its key; what fits the declared range
-  but not this machine's memory is the planner's to refuse (dattri_ds/plan.py
-  ``check_fits``, at start).
-* ``X | None``: ``null`` (``null`` on the command line) or an ``X``.
-* a config dataclass: an object whose keys are its fields, parsed recursively; unknown keys
-  are errors at every level.
-* ``dict`` with ``partial(C)`` metadata: an object with a subset of ``C``'s fields (e.g. the
-  store block whose ``path`` launch fills in).
-
-Every failure is one :class:`~dattri_ds.errors.ConfigError` whose one-line message names the
-full key path, the value, what is allowed and the fix.
+attribute docstring under it is its help text. Every failure is one
+:class:`~dattri_ds.errors.ConfigError` whose one-line message names the full key path, the
+value, what is allowed and the fix. The rules per type: docs/training.md ("Configuration,
+flags and errors").
 """
 
 from __future__ import annotations

@@ -14,9 +14,8 @@ plus one batch. ::
 
 A later iteration started before the first one finished raises (the stream would be
 read twice); an iteration after ``close()`` raises. The folder is a temporary one (under
-``dir``) removed by ``close()`` / the ``with`` block. Writing and reading files costs CPU
-too (kernel page-cache work: about a quarter of an EK-FAC fit + score of GPT-2 4x64 when
-everything went to disk), hence the memory budget.
+``dir``) removed by ``close()`` / the ``with`` block. Why the memory budget (files cost
+CPU too): docs/throughput.md (EK-FAC).
 """
 
 from __future__ import annotations

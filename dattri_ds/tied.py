@@ -1,16 +1,9 @@
 """Tied weights: modules that share one parameter are reported as one layer of that parameter.
 
-The per-example gradient of a shared weight is the sum of every user's contribution, so
-whole-model inner products need the cross terms. Both supported patterns become one
-factorized layer under the *primary* module's name by concatenating tokens:
-
-* same-kind modules (a layer called through two modules): tokens concatenate as they are;
-* an ``nn.Embedding`` tied to an output projection (GPT-2 ``wte``/``lm_head``, weight
-  ``[V, D]``). The projection's canonical gradient is ``sum_t g_t^T a_t`` (``[V, D]``); the
-  embedding's is ``sum_t e_{idx_t} h_t^T`` (``e`` one-hot in ``R^V``, ``h`` its output-grad
-  in ``R^D``), i.e. the same outer-product form with ``g' = onehot(idx)`` and ``a' = h`` (a
-  zero bias column when the projection has a bias). The one-hot side is as large as the
-  logits' output-grad, so the merged layer at most doubles the head's factor memory.
+Same-kind modules, and an ``nn.Embedding`` tied to an output projection (GPT-2
+``wte``/``lm_head``: the embedding enters as ``g' = onehot(idx)``, ``a' = h``), become one
+factorized layer under the *primary* module's name by concatenating tokens (the maths:
+docs/design.md, "Tied weights").
 """
 
 from __future__ import annotations

@@ -12,19 +12,9 @@ whatever the capture dtype. Results:
 * ``project(lg, projector)``: ``Dense [B, P]`` (re-exported from ``ops/space.py``, the one
   place a LayerGrad changes space; the maths of every op is on the layer's kind).
 
-Tensor-parallel shards (``LayerGrad.shard``, contiguous blocks of the canonical layout, see
-``ShardInfo``): every op works on the local shard and all-reduces only its small result over
-``shard.group``. ``layer_cross_gram`` / ``cross_gram`` / ``sq_norms`` reduce ``[B1, B2]`` /
-``[B]`` partial sums (``cross_gram`` one reduction per group for all sharded layers);
-``project`` reduces ``[B, P]`` partial projections: Kronecker with the shard's slice of the
-seeded side matrix (``P_out[:, rows]`` for column-parallel, ``P_in[:, cols]`` for
-row-parallel), dense with the shard's columns of the seeded dense matrix
-(``Projector.dense_apply_at``, always via the materialized local rows). A projected layer
-is whole (``shard=None``, ``shape = full_shape``) and equals the unsharded layer's
-projection up to float rounding; layers with ``O*I' <= dim`` are all-gathered exactly.
-``materialize`` and ``grad_sum`` stay local. ``gather_shards`` (full rows) and
-``unshard`` (full factors, e.g. for K-FAC) all-gather along the feature dimension: that
-is gradient- or activation-sized communication, for tests and offline tools only.
+Tensor-parallel shards (``LayerGrad.shard``): every op works on the local shard and
+all-reduces only its small result over ``shard.group`` (docs/design.md, "Tensor-parallel
+shards").
 """
 
 from __future__ import annotations
