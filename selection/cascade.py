@@ -17,7 +17,7 @@ from dattri_ds.selection.policy import top_k
 from dattri_ds.selection.rank import Ranker
 from dattri_ds.selection.smoothing import CandidateText
 
-__all__ = ["needed", "shortlist_size", "shortlist", "Cascade", "cascade_for", "shared_prior"]
+__all__ = ["needed", "shortlist_size", "Cascade", "cascade_for"]
 
 Batch = dict[str, torch.Tensor]
 
@@ -32,12 +32,6 @@ def needed(k: int, candidates: int, uniform_mix: float) -> int:
 def shortlist_size(multiple: float, k: int, candidates: int, uniform_mix: float) -> int:
     """``S = min(C, ceil(multiple * n))`` candidates probed, ``n = needed(k, C, mix)``."""
     return min(candidates, math.ceil(multiple * needed(k, candidates, uniform_mix) - 1e-9))
-
-
-def shortlist(content: torch.Tensor, size: int) -> torch.Tensor:
-    """Sorted positions of the ``size`` highest ``content`` values ``[C]`` (ties: the lower
-    index)."""
-    return top_k(content, size)
 
 
 class Cascade:
@@ -64,7 +58,7 @@ class Cascade:
         and ``k`` examples trained from it."""
         content = self.prior.scores_of_counts(text.counts)
         c = content.numel()
-        positions = shortlist(content, self.size(k, c))
+        positions = top_k(content, self.size(k, c))  # ties: the lower index
         self.stats["steps"] += 1
         self.stats["candidates"] += c
         self.stats["probed"] += positions.numel()
@@ -98,11 +92,6 @@ def cascade_for(config: SelectionConfig, stages: list[Ranker],
         raise ConfigError(f"selection.shortlist={config.shortlist} ranks the candidates by the "
                           f"target documents' n-grams, which a target_store does not have: "
                           f"give selection.target_data or unset shortlist")
-    return Cascade(config.shortlist, config.uniform_mix, shared_prior(stages, documents))
-
-
-def shared_prior(stages: list[Ranker], documents: Batch) -> ContentPrior:
-    """The ``ContentRanking`` stage's prior among ``stages``, else a new one on
-    ``documents``: one prior per selector, so its stream counts every candidate once."""
+    # one prior per selector, so its stream counts every candidate once
     prior = next((s.prior for s in stages if isinstance(s, ContentRanking)), None)
-    return prior or ContentPrior(documents)
+    return Cascade(config.shortlist, config.uniform_mix, prior or ContentPrior(documents))

@@ -9,8 +9,8 @@ continued (``log_lines_before``); a resume under another selection config is ref
 
 from __future__ import annotations
 
+import io
 import json
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +21,7 @@ import torch
 from dattri_ds.errors import ConfigError
 from dattri_ds.gradient import Dense, GradBatch, LayerGrad, ShardInfo
 from dattri_ds.layers import get_kind
+from dattri_ds.outputs import write_atomic
 
 __all__ = ["FORMAT_VERSION", "grad_batch_state", "grad_batch_from_state", "selector_state",
            "load_selector_state", "config_difference", "log_lines_before",
@@ -213,14 +214,11 @@ class SelectionCheckpoint:
     @classmethod
     def write(cls, folder: Path, rank: int, state: dict, config: dict | None = None) -> None:
         """Write this rank's ``state`` (and, given, the resolved selection ``config``)."""
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / cls.FILE.format(rank=rank)
-        torch.save(state, path.with_suffix(".pt.tmp"))
-        os.replace(path.with_suffix(".pt.tmp"), path)
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        write_atomic(folder / cls.FILE.format(rank=rank), buf.getvalue())
         if config is not None:
-            tmp = folder / (cls.CONFIG + ".tmp")
-            tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-            os.replace(tmp, folder / cls.CONFIG)
+            write_atomic(folder / cls.CONFIG, json.dumps(config, indent=2, sort_keys=True) + "\n")
 
     @classmethod
     def config_of(cls, folder: Path) -> dict | None:

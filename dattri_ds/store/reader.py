@@ -256,38 +256,27 @@ class GradientStore:
         """
         idx = self._rows(rows)
         shard_of, local = self._shard_of[idx], self._local[idx]
-        if idx.size and shard_of[0] == shard_of[-1] and bool(np.all(shard_of == shard_of[0])):
-            fast = self._read_one_shard(int(shard_of[0]), local, copy)  # no masks
-            if fast is not None:
-                t = from_storage(fast, self.dtype)
-                return t if dtype is None else t.to(dtype)
+        if idx.size and bool(np.all(shard_of == shard_of[0])) and _contiguous(local):
+            view = self._shard_rows(int(shard_of[0]), local)  # one shard: no masks
+            t = from_storage(np.array(view) if copy else view, self.dtype)
+            return t if dtype is None else t.to(dtype)
         out = np.empty((idx.size, self.width), dtype=self._np_dtype)
         for s in np.unique(shard_of):
             sel = shard_of == s
-            loc = local[sel]
-            shard = self._shards[s]
-            if shard.rows is None:
-                raise ClosedError(f"Gradient store '{self.path}' was closed: read it before close()")
-            if self._lazy:
-                shard.verify(loc)
-            lo = int(loc[0])
-            contiguous = int(loc[-1]) - lo + 1 == loc.size and bool(np.all(np.diff(loc) == 1))
-            out[sel] = shard.rows[lo:lo + loc.size] if contiguous else shard.rows[loc]
+            out[sel] = self._shard_rows(int(s), local[sel])
         t = from_storage(out, self.dtype)
         return t if dtype is None else t.to(dtype)
 
-    def _read_one_shard(self, s: int, loc: np.ndarray, copy: bool) -> np.ndarray | None:
-        """Rows ``loc`` of shard ``s`` when contiguous (one copy, or a view), else None."""
-        lo = int(loc[0])
-        if int(loc[-1]) - lo + 1 != loc.size or not bool(np.all(np.diff(loc) == 1)):
-            return None
+    def _shard_rows(self, s: int, loc: np.ndarray) -> np.ndarray:
+        """Rows ``loc`` of shard ``s`` (a view of the memory map when contiguous), verified
+        first when ``verify="lazy"``."""
         shard = self._shards[s]
         if shard.rows is None:
             raise ClosedError(f"Gradient store '{self.path}' was closed: read it before close()")
         if self._lazy:
             shard.verify(loc)
-        view = shard.rows[lo:lo + loc.size]
-        return np.array(view) if copy else view
+        lo = int(loc[0])
+        return shard.rows[lo:lo + loc.size] if _contiguous(loc) else shard.rows[loc]
 
     def layer_view(self, values: torch.Tensor) -> dict[str, torch.Tensor]:
         """Split rows ``[n, P]`` into layer name -> ``[n, P_l]`` views (no copy)."""
@@ -349,6 +338,10 @@ class GradientStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _contiguous(loc: np.ndarray) -> bool:
+    return int(loc[-1]) - int(loc[0]) + 1 == loc.size and bool(np.all(np.diff(loc) == 1))
 
 
 def check_shard_set(root: Path, worlds: dict[int, int],

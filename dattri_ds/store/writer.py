@@ -135,10 +135,6 @@ class GradientStoreWriter:
         """Whether ``sample_id`` is stored or pending (in any shard as of opening, or here)."""
         return sample_id in self._seen
 
-    def existing_ids(self) -> frozenset[str]:
-        """All ids ``has`` reports (a copy)."""
-        return frozenset(self._seen)
-
     @property
     def committed_rows(self) -> int:
         """Rows of this shard that are durably committed."""

@@ -19,8 +19,9 @@ import torch
 from dattri_ds import ConfigError
 from dattri_ds.selection import OnlineSelector, SelectionConfig
 from dattri_ds.selection.cascade import (
-    Cascade, needed, shortlist, shortlist_size,
+    Cascade, needed, shortlist_size,
 )
+from dattri_ds.selection.policy import top_k
 from dattri_ds.selection.smoothing import CandidateText
 from dattri_ds.selection.stepcost import StepCost
 from reference import reference_grads, rel_err, tiny_gpt2
@@ -55,7 +56,7 @@ def test_shortlist_on_hand_made_content():
     assert shortlist_size(1.25, 8, 32, 0.5) == 5  # ceil(5.0) stays 5
     assert shortlist_size(3.0, 8, 10, 0.0) == 10  # capped at C
     content = torch.tensor([0.1, 0.9, 0.5, 0.9, -1.0, 0.5])
-    assert shortlist(content, 3).tolist() == [1, 2, 3]  # 0.9, 0.9, then the first 0.5
+    assert top_k(content, 3).tolist() == [1, 2, 3]  # 0.9, 0.9, then the first 0.5
     ids = torch.arange(6 * T).view(6, T) % 97
     text = CandidateText(ids)
     cascade = Cascade(1.5, 0.5, _FixedPrior(content.tolist()))
@@ -126,7 +127,7 @@ def test_shortlisted_scores_equal_autograd_cosine():
     short = sel.probed
     assert short.numel() == 4  # ceil(2.0 * 2)
     content = ContentPrior({"input_ids": tgt}).scores(ids, torch.ones_like(ids))
-    assert short.tolist() == shortlist(content, 4).tolist()
+    assert short.tolist() == top_k(content, 4).tolist()
     rc = reference_grads(model, ids[short])
     rt = reference_grads(model, tgt)
     flat = torch.cat([rc[n] for n in rc], 1)

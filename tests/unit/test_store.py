@@ -147,7 +147,7 @@ def test_resume_skips_existing_ids(tmp_path):
     batch), also ids stored by another rank's shard, so every id is stored once."""
     write(tmp_path, [ids_range(0, 6)])
     w = GradientStoreWriter(StoreConfig(path=str(tmp_path)), make_spec())
-    assert w.has("ex3") and not w.has("ex6") and w.existing_ids() == frozenset(ids_range(0, 6))
+    assert w.has("ex3") and not w.has("ex6") and all(map(w.has, ids_range(0, 6)))
     assert w.append(make_batch(ids_range(4, 9) + ["ex8"], step=1)) == 3
     assert w.append(make_batch(ids_range(0, 9), step=2)) == 0
     w.close()
