@@ -8,7 +8,6 @@ from typing import Any, Literal, TypeVar
 from dattri_ds import schema
 from dattri_ds.errors import ConfigError
 from dattri_ds.ops.projection import ProjectionConfig
-from dattri_ds.semantics import LOSS_REDUCTIONS, PER_EXAMPLE_LOSSES
 
 __all__ = ["CaptureConfig", "ProjectionConfig", "from_dict"]
 
@@ -81,11 +80,6 @@ class CaptureConfig:
             raise ConfigError(f"capture: whiten='{self.whiten}' without a projection stores "
                               f"the exact whitened rows [B, O*I'] per layer; set "
                               f"capture.projection (e.g. ProjectionConfig()) or whiten=None")
-        if self.loss_reduction not in LOSS_REDUCTIONS or \
-                self.per_example_loss not in PER_EXAMPLE_LOSSES:  # the hints mirror semantics.py
-            raise ConfigError(f"capture: loss_reduction '{self.loss_reduction}' or "
-                              f"per_example_loss '{self.per_example_loss}' is not in "
-                              f"{LOSS_REDUCTIONS} / {PER_EXAMPLE_LOSSES}")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CaptureConfig:

@@ -1,15 +1,10 @@
 """Randomly initialized causal LMs of any Hugging Face architecture from a JSON config; never
 downloads.
 
-A model config is a JSON object of Hugging Face config fields plus ``model_type``: our files
-(``configs/model_gpt2_tiny.json``, ``model_qwen2_tiny.json``, ``model_olmo2_tiny.json``, ...)
-or a Hugging Face ``config.json``. Every ``model_type`` that ``transformers`` builds with
-``AutoModelForCausalLM`` is accepted (``causal_lm_types``); ``ARCHITECTURES`` are the ones the
-tests train end to end (GPT-2, Llama, OLMo-2, Qwen2). ``build_model`` takes the vocabulary size
-and the special ids from the tokenizer, so our config files leave them out. Unknown keys are
-an error (Hugging Face would silently keep a misspelt ``n_layers``). ``check_capturable``
-refuses, by model type and module, a model with a trainable layer capture has no
-``LayerKind`` for (e.g. Mamba's ``Conv1d`` and ``MambaMixer``).
+A model config is a JSON object of Hugging Face config fields plus ``model_type`` (our
+``configs/model_*.json`` or a Hugging Face ``config.json``); every causal LM ``transformers``
+builds is accepted. Unknown keys are an error (Hugging Face would silently keep a misspelt
+``n_layers``).
 
 ``transformers`` is imported inside the functions.
 """
@@ -128,11 +123,9 @@ def build_model(config: str | os.PathLike | Mapping[str, Any], *,
     arch = d["model_type"]
     cfg_cls = CONFIG_MAPPING[arch]
     _check_keys(d, cfg_cls, arch)
-    drop = {"model_type", "architectures", "transformers_version", "_name_or_path", "auto_map"}
+    drop = {"model_type", "architectures", "transformers_version", "_name_or_path", "auto_map",
+            "torch_dtype", "dtype"}  # the saved weights' dtype: we build fp32, the engine casts
     kwargs = {k: v for k, v in d.items() if k not in drop}
-    if "torch_dtype" in kwargs:  # the saved weights' dtype: we build fp32, the engine casts
-        kwargs.pop("torch_dtype")
-    kwargs.pop("dtype", None)
     size = tokenizer.vocab_size if tokenizer is not None else vocab_size
     if size is not None and "vocab_size" in kwargs and kwargs["vocab_size"] != size:
         warnings.warn(f"Model config vocab_size={kwargs['vocab_size']} is replaced by the "

@@ -1,16 +1,9 @@
 """SentencePiece tokenizer trained on the training texts, cached on disk, and fixed-length examples.
 
-* ``train_tokenizer(texts, vocab_size=1024, model_type="bpe")`` trains once per
-  (texts, vocab size, model type, trainer options) and afterwards loads the cached
-  ``.model`` file: the cache key is a blake2b hash of all of them.
-* ``Tokenizer`` wraps the processor: ``encode``/``decode``, ``vocab_size``, the special ids
-  (pad 0, unk 1, bos 2, eos 3, fixed for every model) and ``fingerprint``, a hash of the
-  ``.model`` bytes that later stages record to detect a mismatched tokenizer.
-* ``tokenize_documents(docs, tok, seq_len)`` turns each document into one example of ``T``
-  tokens: ``[bos] + encode(text) + [eos]``, truncated to ``T``, then padded with
-  ``pad_id``. ``attention_mask`` is 0 and ``labels`` is -100 on pads.
-
-The trainer sees whole documents (newlines included; ``"\\n"`` is a user-defined piece) with
+``train_tokenizer`` trains once per (texts, vocab size, model type, trainer options) and then
+loads the cached ``.model``; ``Tokenizer`` has fixed special ids (pad 0, unk 1, bos 2, eos 3)
+and a ``fingerprint`` of its bytes; ``tokenize_documents`` makes one padded example of ``T``
+tokens per document. The trainer sees whole documents (newlines included; ``"\\n"`` is a user-defined piece) with
 the identity normalization and no whitespace folding, so ``decode(encode(s)) == s`` for
 every text made of characters seen in training (code indentation included).
 

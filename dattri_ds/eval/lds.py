@@ -140,11 +140,8 @@ def predicted(scores: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
 
 
 def rankdata(x: torch.Tensor) -> torch.Tensor:
-    """1-based ranks along dim 0, ties sharing their average rank (``scipy.stats.rankdata``).
-
-    For a column with sorted distinct values ``v_1 < ... < v_K`` of multiplicities
-    ``c_k``, every entry equal to ``v_k`` gets ``C_{k-1} + (c_k + 1) / 2`` with
-    ``C_k = c_1 + ... + c_k``. Columns holding a NaN are all NaN.
+    """1-based ranks along dim 0, ties sharing their average rank (``scipy.stats.rankdata``);
+    columns holding a NaN are all NaN.
 
     Args:
         x: ``[S]`` or ``[S, Q]``.
@@ -168,11 +165,8 @@ def rankdata(x: torch.Tensor) -> torch.Tensor:
 
 
 def spearman(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Spearman correlation along dim 0: Pearson correlation of average ranks.
-
-    ``rho = sum_s (r_s - mean r)(u_s - mean u) / sqrt(sum (r_s - mean r)^2 sum (u_s - mean u)^2)``
-    with ``r = rankdata(x)``, ``u = rankdata(y)``. NaN where a column is constant (the
-    correlation is undefined) or holds a NaN.
+    """Spearman correlation along dim 0: Pearson correlation of ``rankdata`` ranks; NaN where
+    a column is constant (the correlation is undefined) or holds a NaN.
 
     Args:
         x, y: ``[S]`` or ``[S, Q]`` of the same shape.

@@ -11,11 +11,8 @@ q to first order. One SGD step of size ``lr`` on example n changes the query los
 ``-eps <g_q, H^-1 g_n>``. So positive scores are *proponents*, negative *opponents*.
 
 Methods override ``precondition(query) -> GradBatch`` (and optionally ``query_scale`` /
-``train_scale``). Training gradients are read once, in batches, and never preconditioned:
-memory is the preconditioned query plus one train batch, and the ``[N, Q]`` result.
-Both sides may be factorized (from capture) or dense projected rows (from a store), as
-long as they are in the same space (equal ``LayerGrad.space``): see
-``ops.inner.cross_gram``.
+``train_scale``). Training gradients are read once, in batches, never preconditioned; both
+sides may be factorized or projected rows in the same ``LayerGrad.space``.
 """
 
 from __future__ import annotations
@@ -158,15 +155,9 @@ def _into_space(pq: GradBatch, projector: Projector, cost: CostModel | None) -> 
 
 def _materialize_once(train: GradBatch, pq: GradBatch, names: tuple[str, ...],
                       cost: CostModel | None) -> GradBatch:
-    """Materialize factorized query layers once when the train x query product goes dense.
-
-    ``cross_gram``'s dense route materializes *both* sides for every train batch; the
-    query does not change between batches, so when the cost model's decision for the
-    first train batch (``CostModel.decide``: the estimate, or a decision a calibrating
-    model already timed for these shapes) is that route, the query rows ``[Q, D]`` are
-    built here once and every batch takes the cheaper ``cross_dense`` route (same values
-    up to float rounding).
-    """
+    """Materialize factorized query layers once when the cost model routes the first train
+    batch's product dense (``CostModel.decide``), instead of once per batch: every batch then
+    takes the ``cross_dense`` route (same values up to float rounding)."""
     layers = dict(pq.layers)
     for n in names:
         x, y = train.layers[n], layers[n]

@@ -119,13 +119,9 @@ def fit_factors(batches: Batches, *, config: KFACConfig | None = None,
     """Fit curvature factors: sums, reduce, eigendecompose, then (EK-FAC) a second pass.
 
     EK-FAC needs the eigenbasis of the whole data before its eigenvalue pass. A list or a
-    callable is read twice; a one-shot iterator (e.g. a generator capturing gradients) is
-    read once: each batch is folded into the factor sums and kept by a ``dattri_ds.Spill``
-    (in memory up to 1 GiB, beyond that in a temporary folder under ``spill_dir``, default
-    the system's), which the second pass replays and then deletes: the data is never
-    captured twice. To score the same
-    data afterwards without capturing it again, pass a ``dattri_ds.Spill`` of the stream
-    (re-iterable: fit reads it twice, scoring a third time).
+    callable is read twice; a one-shot iterator is kept by a ``dattri_ds.Spill`` (under
+    ``spill_dir``) for the second pass, then deleted. To score the same data afterwards
+    without capturing it again, pass a ``dattri_ds.Spill`` of the stream yourself.
 
     Args:
         batches: factorized training GradBatches of this rank: a re-iterable, a callable

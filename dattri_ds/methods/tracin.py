@@ -2,11 +2,9 @@
 
 ``score[n, q] = sum_c w_c <g_n^(c), M_c g_q^(c)>``: the gradients of train example n and
 query q at checkpoint c, the inner method's query preconditioning ``M_c`` at c, and a
-weight ``w_c``: the learning rate ``lr_c`` in effect after c (``weighting="lr"``, TracIn,
-Pruthi et al., 2020), 1 (``weighting="uniform"``), or ``1 / std_n(score_c[n, q])`` per
-query (``weighting="normalized"``: every checkpoint gets an equal say in each query's
-ranking, whatever the scale of its curvature or gradients). Sign convention of ``methods.base``:
-positive = n lowered q's loss.
+weight ``w_c`` (``Trajectory``'s ``weighting``; ``lr``: TracIn, Pruthi et al., 2020;
+``normalized`` gives every checkpoint an equal say in each query's ranking, whatever the
+scale of its curvature or gradients). Positive = n lowered q's loss (``methods.base``).
 
 Registered trajectories (one implementation, ``Trajectory``, differing in defaults):
 

@@ -89,15 +89,9 @@ def cpu_workarounds() -> None:
 
 
 class TorchNorm:
-    """A torch ``LayerNorm``/``RMSNorm`` for Megatron layer specs that allows sequence parallelism.
-
-    Megatron's ``WrappedTorchNorm`` (its local spec's norm without Apex) refuses
-    ``sequence_parallel``; Apex's ``FusedLayerNorm`` and TE's norms need CUDA builds. The
-    maths of a norm does not change under sequence parallelism, only the reduction of its
-    replicated weight: every rank sees ``S/R`` tokens, so its weight gradient is a partial sum.
-    The parameters are marked ``sequence_parallel`` (as Megatron's own norms do), so
-    Megatron's ``finalize_model_grads`` (or ``allreduce_sequence_parallel_grads``) sums them
-    over the tensor-parallel group.
+    """A torch ``LayerNorm``/``RMSNorm`` for Megatron layer specs that allows sequence parallelism
+    (why: docs/cpu_setup.md, "Norms"). Its parameters are marked ``sequence_parallel``, so
+    Megatron sums their partial gradients over the tensor-parallel group.
 
     Called like Megatron's norm modules: ``TorchNorm(config, hidden_size, eps, ...)``.
     """

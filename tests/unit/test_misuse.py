@@ -222,6 +222,16 @@ def test_config_rejects_unknown_keys_and_values():
     assert cfg.projection.dim == 64 and cfg.exclude == ("lm_head",)
 
 
+def test_capture_config_choices_mirror_semantics():
+    """CaptureConfig's Literal hints (checked by the schema) are exactly semantics.py's."""
+    import typing
+
+    from dattri_ds.semantics import LOSS_REDUCTIONS, PER_EXAMPLE_LOSSES
+    hints = typing.get_type_hints(CaptureConfig)
+    assert typing.get_args(hints["loss_reduction"]) == LOSS_REDUCTIONS
+    assert typing.get_args(hints["per_example_loss"]) == PER_EXAMPLE_LOSSES
+
+
 def test_tied_embeddings_are_one_exact_layer():
     """GPT-2 with tied wte/lm_head: one 'lm_head' layer whose per-example gradient is the
     whole shared weight's (both uses summed), and ghost grams include the cross terms."""
