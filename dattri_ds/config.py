@@ -83,15 +83,11 @@ class CaptureConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CaptureConfig:
-        return from_dict(cls, d, "capture", nested={"projection": ProjectionConfig})
+        return from_dict(cls, d, "capture")
 
 
-def from_dict(cls: type[C], d: dict[str, Any], where: str,
-              nested: dict[str, type] | None = None) -> C:
+def from_dict(cls: type[C], d: dict[str, Any], where: str) -> C:
     """Build a frozen config dataclass from a JSON object with :func:`dattri_ds.schema.parse`:
-    strict types and ranges from the type hints, unknown keys refused at every level.
-
-    ``nested`` is accepted for compatibility and ignored: nested config dataclasses are
-    found from the type hints.
-    """
+    strict types and ranges from the type hints (nested dataclasses included), unknown keys
+    refused at every level."""
     return schema.parse(cls, d, where)

@@ -182,4 +182,4 @@ class SelectionConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SelectionConfig:
-        return from_dict(cls, d, "selection", nested={"projection": ProjectionConfig})
+        return from_dict(cls, d, "selection")
