@@ -246,6 +246,38 @@ def ds_ekfac(wl: Workload, clock: Clock) -> torch.Tensor:
     return s
 
 
+def _ds_pekfac(wl: Workload, clock: Clock, whitened: bool) -> torch.Tensor:
+    """Projected EK-FAC through ``Recipe`` (what ``benchmarks/lds.py`` scores): one exact
+    capture of the training set (``Spill``), the factors fitted from it (LoGra: in the
+    Kronecker-projected space; ``whitened``: exact factors, rows whitened, then projected),
+    the projected rows, the query and the scores, all inside the clock."""
+    from dattri_ds import Checkpoint, GradBatch, KFACConfig, ProjectionConfig, Spill, collect
+    from dattri_ds.recipe import Recipe
+
+    recipe = Recipe(method="ekfac", projection=ProjectionConfig(kind="kronecker", dim=K),
+                    logra=not whitened, whitened=whitened)
+    cfg = _ds_config(projected=False)
+    with clock:
+        with Spill(collect(wl.model, _ds_batches(wl.train), cfg), dir=wl.tmp) as train:
+            factors = recipe.fit(train, KFACConfig(damping=DAMPING, power=1.0))
+            rows = recipe.rows(train, factors)
+        query = recipe.query(GradBatch.cat(list(collect(wl.model, _ds_batches(wl.query),
+                                                        recipe.query_capture(cfg)))))
+        s = recipe.score([Checkpoint(rows, query, 1.0, factors)]).values
+    return s
+
+
+def ds_pekfac(wl: Workload, clock: Clock) -> torch.Tensor:
+    """LoGra: Kronecker-projected rows (k = 32 x 32 per layer), factors fitted in that space."""
+    return _ds_pekfac(wl, clock, whitened=False)
+
+
+def ds_pekfac_whitened(wl: Workload, clock: Clock) -> torch.Tensor:
+    """The library's faithful recipe at the same k: exact EK-FAC factors, rows whitened by
+    them, then Kronecker-projected (``collect --factors``)."""
+    return _ds_pekfac(wl, clock, whitened=True)
+
+
 def floor(wl: Workload, clock: Clock) -> None:
     """The fp32 floor of collection: forward + backward to the attributed layers' outputs
     only (``autograd.grad``, no weight-gradient GEMMs, nothing captured or projected)."""
@@ -420,6 +452,49 @@ def kf_ekfac(wl: Workload, clock: Clock) -> torch.Tensor:
     return s.T.float().cpu()
 
 
+# ---- logix (LoGra) -----------------------------------------------------------------------
+def lx_pekfac(wl: Workload, clock: Clock) -> torch.Tensor:
+    """LogIX's projected EK-FAC: ``add_lora`` puts a random rank-32 encoder / zero
+    bottleneck / decoder on every attributed linear (LoGra: the bottleneck's gradient is the
+    Kronecker-projected gradient, 32 x 32 = k per layer); pass 1 fits the activation and
+    output-gradient covariances in that space, pass 2 logs the projected per-example
+    gradients (to its memory-mapped log) and their EK-FAC eigenvalues, then the query's
+    projected gradients are preconditioned (damping 0.1 x mean eigenvalue, LogIX's default)
+    and dotted with the logged training rows."""
+    from logix import LogIX
+
+    folder = os.path.join(wl.tmp, "logix")
+    cfg_path = os.path.join(wl.tmp, "logix.yaml")
+    with open(cfg_path, "w") as f:
+        f.write(f"root_dir: {folder}\nlora:\n  rank: {SIDE}\n  init: random\n")
+    model = wl.model
+
+    def backward(run, ids: torch.Tensor, tags: list[str]) -> None:
+        with run(data_id=tags):
+            model.zero_grad(set_to_none=True)
+            sum_loss(model, ids).backward()
+
+    train_tags = [f"t{i}" for i in range(len(wl.train))]
+    with clock:
+        run = LogIX("peers", config=cfg_path)
+        run.watch(model, name_filter=list(wl.layers))
+        run.add_lora()
+        run.setup({"forward": ["covariance"], "backward": ["covariance"]})
+        for s, b in zip(range(0, len(wl.train), BATCH), batches(wl.train)):
+            backward(run, b, train_tags[s:s + BATCH])
+        run.setup({"grad": ["log", "corrected_eigval"]})
+        run.save(True)
+        for s, b in zip(range(0, len(wl.train), BATCH), batches(wl.train)):
+            backward(run, b, train_tags[s:s + BATCH])
+        run.finalize()
+        run.eval()
+        run.setup({"grad": ["log"]})
+        backward(run, wl.query, [f"q{i}" for i in range(len(wl.query))])
+        result = run.compute_influence_all(run.get_log(), run.build_log_dataloader(BATCH))
+    where = {t: i for i, t in enumerate(result["tgt_ids"])}
+    return result["influence"].T[[where[t] for t in train_tags]].float()
+
+
 # ---- the registry -------------------------------------------------------------------------
 Adapter = Callable[[Workload, Clock], torch.Tensor | None]
 
@@ -427,12 +502,15 @@ Adapter = Callable[[Workload, Clock], torch.Tensor | None]
 LIBRARIES: dict[str, tuple[str | None, dict[str, Adapter]]] = {
     "vmap": (None, {"collect": vmap_collect, "graddot": vmap_graddot}),
     "dattri-ds": (None, {"collect": ds_collect, "graddot": ds_graddot, "ekfac": ds_ekfac,
-                         "plain": plain_step}),
-    "dattri-ds exact": (None, {"graddot": ds_graddot_exact}),
+                         "pekfac": ds_pekfac, "plain": plain_step}),
+    "dattri-ds whitened": (None, {"pekfac": ds_pekfac_whitened}),
+    "dattri-ds exact": (None, {"graddot": ds_graddot_exact, "pekfac": ds_ekfac}),
     "dattri-llm": ("dattri_llm", {"collect": dl_collect, "graddot": dl_graddot}),
     "bergson": ("bergson", {"collect": bg_collect, "graddot": bg_graddot}),
-    "kronfluence": ("kronfluence", {"ekfac": kf_ekfac}),
+    # kronfluence has no projection: its unprojected EK-FAC is its projected-EK-FAC point
+    "kronfluence": ("kronfluence", {"ekfac": kf_ekfac, "pekfac": kf_ekfac}),
+    "logix": ("logix", {"pekfac": lx_pekfac}),
     "fp32 floor": (None, {"collect": floor}),
     "exact": (None, {"reference": exact}),
 }
-PEERS = ("dattri-llm", "bergson", "kronfluence")
+PEERS = ("dattri-llm", "bergson", "kronfluence", "logix")

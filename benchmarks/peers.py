@@ -1,4 +1,4 @@
-"""Peer benchmark: dattri-ds vs dattri-llm, bergson, kronfluence and torch.func vmap.
+"""Peer benchmark: dattri-ds vs dattri-llm, bergson, kronfluence, LogIX and torch.func vmap.
 
 One seeded workload (``_peer_tasks.py``: GPT-2-style, 4 layers, T=128, 256 train / 16
 query examples, the 16 attention/MLP linears, projection k=1024 = 32 x 32 per layer, each
@@ -9,7 +9,13 @@ library's own Kronecker/LoGra projection) and three tasks:
   ``dattri-ds exact`` is the unprojected (ghost-routed) path;
 * ``ekfac``: EK-FAC fit on the train set + scores (unprojected, damping 0.1 x mean
   eigenvalue, power 1 = the exact damped inverse, empirical Fisher) for dattri-ds and
-  kronfluence.
+  kronfluence;
+* ``pekfac``: projected EK-FAC end to end (fit + collect + score, the same damping and
+  power, k = 32 x 32 per layer, each library's own projection): dattri-ds LoGra (factors
+  fitted in the Kronecker-projected space, ``Recipe(logra=True)``), ``dattri-ds whitened``
+  (exact factors, rows whitened then projected: ``collect --factors``), LogIX (``add_lora``:
+  its LoGra bottleneck, EK-FAC eigenvalues, damping 0.1 x mean eigenvalue by default);
+  kronfluence has no projection, so its point is its unprojected EK-FAC.
 
 Every (library, task, width, threads) runs in a FRESH process (``--worker``) and reports
 CPU seconds (``time.process_time``, all threads) and wall seconds of its timed region and
@@ -49,7 +55,7 @@ for p in (str(HERE), str(ROOT)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-TASKS = ("collect", "graddot", "ekfac")
+TASKS = ("collect", "graddot", "ekfac", "pekfac")
 
 
 def installed(lib: str) -> bool:
@@ -133,7 +139,7 @@ def pearson(x, y) -> float:
 
 def examples(task: str, n_train: int) -> int:
     """Examples processed by a task: train (+ query for the end-to-end scoring tasks)."""
-    return n_train + (16 if task in ("graddot", "ekfac") else 0)
+    return n_train + (16 if task in ("graddot", "ekfac", "pekfac") else 0)
 
 
 def plan(args) -> list[tuple[str, str]]:
@@ -162,6 +168,10 @@ def main() -> None:
     p.add_argument("--min-available-gb", type=float, default=3.0,
                    help="wait (up to 10 min) for this much available memory before a worker")
     p.add_argument("--out", default=str(ROOT / "out" / "peers"))
+    p.add_argument("--exact-max-width", type=int, default=None,
+                   help="no exact grad-dot reference above this width (its per-example "
+                        "rows need N x D floats); EK-FAC rows are then checked against "
+                        "kronfluence only")
     p.add_argument("--json", default=None, help="also write every record here")
     p.add_argument("--from-json", nargs="+", default=None,
                    help="print the report of saved records: --json files or the JSON lines "
@@ -186,11 +196,13 @@ def main() -> None:
           f"{'/'.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
     records: list[dict] = []
     for width in args.widths:
-        ref = run_one("exact", "reference", width, 1, folder / "exact", args.n_train,
-                      args.timeout, args.min_available_gb)
-        if ref["status"] != "ok":
-            raise SystemExit(f"exact reference failed at width {width}: {ref['status']}")
-        exact = torch.load(ref["scores"])
+        exact = None
+        if args.exact_max_width is None or width <= args.exact_max_width:
+            ref = run_one("exact", "reference", width, 1, folder / "exact", args.n_train,
+                          args.timeout, args.min_available_gb)
+            if ref["status"] != "ok":
+                raise SystemExit(f"exact reference failed at width {width}: {ref['status']}")
+            exact = torch.load(ref["scores"])
         for rep in range(args.repeats):
             for lib, task in plan(args):
                 for threads in (args.threads if task in ("collect", "plain") else [1]):
@@ -199,19 +211,20 @@ def main() -> None:
                     if installed(lib):
                         rec = run_one(lib, task, width, threads, folder / f"r{rep}",
                                       args.n_train, args.timeout, args.min_available_gb)
-                    if "scores" in rec:
+                    if "scores" in rec and exact is not None:
                         rec["r_exact"] = pearson(torch.load(rec["scores"]), exact)
                     rec["rep"] = rep
                     records.append(rec)
                     print(json.dumps({k: v for k, v in rec.items() if k != "scores"}),
                           flush=True)
-            kf = [r for r in records if r["width"] == width and r["lib"] == "kronfluence"
-                  and r.get("scores") and r["rep"] == rep]
-            for r in records:
-                if (r["width"], r["task"], r["rep"]) == (width, "ekfac", rep) and \
-                        r.get("scores") and kf:
-                    r["r_kronfluence"] = pearson(torch.load(r["scores"]),
-                                                 torch.load(kf[0]["scores"]))
+            for task in ("ekfac", "pekfac"):  # kronfluence's unprojected EK-FAC: reference
+                kf = [r for r in records if (r["width"], r["lib"], r["task"], r["rep"]) ==
+                      (width, "kronfluence", task, rep) and r.get("scores")]
+                for r in records:
+                    if (r["width"], r["task"], r["rep"]) == (width, task, rep) and \
+                            r.get("scores") and kf:
+                        r["r_kronfluence"] = pearson(torch.load(r["scores"]),
+                                                     torch.load(kf[0]["scores"]))
         if args.json:
             Path(args.json).write_text(json.dumps(records, indent=1))
     print()
@@ -283,11 +296,36 @@ def report(records: list[dict], n_train: int) -> str:
                     f"{_fmt([r['wall_s'] for r in ok], 1)} | "
                     f"{_fmt(list(got[lib].values()), 1)} | {vs_vmap} | {vs_peer} | "
                     f"{r_ex}{rk} | {max(r['peak_rss_mb'] for r in ok):.0f} |")
+    lines += _pekfac_table(records, n_train)
     lines += _threads_table(records)
     lines += _memory_table(records)
     lines.append(f"\n{len({r.get('rep', 0) for r in records})} round(s); fastest peer per "
                  f"row group = highest mean ex / CPU-s among {', '.join(PEERS)}")
     return "\n".join(lines)
+
+
+def _pekfac_table(records: list[dict], n_train: int) -> list[str]:
+    """Projected EK-FAC: dattri-ds's speed over each library's, per width (paired per round;
+    > 1: dattri-ds faster), with the correlation of each one's scores with kronfluence's."""
+    rows = [r for r in records if r["task"] == "pekfac" and r["status"] == "ok"]
+    if not rows:
+        return []
+    libs = sorted(dict.fromkeys(r["lib"] for r in rows), key=lambda lib: lib != "dattri-ds")
+    if libs[0] != "dattri-ds":
+        return []
+    lines = ["", "| pekfac | width | " + " | ".join(f"dattri-ds x {lib}" for lib in libs[1:])
+             + " | " + " | ".join(f"r({lib}, kronfluence)" for lib in libs) + " |",
+             "|---" * (2 + 2 * len(libs) - 1) + "|"]
+    for width in sorted({r["width"] for r in rows}):
+        cpu = {lib: {r.get("rep", 0): r["cpu_s"] for r in rows
+                     if (r["lib"], r["width"]) == (lib, width)} for lib in libs}
+        ratios = [_fmt(_paired(cpu[lib], cpu[libs[0]])) if cpu[lib] else "-"
+                  for lib in libs[1:]]
+        rk = [min((r["r_kronfluence"] for r in rows if (r["lib"], r["width"]) == (lib, width)
+                   and "r_kronfluence" in r), default=float("nan")) for lib in libs]
+        lines.append(f"| | {width} | " + " | ".join(ratios) + " | "
+                     + " | ".join(f"{x:.3f}" for x in rk) + " |")
+    return lines
 
 
 def _threads_table(records: list[dict]) -> list[str]:
