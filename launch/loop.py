@@ -1,6 +1,6 @@
 """The training loop of launch/train.py, one for every backend.
 
-The loop owns what does not depend on the engine: the data order (``micro_batch_indices``,
+The loop owns what does not depend on the engine: the data order (``step_slots``,
 a function of the step, so a resumed run continues the same stream), online selection,
 capture tags, the step bookkeeping (``RunLog``: losses, lrs, evaluations, non-finite steps),
 checkpoints with the loop's own state, and resume. A ``Backend`` does the rest: it builds the
@@ -12,22 +12,15 @@ Backends are looked up by ``--backend`` name (``engine.backend``) in ``BACKENDS`
 Megatron stay optional): add one by writing a ``Backend`` subclass and one line there.
 ``deepspeed`` (launch/deepspeed_backend.py), ``megatron`` (launch/megatron_backend.py) and
 ``torch`` (launch/torch_backend.py: one plain PyTorch process, which the demo and the
-selection benchmarks run through ``torch_backend.train_in_process``).
+selection benchmarks run through ``train.train_in_process``).
 
 Resume (``train.resume``): the backend restores weights, optimizer and lr schedule; the loop
-restores the step, every rank's RNG state and the ``RunRecord`` from
-``checkpoints/<tag>/loop_state.rank<R>.pt``, and with online selection the selector's state
-from ``selection_state.rank<R>.pt`` (smoothing memory, content-prior counts, the target's
-cached rows and refresh clock, held-out check, pool sample, repeat counts, statistics;
-selection/state.py) and its log up to the checkpoint, so the resumed run trains and chooses
-what the uninterrupted one would have (tests/dist/test_resume.py,
-tests/dist/test_resume_selection.py). With selection it needs the same resolved selection
-config (``selection_config.json``). On the process layout that wrote the checkpoint the
-resumed run equals the uninterrupted one; on another data-parallel world size (an *elastic*
-resume, docs/multinode.md) the backend reshards its state (``Backend.load_resharded``:
-DeepSpeed through its universal checkpoint; Megatron refuses), the data stream continues at
-the example where the checkpoint stopped (``LoopState.origin``), and rank ``r`` continues
-the selector state of rank ``r mod W`` (tests/dist/test_elastic.py).
+restores the step, every rank's RNG state and the ``RunRecord`` (``LoopState``), and with
+online selection the selector's state and log (selection/state.py), so the resumed run
+trains and chooses what the uninterrupted one would have; on another data-parallel world
+size (an *elastic* resume) the backend reshards its state (``Backend.load_resharded``) and
+the data stream continues where the checkpoint stopped (``LoopState.origin``). What is
+saved, what equals what, and the tests: docs/training.md, docs/multinode.md.
 """
 
 from __future__ import annotations
@@ -54,7 +47,7 @@ from dattri_ds.sample_id import SampleId
 from dattri_ds.selection.state import SelectionCheckpoint, config_difference, log_lines_before
 
 __all__ = ["Backend", "BACKENDS", "backend_class", "LoopState", "train", "resume",
-           "resume_tag", "Checkpoints", "micro_batch_indices", "fingerprint",
+           "resume_tag", "Checkpoints", "micro_batch_indices", "step_slots", "fingerprint",
            "seal_captured_store"]
 
 logger = logging.getLogger("dattri_ds.launch")
@@ -271,23 +264,36 @@ def _epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1000 + epoch))
 
 
-def micro_batch_indices(n: int, step: int, micro: int, gas: int, rank: int, world: int,
-                        seed: int, origin: tuple[int, int] = (0, 0)) -> torch.Tensor:
-    """Example indices ``[gas, micro]`` of (step, micro-batch, rank): a seeded permutation per
-    epoch, read as one stream. Step ``s`` begins at position
+def step_slots(n: int, step: int, micro: int, gas: int, world: int, seed: int,
+               origin: tuple[int, int] = (0, 0)) -> tuple[torch.Tensor, torch.Tensor]:
+    """Example indices ``[gas, world, micro]`` of step ``step``'s slots, and how many earlier
+    slots of the step (in stream order) hold the same example (0 but where the step runs
+    past the end of an epoch: docs/multinode.md). The stream is a seeded permutation per
+    epoch, laid end to end; step ``s`` begins at position
     ``origin[1] + (s - origin[0]) * micro * gas * world``; an elastic resume moves ``origin``
     to the resumed step and the position the old layout reached, so no example of the
     stream is skipped or repeated when the world size changes."""
     per_step = micro * gas * world
-    out = []
-    for mb in range(gas):
-        start = origin[1] + (step - origin[0]) * per_step + (mb * world + rank) * micro
-        idx = []
-        for k in range(start, start + micro):
-            epoch, pos = divmod(k, n)
-            idx.append(int(_epoch_order(n, seed, epoch)[pos]))
-        out.append(torch.tensor(idx))
-    return torch.stack(out)
+    start = origin[1] + (step - origin[0]) * per_step
+    parts = []
+    for epoch in range(start // n, (start + per_step - 1) // n + 1):
+        lo = epoch * n
+        parts.append(_epoch_order(n, seed, epoch)[max(start - lo, 0):start + per_step - lo])
+    flat = torch.cat(parts)
+    repeats = torch.zeros_like(flat)
+    if len(parts) > 1:  # rank of each slot among the slots of its example, in stream order
+        order = torch.argsort(flat, stable=True)
+        pos = torch.arange(per_step)
+        first = torch.ones(per_step, dtype=torch.bool)
+        first[1:] = flat[order][1:] != flat[order][:-1]
+        repeats[order] = pos - torch.cummax(torch.where(first, pos, 0), 0).values
+    return flat.view(gas, world, micro), repeats.view(gas, world, micro)
+
+
+def micro_batch_indices(n: int, step: int, micro: int, gas: int, rank: int, world: int,
+                        seed: int, origin: tuple[int, int] = (0, 0)) -> torch.Tensor:
+    """Example indices ``[gas, micro]`` of (step, micro-batch, rank) (``step_slots``)."""
+    return step_slots(n, step, micro, gas, world, seed, origin)[0][:, rank].contiguous()
 
 
 def fingerprint(cfg: RunConfig, tok) -> str:
@@ -626,23 +632,25 @@ def train(backend: Backend, cfg: RunConfig, data, out: Path, tok, rank: int,
     else:  # dropout's stream from the seed: equal on every launch, node layout and launcher
         torch.manual_seed(tc.seed)
     for step in range(start, tc.steps):
-        idx = micro_batch_indices(len(data), step, n_cand, gas, ctx.dp_rank, ctx.dp_world,
-                                  tc.seed, origin)
+        idx, repeats = (t[:, ctx.dp_rank] for t in step_slots(
+            len(data), step, n_cand, gas, ctx.dp_world, tc.seed, origin))
         lr = backend.lr()  # the lr this step uses
         step_loss = torch.zeros((), dtype=torch.float64, device=backend.device)
         for mb in range(gas):
             batch = {k: v.to(backend.device) for k, v in data.batch(idx[mb]).items()}
             doc_ids = [data.docs[i].id for i in idx[mb].tolist()]
+            # stored ids: "<doc id>@<step>[+<repeat>]#<content hash>", one per trained slot
+            tags = [SampleId.user_id(d, step, r) for d, r in zip(doc_ids, repeats[mb].tolist())]
             # ---- online selection: candidates -> the chosen micro-batch -----------------
             reused = None
             if selector is not None:
                 sel = selector.select(batch, micro, step, user_ids=doc_ids,
                                       train_loss=backend.reuses_selection_forward)
                 batch, reused = sel.batch, sel.loss
-                doc_ids = [SampleId.parse(c).doc for c in sel.chosen_ids]
+                tags = [tags[i] for i in sel.indices.tolist()]
             # ---- end of online selection -----------------------------------------------
-            if capture is not None:  # stored ids: "<doc id>@<step>#<content hash>"
-                capture.tag([SampleId.user_id(d, step) for d in doc_ids])
+            if capture is not None:
+                capture.tag(tags)
             loss = backend.forward_backward(batch) if reused is None else \
                 backend.backward_reused(reused)
             step_loss += loss.double() / gas

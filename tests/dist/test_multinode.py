@@ -238,3 +238,28 @@ def test_out_not_shared_is_refused_on_every_rank(tmp_path):
     got = run(_blind_rank, 2, timeout=120, out=str(tmp_path))
     assert got[0] == got[1] and "rank 1 on" in got[0] and "is not shared" in got[0]
     assert not list(tmp_path.glob(".shared.*"))  # the token file is removed
+
+
+def test_a_step_past_the_end_of_an_epoch_stores_every_occurrence(tmp_path):
+    """4 ranks x 2 micro-batches x 4 examples over 48 documents: step 1's 32 slots run past
+    the end of epoch 0, so documents of its tail come back at the head of epoch 1 in the
+    same step, trained by two ranks (or twice by one). Each occurrence is stored under its
+    own id (``<doc>@1+1#<hash>`` for the second, docs/multinode.md), so the store opens
+    without duplicates and holds all 64 rows of the 2 steps."""
+    require("deepspeed", "deepspeed")
+    from dattri_ds.launch.loop import step_slots
+    from dattri_ds.sample_id import SampleId
+    from dattri_ds.store import GradientStore
+
+    out = tmp_path / "run"
+    files = tiny_run_files(tmp_path, 1, train_micro_batch_size_per_gpu=4,
+                           gradient_accumulation_steps=2)
+    run(_train, 4, timeout=400, argv=[
+        *files, "--out", str(out), "--steps", "2", "--capture", "--train-data", TINY,
+        "--max-docs", "48", "--seq-len", "32", "--vocab-size", "512"])
+    repeats = step_slots(48, 1, 4, 2, 4, seed=0)[1]
+    assert repeats.any()  # the case this test is about: a document twice in step 1
+    with GradientStore.open(out / "grad_store", require_complete=True) as store:
+        ids = [SampleId.parse(i) for i in store.ids]  # duplicates="raise": none
+    assert len(ids) == len(set(ids)) == 64
+    assert sorted(i.repeat for i in ids if i.step == 1) == sorted(repeats.flatten().tolist())

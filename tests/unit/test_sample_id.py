@@ -22,6 +22,7 @@ from dattri_ds.semantics import content_id
     ("a#b#0123abcd", "a#b", None, "0123abcd"),
     ("user@example.org#0123abcd", "user@example.org", None, "0123abcd"),
     ("x@y@7#0123abcd", "x@y", 7, "0123abcd"),
+    ("x@y@7+2#0123abcd", "x@y", 7, "0123abcd"),
 ])
 def test_parse_and_format_round_trip(text, doc, step, digest):
     sid = SampleId.parse(text)
@@ -43,3 +44,14 @@ def test_user_id_is_the_part_before_the_digest():
     """``SampleId.user_id`` is what the loop tags captured examples with."""
     assert SampleId.user_id("doc") == "doc" and SampleId.user_id("doc", 3) == "doc@3"
     assert str(SampleId("ab", "doc", 3)) == SampleId.user_id("doc", 3) + "#ab"
+
+
+def test_repeat_of_a_document_within_a_step():
+    """The second slot of a document within one step is ``doc@step+1`` (docs/multinode.md);
+    the first keeps the id it always had."""
+    assert SampleId.user_id("doc", 3, 0) == "doc@3"
+    assert SampleId.user_id("doc", 3, 2) == "doc@3+2"
+    sid = SampleId.parse("hamlet-3@12+1#0123abcd")
+    assert (sid.doc, sid.step, sid.repeat) == ("hamlet-3", 12, 1)
+    assert str(sid) == "hamlet-3@12+1#0123abcd"
+    assert SampleId.parse("v@1+x#0123abcd").doc == "v@1+x"  # not a repeat: the document's id
