@@ -2,28 +2,11 @@
 
 from __future__ import annotations
 
-__all__ = [
-    "DattriDSError",
-    "ConfigError",
-    "UsageError",
-    "InputFileError",
-    "UnsupportedLayerError",
-    "ShapeError",
-    "StoreMismatchError",
-    "CaptureError",
-    "StoreCorruptError",
-    "DuplicateSampleError",
-    "FactorFileError",
-    "FactorStateError",
-    "ClosedError",
-    "StreamStateError",
-    "StreamItemError",
-    "UnsupportedEngineError",
-    "CheckpointMismatchError",
-    "OutputError",
-    "WriteError",
-    "DoesNotFitError",
-]
+__all__ = ["DattriDSError", "ConfigError", "UsageError", "InputFileError",
+           "UnsupportedLayerError", "ShapeError", "StoreMismatchError", "CaptureError",
+           "StoreCorruptError", "DuplicateSampleError", "FactorFileError", "FactorStateError",
+           "ClosedError", "StreamStateError", "StreamItemError", "UnsupportedEngineError",
+           "CheckpointMismatchError", "OutputError", "WriteError", "DoesNotFitError"]
 
 
 class DattriDSError(Exception):

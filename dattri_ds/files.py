@@ -104,6 +104,13 @@ def _open(p: Path, what: str, fix: str):
         raise _fail(what, p, f"cannot be opened ({e.strerror})", fix) from None
 
 
+def _refuse_utf16_32(raw: bytes, p: Path, what: str) -> None:
+    for bom, enc in _BOMS:
+        if raw.startswith(bom):
+            raise InputFileError(f"{what} '{p}' is {enc} encoded; expected UTF-8. Fix: save it "
+                                 f"as UTF-8")
+
+
 def _decode(raw: bytes, p: Path, lineno: int, offset: int, what: str, fix: str) -> str:
     if b"\x00" in raw:
         at = offset + raw.index(b"\x00")
@@ -144,10 +151,7 @@ def iter_lines(path: str | os.PathLike, what: str = "text file",
                     f"expected one record per line. Fix: split the record, or raise "
                     f"{MAX_LINE_ENV} if the line is meant to be that long")
             if lineno == 1:
-                for bom, enc in _BOMS:
-                    if raw.startswith(bom):
-                        raise InputFileError(f"{what} '{p}' is {enc} encoded; expected UTF-8. "
-                                             f"Fix: save it as UTF-8")
+                _refuse_utf16_32(raw, p, what)
                 if raw.startswith(_UTF8_BOM):
                     raw, offset = raw[len(_UTF8_BOM):], len(_UTF8_BOM)
             yield lineno, _decode(raw, p, lineno, offset, what, fix)
@@ -234,10 +238,7 @@ def read_json(path: str | os.PathLike, what: str = "JSON file", *, flag: str | N
     if len(raw) > cap:
         raise _fail(what, p, f"is larger than {cap} bytes ({MAX_LINE_ENV})",
                     f"raise {MAX_LINE_ENV} if it is meant to be that large")
-    for bom, enc in _BOMS:
-        if raw.startswith(bom):
-            raise InputFileError(f"{p} is {enc} encoded; JSON files must be UTF-8. Fix: save "
-                                 f"it as UTF-8")
+    _refuse_utf16_32(raw, p, what)
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:

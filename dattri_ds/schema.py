@@ -146,10 +146,7 @@ def _describe_one(hint: Any, meta: dict[str, Any]) -> str:
 
 def _json(v: Any) -> str:
     if v is None or isinstance(v, (bool, int, float, str)):
-        try:
-            return json.dumps(v, allow_nan=True)
-        except (TypeError, ValueError):  # pragma: no cover
-            return repr(v)
+        return json.dumps(v, allow_nan=True)
     return repr(v)
 
 

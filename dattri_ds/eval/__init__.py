@@ -8,5 +8,5 @@ from dattri_ds.eval.lds import (
 )
 from dattri_ds.eval.text_overlap import char_ngrams, tfidf_scores, with_text_prior, zscore
 
-__all__ = ["char_ngrams", "tfidf_scores", "with_text_prior", "zscore", "LDSResult", "subset_masks", "retrain_losses", "predicted", "rankdata", "spearman",
-           "lds"]
+__all__ = ["char_ngrams", "tfidf_scores", "with_text_prior", "zscore", "LDSResult",
+           "subset_masks", "retrain_losses", "predicted", "rankdata", "spearman", "lds"]
