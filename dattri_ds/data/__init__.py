@@ -12,7 +12,7 @@ Example:
 """
 
 from dattri_ds.data.corpus import (
-    FIELDS, Document, iter_jsonl, load_documents, source_counts, take_per_source,
+    FIELDS, Document, iter_jsonl, load_documents, source_counts,
 )
 from dattri_ds.data.models import ARCHITECTURES, build_model, load_model_config
 from dattri_ds.data.tokenizer import (
@@ -21,7 +21,7 @@ from dattri_ds.data.tokenizer import (
 )
 
 __all__ = [
-    "Document", "FIELDS", "load_documents", "iter_jsonl", "source_counts", "take_per_source",
+    "Document", "FIELDS", "load_documents", "iter_jsonl", "source_counts",
     "Tokenizer", "TokenizedDocuments", "train_tokenizer", "tokenize_documents",
     "default_cache_dir", "PAD_ID", "UNK_ID", "BOS_ID", "EOS_ID", "IGNORE_INDEX",
     "ARCHITECTURES", "build_model", "load_model_config",

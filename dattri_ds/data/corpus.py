@@ -16,7 +16,7 @@ from pathlib import Path
 from dattri_ds.errors import ConfigError, InputFileError
 from dattri_ds.files import check_file, iter_json_lines
 
-__all__ = ["Document", "FIELDS", "load_documents", "iter_jsonl", "source_counts", "take_per_source"]
+__all__ = ["Document", "FIELDS", "load_documents", "iter_jsonl", "source_counts"]
 
 #: Keys every document must have, all strings.
 FIELDS = ("id", "source", "title", "text")
@@ -126,14 +126,3 @@ def load_documents(paths: str | os.PathLike | Sequence[str | os.PathLike], *,
 def source_counts(docs: Iterable[Document]) -> dict[str, int]:
     """Number of documents per source, sources sorted by name."""
     return dict(sorted(Counter(d.source for d in docs).items()))
-
-
-def take_per_source(docs: Sequence[Document], per_source: int) -> list[Document]:
-    """The first ``per_source`` documents of every source, in their original order."""
-    taken: Counter[str] = Counter()
-    out = []
-    for d in docs:
-        if taken[d.source] < per_source:
-            taken[d.source] += 1
-            out.append(d)
-    return out
