@@ -302,16 +302,21 @@ class GradientCapture:
         self._current = None
 
     def _layer_hook(self, name: str, kind: LayerKind):
+        # A kind's own capture rules are asked; the defaults (the output as is, the first
+        # argument) are applied here, without a call per forward.
+        own_output = type(kind).output is not LayerKind.output
+        own_activation = type(kind).activation is not LayerKind.activation
+
         def hook(module: nn.Module, args: tuple, output) -> None:
             if not torch.is_grad_enabled() or not self._active():
                 return None
-            out = kind.output(module, output)
+            out = kind.output(module, output) if own_output else output
             if not torch.is_tensor(out) or not out.requires_grad:
                 return None
             rec = self._current or self._in_backward or (self._open[-1] if self._open else None)
             if rec is None:
                 return None  # called outside the root model's forward: not a captured example
-            a = kind.activation(module, args).detach()
+            a = (kind.activation(module, args) if own_activation else args[0]).detach()
             new_output = None
             b = len(rec.info.sample_ids) if rec.info is not None else 0
             if (out is output and b > 0 and a.dim() == 1 and not a.is_floating_point()

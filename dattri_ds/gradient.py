@@ -331,6 +331,8 @@ class LayerGrad:
         set_(self, "space", projection if space is None else space)
         set_(self, "shard", shard)
         self.__post_init__()
+        #: Where the gradient tensors live (read once here: every op asks).
+        set_(self, "device", data.g.device if isinstance(data, Factorized) else data.values.device)
 
     def __post_init__(self) -> None:
         if isinstance(self.kind, str):
@@ -366,11 +368,6 @@ class LayerGrad:
     @property
     def batch_size(self) -> int:
         return self.data.batch_size
-
-    @property
-    def device(self) -> torch.device:
-        """Where the gradient tensors live."""
-        return self.data.g.device if isinstance(self.data, Factorized) else self.data.values.device
 
     @property
     def is_factorized(self) -> bool:

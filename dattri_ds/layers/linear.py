@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dattri_ds.layers.outer import OuterProductKind, has_bias
+from dattri_ds.layers.outer import OuterProductKind
 
 __all__ = ["LinearKind", "Conv1DKind"]
 
@@ -14,7 +14,8 @@ class LinearKind(OuterProductKind, name="linear", modules=(nn.Linear,)):
     """``y = x W^T + b``, W ``[O, I]``: canonical layout is W itself, bias as last column."""
 
     def layer_shape(self, module: nn.Module) -> tuple[int, int]:
-        return module.out_features, module.in_features + int(has_bias(module))
+        bias = getattr(module, "bias", None) is not None
+        return module.out_features, module.in_features + int(bias)
 
     def canonical(self, module, grads):
         w = grads["weight"]
@@ -45,7 +46,8 @@ class Conv1DKind(OuterProductKind, name="conv1d"):
         return True if cls.__module__.startswith("transformers.") else None
 
     def layer_shape(self, module: nn.Module) -> tuple[int, int]:
-        return module.nf, module.nx + int(has_bias(module))
+        bias = getattr(module, "bias", None) is not None
+        return module.nf, module.nx + int(bias)
 
     def canonical(self, module, grads):
         w = grads["weight"].transpose(-1, -2)

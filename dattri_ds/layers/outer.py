@@ -12,7 +12,7 @@ import torch
 from dattri_ds.gradient import Factorized
 from dattri_ds.layers.base import LayerKind
 
-__all__ = ["OuterProductKind", "has_bias", "row_chunks", "rows_matmul", "with_bias_column"]
+__all__ = ["OuterProductKind", "row_chunks", "rows_matmul", "with_bias_column"]
 
 #: Upper bound on elements of one ``[c, T, B2, S]`` ghost intermediate (about 64 MB fp32).
 GHOST_CHUNK_ELEMENTS = 1 << 24
@@ -28,11 +28,6 @@ def row_chunks(n_rows: int, row_elems: int, budget: int = GHOST_CHUNK_ELEMENTS):
 def with_bias_column(a: torch.Tensor) -> torch.Tensor:
     """``[..., I] -> [..., I+1]``, appending the constant 1 that multiplies the bias."""
     return torch.cat([a, a.new_ones(a.shape[:-1] + (1,))], dim=-1)
-
-
-def has_bias(module: torch.nn.Module) -> bool:
-    """Whether the module adds a bias (folded in as the last input column)."""
-    return getattr(module, "bias", None) is not None
 
 
 def rows_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -53,7 +48,7 @@ class OuterProductKind(LayerKind):
         """Batch-first factors ``[B, T, I']`` (a bias column of ones when the module has a
         bias) and ``[B, T, O]``."""
         a3 = a.reshape(a.shape[0], -1, a.shape[-1])
-        if has_bias(module):
+        if getattr(module, "bias", None) is not None:
             a3 = with_bias_column(a3)
         return Factorized(a3, g.reshape(g.shape[0], -1, g.shape[-1]))
 

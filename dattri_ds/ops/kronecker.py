@@ -68,8 +68,8 @@ from dattri_ds.distributed import ParallelContext, all_gather_object, all_reduce
 from dattri_ds.errors import ConfigError, FactorFileError, FactorStateError, ShapeError, UnsupportedLayerError
 from dattri_ds.gradient import CANONICAL, Dense, Factorized, GradBatch, LayerGrad, Space
 from dattri_ds.layers.base import COMPUTE_DTYPE, KINDS, LayerKind
-from dattri_ds.layers.outer import row_chunks
-from dattri_ds.ops.cost import default_cost_model
+from dattri_ds.layers.outer import GHOST_CHUNK_ELEMENTS, row_chunks
+from dattri_ds.ops.cost import CostModel, default_cost_model
 from dattri_ds.ops.factor_forms import FORMS, FactorForm
 from dattri_ds.ops.projection import Projector, kron_dims
 from dattri_ds.ops.space import project
@@ -409,14 +409,15 @@ class KFACFactors:
             raise FactorStateError("KFACFactors.update_correction() needs eigendecompose() first")
         if "lam" in self._reduced:
             raise FactorStateError("KFACFactors.update_correction() after the EK-FAC reduce()")
+        costs: dict[str, CostModel] = {}
         for name, lg in batch.layers.items():
             lf = self._get(name)
             if not lf.form.lam_keys:
                 continue
-            x = self._prepare(lf, lg)
+            x = self._prepare(lf, lg, costs)
             b = x.g.shape[0] if isinstance(x, Factorized) else x.shape[0]
             for sl in _chunks(b, lf.dims[0] * lf.dims[1]):
-                rot = self._rotate(lf, _rows(x, sl, b))
+                rot = self._rotate(lf, _rows(x, sl, b), costs)
                 lf.sums["lam"] += rot.pow(2).sum(0).to(self._dtype)
             lf.sums["lam_examples"] += b
 
@@ -424,7 +425,8 @@ class KFACFactors:
     def precondition(self, batch: GradBatch, method: str = "ekfac") -> GradBatch:
         """``(H + lambda)^-p g`` (``p = KFACConfig.power``) for every layer of a (query)
         batch: dense LayerGrads ``[Q, o*i]``."""
-        layers = {n: self.precondition_layer(lg, method) for n, lg in batch.layers.items()}
+        costs: dict[str, CostModel] = {}
+        layers = {n: self._scaled(lg, method, False, costs) for n, lg in batch.layers.items()}
         return GradBatch(batch.step, batch.sample_ids, layers, batch.micro_batch,
                          batch.token_counts)
 
@@ -443,7 +445,8 @@ class KFACFactors:
 
     def whiten(self, batch: GradBatch, method: str = "ekfac") -> GradBatch:
         """``whiten_layer`` for every layer of a batch (train or query side)."""
-        layers = {n: self.whiten_layer(lg, method) for n, lg in batch.layers.items()}
+        costs: dict[str, CostModel] = {}
+        layers = {n: self._scaled(lg, method, True, costs) for n, lg in batch.layers.items()}
         return GradBatch(batch.step, batch.sample_ids, layers, batch.micro_batch,
                          batch.token_counts)
 
@@ -460,7 +463,11 @@ class KFACFactors:
         """
         return self._scaled(lg, method, whiten=True)
 
-    def _scaled(self, lg: LayerGrad, method: str, whiten: bool) -> LayerGrad:
+    def _scaled(self, lg: LayerGrad, method: str, whiten: bool,
+                costs: dict[str, CostModel] | None = None) -> LayerGrad:
+        """``precondition_layer`` / ``whiten_layer``; ``costs``: the default cost models
+        resolved so far in this batch (by device type)."""
+        costs = {} if costs is None else costs
         if method not in METHODS:
             raise ConfigError(f"method must be one of {METHODS}, got '{method}'")
         lf = self._get(lg.name)
@@ -472,12 +479,12 @@ class KFACFactors:
         power = self.config.power / 2 if whiten else self.config.power
         inv = torch.where(ev + lam > 0, (ev + lam).clamp_min(1e-300).pow(-power), 0.0)
         inv = inv.to(self._dtype)
-        x = self._prepare(lf, lg)
+        x = self._prepare(lf, lg, costs)
         o, i = lf.dims
         b = x.g.shape[0] if isinstance(x, Factorized) else x.shape[0]
         out = torch.empty(b, o * i, dtype=COMPUTE_DTYPE, device=inv.device)
         for sl in _chunks(b, o * i):  # bounds the float64 intermediates
-            rot = self._rotate(lf, _rows(x, sl, b))
+            rot = self._rotate(lf, _rows(x, sl, b), costs)
             if whiten and rot.dtype == out.dtype:  # scaled straight into the rows: no copy
                 torch.mul(rot, inv, out=out[sl].view(-1, o, i))
                 continue
@@ -525,10 +532,11 @@ class KFACFactors:
                              f"{lf.dims[0] * lf.dims[1]} columns (projection {lf.projection!r}), "
                              f"got shape {tuple(v.shape)}")
 
-    def _prepare(self, lf: LayerFactors, lg: LayerGrad) -> Factorized | torch.Tensor:
+    def _prepare(self, lf: LayerFactors, lg: LayerGrad,
+                 costs: dict[str, CostModel]) -> Factorized | torch.Tensor:
         """Query/train data in the factors' working space: factors (unprojected) or rows."""
         if lg.space.canonical and lf.space.projected and self.projector is not None:
-            lg = project(lg, self.projector)
+            lg = project(lg, self.projector, _cost(costs, lg.device))
         self._check(lf, lg)
         dev = next(iter(lf.sums.values())).device  # compute where the factors live
         if isinstance(lg.data, Factorized) and lf.form.factorized:
@@ -538,7 +546,8 @@ class KFACFactors:
         self._width(lf, v)
         return v.to(dev)
 
-    def _rotate(self, lf: LayerFactors, x: Factorized | torch.Tensor) -> torch.Tensor:
+    def _rotate(self, lf: LayerFactors, x: Factorized | torch.Tensor,
+                costs: dict[str, CostModel]) -> torch.Tensor:
         """``Q_S^T G_b Q_A`` ``[B, o, i]`` in ``KFACConfig.dtype`` (the form's rotation).
 
         Factors are rotated first, or materialized first where the cost model's ``rotate``
@@ -547,7 +556,7 @@ class KFACFactors:
         form, args = lf.form, (lf.kind, lf.eig, x, lf.dims, self._dtype)
         if not (isinstance(x, Factorized) and form.routed_rotation):
             return form.rotate(*args)
-        return default_cost_model(x.g.device).route(
+        return _cost(costs, x.g.device).route(
             "rotate", lf.name, lf.kind, x, lf.dims,
             {"ghost": partial(form.rotate, *args),
              "dense": partial(form.rotate, *args, materialize_first=True)},
@@ -614,8 +623,16 @@ class KFACFactors:
 
 
 def _chunks(n_rows: int, row_elems: int) -> list[slice]:
-    """Row slices bounding the ``[c, o, i]`` intermediates (``layers.outer.row_chunks``)."""
+    """Row slices bounding the ``[c, o, i]`` intermediates (``layers.outer.row_chunks``;
+    one slice, without asking it, when everything fits)."""
+    if 0 < n_rows * row_elems <= GHOST_CHUNK_ELEMENTS:
+        return [slice(0, n_rows)]
     return list(row_chunks(n_rows, row_elems))
+
+
+def _cost(costs: dict[str, CostModel], device: torch.device) -> CostModel:
+    """The default cost model of ``device``'s type, asked once per batch (``costs``)."""
+    return costs.get(device.type) or costs.setdefault(device.type, default_cost_model(device))
 
 
 def _rows(x: Factorized | torch.Tensor, sl: slice, b: int) -> Factorized | torch.Tensor:

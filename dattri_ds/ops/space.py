@@ -22,11 +22,13 @@ curvature factors (``whitened:<method>[:<projection>]``) or whitened then projec
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 from dattri_ds.distributed import all_gather_object, all_reduce_sum
 from dattri_ds.errors import ShapeError, UnsupportedLayerError
-from dattri_ds.gradient import CANONICAL, Dense, Factorized, GradBatch, LayerGrad, ShardInfo, Space
+from dattri_ds.gradient import Dense, Factorized, GradBatch, LayerGrad, ShardInfo, Space
 from dattri_ds.ops.cost import CostModel, default_cost_model
 from dattri_ds.ops.projection import Projector
 
@@ -43,25 +45,30 @@ def project(lg: LayerGrad, projector: Projector, cost: CostModel | None = None,
     Layers with ``O*I' <= dim`` are kept exactly (projection tag ``identity:<tag>``). The
     kind does the maths (module docstring): ``project_factors`` for a Kronecker projection
     of a Kronecker-structured kind (factors or dense rows land in the same space),
-    ``project_rows`` otherwise; each routed by the cost model.
+    ``project_rows`` otherwise; each routed by the cost model. Whitened rows
+    (``KFACFactors.whiten``) are projected alike, into ``<projection>+whitened:<method>``.
     """
-    cfg = projector.config
     space = lg.space
     if not (space.canonical or space.awaiting_projection):
         raise ShapeError(f"Layer '{lg.name}' is already projected ({space.tag})")
     if lg.shard is not None:
         return _project_shard(lg, projector, cost, path)
-    if not space.canonical:  # whitened rows (KFACFactors.whiten): project them too
-        done = project(lg.replace(space=CANONICAL), projector, cost, path)
-        return done.replace(space=done.space.replace(whitened=space.whitened,
-                                                     whitened_first=True))
     o, i = lg.shape
-    kind = lg.kind
-    if o * i <= cfg.dim:
-        return lg.replace(data=Dense(kind.rows(lg.data, lg.shape)), space=projector.exact_space)
-    vals = projector.kind_for(o, i).project(projector, lg, cost or default_cost_model(lg.device),
-                                            path)
-    return lg.replace(data=Dense(vals), space=projector.space)
+    if o * i <= projector.config.dim:
+        vals, done = lg.kind.rows(lg.data, lg.shape), projector.exact_space
+    else:
+        vals = projector.kind_for(o, i).project(projector, lg, cost or default_cost_model(
+            lg.device), path)
+        done = projector.space
+    if space.whitened is not None:
+        done = _whitened_first(done, space.whitened)
+    return lg.replace(data=Dense(vals), space=done)
+
+
+@lru_cache(maxsize=None)
+def _whitened_first(projected: Space, method: str) -> Space:
+    """``<projection>+whitened:<method>``: whitened rows, then projected into ``projected``."""
+    return projected.replace(whitened=method, whitened_first=True)
 
 
 def project_batch(batch: GradBatch, projector: Projector, cost: CostModel | None = None,
@@ -69,7 +76,10 @@ def project_batch(batch: GradBatch, projector: Projector, cost: CostModel | None
     """Project every layer of a batch (same ids, step and token counts).
 
     Sharded layers' partial projections are reduced together: one all-reduce per group.
+    The default cost model is resolved once when every layer is on one device type.
     """
+    if cost is None and len({lg.device.type for lg in batch.layers.values()}) == 1:
+        cost = default_cost_model(next(iter(batch.layers.values())).device)
     layers: dict[str, LayerGrad] = {}
     deferred: list[tuple[str, ShardInfo]] = []
     for n, lg in batch.layers.items():
