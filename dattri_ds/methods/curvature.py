@@ -56,8 +56,7 @@ class KFAC(Attributor, name="kfac"):
             rows of a projected store; the preconditioned query is projected).
         whitened: the training rows are ``train_rows(batch)`` (whitened by the factors,
             then projected): the query is whitened likewise and scores are plain dot
-            products. The projection-friendly form: projected whitened rows keep >= 90% of
-            the exact method's LDS where projecting against ``H^-1 g_q`` does not (README).
+            products (the projection-friendly form: docs/attribution_fidelity.md).
     """
 
     method = "kfac"

@@ -1,16 +1,8 @@
 """A Megatron-core GPTModel that runs on CPU and GPU and is called like a Hugging Face causal LM.
 
-Used by ``launch/train.py --backend megatron`` (training) and by the offline tools (a TP=1
-model rebuilt from a consolidated checkpoint, integrations/megatron_checkpoint.py):
-
-* ``build_gpt(kw, vocab, context, seed)``: a seeded ``GPTModel`` from TransformerConfig kwargs
-  with ``gpt_block_spec`` (Megatron's local layer spec, every norm a ``TorchNorm``; learned
-  absolute positions, untied output layer).
-* ``MegatronLM(gpt)``: ``lm(input_ids=, labels=)`` returns ``LMOutput(loss, token_losses)``
-  with the Hugging Face label shift, so captures use the default ``label_shift=1``.
-* ``cpu_workarounds()``: what a CPU-only process needs after ``initialize_model_parallel``.
-
-``import dattri_ds`` does not import megatron; this module imports it inside functions only.
+Used by ``launch/train.py --backend megatron`` and by the offline tools (a TP=1 model rebuilt
+from a consolidated checkpoint, integrations/megatron_checkpoint.py). Megatron is imported
+inside the functions only.
 """
 
 from __future__ import annotations
