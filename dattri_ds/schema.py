@@ -21,7 +21,7 @@ import re
 import textwrap
 import types
 import typing
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Union
@@ -241,6 +241,14 @@ def parse_value(hint: Any, value: Any, path: str, meta: Any = None,
     raise _fail(path, value, hint, meta, default)
 
 
+#: The JSON values a plain type hint takes: a bool is not an int, "" is not a str.
+_ACCEPTS: dict[Any, Callable[[Any], bool]] = {
+    bool: lambda v: type(v) is bool, int: lambda v: type(v) is int,
+    float: lambda v: type(v) in (int, float), str: lambda v: isinstance(v, str) and v != "",
+    dict: lambda v: isinstance(v, dict), Any: lambda v: True,
+}
+
+
 def _parse_one(hint: Any, value: Any, path: str, meta: dict, default: Any,
                full: Any) -> Any:
     if dataclasses.is_dataclass(hint):
@@ -251,8 +259,7 @@ def _parse_one(hint: Any, value: Any, path: str, meta: dict, default: Any,
         return _parse_fields(meta["partial"], value, path, required=False)
     origin = typing.get_origin(hint)
     if origin is Literal:
-        ok = any(type(value) is type(c) and value == c for c in typing.get_args(hint))
-        if not ok:
+        if not any(type(value) is type(c) and value == c for c in typing.get_args(hint)):
             raise _fail(path, value, full, meta, default)
         return value
     if origin is tuple:
@@ -264,31 +271,14 @@ def _parse_one(hint: Any, value: Any, path: str, meta: dict, default: Any,
         if len(value) < meta.get("min_items", 0):
             raise _fail(path, value, full, meta, default, "too few items")
         return tuple(parse_value(item, v, f"{path}[{i}]") for i, v in enumerate(value))
-    if hint is bool:
-        if type(value) is not bool:
-            raise _fail(path, value, full, meta, default)
-        return value
-    if hint is int:
-        if type(value) is not int:
-            raise _fail(path, value, full, meta, default)
-        return _check_range(value, path, full, meta, default)
-    if hint is float:
-        if type(value) not in (int, float):
-            raise _fail(path, value, full, meta, default)
-        if not math.isfinite(value) and not meta.get("nonfinite"):
-            raise _fail(path, value, full, meta, default, "not finite")
-        return _check_range(value, path, full, meta, default)
-    if hint is str:
-        if not isinstance(value, str) or not value:
-            raise _fail(path, value, full, meta, default)
-        return value
-    if origin is dict or hint is dict:
-        if not isinstance(value, dict):
-            raise _fail(path, value, full, meta, default)
-        return value
-    if hint is Any:
-        return value
-    raise TypeError(f"schema: unsupported type hint {hint!r} at {path}")  # programming error
+    base = dict if origin is dict else hint
+    if base not in _ACCEPTS:
+        raise TypeError(f"schema: unsupported type hint {hint!r} at {path}")  # programming error
+    if not _ACCEPTS[base](value):
+        raise _fail(path, value, full, meta, default)
+    if base is float and not math.isfinite(value) and not meta.get("nonfinite"):
+        raise _fail(path, value, full, meta, default, "not finite")
+    return _check_range(value, path, full, meta, default) if base in (int, float) else value
 
 
 def _check_range(value: float, path: str, hint: Any, meta: dict, default: Any) -> float:
