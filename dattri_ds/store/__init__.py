@@ -4,7 +4,7 @@ Write: ``GradientStoreWriter`` (or ``StoreCallback`` during training), one shard
 data-parallel rank. Read: ``GradientStore.open`` merges the shards and streams blocks.
 Consumers of an existing store open it with ``attach(path, StoreRequest(...), mode=...)``,
 which compares what they ask with the manifest first. Layout and commit protocol:
-``format.py`` and ``shard.py``.
+docs/store.md.
 """
 
 from __future__ import annotations

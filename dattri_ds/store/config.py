@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from dattri_ds import schema
-from dattri_ds.errors import ConfigError
 
 __all__ = ["StoreConfig", "STORE_DTYPES"]
 
@@ -47,9 +46,7 @@ class StoreConfig:
     def __post_init__(self) -> None:
         if isinstance(self.path, os.PathLike):
             object.__setattr__(self, "path", os.fspath(self.path))
-        schema.check(self, "store")
-        if self.dtype not in STORE_DTYPES:  # pragma: no cover - the Literal mirrors it
-            raise ConfigError(f"store.dtype must be one of {STORE_DTYPES}, got '{self.dtype}'")
+        schema.check(self, "store")  # the dtype Literal mirrors STORE_DTYPES
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> StoreConfig:
