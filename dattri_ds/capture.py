@@ -226,9 +226,10 @@ class GradientCapture:
                 continue
             if cfg.include and not _matches(name, cfg.include):
                 continue
+            shard = kind.shard_info(module)  # module attributes only: safe before check
             kind.check(module, name)
             self.layers[name] = (module, kind)
-            self._shapes[name] = (kind.layer_shape(module), kind.shard_info(module))
+            self._shapes[name] = (kind.layer_shape(module), shard)
         if self.unsupported:
             msg = (f"{len(self.unsupported)} trainable module(s) have no LayerKind and are not "
                    f"captured: {', '.join(self.unsupported)}. Register a LayerKind, or list them "

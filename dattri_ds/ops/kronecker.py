@@ -250,7 +250,9 @@ class KFACFactors:
             if lf.form.lam_keys)
 
     # ---- pass 1: factor sums --------------------------------------------------------
-    def _layout(self, lg: LayerGrad) -> LayerFactors:
+    def _layout(self, lg: LayerGrad) -> tuple[LayerFactors, tuple[Space, torch.Tensor] | None]:
+        """The layer's factors (form, working space, dims), and the ``(space, rows)`` a
+        dense-only kind was read as (None for factors)."""
         if lg.shard is not None:
             raise UnsupportedLayerError(
                 f"Layer '{lg.name}' is a tensor-parallel shard: K-FAC factors need the whole "
@@ -262,8 +264,8 @@ class KFACFactors:
         if kind.dense_only:
             space, rows = self._dense_rows(lg)
             width = rows.shape[1]
-            return LayerFactors(lg.name, kind, lg.shape, space,
-                                kind.factor_form(width, self.config.full_max), (1, width))
+            return LayerFactors(lg.name, kind, lg.shape, space, kind.factor_form(
+                width, self.config.full_max), (1, width)), (space, rows)
         if not isinstance(lg.data, Factorized):
             state = "unprojected dense" if lg.space.canonical else f"projected ({lg.projection})"
             raise ShapeError(
@@ -274,14 +276,14 @@ class KFACFactors:
         form = kind.factor_form(o * i, self.config.full_max)
         if p is None or o * i <= p.config.dim:
             space = CANONICAL if p is None else p.exact_space
-            return LayerFactors(lg.name, kind, lg.shape, space, form, (o, i))
+            return LayerFactors(lg.name, kind, lg.shape, space, form, (o, i)), None
         if p.config.kind != "kronecker":
             raise ConfigError(
                 f"Layer '{lg.name}': K-FAC on a '{p.config.kind}' projection has no Kronecker "
                 f"structure; use ProjectionConfig(kind='kronecker') (LoGra) or unprojected data")
         return LayerFactors(lg.name, kind, lg.shape, p.space,
                             kind.factor_form(o * i, self.config.full_max, side_projected=True),
-                            kron_dims(p.config.dim, o, i))
+                            kron_dims(p.config.dim, o, i)), None
 
     def _dense_rows(self, lg: LayerGrad) -> tuple[Space, torch.Tensor]:
         """``(space, rows [B, W])`` of a layer fitted on dense rows."""
@@ -304,16 +306,17 @@ class KFACFactors:
             raise FactorStateError("KFACFactors.update() after reduce()/eigendecompose(): factor "
                                 "sums are final; start a new KFACFactors for new data")
         for name, lg in batch.layers.items():
-            lf = self.layers.get(name)
+            lf, rows = self.layers.get(name), None
             if lf is None:
-                lf = self.layers[name] = self._layout(lg)
+                lf, rows = self._layout(lg)
+                self.layers[name] = lf
             self._check(lf, lg, allow_projection_change=True)
             if lf.form.factorized:
                 if not isinstance(lg.data, Factorized):
                     self._layout(lg)  # raises the explanatory error
                 x = self._factors(lf, lg)  # tokens with a zero output-grad row add nothing
             else:
-                space, x = self._dense_rows(lg)
+                space, x = rows or self._dense_rows(lg)
                 self._check(lf, lg, space=space)
                 self._width(lf, x)
             lf.form.update(lf.sums, x, lf.dims, self._dtype)
