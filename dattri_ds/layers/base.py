@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
@@ -30,6 +30,9 @@ from torch import nn
 from dattri_ds.errors import UnsupportedLayerError
 from dattri_ds.gradient import Dense, Factorized, ShardInfo
 from dattri_ds.registry import Registry
+
+if TYPE_CHECKING:
+    from dattri_ds.ops.factor_forms import FactorForm
 
 __all__ = ["LayerDims", "LayerKind", "KINDS", "kind_for", "get_kind", "param_shape",
            "registered_kinds", "unregister_kind", "COMPUTE_DTYPE"]
@@ -183,14 +186,16 @@ class LayerKind(ABC):
         """
 
     # ---- maths on LayerGrad data: both forms side by side ------------------------------
-    def factor_form(self, width: int, full_max: int, side_projected: bool = False) -> str:
-        """Name of the curvature factor form (``ops/factor_forms.py``) for this kind's
-        gradients; ``width`` = values per example row, ``full_max`` = ``KFACConfig.full_max``,
+    def factor_form(self, width: int, full_max: int, side_projected: bool = False) -> FactorForm:
+        """The curvature ``FactorForm`` (``ops/factor_forms.py``) of this kind's gradients;
+        ``width`` = values per example row, ``full_max`` = ``KFACConfig.full_max``,
         ``side_projected``: the factors are Kronecker side-projected (an index input becomes
         a dense ``P_in`` column, so the index form no longer applies)."""
+        from dattri_ds.ops.factor_forms import FORMS  # the forms build on kinds, not back
+
         if self.dense_only:
-            return "full" if width <= full_max else "diagonal"
-        return "kron_index" if self.index_input and not side_projected else "kron"
+            return FORMS.lookup("full" if width <= full_max else "diagonal")
+        return FORMS.lookup("kron_index" if self.index_input and not side_projected else "kron")
 
     def rows(self, data: Factorized | Dense, shape: tuple[int, int]) -> torch.Tensor:
         """``[B, D]`` rows in ``COMPUTE_DTYPE``: dense values, or materialized factors."""
@@ -313,6 +318,36 @@ class LayerKind(ABC):
         dt = p_out.dtype
         a = p_in.T[f.a] if self.index_input else f.a.to(dt) @ p_in.T
         return Factorized(a, f.g.to(dt) @ p_out.T)
+
+    # ---- planning: one layer's sizes before a run (dattri_ds/plan.py) -------------------
+    def capture_bytes(self, rows: int, tokens: int, shape: tuple[int, int],
+                      itemsize: int) -> dict[str, int]:
+        """Bytes of one captured batch of ``rows`` examples of ``tokens`` tokens, as
+        ``GradBatch`` holds it: ``inputs`` (``a [B, T, I']``, an index input int64
+        ``[B, T]``) and ``grads`` (``g [B, T, O]``) of ``itemsize`` bytes, or a dense-only
+        kind's ``dense`` rows ``[B, O*I']`` (planned as fp32)."""
+        o, i = shape
+        if self.dense_only:
+            return {"dense": rows * o * i * 4}
+        return {"inputs": rows * tokens * (8 if self.index_input else i * itemsize),
+                "grads": rows * tokens * o * itemsize}
+
+    def forward_macs(self, shape: tuple[int, int]) -> int:
+        """Multiply-adds of the forward per token: ``O*I'`` for a matmul; 0 for an index
+        input (a gather) and a dense-only kind (elementwise, not counted)."""
+        return 0 if self.dense_only or self.index_input else shape[0] * shape[1]
+
+    def factor_bytes(self, shape: tuple[int, int], full_max: int, ekfac: bool) -> int:
+        """Bytes of this layer's K-FAC factors as planned: a dense-only kind's exact
+        ``[W, W]`` block (``W <= full_max``, fp32 sums and float64 eigenbasis) or its
+        diagonal; ``A`` and ``S`` with their eigenvectors, fp32 (EK-FAC adds ``[O, I']``);
+        an index input's factors are not counted (``A`` is a vector)."""
+        o, i = shape
+        if self.dense_only:
+            return (o * i) ** (2 if o * i <= full_max else 1) * (4 + 8)
+        if self.index_input:
+            return 0
+        return (2 * (i * i + o * o) + (i * o if ekfac else 0)) * 4
 
     # ---- reference layout -----------------------------------------------------------
     @abstractmethod

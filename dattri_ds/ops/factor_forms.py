@@ -22,13 +22,15 @@ object never branches on the form name.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from dattri_ds.gradient import Factorized
-from dattri_ds.layers.base import LayerKind
 from dattri_ds.registry import Registry
+
+if TYPE_CHECKING:  # kinds pick their form (LayerKind.factor_form): no import back
+    from dattri_ds.layers.base import LayerKind
 
 __all__ = ["FactorForm", "KronForm", "IndexForm", "FullForm", "DiagonalForm", "get_form",
            "FORMS", "LAM_KEYS", "MIN_BLOCK", "add_gram_"]

@@ -107,6 +107,11 @@ class ProjectionKind:
         """Multiply-adds x 2 to project one example of ``t`` tokens from its factors."""
         raise NotImplementedError
 
+    def cost_op(self, k: int, o: int, i: int) -> tuple[str, dict[str, int]]:
+        """The cost model's op (``ops.cost.OPS``) that prices this projection of a layer, and
+        its sizes (the planner routes it): the seeded dense matrix by default."""
+        return "project_dense", {"P": k}
+
     def error(self, k: int, o: int, i: int) -> float:
         """Expected relative error of ``<Px, Py>`` vs ``<x, y>`` (units of ``|x||y|``):
         the JL scale ``sqrt(2 / k)``; test_projection checks every pair within 5x it."""
@@ -134,6 +139,10 @@ class KroneckerKind(ProjectionKind, name="kronecker"):
     def flops(self, k: int, o: int, i: int, t: int) -> float:
         ko, ki = kron_dims(k, o, i)
         return 2.0 * t * (o * ko + i * ki + ko * ki)
+
+    def cost_op(self, k: int, o: int, i: int) -> tuple[str, dict[str, int]]:
+        ko, ki = kron_dims(k, o, i)
+        return "project_kron", {"ko": ko, "ki": ki}
 
     def project(self, projector, lg, cost, path=None):
         """``vec(P_out G P_in^T)`` (``LayerKind.project_factors``); kinds without Kronecker
@@ -168,6 +177,9 @@ class SparseKind(ProjectionKind, name="sparse"):
     def flops(self, k: int, o: int, i: int, t: int) -> float:
         return 2.0 * t * o * i + 2.0 * min(SPARSE_NNZ, k) * o * i
 
+    def cost_op(self, k: int, o: int, i: int) -> tuple[str, dict[str, int]]:
+        return "project_sparse", {"P": k}
+
 
 class AutoKind(ProjectionKind, name="auto"):
     """Per layer the cheaper-where-it-pays of sparse and Kronecker (``resolve``)."""
@@ -181,7 +193,7 @@ class AutoKind(ProjectionKind, name="auto"):
         raise ConfigError("the 'auto' projection has no width of its own: resolve it per "
                           "layer first (AutoKind.resolve / Projector.kind_of)")
 
-    matrix_bytes = flops = error = width  # type: ignore[assignment]
+    matrix_bytes = flops = error = cost_op = width  # type: ignore[assignment]
 
 
 #: The built-in projection kinds (``PROJECTION_KINDS.names()`` lists user kinds too).
