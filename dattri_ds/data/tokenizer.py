@@ -3,11 +3,10 @@
 ``train_tokenizer`` trains once per (texts, vocab size, model type, trainer options) and then
 loads the cached ``.model``; ``Tokenizer`` has fixed special ids (pad 0, unk 1, bos 2, eos 3)
 and a ``fingerprint`` of its bytes; ``tokenize_documents`` makes one padded example of ``T``
-tokens per document. The trainer sees whole documents (newlines included; ``"\\n"`` is a user-defined piece) with
-the identity normalization and no whitespace folding, so ``decode(encode(s)) == s`` for
-every text made of characters seen in training (code indentation included).
-
-``sentencepiece`` is imported inside the functions that need it.
+tokens per document. The trainer sees whole documents (newlines included; ``"\\n"`` is a
+user-defined piece) with the identity normalization and no whitespace folding, so
+``decode(encode(s)) == s`` for every text made of characters seen in training (code
+indentation included). ``sentencepiece`` is imported inside the functions that need it.
 """
 
 from __future__ import annotations
