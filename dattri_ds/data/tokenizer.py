@@ -168,8 +168,7 @@ def _sentences(texts: Iterable[str]) -> Iterator[str]:
 
 
 def train_tokenizer(texts: Iterable[str], *, vocab_size: int = 1024, model_type: str = "bpe",
-                    cache_dir: str | os.PathLike | None = None, num_threads: int = 2,
-                    force: bool = False) -> Tokenizer:
+                    cache_dir: str | os.PathLike | None = None) -> Tokenizer:
     """Train a SentencePiece model on ``texts``, or load it from the cache.
 
     Args:
@@ -181,8 +180,6 @@ def train_tokenizer(texts: Iterable[str], *, vocab_size: int = 1024, model_type:
         cache_dir: where trained models live (default ``default_cache_dir()``); the file is
             ``<cache_dir>/tokenizers/spm-<model_type>-<vocab_size>-<key>.model`` with ``key``
             a hash of (texts, vocab size, model type, trainer options).
-        num_threads: trainer threads (the result does not depend on it for BPE).
-        force: retrain and overwrite even when a cached model exists.
 
     Returns:
         The tokenizer; ``tok.path`` is the cached file.
@@ -203,14 +200,14 @@ def train_tokenizer(texts: Iterable[str], *, vocab_size: int = 1024, model_type:
     key = _cache_key(texts, vocab_size, model_type)
     path = Path(cache_dir or default_cache_dir()) / "tokenizers" / (
         f"spm-{model_type}-{vocab_size}-{key}.model")
-    if path.is_file() and not force:
+    if path.is_file():
         logger.info("Reusing cached tokenizer %s", path)
         return Tokenizer.load(path)
     buf = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
             sentence_iterator=_sentences(texts), model_writer=buf, vocab_size=vocab_size,
-            model_type=model_type, num_threads=num_threads, minloglevel=2, **_TRAINER_OPTIONS)
+            model_type=model_type, num_threads=2, minloglevel=2, **_TRAINER_OPTIONS)
     except RuntimeError as e:
         raise ConfigError(f"SentencePiece training failed for vocab_size={vocab_size} on "
                           f"{len(texts)} texts: {e}. Lower tokenizer vocab_size or give more "
