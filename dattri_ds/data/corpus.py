@@ -78,16 +78,8 @@ def iter_jsonl(path: str | os.PathLike, what: str = "document file") -> Iterator
         yield _document(row, f"{Path(path)}:{lineno}")
 
 
-def load_documents(paths: str | os.PathLike | Sequence[str | os.PathLike], *,
-                   limit: int | None = None, sources: Iterable[str] | None = None
-                   ) -> list[Document]:
-    """Load documents from one or more local JSONL files, in file order.
-
-    Args:
-        paths: a file or a list of files; their documents are concatenated.
-        limit: keep at most this many documents (after the ``sources`` filter). The shipped
-            pools are in a seeded random order, so a prefix is a mixed sample.
-        sources: keep only documents whose ``source`` is in this set.
+def load_documents(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Document]:
+    """Load documents from one or more local JSONL files (concatenated), in file order.
 
     Returns:
         The documents, ids unique across all files.
@@ -97,10 +89,7 @@ def load_documents(paths: str | os.PathLike | Sequence[str | os.PathLike], *,
             holds no document, or a line is not UTF-8 JSON (file and line named).
         ConfigError: a malformed document, or a repeated id.
     """
-    if limit is not None and limit < 0:
-        raise ConfigError(f"load_documents limit must be >= 0, got {limit}")
     path_list = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
-    keep = set(sources) if sources is not None else None
     docs: list[Document] = []
     seen: dict[str, Path] = {}
     for p in map(Path, path_list):
@@ -108,15 +97,11 @@ def load_documents(paths: str | os.PathLike | Sequence[str | os.PathLike], *,
         n_file = 0
         for doc in iter_jsonl(p):
             n_file += 1
-            if keep is not None and doc.source not in keep:
-                continue
             if doc.id in seen:
                 raise ConfigError(f"Document id '{doc.id}' appears twice ({seen[doc.id]} and "
                                   f"{p}); ids must be unique across the loaded files")
             seen[doc.id] = p
             docs.append(doc)
-            if limit is not None and len(docs) >= limit:
-                return docs
         if n_file == 0:
             raise InputFileError(f"document file '{p}' holds no documents (it is empty or "
                                  f"blank); expected {_EXPECTED}. Fix: {_FIX}")
