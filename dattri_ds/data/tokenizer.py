@@ -122,6 +122,9 @@ class Tokenizer:
             ids = ids.tolist()
         return self._sp.decode(list(ids))
 
+    def id_to_piece(self, i: int) -> str:
+        return self._sp.id_to_piece(i)
+
     def __len__(self) -> int:
         return self.vocab_size
 
