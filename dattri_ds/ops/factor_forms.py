@@ -41,24 +41,17 @@ FORMS: Registry[FactorForm] = Registry(
     "curvature factor form", hint="define class MyForm(FactorForm, name='my_form')")
 
 
-# ---- the symmetric Gram update every form's factor sums use ----------------------------
-# ``out += x^T x`` on the upper block triangle: the symmetric Gram at ~5/8 of a GEMM.
-# K-FAC factor sums are Gram matrices of activations and output gradients (``[N, d]`` rows,
-# ``d`` up to the layer width), and on a CPU they are the largest GEMMs of a curvature fit.
-# ``x^T x`` is symmetric, but ``torch.mm`` computes both triangles. Splitting the columns into
-# ``nb`` blocks and computing only the blocks on and above the diagonal (mirroring the rest)
-# costs ``nb (nb + 1) / 2`` of ``nb^2`` block products: 10/16 at ``nb = 4``. Blocks narrower
-# than ``MIN_BLOCK`` columns run slower per flop than one large GEMM, so small ``d`` is one
-# product. Every output entry is the same dot product over the same rows as in ``x.T @ x``.
-
 MIN_BLOCK = 256
-"""Narrowest column block (measured on one AVX2 core, N = 2048 rows: 0.72-0.82x the time of
-``x.T @ x`` at d = 512-1024, 0.65x at 3072; at d = 256 a split does not pay)."""
+"""Narrowest column block of ``add_gram_`` (narrower blocks run slower per flop than one
+GEMM; measured in docs/throughput.md)."""
 
 
 def add_gram_(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``out += x^T x`` in place for ``x`` ``[N, d]``, ``out`` ``[d, d]`` (same dtype);
-    returns ``out``."""
+    returns ``out``. The symmetric Gram of every form's factor sums (the largest GEMMs of a
+    curvature fit on a CPU) on the upper block triangle: ``nb (nb + 1) / 2`` of ``nb^2``
+    block products for ``nb = d // MIN_BLOCK`` blocks, each entry the same dot product over
+    the same rows as in ``x.T @ x``."""
     d = x.shape[1]
     nb = max(1, d // MIN_BLOCK)
     if nb == 1:

@@ -87,17 +87,9 @@ class KFACConfig:
 
     damping: float = field(default=0.003, metadata=bounds(gt=0))
     """Added to every eigenvalue before inverting: absolute value, or a fraction of the
-    layer's mean eigenvalue (``damping_mode``). Must be > 0.
-
-    The default, ``lambda = 0.003 * mean(eigenvalues)`` per layer, is deterministic (a
-    function of the fitted spectrum only) and was chosen on ``benchmarks/lds.py`` with two data
-    sets (128 documents x 6 epochs, 96 x 8; 5 checkpoints): LDS rises monotonically from
-    0.3 to 0.01 for K-FAC, EK-FAC and their trajectories, and from 0.01 to 0.003 it still
-    gains 0.000-0.015 (0.001 is within +-0.01 of 0.003); 0.003 keeps a 3x margin above the
-    smallest value measured stable. On the unseen benchmark (docs), 0.01 beat 0.1
-    (EK-FAC 0.364 vs 0.353; EK-FAC trajectory 0.440 vs 0.426). Re-checked with the default
-    ``power`` 0.8 and exact norm blocks (5 seeds): 0.003 beats 0.03 by +0.005 to +0.009
-    and 0.3 by +0.016 to +0.035 for all four curvature methods."""
+    layer's mean eigenvalue (``damping_mode``). Must be > 0. The default, ``lambda = 0.003 *
+    mean(eigenvalues)`` per layer, is a function of the fitted spectrum only; chosen on
+    ``benchmarks/lds.py`` (docs/attribution_fidelity.md, "KFACConfig defaults")."""
 
     damping_mode: Literal["relative", "absolute"] = "relative"
     """``relative``: ``lambda = damping * mean(eigenvalues)`` per layer; ``absolute``:
@@ -106,41 +98,22 @@ class KFACConfig:
     power: float = field(default=0.8, metadata=bounds(gt=0, le=1))
     """Exponent ``p`` of the curvature inverse: the query is preconditioned by
     ``(F + lambda)^-p`` (whitened rows by ``(F + lambda)^-p/2``). 1 is the influence
-    function (the response of a model trained to convergence); below 1 the low-curvature
-    directions, in which a finite training run has not converged, are amplified less (0
-    would be grad-dot). Like the relative damping it depends on the fitted spectrum only
-    (deterministic, invariant to the loss scale).
-
-    The default 0.8 was chosen on ``benchmarks/lds.py`` over four benchmarks (5 seeds each: out-
-    and in-distribution queries, GPT-2 and Llama, Adam and SGD; docs/attribution_fidelity.md): against
-    1, the EK-FAC trajectory gains +0.017 to +0.021 LDS under Adam (>= 2.4 s.e. each) and
-    +0.082 under SGD; single-checkpoint EK-FAC / K-FAC stay within 1.5 s.e. under Adam
-    (-0.015 to +0.003) and gain about +0.05 under SGD. 0.75 gains more under SGD but costs
-    single-checkpoint curvature 0.014-0.028 under Adam; 0.875 keeps less of the
-    trajectory's gains (+0.013 to +0.044). Re-checked leave-one-regime-out against 1 on
-    15 regimes (GPT-2, Llama and character-level models, two sizes, Adam and SGD): every
-    fold chooses 0.8, but neither value wins every held-out regime. 0.8 loses the
-    trajectories one (-0.015 +- 0.013, a regime at the noise floor) and single-checkpoint
-    EK-FAC / K-FAC up to 0.021 on Adam regimes; 1 loses 0.04-0.10 under SGD and on the
-    4-layer model. So 0.8 stays for every method; for single-checkpoint influence on a
-    well-converged, Adam-trained model, 1 may fit better."""
+    function; below 1 the low-curvature directions, in which a finite training run has not
+    converged, are amplified less (0 would be grad-dot). The default 0.8 was chosen on four
+    benchmarks and re-checked leave-one-regime-out on 15 (docs/attribution_fidelity.md, "The
+    power"); for single-checkpoint influence on a well-converged, Adam-trained model, 1 may
+    fit better."""
 
     dtype: Literal["float64", "float32"] = "float32"
     """Dtype of the factor and EK-FAC sums and of the eigenbasis rotations
-    ``Q_S^T G Q_A`` (pass 2 and preconditioning). float32 halves memory and runs the
-    rotations at float32 matmul speed; its scores equal float64's to float32 rounding
-    (relative error ~1e-5, correlation 1 - 1e-10 on the tests' models). Eigendecompositions
-    always run in float64; counts are always float64."""
+    ``Q_S^T G Q_A`` (pass 2 and preconditioning); its scores equal float64's to float32
+    rounding. Eigendecompositions always run in float64; counts are always float64."""
 
     full_max: int = field(default=1024, metadata=bounds(ge=0))
     """Dense-only layers (layernorm/rmsnorm rows) of at most this many values get their
     exact empirical Fisher block ``[W, W]`` (form ``full``: one float64 eigenbasis of
     ``8 W^2`` bytes, 8 MiB at 1024); wider ones the diagonal (form ``diagonal``); 0 = always
-    diagonal. The diagonal ignores the strong correlations between a norm's gains and
-    biases; on ``benchmarks/lds.py`` the exact block scored +0.014 (A) and +0.004 (B) LDS over
-    it for EK-FAC, as much as dropping the norms did (5 seeds each; docs/attribution_fidelity.md).
-    Large models' norms (W = hidden size, >= 2048) stay
-    diagonal: they hold a negligible share of the parameters."""
+    diagonal (docs/attribution_fidelity.md, "Norm layers")."""
 
     def __post_init__(self) -> None:
         check(self, "kfac")  # types, choices and the damping range (dattri_ds/schema.py)
