@@ -1,50 +1,15 @@
 """Planner: per-rank memory and time of a capture / attribution run, before running it.
 
 From a model's shape (``ModelShape.from_config``: our JSON or a Hugging Face ``config.json``
-of the Llama, Qwen2/3, Mistral or GPT-2 families), a device (``DEVICES``) and a run
+of the Llama, Qwen2/3, Mistral, OLMo-2 or GPT-2 families), a device (``DEVICES``) and a run
 (``RunSpec``), ``plan`` predicts each rank's memory, term by term, and the time of a
 training step and of one collected example from the cost model's roofline
-(``dattri_ds.ops.cost``), then recommends settings.
-
-Memory terms (bytes per rank; ``P`` parameters, ``R`` data-parallel ranks, ``e`` bytes per
-weight, ``s = R`` when the state is sharded by the ZeRO stage, else 1):
-
-| term        | formula                                                              |
-|-------------|----------------------------------------------------------------------|
-| params      | ``P e / s`` (sharded from ZeRO-3)                                    |
-| master      | ``4 P / s`` with bf16 weights (fp32 master copy; ZeRO >= 1), else 0  |
-| grads       | ``P e / s`` (sharded from ZeRO-2)                                    |
-| optimizer   | ``{adamw: 8, sgd: 0, sgd_momentum: 4} P / s`` (sharded from ZeRO-1)  |
-| gathered    | ZeRO-3: ``min(P, max_live + prefetch) e`` (DeepSpeed keeps gathered weights) |
-| grad_bucket | ZeRO >= 2: ``min(P, reduce_bucket) e`` (the reduce bucket's touched pages)   |
-| init_model  | ``4 P`` unless built under zero.Init (the whole fp32 model each rank builds  |
-|             | first; glibc keeps its freed sub-32 MB blocks resident)              |
-| optim. tmp  | per sub-group ``G = min(sub_group_size, P / s)``: ZeRO-3's flattened      |
-|             | gradient copy ``4 G``, torch Adam(W) on CPU two more ``8 G``           |
-| activations | ``B T L (9 h + 3 h_kv + 4 i) e`` (Llama; GPT-2: ``16 h``) + logits ``3 B T V 4`` |
-| factors     | captured output-grads ``B T O e`` per layer, norms ``B D 4`` (the inputs ``a``    |
-|             | are tensors autograd saves anyway: see ``captured_factor_bytes``)    |
-| projections | per layer ``ProjectionKind.matrix_bytes``: Kronecker ``(ko O + ki I) 4``;   |
-|             | dense ``k I O 4``; sparse ``8 s I O`` (int32 CSR index + fp32 value per non-zero); |
-|             | auto: the kind ``ops.cost.choose_projection`` picks for the layer          |
-| kfac        | ``(I^2 + O^2) 4`` per layer, twice with eigenvectors (EK-FAC adds ``I O 4``); |
-|             | norms ``12 W^2`` (exact block, ``W <= KFACConfig.full_max``) or ``12 W``     |
-| runtime     | the framework's resident size (the device's ``runtime_bytes``)       |
-
-Offloading the optimizer moves master, grads' fp32 copy and optimizer states to the host;
-offloading parameters moves the parameter shard too. Store bytes are on disk, not in memory.
-
-Time (the device side): a training step is ``3 x`` the forward flops (``2 P_linear B T`` + attention
-``4 B T^2 h L``) at the device's matmul rate, plus reading the weights three times at its
-memory bandwidth, plus ZeRO-3's parameter all-gathers (forward, backward) and gradient
-reduce-scatter at the link bandwidth, plus offloaded state crossing the host link; capture adds each layer's projection (the cheaper of
-the ghost and dense path, chosen by ``CostModel``). Compute terms are divided by the
-device's ``efficiency`` (the fraction of the roofline whole steps reach). The host side:
-an accelerator runs kernels asynchronously, so a pass takes the longer of the device time and
-the host's time to issue its kernels (``forward_kernels x kernel_latency_s``; ZeRO-3 adds
-``zero3_tensor_s`` per parameter tensor); capture syncs per layer, so a capturing pass adds
-host and device times, with ``capture_layer_s`` per captured layer. The H200's terms are fitted
-to measured steps (``dattri_ds/calibrate.py``, ``python -m dattri_ds.calibrate``).
+(``dattri_ds.ops.cost``), then recommends settings. docs/planning.md gives every term's
+formula. A captured layer's own terms (its captured bytes, forward multiply-adds, K-FAC
+factor bytes) come from its ``LayerKind``, and its projection's (kind, width, matrix bytes,
+cost op, error) from its ``ProjectionKind``: a new kind plans without a change here. The
+H200's host terms are fitted to measured steps (``python -m dattri_ds.calibrate``,
+docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -57,15 +22,18 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dattri_ds.errors import ConfigError
-from dattri_ds.layers.base import LayerDims
-from dattri_ds.ops.cost import CostModel, Roofline, choose_projection
+from dattri_ds.layers import LayerDims, LayerKind, get_kind
+from dattri_ds.ops.cost import CostModel, Roofline
 from dattri_ds.ops.kronecker import KFACConfig
-from dattri_ds.ops.projection import KINDS, kron_dims, projection_kind
+from dattri_ds.ops.projection import (
+    KINDS, PROJECTION_KINDS, AutoKind, ProjectionKind, choose_projection, projection_kind,
+)
 
 __all__ = ["DeviceSpec", "DEVICES", "ModelShape", "LayerShape", "RunSpec", "Plan", "plan",
            "device", "captured_factor_bytes"]
 
 GB = 1e9
+_LINEAR, _CONV1D, _EMBEDDING = get_kind("linear"), get_kind("conv1d"), get_kind("embedding")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,29 +44,22 @@ class DeviceSpec:
         name: registry key.
         memory_bytes: memory of one device (a CPU host's RAM, shared by its ranks).
         flops_per_s: dense matmul rate in the run's compute dtype (bf16 on GPUs; the CPU
-            figure is fp32, one core, as measured here: bf16 matmuls are ~100x slower on
-            CPUs without AVX-512 BF16).
+            figure is fp32, one core: bf16 matmuls are ~100x slower on CPUs without
+            AVX-512 BF16).
         bytes_per_s: memory bandwidth.
         link_bytes_per_s: per-rank bandwidth of the collectives (NVLink; loopback gloo).
         runtime_bytes: resident size of the framework itself (CUDA context / interpreter,
             torch, DeepSpeed, transformers) per rank.
         ranks_share_memory: every rank lives in the same memory (CPU ranks on one host).
-        efficiency: the fraction of the roofline a whole step reaches (kernels below peak,
-            elementwise work, framework and hook overhead). CPU: 0.4, measured on the
-            12M-parameter ladder run of ``benchmarks/scale.py`` (checked on the other
-            sizes there); H200: fitted with the host terms below on the first H200 run
-            (``dattri_ds.calibrate``); ``tools/gpu_check.sh`` prints the measured MFU.
+        efficiency: the fraction of the roofline a whole step reaches (CPU: measured on
+            ``benchmarks/scale.py``'s ladder; H200: fitted by ``dattri_ds.calibrate``).
         host_link_bytes_per_s: device <-> host bandwidth that offloaded state crosses
             every step (PCIe 5 x16: ~50 GB/s sustained; PCIe 4: ~25 GB/s; CPU: none).
-        kernel_latency_s: host time to issue one kernel (Python, torch dispatch, launch) in
-            eager mode. An accelerator runs asynchronously, so a pass without host syncs
-            takes ``max(host, device)``: small models are launch-bound. CPU: 0 (its
-            kernels run on the host; the overhead is in ``efficiency``).
-        capture_layer_s: host time capture adds per captured layer per pass (its hooks,
-            the projection's kernels and their syncs); a capturing pass is serialized,
-            ``host + device``.
-        zero3_tensor_s: host time ZeRO-3 adds per parameter tensor per step (gather and
-            release in forward and backward, the reduce-scatter hook).
+        kernel_latency_s: host time to issue one kernel in eager mode; a pass without host
+            syncs takes ``max(host, device)`` (CPU: 0, its kernels run on the host).
+        capture_layer_s: host time capture adds per captured layer per pass (a capturing
+            pass is serialized, ``host + device``).
+        zero3_tensor_s: host time ZeRO-3 adds per parameter tensor per step.
     """
 
     name: str
@@ -163,22 +124,30 @@ def device(name: str) -> DeviceSpec:
 
 @dataclass(frozen=True)
 class LayerShape:
-    """One captured layer kind in a block: ``count`` layers of ``[O, I]`` (``I`` incl. bias).
-
-    ``kind`` is ``linear``, ``embedding`` (``I`` = vocabulary, index input) or ``norm``
-    (dense ``[B, rows * O]`` per-example gradients). ``token_factor`` 2 marks a tied head:
-    capture merges the embedding's use into the output projection's factors as ``2 T``
-    tokens (``dattri_ds.tied``), and no separate embedding layer is captured. ``bias``: a
-    linear layer's ``I`` counts its bias column.
+    """``count`` captured layers of one ``LayerKind`` whose gradient is ``[O, I']`` (the
+    kind's canonical ``layer_shape``: ``I`` counts a bias column; a norm's ``O`` is its
+    ``1 + bias`` rows). ``token_factor`` 2 marks a tied head: capture merges the
+    embedding's use into the output projection's factors as ``2 T`` tokens
+    (``dattri_ds.tied``), and no separate embedding layer is captured. ``bias``: the layer
+    has a bias tensor.
     """
 
     name: str
-    kind: Literal["linear", "embedding", "norm"]
+    kind: LayerKind
     I: int  # noqa: E741 - the documented shape letter
     O: int  # noqa: E741
     count: int = 1
     token_factor: int = 1
     bias: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, LayerKind):
+            raise TypeError(f"LayerShape '{self.name}': kind must be a LayerKind, got "
+                            f"{self.kind!r} (pass get_kind({self.kind!r}))")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.O, self.I
 
     @property
     def params(self) -> int:
@@ -262,48 +231,46 @@ class ModelShape:
         """The layers of one transformer block (``count`` 1 each)."""
         h, i = self.hidden, self.intermediate
         if self.family == "gpt2":  # Conv1D layers with bias, LayerNorms with bias
-            return [LayerShape("attn.c_attn", "linear", h + 1, 3 * h, bias=True),
-                    LayerShape("attn.c_proj", "linear", h + 1, h, bias=True),
-                    LayerShape("mlp.c_fc", "linear", h + 1, i, bias=True),
-                    LayerShape("mlp.c_proj", "linear", i + 1, h, bias=True),
-                    LayerShape("ln_1", "norm", 2, h), LayerShape("ln_2", "norm", 2, h)]
+            return [LayerShape("attn.c_attn", _CONV1D, h + 1, 3 * h, bias=True),
+                    LayerShape("attn.c_proj", _CONV1D, h + 1, h, bias=True),
+                    LayerShape("mlp.c_fc", _CONV1D, h + 1, i, bias=True),
+                    LayerShape("mlp.c_proj", _CONV1D, i + 1, h, bias=True),
+                    self._norm("ln_1", h), self._norm("ln_2", h)]
         q, kv, b = self.heads * self.head_dim, self.kv_heads * self.head_dim, int(self.qkv_bias)
-        qk = [LayerShape("self_attn.q_norm", "norm", 1, q),
-              LayerShape("self_attn.k_norm", "norm", 1, kv)] if self.qk_norm else []
-        return qk + [LayerShape("self_attn.q_proj", "linear", h + b, q, bias=bool(b)),
-                LayerShape("self_attn.k_proj", "linear", h + b, kv, bias=bool(b)),
-                LayerShape("self_attn.v_proj", "linear", h + b, kv, bias=bool(b)),
-                LayerShape("self_attn.o_proj", "linear", q, h),
-                LayerShape("mlp.gate_proj", "linear", h, i),
-                LayerShape("mlp.up_proj", "linear", h, i),
-                LayerShape("mlp.down_proj", "linear", i, h),
-                LayerShape("input_layernorm", "norm", 1, h),
-                LayerShape("post_attention_layernorm", "norm", 1, h)]
+        qk = [self._norm("self_attn.q_norm", q),
+              self._norm("self_attn.k_norm", kv)] if self.qk_norm else []
+        return qk + [LayerShape("self_attn.q_proj", _LINEAR, h + b, q, bias=bool(b)),
+                LayerShape("self_attn.k_proj", _LINEAR, h + b, kv, bias=bool(b)),
+                LayerShape("self_attn.v_proj", _LINEAR, h + b, kv, bias=bool(b)),
+                LayerShape("self_attn.o_proj", _LINEAR, q, h),
+                LayerShape("mlp.gate_proj", _LINEAR, h, i),
+                LayerShape("mlp.up_proj", _LINEAR, h, i),
+                LayerShape("mlp.down_proj", _LINEAR, i, h),
+                self._norm("input_layernorm", h), self._norm("post_attention_layernorm", h)]
+
+    def _norm(self, name: str, width: int) -> LayerShape:
+        """GPT-2's LayerNorm (weight and bias rows) or an RMSNorm (weight) of ``width``."""
+        gpt2 = self.family == "gpt2"
+        return LayerShape(name, get_kind("layernorm" if gpt2 else "rmsnorm"), width,
+                          1 + gpt2, bias=gpt2)
 
     def captured_layers(self) -> list[LayerShape]:
         """Every layer capture sees, blocks folded into ``count`` (a tied input embedding and
         head are one layer of ``2 T`` tokens)."""
         out = [replace(s, count=self.layers) for s in self.block()]
         if not self.tied:
-            out.append(LayerShape("embed_tokens", "embedding", self.vocab, self.hidden))
+            out.append(LayerShape("embed_tokens", _EMBEDDING, self.vocab, self.hidden))
         if self.positions:
-            out.append(LayerShape("wpe", "embedding", self.positions, self.hidden))
-        out.append(LayerShape("norm", "norm", 2 if self.family == "gpt2" else 1, self.hidden))
-        out.append(LayerShape("lm_head", "linear", self.hidden, self.vocab,
+            out.append(LayerShape("wpe", _EMBEDDING, self.positions, self.hidden))
+        out.append(self._norm("norm", self.hidden))
+        out.append(LayerShape("lm_head", _LINEAR, self.hidden, self.vocab,
                               token_factor=2 if self.tied else 1))
         return out
 
     @property
-    def block_params(self) -> int:
-        return sum(s.params for s in self.block())
-
-    @property
     def num_params(self) -> int:
-        """Trainable parameters (a tied head is one matrix)."""
-        embed = (self.vocab + self.positions) * self.hidden
-        head = 0 if self.tied else self.vocab * self.hidden
-        final = self.hidden * (2 if self.family == "gpt2" else 1)
-        return self.layers * self.block_params + embed + head + final
+        """Trainable parameters: every layer is captured (a tied head is one matrix)."""
+        return sum(L.params for L in self.captured_layers())
 
     def forward_kernels(self) -> int:
         """Kernels one eager forward launches: ``KERNELS_PER_BLOCK`` per block (a Llama
@@ -315,14 +282,12 @@ class ModelShape:
     @property
     def param_tensors(self) -> int:
         """Parameter tensors (weights and biases): what ZeRO-3 gathers one by one."""
-        per_block = sum(s.I if s.kind == "norm" else 1 + s.bias for s in self.block())
-        return self.layers * per_block + 2 + (not self.tied) + bool(self.positions) + \
-            (self.family == "gpt2")
+        return sum(L.count * (1 + L.bias) for L in self.captured_layers())
 
     def forward_flops(self, batch: int, seq: int) -> float:
-        """``2 x`` multiply-adds of every linear layer plus attention's ``4 B T^2 h`` per block."""
-        lin = sum(s.params for s in self.block() if s.kind == "linear") * self.layers
-        lin += self.vocab * self.hidden
+        """``2 x`` multiply-adds of every layer (``LayerKind.forward_macs``) plus attention's
+        ``4 B T^2 h`` per block."""
+        lin = sum(L.count * L.kind.forward_macs(L.shape) for L in self.captured_layers())
         attn = 4 * batch * seq * seq * self.heads * self.head_dim * self.layers
         return 2.0 * lin * batch * seq + attn
 
@@ -417,8 +382,9 @@ class RunSpec:
                               f"'{self.optimizer}'")
         if self.method not in _METHODS:
             raise ConfigError(f"method must be one of {_METHODS}, got '{self.method}'")
-        if self.projection not in KINDS:
-            raise ConfigError(f"projection must be one of {KINDS}, got '{self.projection}'")
+        if self.projection not in PROJECTION_KINDS:
+            raise ConfigError(f"projection must be a registered kind, one of "
+                              f"{PROJECTION_KINDS.names()}, got '{self.projection}'")
         if self.k < 0:
             raise ConfigError(f"k must be >= 0 (0 = recommend one), got {self.k}")
 
@@ -464,10 +430,8 @@ class Plan:
     def total(self) -> float:
         return sum(self.memory.values())
 
-    @property
-    def peak(self) -> float:
-        """Peak bytes per rank: the sum of the terms (each is live at the step's peak)."""
-        return self.total
+    #: Peak bytes per rank: the sum of the terms (each is live at the step's peak).
+    peak = total
 
     @property
     def fits(self) -> bool:
@@ -550,95 +514,71 @@ def _zero_buffers(m: ModelShape, s: RunSpec, dev: DeviceSpec) -> dict[str, float
     return out
 
 
-def _proj_dims(layer: LayerShape, k: int) -> tuple[int, int]:
-    return kron_dims(k, layer.O, layer.I)
-
-
-def _layer_kind(kind: str, layer: LayerShape, k: int) -> str:
-    """The projection kind a layer gets: ``identity`` when ``O*I <= k``; ``auto`` resolved
-    by the cost model; Kronecker falls back to dense on norms (no Kronecker structure)."""
-    if layer.O * layer.I <= k:
-        return "identity"
-    if layer.kind == "norm" and kind in ("auto", "kronecker"):  # dense-only rows
-        return "sparse" if kind == "auto" else "dense"
-    if kind == "auto":
-        return choose_projection(layer.O, layer.I, k).kind
-    return kind
+def _projection(L: LayerShape, s: RunSpec) -> ProjectionKind | None:
+    """The projection kind layer ``L`` gets at ``s.k``; None when it is kept exactly
+    (``O*I' <= k``, or no projection). ``auto`` resolves per layer (``choose_projection``);
+    a kind without factors (``dense_only``) takes the projector's matrix instead of a
+    factorized kind (as ``KroneckerKind.project`` does): sparse under ``auto``, else dense."""
+    if not s.k or L.O * L.I <= s.k:
+        return None
+    kind = projection_kind(s.projection)
+    auto = isinstance(kind, AutoKind)
+    if L.kind.dense_only and (auto or kind.factorized):
+        return projection_kind("sparse" if auto else "dense")
+    return projection_kind(choose_projection(L.O, L.I, s.k).kind) if auto else kind
 
 
 def captured_factor_bytes(m: ModelShape, s: RunSpec, rows: int) -> dict[str, float]:
-    """Bytes of one captured batch of ``rows`` examples, as ``GradBatch`` holds them:
-    ``inputs`` (linear ``a [B, T, I]``, embedding indices ``[B, T]`` int64), ``grads``
-    (``g [B, T, O]``) and ``dense`` (norm ``[B, rows * D]``, fp32)."""
-    e = 4 if s.dtype == "float32" else 2
+    """Bytes of one captured batch of ``rows`` examples, as ``GradBatch`` holds them
+    (``LayerKind.capture_bytes`` of every captured layer): ``inputs``, ``grads`` and
+    ``dense``."""
     out = {"inputs": 0.0, "grads": 0.0, "dense": 0.0}
     for L in m.captured_layers():
-        bt = rows * s.seq_len * L.token_factor * L.count
-        if L.kind == "norm":
-            out["dense"] += rows * L.count * L.I * L.O * 4
-            continue
-        out["inputs"] += bt * (L.I * e if L.kind == "linear" else 8)
-        out["grads"] += bt * L.O * e
+        tokens = s.seq_len * L.token_factor
+        for key, n in L.kind.capture_bytes(rows, tokens, L.shape, s.weight_bytes).items():
+            out[key] += n * L.count
     return out
 
 
 def _capture_terms(m: ModelShape, s: RunSpec, rows: int) -> dict[str, float]:
     """Memory capture adds: output-grads and dense rows of ``rows`` examples (the inputs
     ``a`` are the tensors autograd saves anyway, counted in ``activations``), projection
-    matrices and K-FAC factors."""
+    matrices of the factorized layers and K-FAC factors (``LayerKind.factor_bytes``)."""
     f = captured_factor_bytes(m, s, rows)
     proj, kfac = 0.0, 0.0
+    curvature = s.method in ("kfac", "ekfac")
     for L in m.captured_layers():
-        kind = _layer_kind(s.projection, L, s.k) if s.k else "identity"
-        if L.kind != "norm" and kind != "identity":
-            proj += projection_kind(kind).matrix_bytes(s.k, L.O, L.I) * L.count
-        if s.method in ("kfac", "ekfac") and L.kind == "linear":
-            kfac += 2 * (L.I ** 2 + L.O ** 2) * 4 * L.count
-            if s.method == "ekfac":
-                kfac += L.I * L.O * 4 * L.count
-        elif s.method in ("kfac", "ekfac") and L.kind == "norm":
-            kfac += _norm_factor_bytes(L.I * L.O) * L.count
+        kind = _projection(L, s)
+        if kind is not None and not L.kind.dense_only:
+            proj += kind.matrix_bytes(s.k, L.O, L.I) * L.count
+        if curvature:
+            kfac += L.kind.factor_bytes(L.shape, KFACConfig().full_max,
+                                        s.method == "ekfac") * L.count
     return {"factors": f["grads"] + f["dense"], "projections": proj, "kfac": kfac}
 
 
-def _norm_factor_bytes(width: int) -> int:
-    """A norm layer's curvature factors: its exact ``[W, W]`` Fisher block (fp32 sums and
-    the float64 eigenbasis) up to ``KFACConfig.full_max``, else the diagonal."""
-    if width <= KFACConfig().full_max:
-        return width * width * (4 + 8)
-    return width * (4 + 8)
-
-
-def _width(m: ModelShape, k: int, kind: str = "kronecker") -> int:
-    """Stored elements per example: ``ProjectionKind.width`` of the layer's kind (``ko * ki``
-    for Kronecker, k for dense and sparse), ``O*I`` for a layer no larger than k."""
+def _width(m: ModelShape, s: RunSpec) -> int:
+    """Stored elements per example: ``ProjectionKind.width`` of each layer's kind (``ko * ki``
+    for Kronecker, k for dense and sparse), ``O*I'`` for a layer kept exactly."""
     total = 0
     for L in m.captured_layers():
-        lk = _layer_kind(kind, L, k)
-        total += L.count * (L.I * L.O if lk == "identity"
-                            else projection_kind(lk).width(k, L.O, L.I))
+        kind = _projection(L, s)
+        total += L.count * (L.I * L.O if kind is None else kind.width(s.k, L.O, L.I))
     return total
 
 
 def _routing(m: ModelShape, s: RunSpec, dev: DeviceSpec, rows: int) -> tuple[dict, float]:
-    """Ghost or dense per factorized layer for the projection, and its seconds per batch."""
+    """Ghost or dense per factorized layer for the projection (the cost model's choice on
+    ``ProjectionKind.cost_op``), and its seconds per batch."""
     cm, routes, secs = CostModel(dev.roofline), {}, 0.0
-    e = 4 if s.dtype == "float32" else 2
     for L in m.captured_layers():
-        if L.kind == "norm" or not s.k:
+        kind = _projection(L, s)
+        if kind is None or L.kind.dense_only:
             continue
         dims = LayerDims(rows, s.seq_len * L.token_factor, L.I, L.O,
-                         index_input=L.kind == "embedding", itemsize=e)
-        kind = _layer_kind(s.projection, L, s.k)
-        if kind == "identity":
-            continue
-        if kind == "kronecker":
-            ko, ki = _proj_dims(L, s.k)
-            d = cm.choose("project_kron", L.name, dims, ko=ko, ki=ki)
-        elif kind == "sparse":
-            d = cm.choose("project_sparse", L.name, dims, P=s.k)
-        else:
-            d = cm.choose("project_dense", L.name, dims, P=s.k)
+                         index_input=L.kind.index_input, itemsize=s.weight_bytes)
+        op, sizes = kind.cost_op(s.k, L.O, L.I)
+        d = cm.choose(op, L.name, dims, **sizes)
         routes[L.name] = d.path
         secs += d.seconds[d.path] * L.count
     return routes, secs
@@ -661,11 +601,9 @@ def _times(m: ModelShape, s: RunSpec, dev: DeviceSpec, proj_s: float,
     host = m.forward_kernels() * dev.kernel_latency_s
     zero3 = m.param_tensors * dev.zero3_tensor_s if s.zero_stage >= 3 else 0.0
     hooks = sum(L.count for L in m.captured_layers()) * dev.capture_layer_s
-    comm = 0.0
-    if s.zero_stage >= 3 and s.world > 1:  # all-gather (fwd, bwd) + reduce-scatter
-        comm = 3 * m.num_params * e * (s.world - 1) / s.world / dev.link_bytes_per_s
-    elif s.world > 1:
-        comm = 2 * m.num_params * e * (s.world - 1) / s.world / dev.link_bytes_per_s
+    # ZeRO-3: all-gather (fwd, bwd) + reduce-scatter; else an all-reduce
+    comm = (3 if s.zero_stage >= 3 else 2) * m.num_params * e * (s.world - 1) / s.world \
+        / dev.link_bytes_per_s
     t = {"forward": fwd, "host_forward": host, "zero_comm": comm,
          "capture": proj_s + hooks if s.capture else 0.0}
     probe = 2 * host + zero3 * 2 / 3 + hooks  # host side of a probe pass (serialized)
@@ -704,8 +642,7 @@ def plan(model: ModelShape, dev: DeviceSpec | str, spec: RunSpec) -> Plan:
             base = _times(model, trial, dev, 0.0, 0.0)
             work = base["train_step"] if spec.train else base["collect_per_example"] * \
                 spec.micro_batch
-            store = spec.examples * _width(model, cand, spec.projection) * \
-                _STORE_BYTES[spec.store_dtype]
+            store = spec.examples * _width(model, trial) * _STORE_BYTES[spec.store_dtype]
             if ps <= 0.1 * work and store <= spec.store_budget_gb * GB:
                 k = cand
         spec = replace(spec, k=k)
@@ -732,9 +669,9 @@ def _kind_advice(model: ModelShape, spec: RunSpec) -> str:
     of an inner product (``ProjectionKind.error``; 0 for layers kept exactly)."""
     parts = []
     for L in model.captured_layers():
-        kind = _layer_kind(spec.projection, L, spec.k)
-        err = 0.0 if kind == "identity" else projection_kind(kind).error(spec.k, L.O, L.I)
-        parts.append(f"{L.name} {kind} (error ~{err:.2f})")
+        kind = _projection(L, spec)
+        err = 0.0 if kind is None else kind.error(spec.k, L.O, L.I)
+        parts.append(f"{L.name} {kind.name if kind else 'identity'} (error ~{err:.2f})")
     return f"projection kind per layer ({spec.projection}, k={spec.k}): " + ", ".join(parts)
 
 
@@ -772,8 +709,8 @@ def _plan_fixed(model: ModelShape, dev: DeviceSpec, spec: RunSpec) -> Plan:
     routes, proj_s = _routing(model, spec, dev, B)
     _, cand_s = _routing(model, spec, dev, rows) if spec.probes else ({}, 0.0)
     times = _times(model, spec, dev, proj_s, cand_s)
-    store = spec.examples * _width(model, spec.k, spec.projection) * \
-        _STORE_BYTES[spec.store_dtype] if spec.k else 0.0
+    store = spec.examples * _width(model, spec) * _STORE_BYTES[spec.store_dtype] \
+        if spec.k else 0.0
     return Plan(model, dev, spec, memory, host, times, routes, store)
 
 

@@ -209,3 +209,43 @@ def test_toy_kind_ekfac_matches_autograd(toy):
         pq = r_query.reshape(3, -1)[:, cols] * scale
         want = want + pt @ pq.T
     assert rel_err(got.double(), want) <= 1e-3
+
+
+@pytest.mark.parametrize("projection", ["kronecker", "toy_subsample"])
+def test_toy_kinds_plan_a_run(toy, projection):
+    """The planner reads every layer's terms from its kind: a model made of toy-kind layers
+    plans a run (nothing in dattri_ds/plan.py names a kind), with the toy projection too. Its
+    parameters and parameter tensors are the real model's, its captured factor bytes are
+    those of a real capture, its store is the width of a real projected capture, its
+    projection matrices are the toy projection's ``matrix_bytes`` and every layer is routed."""
+    from dattri_ds.layers import get_kind
+    from dattri_ds.plan import LayerShape, ModelShape, RunSpec, captured_factor_bytes, plan
+
+    conv = get_kind(toy[0].name)
+
+    class ToyShape(ModelShape):
+        def captured_layers(self):
+            return [LayerShape("0", conv, C + 1, 8, bias=True), LayerShape("2", conv, 8, 3)]
+
+    shape = ToyShape(family="llama", layers=1, hidden=8, heads=1, kv_heads=1, head_dim=8,
+                     intermediate=8, vocab=3)
+    model = _model()
+    assert shape.num_params == sum(p.numel() for p in model.parameters())
+    assert shape.param_tensors == len(list(model.parameters()))
+    x, y = _data(5)
+    batch = _capture(model, x, y, [f"t{i}" for i in range(B)])
+    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+    spec = RunSpec(seq_len=L, micro_batch=B, dtype="float32", world=1, zero_stage=0,
+                   projection=projection, k=10, examples=7, store_dtype="float32")
+    assert captured_factor_bytes(shape, spec, B) == {
+        "inputs": sum(nbytes(lg.data.a) for lg in batch.layers.values()),
+        "grads": sum(nbytes(lg.data.g) for lg in batch.layers.values()), "dense": 0}
+
+    cfg = ProjectionConfig(kind=projection, dim=10, seed=1)
+    projected = _capture(model, x, y, [f"t{i}" for i in range(B)], projection=cfg)
+    width = sum(lg.data.values.shape[1] for lg in projected.layers.values())
+    p = plan(shape, "cpu", spec)
+    assert p.store_bytes == 7 * width * 4
+    assert set(p.routing) == {"0", "2"}
+    if projection == "toy_subsample":
+        assert p.memory["projections"] == 2 * toy[1]().matrix_bytes(10, 8, C + 1)

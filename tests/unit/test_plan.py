@@ -134,7 +134,7 @@ def test_sparse_projection_memory_is_its_nonzeros():
     k = 16
     mem = {kind: plan(shape, "cpu", RunSpec(seq_len=T, micro_batch=B, k=k, projection=kind))
            .memory["projections"] for kind in ("sparse", "dense")}
-    linear = [L for L in shape.captured_layers() if L.kind != "norm" and L.O * L.I > k]
+    linear = [L for L in shape.captured_layers() if not L.kind.dense_only and L.O * L.I > k]
     assert mem["sparse"] == sum(8 * 16 * L.O * L.I * L.count for L in linear)
     assert mem["dense"] == sum(4 * k * L.O * L.I * L.count for L in linear)
 

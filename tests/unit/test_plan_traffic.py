@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from dattri_ds.errors import ConfigError
+from dattri_ds.layers import get_kind
 from dattri_ds.plan import LayerShape, RunSpec
 from dattri_ds.plan_traffic import TrafficSpec, ring_link_bytes, traffic
 
@@ -20,7 +21,8 @@ class _Model:
     num_params = 1000
 
     def captured_layers(self):
-        return [LayerShape("a", "linear", 10, 20, count=2), LayerShape("n", "norm", 1, 8)]
+        return [LayerShape("a", get_kind("linear"), 10, 20, count=2),
+                LayerShape("n", get_kind("rmsnorm"), 8, 1)]
 
 
 PROBE = RunSpec(world=4, method="selection", selection_probe=True, zero_stage=3,
