@@ -1,35 +1,12 @@
 """Megatron-core tensor-parallel layers: Column/RowParallelLinear, VocabParallelEmbedding.
 
 Matched by class name (``type(m).__mro__``), so ``import dattri_ds`` never imports megatron.
-
-What each rank captures (TP size R, rank r, activations sequence-first ``[S, B, H]``; every
-kind turns them batch-first, ``batch_dim`` tells capture where B is for the per-example scale):
-
-* ``ColumnParallelLinear`` ``Y_r = X W_r^T + b_r`` (W ``[O, I]`` split on O): the full input
-  ``a [B, S, I]`` and this rank's output-grad ``g [B, S, O/R]``, so the local block
-  ``G_r = sum_t g_t^T a_t`` (rows ``[r O/R, (r+1) O/R)`` of the canonical ``[O, I']``) is
-  complete on every rank. The sharded bias is a column of ones on every rank. With
-  ``gather_output`` the hooked output is the gathered one: its grad is narrowed to the shard.
-* ``RowParallelLinear`` ``Y = sum_r X_r W_r^T (+ b)`` (W split on I): the input shard
-  ``a [B, S, I/R]`` and the full (post all-reduce) output-grad; the local block is columns
-  ``[r I/R, (r+1) I/R)``. The bias is replicated (added once, after the reduction), so its
-  column belongs to the *last* rank only: that keeps every shard a contiguous block of the
-  canonical layout (the last one is ``[(R-1) I/R, I + 1)``) and the bias counted once.
-* ``VocabParallelEmbedding`` (canonical ``[H, V]``, split on V): token ids shifted to the local
-  vocabulary range, tokens outside it masked to index 0 with a zero output-grad.
-
-``skip_bias_add=True``: the bias is returned instead of added, and Megatron's callers add it
-elementwise to the output (bias-dropout-add, bias-GeLU, bias-SwiGLU), so its gradient is
-still ``sum_t g_t``; a caller that used the returned bias otherwise would break that.
-
-Sequence parallelism: the sequence-sharded side (``[S/R, B, H]``) is all-gathered along S
-over the tensor-parallel group: the ColumnParallelLinear input (in forward, as Megatron
-does), the RowParallelLinear output-grad and a reduce-scattered embedding's output-grad
-(after backward). Norms inside a Megatron decoder see sequence-first (and, with sequence
-parallelism, sequence-sharded) activations: ``integrations.megatron.prepare_model`` marks
-them for ``SequenceFirstNormKind`` (which sums over its own tokens and all-reduces the
-small ``[B, 2H]`` partial sums instead of gathering), and marks batch-first kinds it cannot place
-(e.g. a plain ``nn.Linear`` in the decoder) as unsupported.
+Activations are sequence-first ``[S, B, H]``: every kind turns them batch-first, and
+``batch_dim`` tells capture where B is for the per-example scale. Each rank captures the
+factors of its own weight shard (``shard_info``); sequence-parallel sides are all-gathered.
+What each kind captures, and why (the bias column of a row-parallel layer belongs to the
+last rank, ``skip_bias_add``, sequence-first norms): docs/integrations.md, "Megatron-core
+tensor parallelism".
 
 Refused at start (``check``): expert layers (tokens are permuted), Transformer Engine
 modules, a weight supplied at call time, pipeline parallelism, sizes that the

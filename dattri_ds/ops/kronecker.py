@@ -27,16 +27,9 @@ a second pass from factors without building ``G_b``:
 relative: ``damping * mean(eigenvalues)`` of the layer (``mean(l_S) mean(l_A)`` or
 ``mean(L)``). Larger damping makes ``H^-1 -> I / lambda``, i.e. plain gradient dot products.
 
-Forms, by layer kind (``LayerKind.factor_form`` picks; one ``FactorForm`` class each in
-``ops/factor_forms.py``, held by ``LayerFactors.form``):
-
-* ``kron``: linear/conv1d (A dense ``[I', I']``).
-* ``kron_index``: embedding with index inputs: ``A = diag(token counts) / M`` kept as a
-  vector ``[V]``, ``Q_A = I``.
-* ``full``: dense-only kinds (layernorm/rmsnorm) with ``W <= KFACConfig.full_max``: the
-  exact Fisher block ``(1/N) sum_b v_b v_b^T`` of the captured row ``v_b`` (``[W]``,
-  projected or not); K-FAC and EK-FAC coincide.
-* ``diagonal``: wider dense-only kinds: ``F ~ diag((1/N) sum_b v_b^2)``; likewise.
+Forms, by layer kind (``LayerKind.factor_form`` picks): ``kron`` (linear/conv1d),
+``kron_index`` (embeddings), ``full`` and ``diagonal`` (norm rows); one ``FactorForm`` class
+each, held by ``LayerFactors.form`` (``ops/factor_forms.py`` says what each keeps).
 
 Projection (LoGra): with a Kronecker ``Projector``, ``a`` and ``g`` are projected per side
 before accumulation (``a' = P_in a``, ``g' = P_out g``), so the factors are exactly
@@ -119,25 +112,22 @@ class KFACConfig:
         check(self, "kfac")  # types, choices and the damping range (dattri_ds/schema.py)
 
 
-@dataclass(init=False)
+@dataclass
 class LayerFactors:
     """One layer's factor sums and eigenbasis.
 
     Attributes:
-        name, kind, shape: as in LayerGrad (``kind`` the LayerKind object, ``shape`` the
-            canonical ``(O, I')``); a kind name is resolved once in ``__post_init__``.
+        name, kind, shape: as in LayerGrad (the LayerKind object; the canonical ``(O, I')``).
         space: the ``Space`` of the vectors these factors act on (canonical, projected or
-            kept exactly); a tag string is accepted and parsed once here, also as
-            ``projection=<tag>`` (the keyword of the tag-string era). ``projection`` reads
-            the tag back; factor files record it.
+            kept exactly); ``projection`` reads its tag back, as factor files record it.
         form: the ``FactorForm`` (``kron``, ``kron_index``, ``full`` or ``diagonal``, module
-            docstring) doing this layer's sums, eigenbasis and rotations; a form name is
-            resolved once in ``__post_init__``. Factor files record the names.
+            docstring) doing this layer's sums, eigenbasis and rotations. Factor files
+            record the names of kind and form (``meta`` / ``from_meta``).
         dims: ``(o, i)`` of the working space: ``shape``, ``(ko, ki)`` when Kronecker
             projected, ``(1, W)`` for ``full`` and ``diagonal``.
         sums: ``a`` (``[i, i]`` or ``[i]``), ``s`` ``[o, o]``, ``f`` ``[W, W]``, ``d`` ``[W]``,
-            ``lam`` ``[o, i]``
-            and the float64 counts ``tokens``, ``examples``, ``lam_examples``.
+            ``lam`` ``[o, i]`` and the float64 counts ``tokens``, ``examples``,
+            ``lam_examples``.
         eig: ``q_a``, ``l_a``, ``q_s``, ``l_s`` once eigendecomposed (float64).
     """
 
@@ -150,29 +140,7 @@ class LayerFactors:
     sums: dict[str, torch.Tensor] = field(default_factory=dict)
     eig: dict[str, torch.Tensor] = field(default_factory=dict)
 
-    def __init__(self, name: str, kind: LayerKind | str, shape: tuple[int, int],
-                 space: Space | str | None = None, form: FactorForm | str | None = None,
-                 dims: tuple[int, int] | None = None,
-                 sums: dict[str, torch.Tensor] | None = None,
-                 eig: dict[str, torch.Tensor] | None = None, *,
-                 projection: Space | str | None = None) -> None:
-        if space is not None and projection is not None:
-            raise TypeError("LayerFactors: give the space once, as space= or projection=")
-        if form is None or dims is None:
-            raise TypeError("LayerFactors: form and dims are required")
-        self.name, self.kind, self.shape, self.form, self.dims = name, kind, shape, form, dims
-        self.space = projection if space is None else space
-        self.sums = {} if sums is None else sums
-        self.eig = {} if eig is None else eig
-        self.__post_init__()
-
     def __post_init__(self) -> None:
-        if isinstance(self.kind, str):
-            self.kind = KINDS.lookup(self.kind)
-        if isinstance(self.form, str):
-            self.form = FORMS.lookup(self.form)
-        if not isinstance(self.space, Space):
-            self.space = Space.parse(self.space)
         self.shape, self.dims = tuple(self.shape), tuple(self.dims)
 
     @property
@@ -186,8 +154,9 @@ class LayerFactors:
 
     @classmethod
     def from_meta(cls, m: dict) -> LayerFactors:
-        return cls(m["name"], m["kind"], tuple(m["shape"]), m["projection"], m["form"],
-                   tuple(m["dims"]))
+        """The layer a factor file's ``meta`` describes (kind and form looked up by name)."""
+        return cls(m["name"], KINDS.lookup(m["kind"]), m["shape"], Space.parse(m["projection"]),
+                   FORMS.lookup(m["form"]), m["dims"])
 
     def zero_sums(self, keys: Iterable[str], dtype: torch.dtype, device) -> None:
         """Create the missing sums ``keys`` as zeros (``FactorForm.zero_sums``)."""

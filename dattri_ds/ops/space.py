@@ -1,23 +1,12 @@
 """Space: THE place a LayerGrad changes space (identity, projected, whitened, TP shards).
 
-A layer's per-example gradients live in one *space*, ``LayerGrad.space`` (a
-``gradient.Space``, re-exported here; its tag string, ``Space.tag`` / ``Space.parse``, is
-what stores and factor files record): the canonical ``[O, I']`` layout, kept exactly by a
-projection (``identity:<projection>``), randomly projected (``<projection>``), whitened by
-curvature factors (``whitened:<method>[:<projection>]``) or whitened then projected
-(``<projection>+whitened:<method>``). Inner products need both sides in one space (equal
-``Space`` objects).
-
-* ``project(lg, projector)``: ``Dense [B, P]``. Layers with ``O*I' <= dim`` are kept exactly;
-  Kronecker-structured kinds under a Kronecker projection get ``vec(P_out G P_in^T)``
-  (``LayerKind.project_factors``: factors or dense rows, one implementation, float32);
-  others a dense or sparse JL of the flattened rows (``LayerKind.project_rows``).
-* ``project_batch``: every layer; sharded layers' partial projections reduced together.
-* Tensor-parallel shards: a shard is projected with its slice of the full layer's seeded
-  matrix and its ``[B, P]`` partial all-reduced over ``shard.group``: Kronecker
-  ``P vec(G) = sum_r vec(P_out[:, R_r] G_r P_in^T)`` (row blocks, column-parallel; likewise
-  ``P_in[:, C_r]`` for row-parallel), dense ``sum_r P[:, idx_r] vec(G_r)``. ``gather_shards``
-  (full rows) and ``unshard`` (full factors) all-gather along the feature dimension.
+A layer's per-example gradients live in one ``gradient.Space`` (``LayerGrad.space``,
+re-exported here; its tag is what stores and factor files record); inner products need
+both sides in one space. ``project`` / ``project_batch`` take gradients into a projection's
+space (the layer's kind does the maths); a tensor-parallel shard is projected with its
+slice of the full layer's seeded matrix and its ``[B, P]`` partial all-reduced
+(``_project_shard``); ``gather_shards`` (full rows) and ``unshard`` (full factors)
+all-gather along the feature dimension.
 """
 
 from __future__ import annotations
