@@ -249,3 +249,18 @@ def test_toy_kinds_plan_a_run(toy, projection):
     assert set(p.routing) == {"0", "2"}
     if projection == "toy_subsample":
         assert p.memory["projections"] == 2 * toy[1]().matrix_bytes(10, 8, C + 1)
+
+
+def test_kind_for_asks_instance_matchers_per_module(toy):
+    """``kind_for`` resolves a module class once, yet a kind whose ``matches`` reads the module
+    (the toy kind: the kernel size) is still asked for each module, and a marked module
+    (``MARK_PREFIX``, e.g. a Megatron decoder's norm) asks every kind."""
+    from dattri_ds.layers.base import MARK_PREFIX, kind_for
+
+    assert kind_for(nn.Conv1d(2, 2, 1)).name == "toy_conv1d_k1"
+    assert kind_for(nn.Conv1d(2, 2, 3)) is None
+    assert kind_for(nn.Conv1d(3, 4, 1)).name == "toy_conv1d_k1"
+    marked = nn.LayerNorm(4)
+    setattr(marked, MARK_PREFIX + "sequence_first", (None, 1))
+    assert kind_for(marked).name == "megatron_norm"
+    assert kind_for(nn.LayerNorm(4)).name == "layernorm"
