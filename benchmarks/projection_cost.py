@@ -25,6 +25,17 @@ Printed: best and median CPU-s per variant and the per-round (paired) median rat
 each sparse layer (plain and whitened) and the same sketch computed as it was before the
 CSR kernel (commit 0eb5305: materialized rows, every column's ``s`` products scattered into
 ``[B, k]``): the sketch is the same linear map, so only float rounding differs.
+
+``--floor``: instead, what a faster kernel of the same map could at best reach. Per width,
+over every layer ``auto`` keeps sparse, the CPU-s of the current projection (``now``), of
+the Kronecker projection of the same layers (``kron``), and of the two steps the sparse map
+cannot skip: materializing the rows (``materialize``: the cheaper of one batched product per
+layer and one per seeded column block) and the CSR products (``csr``: each block's product
+with one cached ``[BLOCK, B]`` operand, so only the matrices stream; no transposes; matrices
+drawn). ``best auto/kron`` is the ratio of ``collect`` if the sparse layers cost only
+``materialize + csr``: ``(kron collect - kron + materialize + csr) / kron collect``. And
+``fft``: the two real FFTs of size k per token that a TensorSketch of the same k (a sketch
+applied to the factors, no materialization) needs for the same layers, at least.
 """
 
 from __future__ import annotations
@@ -39,6 +50,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from benchmarks._common import base_parser, environment, gpt2, setup_torch, table  # noqa: E402
+
+
+_FLOOR = ["width", "kron collect", "kron", "now", "materialize", "csr", "fft", "now auto/kron",
+          "best auto/kron"]
 
 
 def _batches(vocab: int, rows: int, b: int, t: int, seed: int) -> list[dict[str, torch.Tensor]]:
@@ -147,6 +162,66 @@ def check(model, batches, k: int) -> list[list[object]]:
     return out
 
 
+def _median_cpu(fn, reps: int) -> float:
+    """Median CPU-s of ``fn()`` over ``reps`` calls after one untimed call."""
+    fn()
+    out = []
+    for _ in range(reps):
+        t0 = time.process_time()
+        fn()
+        out.append(time.process_time() - t0)
+    return statistics.median(out)
+
+
+def floor(model, batches, k: int, reps: int) -> list[object]:
+    """CPU-s over the batches of the layers ``auto`` keeps sparse: now, Kronecker, the
+    materialization and CSR products a same-map kernel cannot skip; the best ratio."""
+    import dattri_ds
+    from dattri_ds import CaptureConfig, ProjectionConfig
+    from dattri_ds.ops import projection
+    from dattri_ds.ops.projection import Projector
+    from dattri_ds.ops.space import project
+
+    exact = list(dattri_ds.collect(model, batches, CaptureConfig()))
+    auto = Projector(ProjectionConfig(dim=k))
+    kron = Projector(ProjectionConfig(kind="kronecker", dim=k))
+    layers = [lg for b in exact for lg in b.layers.values()
+              if lg.shape[0] * lg.shape[1] > k and auto.kind_of(*lg.shape) == "sparse"]
+
+    operand = torch.randn(projection.BLOCK, batches[0]["input_ids"].shape[0])
+
+    def csr_products(lg):
+        d = lg.shape[0] * lg.shape[1]
+        for start in range(0, d, projection.BLOCK):
+            cols = min(projection.BLOCK, d - start)
+            m = auto.sparse_csr(lg.name, start // projection.BLOCK, k, cols, operand.device)
+            torch.sparse.mm(m, operand[:cols])
+
+    def ffts(lg):
+        for side in (lg.data.g, lg.data.g):  # the two sides' count sketches, length k
+            torch.fft.rfft(side.new_zeros(side.shape[0] * side.shape[1], k))
+
+    def by_block(lg):  # one block's columns at a time (the cheaper layout at width 512)
+        f, d = lg.kind.f32(lg.data), lg.shape[0] * lg.shape[1]
+        for start in range(0, d, projection.BLOCK):
+            lg.kind.materialize_columns(f, lg.shape, start, min(d, start + projection.BLOCK))
+    parts = {"now": lambda: [project(lg, auto) for lg in layers],
+             "kron": lambda: [project(lg, kron) for lg in layers],
+             "whole": lambda: [lg.kind.rows(lg.data, lg.shape) for lg in layers],
+             "by block": lambda: [by_block(lg) for lg in layers],
+             "csr": lambda: [csr_products(lg) for lg in layers],
+             "fft": lambda: [ffts(lg) for lg in layers]}
+    t = {n: _median_cpu(fn, reps) for n, fn in parts.items()}
+    t["materialize"] = min(t["whole"], t["by block"])
+    collect_kron = _median_cpu(lambda: [None for _ in dattri_ds.collect(
+        model, batches, CaptureConfig(projection=ProjectionConfig(kind="kronecker", dim=k)))],
+        reps)
+    base = collect_kron - t["kron"]
+    return [collect_kron, t["kron"], t["now"], t["materialize"], t["csr"], t["fft"],
+            (base + t["now"]) / collect_kron,
+            (base + t["materialize"] + t["csr"]) / collect_kron]
+
+
 def main() -> None:
     p = base_parser(__doc__)
     p.add_argument("--widths", type=int, nargs="+", default=[128, 512, 1024])
@@ -158,6 +233,8 @@ def main() -> None:
     p.add_argument("--k", type=int, default=4096)
     p.add_argument("--check", action="store_true",
                    help="compare the stored rows with the pre-CSR sketch instead of timing")
+    p.add_argument("--floor", action="store_true",
+                   help="time the steps a same-map kernel cannot skip instead (module doc)")
     args = p.parse_args()
     if args.quick:
         args.widths, args.rows, args.reps = [128], 16, args.reps or 2
@@ -175,6 +252,10 @@ def main() -> None:
             print(table(["recipe", "sparse layers x batches", "max |new - old|", "max |old|",
                          "relative"], check(model, batches, args.k)), flush=True)
             continue
+        if args.floor:
+            rows.append([w] + floor(model, batches, args.k, reps))
+            print(table(_FLOOR, rows[-1:]), flush=True)
+            continue
         times = measure(_variants(model, batches, args.k), reps)
         for n, ts in times.items():
             plain = n.removesuffix("+w")
@@ -184,7 +265,10 @@ def main() -> None:
                          _paired(times, n, "exact")])
         print(table(["width", "rows", "best CPU-s", "median", "vs kron", "vs plain",
                      "vs exact"], rows[-len(times):]), flush=True)
-    if rows:
+    if rows and args.floor:
+        print()
+        print(table(_FLOOR, rows))
+    elif rows:
         print()
         print(table(["width", "rows", "best CPU-s", "median", "vs kron", "vs plain",
                      "vs exact"], rows))
