@@ -1,23 +1,16 @@
 """Calibration of the planner's device terms from measured GPU step times.
 
-``RECORDED`` holds the first measurements on one H200 (torch 2.11 + cu130, deepspeed 0.19.8,
-commit 0eb5305; issue 34): the throughput ladder of ``benchmarks/scale.py throughput``
-(bf16, B=4, T=512, Kronecker k=256; a plain forward+backward and a collect pass, medians of
-3, the midpoint of two runs) at Qwen2 0.5B / 1.5B / 7B, and ``launch/train.py`` steps of the
-1B Llama config under DeepSpeed ZeRO-3 on one GPU (micro-batch 8, T=512, vocabulary 8192).
+``RECORDED`` holds the first H200 measurements (commit 0eb5305, issue 34; docs/gpu.md): the
+throughput ladder of ``benchmarks/scale.py throughput`` (bf16, B=4, T=512, Kronecker k=256; a
+plain forward+backward and a collect pass) at Qwen2 0.5B / 1.5B / 7B, and ``launch/train.py``
+steps of the 1B Llama config under ZeRO-3 on one GPU (micro-batch 8, T=512, vocabulary 8192).
 
-``fit`` chooses four numbers of a ``DeviceSpec`` (dattri_ds/plan.py ``_times``):
-
-* ``efficiency`` and ``kernel_latency_s`` -- a plain pass takes ``max(3 h, 3 fwd)`` (host
-  issuing kernels vs the device's roofline divided by the efficiency);
-* ``capture_layer_s`` -- a capturing pass adds host time per captured layer, serialized;
-* ``zero3_tensor_s`` -- ZeRO-3 adds host time per parameter tensor per step;
-
-by a grid over (efficiency, kernel latency), the other two in closed form (least squares
-of the relative errors), minimizing the squared relative error of every point used.
-``python -m dattri_ds.calibrate`` prints the fit, each point's prediction and error, and the
-leave-one-size-out predictions (a size's two ladder points held out of the fit);
-``--from runs/gpu_check`` refits on a new ``tools/gpu_check.sh`` run's measurements.
+``fit`` chooses the four host and device terms of a ``DeviceSpec`` that ``plan._times`` reads
+(``efficiency``, ``kernel_latency_s``, ``capture_layer_s``, ``zero3_tensor_s``): a grid over
+the first two, the others in closed form, minimizing the squared relative error of every
+fitted point. ``python -m dattri_ds.calibrate`` prints the fit, each point's error and the
+leave-one-size-out predictions; ``--from runs/gpu_check`` refits on a new
+``tools/gpu_check.sh`` run.
 """
 
 from __future__ import annotations

@@ -94,6 +94,9 @@ def _host_memory() -> float:
 H200_CALIBRATED = {"efficiency": 0.59, "kernel_latency_s": 20.7e-6,
                    "capture_layer_s": 290e-6, "zero3_tensor_s": 2.24e-3}
 
+_H200 = DeviceSpec(name="h200", memory_bytes=141 * GB, flops_per_s=989e12, bytes_per_s=4.8e12,
+                   link_bytes_per_s=450 * GB, runtime_bytes=1.5 * GB,
+                   host_link_bytes_per_s=50 * GB, **H200_CALIBRATED)
 #: name -> DeviceSpec. GPU figures are the vendors' dense bf16 peaks and HBM bandwidths
 #: (H200 SXM: 141 GB, 989 TFLOPS, 4.8 TB/s; H100 SXM: 80 GB, 989 TFLOPS, 3.35 TB/s; A100 SXM
 #: 80 GB: 312 TFLOPS, 2.04 TB/s); NVLink per direction 450 / 450 / 300 GB/s.
@@ -101,15 +104,10 @@ DEVICES: dict[str, DeviceSpec] = {
     "cpu": DeviceSpec(name="cpu", memory_bytes=_host_memory(), flops_per_s=8e10,
                       bytes_per_s=1e10, link_bytes_per_s=1e9, runtime_bytes=0.45 * GB,
                       ranks_share_memory=True, efficiency=0.4),
-    "h200": DeviceSpec(name="h200", memory_bytes=141 * GB, flops_per_s=989e12,
-                       bytes_per_s=4.8e12, link_bytes_per_s=450 * GB, runtime_bytes=1.5 * GB,
-                       host_link_bytes_per_s=50 * GB, **H200_CALIBRATED),
-    "h100": DeviceSpec(name="h100", memory_bytes=80 * GB, flops_per_s=989e12,
-                       bytes_per_s=3.35e12, link_bytes_per_s=450 * GB, runtime_bytes=1.5 * GB,
-                       host_link_bytes_per_s=50 * GB, **H200_CALIBRATED),
-    "a100": DeviceSpec(name="a100", memory_bytes=80 * GB, flops_per_s=312e12,
-                       bytes_per_s=2.04e12, link_bytes_per_s=300 * GB, runtime_bytes=1.5 * GB,
-                       host_link_bytes_per_s=25 * GB, **H200_CALIBRATED),
+    "h200": _H200,
+    "h100": replace(_H200, name="h100", memory_bytes=80 * GB, bytes_per_s=3.35e12),
+    "a100": replace(_H200, name="a100", memory_bytes=80 * GB, flops_per_s=312e12,
+                    bytes_per_s=2.04e12, link_bytes_per_s=300 * GB, host_link_bytes_per_s=25 * GB),
 }
 
 
@@ -306,64 +304,59 @@ _METHODS = ("graddot", "tracin", "kfac", "ekfac", "selection")
 
 @dataclass(frozen=True, kw_only=True)
 class RunSpec:
-    """What the run does (one field per ``dattri-ds plan`` flag; each entry below is that
-    flag's help).
-
-    Attributes:
-        world: data-parallel ranks.
-        seq_len: tokens per example (T).
-        micro_batch: examples per rank per forward (B).
-        zero_stage: DeepSpeed ZeRO stage 0-3.
-        offload: ``none``, ``optimizer`` or ``all`` (optimizer and parameters) to the host.
-        dtype: weight dtype (``float32`` or ``bfloat16``).
-        optimizer: ``adamw``, ``sgd`` or ``sgd_momentum``.
-        capture: per-example gradients are captured during training.
-        projection: a projection kind (``kronecker``, ``dense``, ``sparse`` or ``auto``: per
-            layer by ``ops.cost.choose_projection``).
-        k: projected size per layer (0 = recommend one).
-        method: what the gradients feed (``graddot``/``tracin``: inner products;
-            ``kfac``/``ekfac``: curvature factors; ``selection``: online selection).
-        candidate_multiple: candidates scored per trained example by online selection.
-        selection_probe: the selection's scoring rule reads the candidates' gradients
-            (``alignment``, ``step``: every candidate is forwarded and back-propagated, so
-            their activations, capture buffers and that pass's time are planned); False
-            (``content``, the default for target documents) scores their text only, so a
-            step plans like a plain one.
-        examples: rows written to the store (for its size).
-        store_dtype: the store's element type.
-        train: the run trains (optimizer, gradients); False plans a ``collect`` /
-            attribution pass over frozen weights (parameters only).
-        zero_init: the model is built partitioned (``deepspeed.zero.Init``); False builds
-            it whole in fp32 on every rank first (what ``launch/train.py`` does).
-        store_budget_gb: the store size ``k = 0`` may recommend up to.
-        reduce_bucket: DeepSpeed's ``reduce_bucket_size`` (elements).
-        max_live_params: DeepSpeed's ``stage3_max_live_parameters`` (elements).
-        prefetch_bucket: DeepSpeed's ``stage3_prefetch_bucket_size`` (elements).
-        sub_group_size: DeepSpeed's ``sub_group_size`` (elements).
-    """
+    """What the run does: one field per ``dattri-ds plan`` flag, its docstring the flag's help."""
 
     world: int = 1
+    """data-parallel ranks."""
     seq_len: int = 512
+    """tokens per example (T)."""
     micro_batch: int = 1
+    """examples per rank per forward (B)."""
     zero_stage: int = 3
+    """DeepSpeed ZeRO stage 0-3."""
     offload: Literal["none", "optimizer", "all"] = "none"
+    """``none``, ``optimizer`` or ``all`` (optimizer and parameters) to the host."""
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    """weight dtype (``float32`` or ``bfloat16``)."""
     optimizer: str = "adamw"
+    """``adamw``, ``sgd`` or ``sgd_momentum``."""
     capture: bool = True
+    """per-example gradients are captured during training."""
     projection: Literal["kronecker", "dense", "sparse", "auto"] = "kronecker"
+    """a projection kind (``kronecker``, ``dense``, ``sparse`` or ``auto``: per layer by
+    ``ops.cost.choose_projection``)."""
     k: int = 0
+    """projected size per layer (0 = recommend one)."""
     method: str = "graddot"
+    """what the gradients feed (``graddot``/``tracin``: inner products; ``kfac``/``ekfac``:
+    curvature factors; ``selection``: online selection)."""
     candidate_multiple: float = 2.0
+    """candidates scored per trained example by online selection."""
     selection_probe: bool = False
+    """the selection's scoring rule reads the candidates' gradients (``alignment``, ``step``: every
+    candidate is forwarded and back-propagated, so their activations, capture buffers and that
+    pass's time are planned); False (``content``, the default for target documents) scores their
+    text only, so a step plans like a plain one."""
     examples: int = 10_000
+    """rows written to the store (for its size)."""
     store_dtype: Literal["float32", "float16", "bfloat16"] = "float16"
+    """the store's element type."""
     train: bool = True
+    """the run trains (optimizer, gradients); False plans a ``collect`` / attribution pass over
+    frozen weights (parameters only)."""
     zero_init: bool = False
+    """the model is built partitioned (``deepspeed.zero.Init``); False builds it whole in fp32 on
+    every rank first (what ``launch/train.py`` does)."""
     store_budget_gb: float = 100.0
+    """the store size ``k = 0`` may recommend up to."""
     reduce_bucket: float = 5e8
+    """DeepSpeed's ``reduce_bucket_size`` (elements)."""
     max_live_params: float = 1e9
+    """DeepSpeed's ``stage3_max_live_parameters`` (elements)."""
     prefetch_bucket: float = 5e7
+    """DeepSpeed's ``stage3_prefetch_bucket_size`` (elements)."""
     sub_group_size: float = 1e9
+    """DeepSpeed's ``sub_group_size`` (elements)."""
 
     def __post_init__(self) -> None:
         if self.world < 1 or self.seq_len < 1 or self.micro_batch < 1:
@@ -696,12 +689,10 @@ def _fit_advice(model: ModelShape, dev: DeviceSpec, spec: RunSpec, result: Plan)
 def _plan_fixed(model: ModelShape, dev: DeviceSpec, spec: RunSpec) -> Plan:
     B = spec.micro_batch
     states, host = _states(model, spec)
-    act_e = 4 if spec.dtype == "float32" else 2
-    rows = B * (spec.candidate_multiple if spec.probes else 1)
-    rows = int(math.ceil(rows))
+    rows = int(math.ceil(B * (spec.candidate_multiple if spec.probes else 1)))
     memory = dict(states)
     memory.update(_zero_buffers(model, spec, dev))
-    memory["activations"] = model.activation_elems(rows, spec.seq_len) * act_e
+    memory["activations"] = model.activation_elems(rows, spec.seq_len) * spec.weight_bytes
     cap = _capture_terms(model, spec, rows) if (spec.capture or spec.probes) \
         else {"factors": 0.0, "projections": 0.0, "kfac": 0.0}
     memory.update(cap)

@@ -41,22 +41,19 @@ __all__ = ["TrafficSpec", "Collective", "Traffic", "ring_link_bytes", "traffic"]
 @dataclass(frozen=True, kw_only=True)
 class TrafficSpec:
     """How the data-parallel ranks spread over nodes, and the selection's refresh settings
-    (one ``dattri-ds plan`` flag per field; each entry below is that flag's help).
-
-    Attributes:
-        nodes: nodes the data-parallel ranks span (world / nodes ranks on each); above 1 the
-            plan reports the inter-node traffic of capture and selection per step.
-        gas: micro-batches per optimizer step (gradient accumulation).
-        refresh_every: steps between two target refreshes (selection.refresh_every).
-        target_docs: target documents (selection.target_max_docs).
-        target_batch_size: examples per target pass (selection.target_batch_size).
-    """
+    (one ``dattri-ds plan`` flag per field, its docstring the flag's help)."""
 
     nodes: int = field(default=1, metadata=schema.bounds(ge=1))
+    """nodes the data-parallel ranks span (world / nodes ranks on each); above 1 the plan reports
+    the inter-node traffic of capture and selection per step."""
     gas: int = field(default=1, metadata=schema.bounds(ge=1))
+    """micro-batches per optimizer step (gradient accumulation)."""
     refresh_every: int = field(default=10, metadata=schema.bounds(ge=1))
+    """steps between two target refreshes (selection.refresh_every)."""
     target_docs: int = field(default=64, metadata=schema.bounds(ge=1))
+    """target documents (selection.target_max_docs)."""
     target_batch_size: int = field(default=8, metadata=schema.bounds(ge=1))
+    """examples per target pass (selection.target_batch_size)."""
 
     def __post_init__(self) -> None:
         schema.check(self, "plan.traffic")

@@ -21,7 +21,7 @@ if __package__ in (None, ""):
 from dattri_ds.ops.projection import KINDS  # noqa: E402
 from dattri_ds.plan import DEVICES, ModelShape, RunSpec, plan  # noqa: E402
 from dattri_ds.plan_traffic import TrafficSpec, traffic  # noqa: E402
-from dattri_ds.schema import add_flag, flag_type  # noqa: E402
+from dattri_ds.schema import add_flag, field_docs, flag_type  # noqa: E402
 
 _CHOICES = {"zero_stage": [0, 1, 2, 3], "offload": ["none", "optimizer", "all"],
             "dtype": ["float32", "bfloat16"], "optimizer": ["adamw", "sgd", "sgd_momentum"],
@@ -66,21 +66,6 @@ def _add_flags(p: argparse.ArgumentParser, cls: type) -> None:
                       if isinstance(value, (int, float)) else type(value))
             p.add_argument(flag, type=strict, default=value, choices=_CHOICES.get(f.name),
                            help=helptext)
-
-
-def field_docs(cls: type) -> dict[str, str]:
-    """``field -> its text`` from the ``Attributes:`` section of ``cls``'s docstring (one
-    ``name: text`` entry per field, continuation lines indented).
-
-    Raises:
-        KeyError: a field has no entry (a new RunSpec field must document itself).
-    """
-    import re
-
-    text = (cls.__doc__ or "").split("Attributes:", 1)[1]
-    entries = re.findall(r"^ {8}(\w+): (.*?)(?=^ {8}\w+: |\Z)", text, re.S | re.M)
-    docs = {name: " ".join(body.split()) for name, body in entries}
-    return {f.name: docs[f.name] for f in fields(cls)}
 
 
 def main(argv: list[str] | None = None) -> dict:

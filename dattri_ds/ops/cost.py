@@ -24,15 +24,9 @@ gradients (``B*T*O`` scatter-adds for index inputs, where ``A.A^T`` costs ``T*S`
 
 Bytes count the factors read, every intermediate written and read back, and the result.
 
-Projection kind per layer (``ops.projection.choose_projection``, re-exported here; the
-``auto`` projection): a layer with
-``O*I' <= k`` is kept exactly (error 0); otherwise sparse JL (dense-JL error
-``sqrt(2/k)``) unless its flops per example, ``2*T*O*I' + 2*s*O*I'`` (materialize, then
-scatter), exceed ``kron_speedup`` times the factorized Kronecker path's
-``2*T*(O*ko + I'*ki + ko*ki)``; then Kronecker, at its larger error
-``sqrt(2/ko) + sqrt(2/ki)``. Both flop counts scale with ``T`` alike, so the choice depends
-on the layer's shape and k only (``T`` = ``REF_TOKENS``), never on a batch: train rows and
-queries land in the same space.
+The ``auto`` projection's kind per layer (``choose_projection``, re-exported here) is chosen
+in ``ops.projection`` from the kinds' flops at ``REF_TOKENS`` tokens: by the layer's shape and
+k only, never by a batch, so train rows and queries land in the same space.
 """
 
 from __future__ import annotations
