@@ -301,14 +301,15 @@ class LayerGrad:
 
     Attributes:
         name: fully qualified module name, e.g. ``"transformer.h.0.attn.c_attn"``.
-        kind: the layer's ``LayerKind`` (a registered name such as ``"linear"`` is accepted
-            and resolved once here); it does the per-layer maths. ``kind_name`` is its name.
+        kind: the layer's ``LayerKind`` object (a name is refused: ``get_kind(name)``); it
+            does the per-layer maths. ``kind_name`` is its name.
         data: the factorized or dense form.
         shape: canonical ``(O, I')`` shape of this layer's (local) parameter gradient.
         space: the ``Space`` of ``data`` (canonical, projected, kept exactly, whitened); a
             tag string is accepted and parsed once here. Given as ``projection=<tag>`` too
             (the keyword of the tag-string era); ``projection`` reads the tag back.
         shard: tensor-parallel shard description (None = the layer is not sharded).
+        device: where the gradient tensors live (read from ``data`` once, at construction).
     """
 
     name: str
@@ -331,7 +332,6 @@ class LayerGrad:
         set_(self, "space", projection if space is None else space)
         set_(self, "shard", shard)
         self.__post_init__()
-        #: Where the gradient tensors live (read once here: every op asks).
         set_(self, "device", data.g.device if isinstance(data, Factorized) else data.values.device)
 
     def __post_init__(self) -> None:
