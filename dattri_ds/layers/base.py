@@ -143,10 +143,12 @@ class LayerKind(ABC):
 
     @abstractmethod
     def layer_shape(self, module: nn.Module) -> tuple[int, int]:
-        """Canonical ``(O, I')`` of the local parameter gradient, from module attributes."""
+        """Canonical ``(O, I')`` of the local parameter gradient, from module attributes (read
+        once, when a capture attaches)."""
 
     def shard_info(self, module: nn.Module) -> ShardInfo | None:
-        """Where this module's local parameter sits in the full one (tensor parallelism)."""
+        """Where this module's local parameter sits in the full one (tensor parallelism); read
+        once when a capture attaches, before ``check``: module attributes only."""
         return None
 
     @abstractmethod
