@@ -375,8 +375,10 @@ class RunSpec:
                               f"'{self.optimizer}'")
         if self.method not in _METHODS:
             raise ConfigError(f"method must be one of {_METHODS}, got '{self.method}'")
-        if self.projection not in PROJECTION_KINDS:
-            raise ConfigError(f"projection must be a registered kind, one of "
+        kind = PROJECTION_KINDS.get(self.projection)
+        if kind is None or type(kind).matrix_bytes is ProjectionKind.matrix_bytes:
+            raise ConfigError(f"projection must be a registered kind that sizes its matrices "
+                              f"(ProjectionKind.matrix_bytes), one of "
                               f"{PROJECTION_KINDS.names()}, got '{self.projection}'")
         if self.k < 0:
             raise ConfigError(f"k must be >= 0 (0 = recommend one), got {self.k}")

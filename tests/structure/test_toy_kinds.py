@@ -185,6 +185,8 @@ def test_toy_kind_ekfac_matches_autograd(toy):
     factors = fit_factors([train])
     cfg = factors.config
     assert {lf.form.name for lf in factors.layers.values()} == {"kron"}
+    assert all(lf.form is kind.factor_form(lf.shape[0] * lf.shape[1], cfg.full_max)
+               for lf in factors.layers.values())  # the kind hands out the form object
 
     scores = make_attributor("ekfac", factors=factors).scores([train], query).values
     want = 0

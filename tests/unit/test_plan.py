@@ -185,6 +185,27 @@ def test_unknown_names_are_errors_that_list_the_choices():
     assert {"cpu", "h200", "h100", "a100"} <= set(DEVICES)
 
 
+def test_projection_kinds_the_planner_cannot_size_are_refused():
+    """RunSpec takes a registered projection kind that sizes its matrices; an unknown name or
+    a kind without ``matrix_bytes`` is a ConfigError naming the registered kinds (launch's
+    memory check then skips the run instead of failing in the planner). A layer shape holds
+    the kind object, never its name."""
+    from dattri_ds.ops.projection import PROJECTION_KINDS, ProjectionKind
+    from dattri_ds.plan import LayerShape
+
+    class Unsized(ProjectionKind, name="test_unsized"):
+        pass
+
+    try:
+        for name in ("test_unsized", "nope"):
+            with pytest.raises(ConfigError, match="matrix_bytes.*kronecker"):
+                RunSpec(projection=name)
+    finally:
+        PROJECTION_KINDS.unregister(Unsized.name)
+    with pytest.raises(TypeError, match="get_kind"):
+        LayerShape("q_proj", "linear", 8, 8)
+
+
 def test_cli_json_equals_the_library(capsys):
     """``dattri-ds plan --json`` prints what plan() computes for the same flags."""
     from dattri_ds.tools.cli import main
