@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from dattri_ds import schema
 from dattri_ds.errors import ConfigError
 from dattri_ds.layers import LayerDims, LayerKind, get_kind
 from dattri_ds.ops.cost import CostModel, Roofline
@@ -299,35 +300,34 @@ class ModelShape:
 #: Eager kernels per transformer block forward (``ModelShape.forward_kernels``).
 KERNELS_PER_BLOCK = {"llama": 40, "gpt2": 30}
 _OPT_BYTES = {"adamw": 8, "adam": 8, "sgd": 0, "sgd_momentum": 4}
-_METHODS = ("graddot", "tracin", "kfac", "ekfac", "selection")
 
 
 @dataclass(frozen=True, kw_only=True)
 class RunSpec:
     """What the run does: one field per ``dattri-ds plan`` flag, its docstring the flag's help."""
 
-    world: int = 1
+    world: int = field(default=1, metadata=schema.bounds(ge=1))
     """data-parallel ranks."""
-    seq_len: int = 512
+    seq_len: int = field(default=512, metadata=schema.bounds(ge=1))
     """tokens per example (T)."""
-    micro_batch: int = 1
+    micro_batch: int = field(default=1, metadata=schema.bounds(ge=1))
     """examples per rank per forward (B)."""
-    zero_stage: int = 3
+    zero_stage: Literal[0, 1, 2, 3] = 3
     """DeepSpeed ZeRO stage 0-3."""
     offload: Literal["none", "optimizer", "all"] = "none"
     """``none``, ``optimizer`` or ``all`` (optimizer and parameters) to the host."""
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
     """weight dtype (``float32`` or ``bfloat16``)."""
-    optimizer: str = "adamw"
+    optimizer: Literal["adamw", "adam", "sgd", "sgd_momentum"] = "adamw"
     """``adamw``, ``sgd`` or ``sgd_momentum``."""
     capture: bool = True
     """per-example gradients are captured during training."""
-    projection: Literal["kronecker", "dense", "sparse", "auto"] = "kronecker"
+    projection: str = "kronecker"
     """a projection kind (``kronecker``, ``dense``, ``sparse`` or ``auto``: per layer by
     ``ops.cost.choose_projection``)."""
-    k: int = 0
+    k: int = field(default=0, metadata=schema.bounds(ge=0))
     """projected size per layer (0 = recommend one)."""
-    method: str = "graddot"
+    method: Literal["graddot", "tracin", "kfac", "ekfac", "selection"] = "graddot"
     """what the gradients feed (``graddot``/``tracin``: inner products; ``kfac``/``ekfac``:
     curvature factors; ``selection``: online selection)."""
     candidate_multiple: float = 2.0
@@ -359,29 +359,14 @@ class RunSpec:
     """DeepSpeed's ``sub_group_size`` (elements)."""
 
     def __post_init__(self) -> None:
-        if self.world < 1 or self.seq_len < 1 or self.micro_batch < 1:
-            raise ConfigError(f"world, seq_len and micro_batch must be >= 1, got "
-                              f"{self.world}, {self.seq_len}, {self.micro_batch}")
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ConfigError(f"zero_stage must be 0-3, got {self.zero_stage}")
-        if self.offload not in ("none", "optimizer", "all"):
-            raise ConfigError(f"offload must be none, optimizer or all, got '{self.offload}'")
+        schema.check(self, "plan")
         if self.offload == "all" and self.zero_stage != 3:
             raise ConfigError("offloading parameters needs zero_stage 3")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ConfigError(f"dtype must be float32 or bfloat16, got '{self.dtype}'")
-        if self.optimizer not in _OPT_BYTES:
-            raise ConfigError(f"optimizer must be one of {sorted(_OPT_BYTES)}, got "
-                              f"'{self.optimizer}'")
-        if self.method not in _METHODS:
-            raise ConfigError(f"method must be one of {_METHODS}, got '{self.method}'")
         kind = PROJECTION_KINDS.get(self.projection)
         if kind is None or type(kind).matrix_bytes is ProjectionKind.matrix_bytes:
             raise ConfigError(f"projection must be a registered kind that sizes its matrices "
                               f"(ProjectionKind.matrix_bytes), one of "
                               f"{PROJECTION_KINDS.names()}, got '{self.projection}'")
-        if self.k < 0:
-            raise ConfigError(f"k must be >= 0 (0 = recommend one), got {self.k}")
 
     @property
     def weight_bytes(self) -> int:
