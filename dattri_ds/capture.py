@@ -434,9 +434,9 @@ class GradientCapture:
         if not post:
             return batch
         s = scale.to(torch.float32)
-        return GradBatch(batch.step, batch.sample_ids, {
+        return batch.with_layers({
             n: lg.replace(data=Dense(lg.data.values * s.to(lg.data.values.device)[:, None]))
-            for n, lg in batch.layers.items()}, batch.micro_batch, batch.token_counts)
+            for n, lg in batch.layers.items()})
 
     def _scaled(self, g: torch.Tensor, scale: torch.Tensor, bdim: int = 0) -> torch.Tensor:
         dtype = getattr(torch, self.config.dtype) if self.config.dtype else g.dtype

@@ -419,6 +419,10 @@ class GradBatch:
     def batch_size(self) -> int:
         return len(self.sample_ids)
 
+    def with_layers(self, layers: Mapping[str, LayerGrad]) -> GradBatch:
+        """The same examples (step, ids, micro-batch, token counts) holding ``layers``."""
+        return GradBatch(self.step, self.sample_ids, layers, self.micro_batch, self.token_counts)
+
     @staticmethod
     def cat(batches: Sequence[GradBatch]) -> GradBatch:
         """One batch holding the examples of several, in order (e.g. all query batches).

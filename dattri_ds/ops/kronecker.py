@@ -371,9 +371,8 @@ class KFACFactors:
         """``(H + lambda)^-p g`` (``p = KFACConfig.power``) for every layer of a (query)
         batch: dense LayerGrads ``[Q, o*i]``."""
         costs: dict[str, CostModel] = {}
-        layers = {n: self._scaled(lg, method, False, costs) for n, lg in batch.layers.items()}
-        return GradBatch(batch.step, batch.sample_ids, layers, batch.micro_batch,
-                         batch.token_counts)
+        return batch.with_layers({n: self._scaled(lg, method, False, costs)
+                                  for n, lg in batch.layers.items()})
 
     def precondition_layer(self, lg: LayerGrad, method: str = "ekfac") -> LayerGrad:
         """One layer: ``Q_S [(Q_S^T G Q_A) / (eigenvalues + lambda)^p] Q_A^T`` -> Dense
@@ -391,9 +390,8 @@ class KFACFactors:
     def whiten(self, batch: GradBatch, method: str = "ekfac") -> GradBatch:
         """``whiten_layer`` for every layer of a batch (train or query side)."""
         costs: dict[str, CostModel] = {}
-        layers = {n: self._scaled(lg, method, True, costs) for n, lg in batch.layers.items()}
-        return GradBatch(batch.step, batch.sample_ids, layers, batch.micro_batch,
-                         batch.token_counts)
+        return batch.with_layers({n: self._scaled(lg, method, True, costs)
+                                  for n, lg in batch.layers.items()})
 
     def whiten_layer(self, lg: LayerGrad, method: str = "ekfac") -> LayerGrad:
         """``r = (Q_S^T G Q_A) / (eigenvalues + lambda)^(p/2)``: Dense ``[B, o*i]`` float32.

@@ -80,7 +80,7 @@ def project_batch(batch: GradBatch, projector: Projector, cost: CostModel | None
         else:
             layers[n] = project(lg, projector, cost, path)
     _reduce_layers(layers, deferred)
-    return GradBatch(batch.step, batch.sample_ids, layers, batch.micro_batch, batch.token_counts)
+    return batch.with_layers(layers)
 
 
 def _reduce_shard(t: torch.Tensor, shard: ShardInfo | None) -> torch.Tensor:
@@ -246,4 +246,4 @@ def unshard(lg: LayerGrad) -> LayerGrad:
 def unshard_batch(batch: GradBatch) -> GradBatch:
     """``unshard`` every sharded layer of a batch (same ids, step and token counts)."""
     layers = {n: unshard(lg) for n, lg in batch.layers.items()}
-    return GradBatch(batch.step, batch.sample_ids, layers, batch.micro_batch, batch.token_counts)
+    return batch.with_layers(layers)
