@@ -566,7 +566,7 @@ def _routing(m: ModelShape, s: RunSpec, dev: DeviceSpec, rows: int) -> tuple[dic
 
 def _times(m: ModelShape, s: RunSpec, dev: DeviceSpec, proj_s: float,
            cand_proj_s: float) -> dict[str, float]:
-    """Seconds of each part of a step (see the module docstring's *Time*).
+    """Seconds of each part of a step (docs/planning.md, *The terms*).
 
     Device time of a forward: ``fwd = (F / peak + P e / bw) / efficiency``; host time:
     ``h = forward_kernels x kernel_latency_s``. A training pass (no host sync) takes
