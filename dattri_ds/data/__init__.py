@@ -1,7 +1,7 @@
 """Data pipeline for the demo and launch/train.py: documents, tokenizer, examples, small models.
 
 Not imported by ``import dattri_ds``. Importing this package needs only torch:
-``sentencepiece``, ``datasets`` and ``transformers`` are imported by the functions that use them.
+``sentencepiece`` and ``transformers`` are imported by the functions that use them.
 
 Example:
     >>> from dattri_ds.data import load_documents, train_tokenizer, tokenize_documents, build_model
