@@ -8,30 +8,12 @@
     --method ekfac-trajectory (default) | kfac-trajectory | tracin | ekfac | kfac | graddot
              | gradcos
 
-Every store is attached by its spec before any query gradient (``dattri_ds.store.attach``:
-this run, checkpoint and weights, the model's layers, one projection and whitening for all
-checkpoints, the --factors that whitened the rows). Every method is the library's
-(``dattri_ds.recipe.Recipe`` over ``make_attributor``); trajectories sum per-checkpoint scores
-with ``Trajectory.trajectory_scores`` (curvature factors per checkpoint: ``tools/fit.py
---checkpoint all --out <dir>``). Curvature methods precondition the unprojected query
-exactly and then project it into the store's space (``Attributor(projector=...)``), unless
-the factors were fitted in that space (``fit --store``, LoGra), or the store holds whitened
-rows (``collect --whiten ekfac --factors DIR``): then the query is whitened by the same
-exact factors and projected, and scores are plain dot products (the projected recipe that
-keeps >= 90% of the exact LDS).
-
-Streams the store in blocks of ``--block-rows`` (memory: one block plus the preconditioned
-queries plus the ``[N, Q]`` result). Writes ``scores.npy`` (``[N, Q]``, positive = the
-training example lowers the query's loss), ``train_ids.json``, ``queries.json``,
-``topk.json`` (proponents and opponents per query), for trajectories ``per_checkpoint.npy``
-(``[C, N, Q]`` lr-weighted contributions), and the resolved config.
-
-The text prior (``--text-weight``; default ``Recipe.text_weight``: 0.25 for
-``ekfac-trajectory``, 0.5 for ``ekfac`` and the K-FAC methods, 0 otherwise;
-docs/attribution_fidelity.md): per
-query ``score + w * std(score) * z(overlap)``, the overlap the TF-IDF similarity of the text
-each training row and query holds (``dattri_ds.eval``). With it ``scores.npy`` is the mix,
-``model_scores.npy`` the method's own scores and ``text_overlap.npy`` the overlap.
+Every store is checked against this run, checkpoint, layers, projection and whitening
+before any query gradient (``dattri_ds.store.attach``); every method is the library's
+(``dattri_ds.recipe.Recipe`` over ``make_attributor``); the store is streamed in blocks of
+``--block-rows``. What it writes and how curvature queries meet projected or whitened rows:
+docs/offline_tools.md; the text prior (``--text-weight``) and the defaults' fidelity:
+docs/attribution_fidelity.md.
 """
 
 from __future__ import annotations
@@ -51,8 +33,9 @@ import torch  # noqa: E402
 
 from dattri_ds.tools.configs import ATTRIBUTE, DEFAULT_METHOD, add_flags  # noqa: E402
 from dattri_ds.tools.common import (  # noqa: E402
-    Run, add_checkpoint_args, add_source_args, gradients, load_texts, logger, open_source,
-    recorded_config, setup_logging, store_paths, tag_choice, write_config,
+    Run, add_checkpoint_args, add_source_args, factors_path, gradients, load_texts, logger,
+    open_source, recorded_config, setup_logging, source_flags, store_origin, store_paths,
+    tag_choice, write_config,
 )
 from dattri_ds.recipe import Recipe  # noqa: E402
 from dattri_ds.sample_id import SampleId  # noqa: E402
@@ -74,11 +57,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--force", action="store_true", help="replace an earlier attribution in --out")
     return p
-
-
-def stores(root: Path) -> dict[str, Path]:
-    """tag -> store path under ``root`` (``tools.common.store_paths``)."""
-    return store_paths(root)
 
 
 #: The attribute flag that fixes each compared field (``{stored}``: the store's value).
@@ -111,7 +89,7 @@ def store_requests(args, run: Run, available: dict[str, Path], tags: list[str],
         ConfigError: a whitened store and a method it was not whitened for.
     """
     from dattri_ds import CaptureConfig
-    from dattri_ds.store import StoreRequest, attach, weights_hash
+    from dattri_ds.store import StoreRequest, attach
     from dattri_ds.store.attach import check, model_layers
 
     first = check(available[tags[0]], StoreRequest(consumer="attribute"))
@@ -121,12 +99,11 @@ def store_requests(args, run: Run, available: dict[str, Path], tags: list[str],
     for tag in tags:
         model = models.get(tag) if models is not None else run.model(tag)
         by = _factors(args, tag, None, model).fingerprint() if whitened and \
-            _is_curvature(args.method) else None
+            Recipe(method=args.method).curvature else None
         requests[tag] = StoreRequest(
             consumer="attribute", projection=proj, whitening=(whitened, by), fixes=_FIXES,
             layers=model_layers(model, CaptureConfig(**(first.semantics or {}))),
-            origin={"fingerprint": f"{run.fingerprint()}@{tag}", "run_id": run.run_id,
-                    "checkpoint": tag, "weights_hash": weights_hash(model)})
+            origin=store_origin(run, tag, model))
         attach(available[tag], requests[tag], mode="score").close()  # complete, intact
         if models is not None:
             models.put(tag, model)
@@ -140,18 +117,19 @@ def _choose_tags(args, run: Run, available: dict[str, Path]) -> list[str]:
     from dattri_ds.errors import ConfigError, StoreCorruptError
 
     root, wanted = Path(args.store), tag_choice(args)
+    traj = Recipe(method=args.method).trajectory
     if wanted not in (None, "all"):
         order = [t.strip() for t in wanted.split(",")]
         missing = [t for t in order if t not in available]
         if missing:
             raise ConfigError(f"No store for checkpoint(s) {missing} under {args.store}; "
                               f"stored: {sorted(available)}")
-        return order if _is_trajectory(args.method) else order[-1:]
+        return order if traj else order[-1:]
     trajectory = [c["tag"] for c in run.trajectory()]
     if len(available) == 1 and next(iter(available.values())) == root:
         order = [t for t in trajectory if t in available]  # --store names one store
     else:
-        order = trajectory if _is_trajectory(args.method) else trajectory[-1:]
+        order = trajectory if traj else trajectory[-1:]
         missing = [t for t in order if t not in available]
         if missing:
             raise StoreCorruptError(
@@ -162,27 +140,14 @@ def _choose_tags(args, run: Run, available: dict[str, Path]) -> list[str]:
     if not order:
         raise ConfigError(f"None of the stores under {args.store} ({sorted(available)}) is a "
                           f"checkpoint of {run.root}")
-    return order if _is_trajectory(args.method) else order[-1:]
-
-
-def _is_trajectory(method: str) -> bool:
-    return Recipe(method=method).trajectory
-
-
-def _inner(method: str) -> str:
-    """The per-checkpoint method of ``method`` (itself unless it is a trajectory)."""
-    return Recipe(method=method).inner
-
-
-def _is_curvature(method: str) -> bool:
-    return Recipe(method=method).curvature
+    return order if traj else order[-1:]
 
 
 def _check_whitened(method: str, whitened: str | None, store: Path) -> None:
     """A whitened store is scored only by the curvature method it was whitened for."""
     from dattri_ds.errors import ConfigError
 
-    if whitened is not None and _inner(method) != whitened:
+    if whitened is not None and Recipe(method=method).inner != whitened:
         raise ConfigError(f"Store '{store}' holds rows whitened by '{whitened}' factors; "
                           f"--method {method} cannot score them: use --method {whitened} or "
                           f"{whitened}-trajectory, or collect without --whiten")
@@ -194,20 +159,16 @@ def _factors(args, tag: str, proj, model=None):
     from dattri_ds import KFACFactors, Projector
     from dattri_ds.errors import ConfigError
 
-    path = Path(args.factors) if args.factors else None
-    if path is not None and path.is_dir():
-        path = path / f"{tag}.pt"
+    path = factors_path(args.factors, tag)
     if path is None or not path.exists():
-        every = " --checkpoint all" if _is_trajectory(args.method) else ""
-        source = (f"--run-dir {args.run}" if args.run else f"--model {args.model}"
-                  if args.model else f"--checkpoints {' '.join(args.checkpoints)}")
+        every = " --checkpoint all" if Recipe(method=args.method).trajectory else ""
         raise ConfigError(f"--method {args.method} needs curvature factors of checkpoint "
                           f"'{tag}' (got --factors {args.factors!r}, looked for {path}); fit "
-                          f"them with tools/fit.py {source}{every} --out <dir>")
+                          f"them with tools/fit.py {source_flags(args)}{every} --out <dir>")
     factors = KFACFactors.load(path, projector=Projector(proj) if proj else None)
     if model is not None:
         from dattri_ds.tools.common import check_factors
-        check_factors(factors, path, model, _source_flags(args))
+        check_factors(factors, path, model, args)
     if proj is not None and all(lf.projection is None for lf in factors.layers.values()):
         logger.warning("%s: exact factors on a %s-projected store of raw gradients: the query "
                        "is preconditioned exactly, then projected, which can lose most of "
@@ -311,11 +272,6 @@ class TokenScores:
         progress.close()
 
 
-def _source_flags(args) -> str:
-    return (f"--run-dir {args.run}" if args.run else f"--model {args.model}" if args.model
-            else f"--checkpoints {' '.join(args.checkpoints or [])}")
-
-
 def _announce(args, available: dict[str, Path], tags: list[str], queries) -> None:
     """The first line: queries, store, checkpoints, projection, method and factors."""
     from dattri_ds.store.attach import manifest
@@ -325,12 +281,12 @@ def _announce(args, available: dict[str, Path], tags: list[str], queries) -> Non
     proj = found[0].projection_cfg() if found else None
     rows = "?" if found is None else (f"{proj.kind} k={proj.dim}" + (
         f", whitened by {found[0].whitened}" if found[0].whitened else ""))
-    weighting = args.weighting or (Recipe(method=args.method).trajectory and
-                                   _default_weighting(args.method))
+    recipe = Recipe(method=args.method)
+    weighting = args.weighting or (recipe.trajectory and _default_weighting(args.method))
     announce("attribute", queries=f"{args.queries} ({len(queries)})", store=args.store,
              checkpoints=",".join(tags), projection=rows,
              method=args.method + (f" (weighting {weighting})" if weighting else ""),
-             factors=args.factors if _is_curvature(args.method) else None, out=args.out)
+             factors=args.factors if recipe.curvature else None, out=args.out)
 
 
 def _default_weighting(method: str) -> str:
@@ -373,7 +329,7 @@ def _token_plan(args, store: Path, queries):
     shapes = [tuple(ls.shape[-2:]) if len(ls.shape) >= 2 else (ls.shape[0], 1)
               for ls in found[0].layers] if found else []
     plan = TokenPlan.make(shapes, seq_len=queries.seq_len, rows=int(where.shape[0]),
-                          dense_query=_is_curvature(args.method), budget=budget,
+                          dense_query=Recipe(method=args.method).curvature, budget=budget,
                           chunk=args.token_chunk)
     logger.info("per-token: %d token rows of %d queries in %d chunk(s) of <= %d rows, about "
                 "%.2f GB per chunk (--token-memory-gb %g)", plan.rows, len(queries),
@@ -401,7 +357,7 @@ def main(argv: list[str] | None = None) -> dict:
     check_dir(args.out, flag="--out", force=args.force, overwrites=("scores.npy", "summary.json"))
     setup_logging(verbose=args.verbose)
     run = open_source(args)
-    available = stores(Path(args.store))
+    available = store_paths(Path(args.store))
     tags = _choose_tags(args, run, available)
     queries = load_texts(args.queries, run.tokenizer, run.context, args.query_max_docs,
                          context=run.context, truncate=args.truncate, queries=True)
@@ -466,7 +422,6 @@ def text_prior(args, recipe: Recipe, queries) -> TextPrior:
             default turns the prior off instead, and says why).
     """
     from dattri_ds.errors import ConfigError
-    from dattri_ds.files import check_file
 
     asked = args.text_weight
     weight = recipe.text_weight if asked is None else asked
@@ -603,7 +558,7 @@ def write_outputs(out: Path, args, run, tags, queries, train_ids, total, per_ckp
                     "opponents": [{"id": train_ids[i], "score": float(col[i])} for i in opp]})
     (out / "topk.json").write_text(json.dumps(top, indent=1))
     weighting = args.weighting or (_default_weighting(args.method) if
-                                   _is_trajectory(args.method) else None)
+                                   Recipe(method=args.method).trajectory else None)
     summary = {"method": args.method, "weighting": weighting, "checkpoints": tags,
                "train": len(train_ids),
                "queries": len(queries), "seconds": round(seconds, 3),

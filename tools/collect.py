@@ -8,26 +8,12 @@
     python tools/collect.py --checkpoints 'hf_out/checkpoint-*' --data ... --out grads
         # Hugging Face checkpoint folders read as a run (docs/offline_tools.md)
 
-Rows are projected per layer with ``--projection`` (a kind of
-``dattri_ds.ops.projection.PROJECTION_KINDS``; default ``ProjectionConfig()``: ``auto``
-(sparse JL, Kronecker only where it pays), k = 4096, chosen by fidelity per byte on
-``benchmarks/lds.py``, docs/attribution_fidelity.md).
-For the curvature methods (``attribute``'s default ``ekfac-trajectory``) fit the factors
-first and collect whitened rows (``--whiten ekfac --factors DIR``, ``DIR/<tag>.pt`` per
-checkpoint as ``tools/fit.py --checkpoint all`` writes them): raw gradients projected at
-sparse k = 1024 keep 18-28% of the curvature methods' exact LDS on ``benchmarks/lds.py`` (less is
-lost when most layers are no larger than k and so are stored exactly), projected whitened
-rows keep >= 90% of it.
-
-Each checkpoint gets its own store ``<out>/<tag>/`` (fingerprint ``<model>@<tag>``; the
-manifest also records the run id, the tag, a hash of the checkpoint's weights and the capture
-semantics). Resumable: an existing store is attached by its spec first
-(``dattri_ds.store.attach``: another projection, dtype, whitening, layer set, capture
-semantics or checkpoint is refused in one line naming the flag, before any gradient), then
-examples already stored (and intact: their checksums are verified) are skipped before their
-gradients are computed, and a run killed at any moment loses at most ``--flush-every`` rows
-per rank. A finished store is sealed (its shards and rows are recorded), so readers refuse
-it when any part goes missing.
+Rows are projected per layer (``--projection``, default ``ProjectionConfig()``). For the
+curvature methods fit the factors first and collect whitened rows (``--whiten ekfac
+--factors DIR``; docs/attribution_fidelity.md measures why). Each checkpoint gets its own
+store ``<out>/<tag>/``; an existing store is attached by its spec first, stored examples are
+skipped, a run killed at any moment loses at most ``--flush-every`` rows per rank, and a
+finished store is sealed (docs/offline_tools.md, docs/store.md).
 """
 
 from __future__ import annotations
@@ -45,9 +31,9 @@ import torch  # noqa: E402
 
 from dattri_ds.tools.configs import COLLECT, add_flags, values  # noqa: E402
 from dattri_ds.tools.common import (  # noqa: E402
-    Run, add_checkpoint_args, add_source_args, announce, describe_data, example_ids, gradients,
-    init_distributed, load_texts, logger, open_source, seq_len_of, setup_logging, source_tags,
-    training_data, write_config,
+    Run, add_checkpoint_args, add_source_args, announce, describe_data, example_ids,
+    factors_path, gradients, init_distributed, load_texts, logger, open_source, seq_len_of,
+    setup_logging, source_tags, store_origin, training_data, write_config,
 )
 
 
@@ -69,7 +55,6 @@ def prepare(run: Run, tag: str, args):
     """``(model, capture, factors, origin, request)`` of checkpoint ``tag``: what its store
     gets, and the StoreRequest an existing store there must match."""
     from dattri_ds import CaptureConfig, ProjectionConfig
-    from dattri_ds.store import weights_hash
 
     proj = ProjectionConfig(**values(args, COLLECT, ProjectionConfig))
     capture = CaptureConfig(projection=proj, **values(args, COLLECT, CaptureConfig))
@@ -78,11 +63,8 @@ def prepare(run: Run, tag: str, args):
     if factors is not None:
         from dattri_ds.tools.common import check_factors
 
-        source = f"--run-dir {args.run}" if args.run else f"--model {args.model}" \
-            if args.model else f"--checkpoints {' '.join(args.checkpoints or [])}"
-        check_factors(factors, args.factors, model, source)
-    origin = {"fingerprint": f"{run.fingerprint()}@{tag}", "run_id": run.run_id,
-              "checkpoint": tag, "weights_hash": weights_hash(model)}
+        check_factors(factors, args.factors, model, args)
+    origin = store_origin(run, tag, model)
     whitened_by = None if factors is None else factors.fingerprint()
     return model, capture, factors, origin, _request(args, model, capture, origin, whitened_by)
 
@@ -243,9 +225,7 @@ def _factors(args, tag: str):
 
     if args.whiten is None:
         return None
-    path = Path(args.factors) if args.factors else None
-    if path is not None and path.is_dir():
-        path = path / f"{tag}.pt"
+    path = factors_path(args.factors, tag)
     if path is None or not path.is_file():
         raise ConfigError(f"--whiten {args.whiten} needs the exact factors of checkpoint "
                           f"'{tag}' (--factors {args.factors!r}, looked for {path}); fit them "

@@ -194,7 +194,7 @@ class Run:
         tags = [c["tag"] for c in self.trajectory()]
         if not tags:
             raise ConfigError(f"No checkpoints in {self.root / 'checkpoints'}")
-        from dattri_ds.tools.hf_checkpoints import pick_tags
+        from dattri_ds.tools.sources import pick_tags
 
         return pick_tags(tags, wanted, self.checkpoint)
 
@@ -230,16 +230,15 @@ class Run:
             return _megatron_model(self.root, tag).to(device).eval()
         from transformers import AutoConfig, AutoModelForCausalLM
 
+        from dattri_ds.files import model_dir
         from dattri_ds.integrations.checkpoints import load_state_dict
         from dattri_ds.tools.sources import is_hf_model_dir
 
         folder = self.root / "checkpoints" / tag
         if is_hf_model_dir(folder):  # save_pretrained checkpoints (ties restored there)
-            from dattri_ds.files import model_dir
             model = AutoModelForCausalLM.from_pretrained(str(model_dir(folder, "--run")),
                                                          dtype=torch.float32)
             return model.to(device).eval()
-        from dattri_ds.files import model_dir
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(
             model_dir(self.root / "model", "--run", weights=False)))
         with quiet_stdout():  # DeepSpeed's consolidation banners: --verbose
@@ -454,8 +453,31 @@ def training_data(source, args, flag: str = "--data") -> tuple[str | list[str], 
     return data, args.max_docs, "the run's training data"
 
 
-def check_factors(factors, path, model, source: str) -> None:
-    """Refuse curvature factors fitted on a model of other layer shapes before any work.
+def source_flags(args) -> str:
+    """The source flags a tool was given (``--run-dir R``, ``--model M`` or ``--checkpoints
+    DIR ...``), for a fix that repeats them."""
+    return (f"--run-dir {args.run}" if args.run else f"--model {args.model}" if args.model
+            else f"--checkpoints {' '.join(args.checkpoints or [])}")
+
+
+def store_origin(source, tag: str, model) -> dict:
+    """Where a store of checkpoint ``tag`` comes from (``StoreRequest.origin``): the model
+    family at that tag, the run id, the tag and a hash of the model's weights."""
+    from dattri_ds.store import weights_hash
+
+    return {"fingerprint": f"{source.fingerprint()}@{tag}", "run_id": source.run_id,
+            "checkpoint": tag, "weights_hash": weights_hash(model)}
+
+
+def factors_path(factors: str | None, tag: str) -> Path | None:
+    """``--factors``: a file, or a folder of ``<tag>.pt`` (``fit --checkpoint all``)."""
+    path = Path(factors) if factors else None
+    return path / f"{tag}.pt" if path is not None and path.is_dir() else path
+
+
+def check_factors(factors, path, model, args) -> None:
+    """Refuse curvature factors fitted on a model of other layer shapes before any work
+    (the fix names the tool's source flags, ``args``).
 
     Raises:
         ConfigError: one line naming the factors file, the first differing layer with both
@@ -463,7 +485,7 @@ def check_factors(factors, path, model, source: str) -> None:
     """
     from dattri_ds.store.attach import model_layers
 
-    have = model_layers(model)
+    have, source = model_layers(model), source_flags(args)
     diff = [(n, tuple(lf.shape), tuple(have[n][1])) for n, lf in factors.layers.items()
             if n in have and tuple(have[n][1]) != tuple(lf.shape)]
     if not diff and not any(n in have for n in factors.layers):
@@ -624,8 +646,7 @@ def _shutdown_distributed() -> None:
 def write_config(out: Path, name: str, args) -> None:
     """Write the resolved arguments of a tool next to its output."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}_config.json").write_text(
-        json.dumps({k: v for k, v in vars(args).items()}, indent=2, default=str) + "\n")
+    (out / f"{name}_config.json").write_text(json.dumps(vars(args), indent=2, default=str) + "\n")
 
 
 def recorded_config(folder: str | os.PathLike, name: str) -> dict:
@@ -659,8 +680,10 @@ def gradients(model, data, rows: torch.Tensor, *, capture, batch_size: int,
     ``<doc id>#<content hash>``."""
     from dattri_ds import collect
 
+    from dattri_ds.tools.progress import bar as progress_bar  # tqdm on a terminal, else log lines
+
     chunks = [rows[s:s + batch_size] for s in range(0, rows.numel(), batch_size)]
-    bar = _bar(rows.numel(), progress)
+    bar = progress_bar(rows.numel(), progress)
     batches = (data.batch(idx) for idx in chunks)
     ids = ([data.docs[i].id for i in idx.tolist()] for idx in chunks)
     for idx, got in zip(chunks, collect(model, batches, capture, user_ids=ids, device=device,
@@ -670,11 +693,6 @@ def gradients(model, data, rows: torch.Tensor, *, capture, batch_size: int,
         yield got
     if bar is not None:
         bar.close()
-
-
-def _bar(total: int, desc: str | None):
-    from dattri_ds.tools.progress import bar  # tqdm on a terminal, else timed log lines
-    return bar(total, desc)
 
 
 def load_texts(path: str | list[str], tokenizer, seq_len: int, max_docs: int | None = None,
@@ -690,23 +708,22 @@ def load_texts(path: str | list[str], tokenizer, seq_len: int, max_docs: int | N
     from dattri_ds.files import check_file
     from dattri_ds.tools.sources import is_token_file, load_token_ids, vocab_size_of
 
-    if not isinstance(path, (str, os.PathLike)):  # several text files (a run's train_data)
-        if len(path) == 1:
-            path = path[0]
-        else:
-            for f in path:
-                check_file(f, "data file", "pass existing jsonl files of documents")
-            p = Path(path[0])
-    if isinstance(path, (str, os.PathLike)):
+    if not isinstance(path, (str, os.PathLike)) and len(path) == 1:
+        path = path[0]
+    one = isinstance(path, (str, os.PathLike))
+    if one:
         p = check_file(path, "data file", "pass an existing jsonl file of documents or token ids")
-    if isinstance(path, (str, os.PathLike)) and is_token_file(p):
+    else:  # several text files (a run's train_data)
+        for f in path:
+            check_file(f, "data file", "pass existing jsonl files of documents")
+        p = Path(path[0])
+    if one and is_token_file(p):
         data = load_token_ids(p, seq_len, max_docs, vocab_size_of(tokenizer))
         _check_truncation(data, p, seq_len, context, truncate)
         return data
     if callable(tokenizer) and not hasattr(tokenizer, "encode_batch"):
         tokenizer = tokenizer()
-    docs = _query_documents(p) if queries and isinstance(path, (str, os.PathLike)) else \
-        load_documents(p if isinstance(path, (str, os.PathLike)) else list(path))
+    docs = _query_documents(p) if queries and one else load_documents(p if one else list(path))
     if max_docs:
         docs = docs[:max_docs]
     if not docs:

@@ -197,11 +197,10 @@ class AttributeOptions:
     """Weight w of the text-overlap prior added to the method's scores (per query: score +
     w * std(score) * z(TF-IDF overlap of the rows' and the queries' texts)); default: the
     method's measured weight (dattri_ds.recipe.TEXT_WEIGHTS; 0 for a method not measured
-    with it), on when the training texts are found; 0: the method's own scores.
-
-    Chosen leave-one-regime-out on 16 LDS regimes (docs/attribution_fidelity.md). The
-    training texts are --train-data, else collect's recorded --data; when the default is
-    on and they are not found, the prior is off and the summary says so."""
+    with it), on when the training texts are found; 0: the method's own scores. The
+    training texts are --train-data, else collect's recorded --data; when the default is on
+    and they are not found, the prior is off and the summary says so (the weights' choice:
+    docs/attribution_fidelity.md)."""
 
     train_data: str | None = None
     """The jsonl of training documents the store was collected from, for the text prior

@@ -6,20 +6,12 @@
     --method content (default) | combined | cosine | adam-cosine | trajectory
 
 The method, budget (exactly one of --fraction, --examples, --tokens) and diversity flags
-are generated from ``dattri_ds.selection.offline.CurateConfig`` (one flag per field, its default and
-help text). The default method is the content prior (``content``, DSIR): in the curation
-benchmark no gradient method was ahead of it (docs/curation.md, "Measured effect"). The pool store
-is one store or a folder of per-checkpoint stores (``collect --out``); the target is
-documents (``--target``: their gradients are captured with the store's own projection and
-capture semantics, at each checkpoint read) or a target store (``--target-store``, of the
-same model, checkpoint and projection: another one is refused). ``--pool`` defaults to the
-``--data`` recorded in the store folder's ``collect_config.json``.
-
-Writes ``subset.jsonl`` (ids, with ``--with-text`` the documents: launch/'s train data),
-``scores.npy``, ``ids.json``, ``config.json`` and ``report.md``/``report.html``; an earlier
-selection in ``--out`` is kept unless ``--force``. Memory per rank: one block of
-``--block-rows`` rows per checkpoint, the targets, ~250 B per pool row
-(``dattri_ds.selection.offline.memory_bound``; docs/curation.md).
+are generated from ``dattri_ds.selection.offline.CurateConfig`` (one flag per field). The
+default method is the content prior (``content``, DSIR): no gradient method was ahead of it
+in the curation benchmark. Inputs (pool stores, ``--target`` documents or a
+``--target-store``), outputs (``subset.jsonl``, ``scores.npy``, ``ids.json``,
+``config.json``, ``report.md``/``.html``; kept unless ``--force``) and memory per rank:
+docs/curation.md.
 """
 
 from __future__ import annotations

@@ -62,27 +62,18 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", default="runs/demo", help="output directory (report.json, scores.pt)")
     p.add_argument("--quick", action="store_true", help="data/tiny, fewer steps (~40 s)")
-    add_flag(p, "--steps", int, ge=1,
-             help="optimizer steps (preset: 400, quick 60)")
-    add_flag(p, "--batch-size", int, ge=1,
-             help="training batch size (preset: 16)")
-    add_flag(p, "--lr", float, gt=0,
-             help="peak AdamW learning rate (preset: 3e-3)")
-    add_flag(p, "--seq-len", int, ge=1,
-             help="tokens per document (preset: 128)")
-    add_flag(p, "--vocab-size", int, ge=1,
-             help="tokenizer vocabulary (preset: 1024, quick 512)")
+    add_flag(p, "--steps", int, ge=1, help="optimizer steps (preset: 400, quick 60)")
+    add_flag(p, "--batch-size", int, ge=1, help="training batch size (preset: 16)")
+    add_flag(p, "--lr", float, gt=0, help="peak AdamW learning rate (preset: 3e-3)")
+    add_flag(p, "--seq-len", int, ge=1, help="tokens per document (preset: 128)")
+    add_flag(p, "--vocab-size", int, ge=1, help="tokenizer vocabulary (preset: 1024, quick 512)")
     add_flag(p, "--attr-docs", int, ge=1,
              help="training documents to score, a prefix of the pool (preset: all)")
-    add_flag(p, "--proj-dim", int, ge=1,
-             help="Kronecker projection size per layer")
-    add_flag(p, "--queries-per-target", int, ge=1,
-             default=3,
+    add_flag(p, "--proj-dim", int, ge=1, help="Kronecker projection size per layer")
+    add_flag(p, "--queries-per-target", int, ge=1, default=3,
              help="queries taken evenly spaced from each target file")
-    add_flag(p, "--top-k", int, ge=1,
-             default=10, help="k of the top/bottom lists and precision@k")
-    add_flag(p, "--log-every", int, ge=1,
-             help="print the training loss every N steps")
+    add_flag(p, "--top-k", int, ge=1, default=10, help="k of the top/bottom lists and precision@k")
+    add_flag(p, "--log-every", int, ge=1, help="print the training loss every N steps")
     p.add_argument("--model-config", default=str(ROOT / "configs" / "model_gpt2_tiny.json"))
     p.add_argument("--cache-dir", default=None,
                    help="tokenizer cache (default $DATTRI_DS_CACHE or ~/.cache/dattri_ds)")

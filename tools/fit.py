@@ -10,13 +10,10 @@
 ``--checkpoint all`` (or a comma list) fits every checkpoint, one ``<out>/<tag>.pt`` each,
 for ``attribute --method ekfac-trajectory --factors <out>``; one tag with an ``--out``
 ending in ``.pt`` writes that file. With ``--store`` (a store, or the folder of
-per-checkpoint stores of ``collect``) the factors live in the store's Kronecker-projected
-space (LoGra, cheap but less faithful: 79% of the default method's exact LDS at k = 4096 on
-``benchmarks/lds.py``, against 94% for rows whitened by exact factors; docs/attribution_fidelity.md).
-Without it they are exact: for exact stores and for the projected recipe, whitened rows
-(``collect --factors <out>``). The store is attached by its spec (``dattri_ds.store.attach``): it
-must hold plain rows of this run's checkpoint and weights, and ``--projection-dim`` /
-``--seed``, when given, must be its own; the fit uses its capture semantics.
+per-checkpoint stores of ``collect``, attached by its spec: plain rows of this run's
+checkpoint and weights) the factors live in the store's Kronecker-projected space (LoGra:
+cheaper and less faithful than rows whitened by exact factors, docs/attribution_fidelity.md);
+without it they are exact.
 """
 
 from __future__ import annotations
@@ -35,7 +32,7 @@ from dattri_ds.tools.configs import FIT, add_flags, values  # noqa: E402
 from dattri_ds.tools.common import (  # noqa: E402
     add_checkpoint_args, add_source_args, announce, describe_data, gradients, init_distributed,
     load_texts, logger, open_source, seq_len_of, setup_logging, source_tags, store_of,
-    tag_choice, training_data, write_config,
+    store_origin, tag_choice, training_data, write_config,
 )
 
 
@@ -75,7 +72,7 @@ _FIXES = {
 def store_request(args, run, tag: str, model):
     """What ``fit --store`` takes from the store of ``tag``: rows of this model, checkpoint
     and weights, plain (not whitened), with the Kronecker size and seed given by flag."""
-    from dattri_ds.store import StoreRequest, weights_hash
+    from dattri_ds.store import StoreRequest
     from dattri_ds.store.attach import model_layers
 
     from dattri_ds import ProjectionConfig
@@ -86,8 +83,7 @@ def store_request(args, run, tag: str, model):
     return StoreRequest(
         consumer="fit --store", projection=projection, layers=model_layers(model),
         whitening=(None, None), fixes=_FIXES,
-        origin={"fingerprint": f"{run.fingerprint()}@{tag}", "run_id": run.run_id,
-                "checkpoint": tag, "weights_hash": weights_hash(model)},
+        origin=store_origin(run, tag, model),
         otherwise=f"fit without --store (exact factors), or --store a store of checkpoint "
                   f"'{tag}'")
 

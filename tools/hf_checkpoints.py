@@ -5,18 +5,11 @@
     dattri-ds attribute --checkpoints 'out/checkpoint-*' --store grads --queries q.jsonl \
         --factors factors --out attr        # ekfac-trajectory over every listed checkpoint
 
-Each folder is a ``save_pretrained`` folder (``config.json`` + weights), e.g. what the
-Hugging Face ``Trainer`` writes as ``checkpoint-<step>/``. A value with ``*``, ``?`` or ``[``
-is a glob (quote it so that the tool, not the shell, expands it); its matches are taken in
-natural order (``checkpoint-500`` before ``checkpoint-1000``). Every checkpoint's step and
-learning rate come from its ``trainer_state.json`` (``global_step``, and the
-``learning_rate`` of the last ``log_history`` entry at or before that step: the rate the
-Trainer logged for the steps after it), else from ``--steps`` / ``--lrs`` (one value per
-folder, in the order the folders are given, globs expanded); a flag overrides the file.
-The checkpoints are ordered by step; each is tagged by its folder name (stores go to
-``<out>/<tag>/``, factors to ``<out>/<tag>.pt``), so the tools treat the list exactly as
-the run folder ``docs/offline_tools.md`` describes (``model/config.json``,
-``checkpoints/<tag>`` links and ``trajectory.json``).
+Each folder is a ``save_pretrained`` folder (e.g. the ``Trainer``'s ``checkpoint-<step>/``);
+a value with ``*``, ``?`` or ``[`` is a glob expanded in natural order. Steps and learning
+rates come from each ``trainer_state.json``, else ``--steps`` / ``--lrs``; each checkpoint is
+tagged by its folder name, so the tools treat the list as a run folder
+(docs/offline_tools.md, "Hugging Face checkpoints", has the rules).
 """
 
 from __future__ import annotations
@@ -31,6 +24,7 @@ from pathlib import Path
 import torch
 
 from dattri_ds.errors import ConfigError
+from dattri_ds.tools.sources import pick_tags
 
 __all__ = ["HFCheckpoints", "expand_folders", "trainer_state", "natural_key"]
 
@@ -95,20 +89,6 @@ def trainer_state(folder: Path) -> tuple[int | None, float | None]:
               and (step is None or e["step"] <= step)]
     lr = float(max(logged, key=lambda e: e["step"])["learning_rate"]) if logged else None
     return step, lr
-
-
-def pick_tags(tags: list[str], wanted: str | None, check) -> list[str]:
-    """The checkpoint tags ``wanted`` names among ``tags`` (oldest first): ``all``/None ->
-    every one, ``last`` -> the newest, else a comma list, each passed to ``check`` (which
-    raises ConfigError for a tag that is not there)."""
-    if wanted in (None, "all"):
-        return tags
-    if wanted == "last":
-        return tags[-1:]
-    chosen = [t.strip() for t in wanted.split(",") if t.strip()]
-    for t in chosen:
-        check(t)
-    return chosen
 
 
 @dataclass(frozen=True)

@@ -126,20 +126,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def chosen_sources(run: Path, corpus: Path) -> Counter:
+def corpus_sources() -> dict[str, str]:
+    """Document id -> source of the main job's corpus."""
+    lines = (ROOT / DEMO.corpus).read_text(encoding="utf-8").splitlines()
+    return {d["id"]: d["source"] for d in map(json.loads, lines)}
+
+
+def chosen_sources(run: Path) -> Counter:
     """Which corpus sources the selector trained on (from selection.jsonl)."""
-    source = {}
-    with open(corpus, encoding="utf-8") as f:
-        for line in f:
-            d = json.loads(line)
-            source[d["id"]] = d["source"]
     from dattri_ds.selection import read_selection_log
 
-    counts: Counter = Counter()
-    for record in read_selection_log(run / "selection.jsonl"):
-        for sid in record["chosen"]:
-            counts[source.get(SampleId.parse(sid).doc, "?")] += 1
-    return counts
+    source = corpus_sources()
+    return Counter(source.get(SampleId.parse(sid).doc, "?")
+                   for record in read_selection_log(run / "selection.jsonl")
+                   for sid in record["chosen"])
 
 
 def plot(curves: dict[str, list[dict]], path: Path) -> None:
@@ -175,14 +175,10 @@ def report_rows(sel: list[dict], base: list[dict]) -> list[str]:
             f"{g(e)} | {g(b)} |" for e, b in zip(sel, base)]
 
 
-#: The offline attribution recipe of step 4 (one place). TracIn on plain Kronecker-projected
-#: rows of every checkpoint (``P_out G P_in^T`` from the captured factors, no per-example
-#: gradient materialized; cheap, and a first-order method keeps most of its ranking there).
-#: EK-FAC as a trajectory over every checkpoint on rows whitened by that checkpoint's own
-#: exact factors, projected as the library's default (``auto``, k = 4096 per layer): the
-#: faithful recipe of docs/attribution_fidelity.md. Curvature needs the smaller projection
-#: error: on this job's model whitened Kronecker k=256 rows ranked the training documents
-#: almost unrelated to exact whitened scoring (docs/main_job.md).
+#: The offline attribution recipe of step 4 (one place): TracIn on plain Kronecker k=256
+#: rows of every checkpoint; the EK-FAC trajectory on rows whitened by each checkpoint's
+#: exact factors, projected as the library's default (why not Kronecker k=256 there:
+#: docs/main_job.md).
 RECIPE = {"plain": ("kronecker", 256),
           "whitened": (ProjectionConfig().kind, ProjectionConfig().dim), "fit_docs": 256,
           "methods": ("tracin", "ekfac-trajectory")}
@@ -232,11 +228,7 @@ def attribute_offline(run: Path, out: Path, args) -> list[Path]:
 
 def top_sources(att: Path) -> str:
     """One line per query: the sources of its top-10 proponents."""
-    corpus = {}
-    for line in (ROOT / DEMO.corpus).read_text().splitlines():
-        d = json.loads(line)
-        corpus[d["id"]] = d["source"]
-    lines = []
+    corpus, lines = corpus_sources(), []
     for q in json.loads((att / "topk.json").read_text()):
         srcs = Counter(corpus.get(SampleId.parse(p["id"]).doc, "?")
                        for p in q["proponents"][:10])
@@ -287,7 +279,7 @@ def main() -> None:
     with phase("selection report"):
         curves = {"online selection": sel["eval"], "random (no selection)": base["eval"]}
         plot(curves, out / "target_loss.png")
-        srcs = chosen_sources(out / "selection", ROOT / DEMO.corpus)
+        srcs = chosen_sources(out / "selection")
         total = sum(srcs.values()) or 1
         report = "\n".join([
             "# dattri-ds main job", "",

@@ -26,8 +26,8 @@ from dattri_ds.errors import ConfigError, InputFileError
 from dattri_ds.files import HF_WEIGHTS
 
 __all__ = ["HFModelDir", "HFTokenizer", "is_hf_model_dir", "hf_tokenizer_dir", "load_token_ids",
-           "is_token_file", "model_context", "required_context", "vocab_size_of", "HF_WEIGHTS",
-           "HF_TOKENIZER_FILES"]
+           "is_token_file", "model_context", "required_context", "vocab_size_of", "pick_tags",
+           "HF_WEIGHTS", "HF_TOKENIZER_FILES"]
 
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                       "vocab.json")
@@ -63,6 +63,20 @@ def required_context(config_json: Path) -> int:
         raise ConfigError(f"{config_json} names no context length "
                           f"(n_positions / max_position_embeddings): pass --seq-len")
     return ctx
+
+
+def pick_tags(tags: list[str], wanted: str | None, check) -> list[str]:
+    """The checkpoint tags ``wanted`` names among ``tags`` (oldest first): ``all``/None ->
+    every one, ``last`` -> the newest, else a comma list, each passed to ``check`` (which
+    raises ConfigError for a tag that is not there)."""
+    if wanted in (None, "all"):
+        return tags
+    if wanted == "last":
+        return tags[-1:]
+    chosen = [t.strip() for t in wanted.split(",") if t.strip()]
+    for t in chosen:
+        check(t)
+    return chosen
 
 
 def _hash_files(files: list[Path]) -> str:
@@ -179,12 +193,7 @@ class HFModelDir:
                               f"checkpoint '{tag}'")
 
     def tags(self, wanted: str | None) -> list[str]:
-        if wanted in (None, "all", "last"):
-            return [self.tag]
-        tags = [t.strip() for t in wanted.split(",") if t.strip()]
-        for t in tags:
-            self._check_tag(t)
-        return tags
+        return pick_tags([self.tag], wanted, self._check_tag)
 
     @property
     def run_id(self) -> None:
