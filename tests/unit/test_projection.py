@@ -315,3 +315,26 @@ def test_blockwise_materialized_sparse_projection_equals_the_rows(kind, monkeypa
     torch.testing.assert_close(got, proj.apply("w", rows, 64), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got, rows @ proj.dense_matrix("w", o * i, 64).T, rtol=1e-5,
                                atol=1e-5)
+
+
+def test_embedding_rows_are_the_per_token_sums():
+    """An embedding's materialized rows (the input of its sparse projection), written straight
+    into the ``[B, D, V]`` layout, hold exactly the per-token sums ``G_b[:, v] = sum_{t:
+    idx_bt = v} g_bt``, repeated tokens included, bit for bit as a token-by-token loop adds
+    them; also for an output-row slice (``materialize_columns``)."""
+    from dattri_ds.layers import get_kind
+
+    gen = torch.Generator().manual_seed(5)
+    b, t, d, v = 3, 9, 6, 11
+    idx = torch.randint(0, v, (b, t), generator=gen)
+    idx[:, :4] = idx[:, :1]  # repeated tokens within an example
+    g = torch.randn(b, t, d, generator=gen)
+    ref = torch.zeros(b, d, v)
+    for bi in range(b):
+        for ti in range(t):
+            ref[bi, :, idx[bi, ti]] += g[bi, ti]
+    kind = get_kind("embedding")
+    f = Factorized(idx, g)
+    assert torch.equal(kind.materialize(f, (d, v)), ref.reshape(b, -1))
+    assert torch.equal(kind.materialize_columns(f, (d, v), 2 * v + 3, 4 * v + 1),
+                       ref.reshape(b, -1)[:, 2 * v + 3:4 * v + 1])
