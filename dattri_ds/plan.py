@@ -21,13 +21,16 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
+
 from dattri_ds import schema
 from dattri_ds.errors import ConfigError
 from dattri_ds.layers import LayerDims, LayerKind, get_kind
 from dattri_ds.ops.cost import CostModel, Roofline
 from dattri_ds.ops.kronecker import KFACConfig
 from dattri_ds.ops.projection import (
-    KINDS, PROJECTION_KINDS, AutoKind, ProjectionKind, choose_projection, projection_kind,
+    KINDS, PROJECTION_KINDS, AutoKind, ProjectionConfig, ProjectionKind, choose_projection,
+    kron_dims, projection_kind,
 )
 
 __all__ = ["DeviceSpec", "DEVICES", "ModelShape", "LayerShape", "RunSpec", "Plan", "plan",
@@ -327,6 +330,10 @@ class RunSpec:
     ``ops.cost.choose_projection``)."""
     k: int = field(default=0, metadata=schema.bounds(ge=0))
     """projected size per layer (0 = recommend one)."""
+    projection_cache_bytes: int = field(default=ProjectionConfig().cache_bytes,
+                                        metadata=schema.bounds(ge=0))
+    """the projection matrices kept per process (``ProjectionConfig.cache_bytes``); the rest
+    is regenerated on use, one block at a time."""
     method: Literal["graddot", "tracin", "kfac", "ekfac", "selection"] = "graddot"
     """what the gradients feed (``graddot``/``tracin``: inner products; ``kfac``/``ekfac``:
     curvature factors; ``selection``: online selection)."""
@@ -520,20 +527,42 @@ def captured_factor_bytes(m: ModelShape, s: RunSpec, rows: int) -> dict[str, flo
     return out
 
 
+def _fit_space(L: LayerShape, s: RunSpec) -> tuple[tuple[int, int], bool]:
+    """``(dims, side_projected)`` of the space a curvature fit holds layer ``L``'s factors in
+    (``KFACFactors._layout``): ``(ko, ki)`` when Kronecker projected (LoGra), a dense-only
+    kind's projected rows ``(1, width)``, else its shape (a factorized layer under a
+    non-Kronecker projection is fitted on its exact factors, as ``tools/fit.py`` does)."""
+    kind = _projection(L, s)
+    if kind is None:
+        return L.shape, False
+    if L.kind.dense_only:
+        return (1, kind.width(s.k, L.O, L.I)), False
+    if kind.factorized:
+        return kron_dims(s.k, L.O, L.I), True
+    return L.shape, False
+
+
 def _capture_terms(m: ModelShape, s: RunSpec, rows: int) -> dict[str, float]:
     """Memory capture adds: output-grads and dense rows of ``rows`` examples (the inputs
     ``a`` are the tensors autograd saves anyway, counted in ``activations``), projection
-    matrices of the factorized layers and K-FAC factors (``LayerKind.factor_bytes``)."""
+    matrices of every projected layer (``ProjectionKind.matrix_bytes``; the process keeps at
+    most ``projection_cache_bytes`` of them plus the one block made for its use,
+    ``block_bytes``) and K-FAC factors (``LayerKind.factor_bytes`` in the fit's space)."""
     f = captured_factor_bytes(m, s, rows)
-    proj, kfac = 0.0, 0.0
+    proj, block, kfac = 0.0, 0.0, 0.0
     curvature = s.method in ("kfac", "ekfac")
+    kfac_cfg = KFACConfig()
     for L in m.captured_layers():
         kind = _projection(L, s)
-        if kind is not None and not L.kind.dense_only:
+        if kind is not None:
             proj += kind.matrix_bytes(s.k, L.O, L.I) * L.count
+            block = max(block, kind.block_bytes(s.k, L.O, L.I))
         if curvature:
-            kfac += L.kind.factor_bytes(L.shape, KFACConfig().full_max,
-                                        s.method == "ekfac") * L.count
+            dims, side = _fit_space(L, s)
+            kfac += L.kind.factor_bytes(dims, kfac_cfg.full_max, side,
+                                        getattr(torch, kfac_cfg.dtype)) * L.count
+    if proj > s.projection_cache_bytes:
+        proj = s.projection_cache_bytes + block
     return {"factors": f["grads"] + f["dense"], "projections": proj, "kfac": kfac}
 
 
@@ -548,17 +577,21 @@ def _width(m: ModelShape, s: RunSpec) -> int:
 
 
 def _routing(m: ModelShape, s: RunSpec, dev: DeviceSpec, rows: int) -> tuple[dict, float]:
-    """Ghost or dense per factorized layer for the projection (the cost model's choice on
-    ``ProjectionKind.cost_op``), and its seconds per batch."""
+    """Ghost or dense per projected layer (the cost model's choice on
+    ``ProjectionKind.cost_op``; a dense-only kind's rows take the dense path), and its
+    seconds per batch."""
     cm, routes, secs = CostModel(dev.roofline), {}, 0.0
     for L in m.captured_layers():
         kind = _projection(L, s)
-        if kind is None or L.kind.dense_only:
+        if kind is None:
             continue
-        dims = LayerDims(rows, s.seq_len * L.token_factor, L.I, L.O,
-                         index_input=L.kind.index_input, itemsize=s.weight_bytes)
+        # a dense-only kind's rows exist already: the op's dense path with one token
+        dense = L.kind.dense_only
+        dims = LayerDims(rows, 1 if dense else s.seq_len * L.token_factor, L.I, L.O,
+                         index_input=L.kind.index_input,
+                         itemsize=4 if dense else s.weight_bytes)
         op, sizes = kind.cost_op(s.k, L.O, L.I)
-        d = cm.choose(op, L.name, dims, **sizes)
+        d = cm.choose(op, L.name, dims, path="dense" if dense else None, **sizes)
         routes[L.name] = d.path
         secs += d.seconds[d.path] * L.count
     return routes, secs

@@ -20,6 +20,7 @@ own module or the user's code): subclassing registers it, and the ops dispatch t
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
@@ -325,12 +326,12 @@ class LayerKind(ABC):
     def capture_bytes(self, rows: int, tokens: int, shape: tuple[int, int],
                       itemsize: int) -> dict[str, int]:
         """Bytes of one captured batch of ``rows`` examples of ``tokens`` tokens, as
-        ``GradBatch`` holds it: ``inputs`` (``a [B, T, I']``, an index input int64
-        ``[B, T]``) and ``grads`` (``g [B, T, O]``) of ``itemsize`` bytes, or a dense-only
-        kind's ``dense`` rows ``[B, O*I']`` (planned as fp32)."""
+        ``GradBatch`` holds it, in the capture dtype (``itemsize`` bytes): ``inputs``
+        (``a [B, T, I']``, an index input int64 ``[B, T]``) and ``grads`` (``g [B, T, O]``),
+        or a dense-only kind's ``dense`` rows ``[B, O*I']``."""
         o, i = shape
         if self.dense_only:
-            return {"dense": rows * o * i * 4}
+            return {"dense": rows * o * i * itemsize}
         return {"inputs": rows * tokens * (8 if self.index_input else i * itemsize),
                 "grads": rows * tokens * o * itemsize}
 
@@ -339,22 +340,32 @@ class LayerKind(ABC):
         input (a gather) and a dense-only kind (elementwise, not counted)."""
         return 0 if self.dense_only or self.index_input else shape[0] * shape[1]
 
-    def factor_bytes(self, shape: tuple[int, int], full_max: int, ekfac: bool) -> int:
-        """Bytes of this layer's K-FAC factors as planned: a dense-only kind's exact
-        ``[W, W]`` block (``W <= full_max``, fp32 sums and float64 eigenbasis) or its
-        diagonal; ``A`` and ``S`` with their eigenvectors, fp32 (EK-FAC adds ``[O, I']``);
-        an index input's factors are not counted (``A`` is a vector)."""
-        o, i = shape
-        if self.dense_only:
-            return (o * i) ** (2 if o * i <= full_max else 1) * (4 + 8)
-        if self.index_input:
-            return 0
-        return (2 * (i * i + o * o) + (i * o if ekfac else 0)) * 4
+    def factor_bytes(self, dims: tuple[int, int], full_max: int, side_projected: bool = False,
+                     dtype: torch.dtype = torch.float32) -> int:
+        """Bytes of this layer's K-FAC / EK-FAC factors as ``KFACFactors`` holds them (and a
+        factor file stores them) after ``eigendecompose``: its ``factor_form``'s sums in
+        ``dtype`` (``KFACConfig.dtype``; the EK-FAC sums are opened there too), float64
+        counts and the float64 eigenbasis, sized by the form itself on the meta device.
+        ``dims``: the working space ``(o, i)`` (the shape, or ``(ko, ki)`` when Kronecker
+        side-projected; a dense-only kind's rows are ``o * i`` wide)."""
+        o, i = dims
+        form = self.factor_form(o * i, full_max, side_projected)
+        return _form_bytes(form, (1, o * i) if self.dense_only else (o, i), dtype)
 
     # ---- reference layout -----------------------------------------------------------
     @abstractmethod
     def canonical(self, module: nn.Module, grads: dict[str, torch.Tensor]) -> torch.Tensor:
         """Map parameter gradients ``{param_name: [..., *param.shape]}`` to ``[..., O*I']``."""
+
+
+@functools.lru_cache(maxsize=4096)
+def _form_bytes(form: FactorForm, dims: tuple[int, int], dtype: torch.dtype) -> int:
+    """Bytes of ``form``'s pass-1 sums, opened EK-FAC sums and eigenbasis in a working
+    space of ``dims`` (its ``zero_sums`` and ``decompose`` on meta tensors: no data)."""
+    sums: dict[str, torch.Tensor] = {}
+    form.zero_sums(sums, form.cov_keys, dims, dtype, "meta")
+    eig = form.decompose(sums, dims, dtype)
+    return sum(t.numel() * t.element_size() for t in (*sums.values(), *eig.values()))
 
 
 def param_shape(p: torch.Tensor) -> tuple[int, ...]:

@@ -103,6 +103,12 @@ class ProjectionKind:
         """Bytes of the layer's seeded matrices (fp32 values)."""
         raise NotImplementedError
 
+    def block_bytes(self, k: int, o: int, i: int) -> int:
+        """Bytes of the largest matrix made at once (the unit the process-wide cache keeps
+        or regenerates, ``ProjectionConfig.cache_bytes``): one seeded column block of
+        ``BLOCK`` columns by default."""
+        return self.matrix_bytes(k, 1, min(BLOCK, o * i))
+
     def flops(self, k: int, o: int, i: int, t: int) -> float:
         """Multiply-adds x 2 to project one example of ``t`` tokens from its factors."""
         raise NotImplementedError
@@ -135,6 +141,10 @@ class KroneckerKind(ProjectionKind, name="kronecker"):
     def matrix_bytes(self, k: int, o: int, i: int) -> int:
         ko, ki = kron_dims(k, o, i)
         return 4 * (ko * o + ki * i)
+
+    def block_bytes(self, k: int, o: int, i: int) -> int:
+        ko, ki = kron_dims(k, o, i)
+        return 4 * max(ko * o, ki * i)
 
     def flops(self, k: int, o: int, i: int, t: int) -> float:
         ko, ki = kron_dims(k, o, i)
@@ -172,7 +182,10 @@ class SparseKind(ProjectionKind, name="sparse"):
     """Sparse JL: ``SPARSE_NNZ`` non-zeros per column on the materialized gradient."""
 
     def matrix_bytes(self, k: int, o: int, i: int) -> int:
-        return _SPARSE_ENTRY_BYTES * min(SPARSE_NNZ, k) * o * i
+        """The CSR blocks: ``_SPARSE_ENTRY_BYTES`` per non-zero and an int32 row-pointer
+        array of ``k + 1`` per seeded column block."""
+        blocks = -(-o * i // BLOCK)
+        return _SPARSE_ENTRY_BYTES * min(SPARSE_NNZ, k) * o * i + 4 * (k + 1) * blocks
 
     def flops(self, k: int, o: int, i: int, t: int) -> float:
         return 2.0 * t * o * i + 2.0 * min(SPARSE_NNZ, k) * o * i

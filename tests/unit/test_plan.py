@@ -128,15 +128,21 @@ def test_store_bytes_equal_the_projected_width(k, kind):
 
 def test_sparse_projection_memory_is_its_nonzeros():
     """The planner's sparse projection memory is 8 bytes (int32 CSR index, fp32 value) per
-    non-zero, ``min(16, k)`` per column of every projected linear layer; Kronecker's is the
-    two sides. Breaks if plan.py prices sparse like a dense matrix."""
+    non-zero, ``min(16, k)`` per column of every projected layer (norms' rows included),
+    plus each CSR block's int32 row pointers (``k + 1``); dense is ``4 k`` per column.
+    Breaks if plan.py prices sparse like a dense matrix (test_plan_real compares both with
+    the real matrix cache)."""
+    from dattri_ds.ops.projection import BLOCK
+
     shape = ModelShape.from_config(LLAMA, vocab_size=VOCAB)
     k = 16
     mem = {kind: plan(shape, "cpu", RunSpec(seq_len=T, micro_batch=B, k=k, projection=kind))
            .memory["projections"] for kind in ("sparse", "dense")}
-    linear = [L for L in shape.captured_layers() if not L.kind.dense_only and L.O * L.I > k]
-    assert mem["sparse"] == sum(8 * 16 * L.O * L.I * L.count for L in linear)
-    assert mem["dense"] == sum(4 * k * L.O * L.I * L.count for L in linear)
+    projected = [L for L in shape.captured_layers() if L.O * L.I > k]
+    assert any(L.kind.dense_only for L in projected)
+    assert mem["sparse"] == sum((8 * 16 * L.O * L.I + 4 * (k + 1) * -(-L.O * L.I // BLOCK))
+                                * L.count for L in projected)
+    assert mem["dense"] == sum(4 * k * L.O * L.I * L.count for L in projected)
 
 
 def test_zero_sharding_and_offload_move_the_right_terms():
@@ -160,7 +166,8 @@ def test_zero_sharding_and_offload_move_the_right_terms():
 
 def test_recommends_offload_and_k_and_explains_routing():
     """A 110B model on 4 x H200 without offload does not fit and offload is advised; k=0
-    picks a k from the ladder; every factorized layer gets a ghost/dense decision."""
+    picks a k from the ladder; every projected layer gets a ghost/dense decision (the
+    three norms, wider than k, the dense path)."""
     shape = ModelShape.from_config({"model_type": "qwen2", "vocab_size": 152064,
                                     "hidden_size": 8192, "intermediate_size": 49152,
                                     "num_hidden_layers": 80, "num_attention_heads": 64,
@@ -169,7 +176,9 @@ def test_recommends_offload_and_k_and_explains_routing():
     p = plan(shape, "h200", RunSpec(world=4, seq_len=512, micro_batch=1, k=0))
     assert p.spec.k in (64, 256, 1024, 4096)
     assert any("offload" in a for a in p.advice)
-    assert set(p.routing.values()) <= {"ghost", "dense"} and len(p.routing) == 9
+    assert set(p.routing.values()) <= {"ghost", "dense"} and len(p.routing) == 12
+    assert {p.routing[n] for n in ("input_layernorm", "post_attention_layernorm", "norm")} \
+        == {"dense"}
 
 
 def test_unknown_names_are_errors_that_list_the_choices():
