@@ -562,7 +562,7 @@ def _capture_terms(m: ModelShape, s: RunSpec, rows: int) -> dict[str, float]:
             kfac += L.kind.factor_bytes(dims, kfac_cfg.full_max, side,
                                         getattr(torch, kfac_cfg.dtype)) * L.count
     if proj > s.projection_cache_bytes:
-        proj = s.projection_cache_bytes + block
+        proj = min(proj, s.projection_cache_bytes + block)
     return {"factors": f["grads"] + f["dense"], "projections": proj, "kfac": kfac}
 
 
