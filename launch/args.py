@@ -1,16 +1,13 @@
 """Command-line flags of launch/train.py, generated from the RunConfig dataclasses.
 
-Every leaf field of the ``"dattri_ds"`` block gets one flag (a field added to TrainConfig,
-CaptureConfig, StoreConfig, SelectionConfig or ProjectionConfig gets its flag with no edit
-here): ``train.<f>`` -> ``--<f>``, any other ``<a>.<b>.<f>`` -> ``--<a>-<b>-<f>``
-(underscores become dashes), e.g. ``--seq-len``, ``--capture-projection-dim``,
-``--selection-score``, ``--store-fsync``; ``engine.<f>`` is unprefixed too (``--backend``,
-``--tensor-model-parallel-size``, ``--sequence-parallel``: launch/engine.py). Values are parsed by the same strict rules as the
-JSON (dattri_ds/schema.py): ``true``/``false`` for booleans (a bare boolean flag means
-``true``, ``--no-<flag>`` means ``false``), integer digits for counts, ``null`` for
-"none". Flags override the JSON. The help
-text of each flag is the field's attribute docstring. ``ALIASES`` keeps the documented
-shorter names (``--online-selection``, ``--capture``, ``--target-data``, ...).
+Every leaf field of the ``"dattri_ds"`` block gets one flag, with no edit here:
+``train.<f>`` and ``engine.<f>`` -> ``--<f>``, any other ``<a>.<b>.<f>`` -> ``--<a>-<b>-<f>``
+(underscores become dashes), e.g. ``--seq-len``, ``--backend``, ``--capture-projection-dim``,
+``--selection-score``. Values are parsed by the same strict rules as the JSON
+(dattri_ds/schema.py): ``true``/``false`` for booleans (a bare boolean flag means ``true``,
+``--no-<flag>`` means ``false``), integer digits for counts, ``null`` for "none". Flags
+override the JSON; each flag's help is its field's attribute docstring. ``ALIASES`` keeps
+the documented shorter names (``--online-selection``, ``--capture``, ``--target-data``, ...).
 """
 
 from __future__ import annotations

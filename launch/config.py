@@ -14,7 +14,7 @@ import json
 import os
 import re
 import warnings
-from dataclasses import asdict, dataclass, field, is_dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -381,17 +381,7 @@ def warn_unknown_deepspeed_keys(ds: dict[str, Any], path: Path) -> list[str]:
     return unknown
 
 
-def _plain(obj: Any) -> Any:
-    if is_dataclass(obj):
-        return {k: _plain(v) for k, v in asdict(obj).items()}
-    if isinstance(obj, (tuple, list)):
-        return [_plain(v) for v in obj]
-    if isinstance(obj, dict):
-        return {k: _plain(v) for k, v in obj.items()}
-    return obj
-
-
 def dump_json(path: Path, obj: Any) -> None:
     """Write a config (dataclasses included) as indented JSON, atomically (a run killed while
     writing leaves the previous file, never a torn one)."""
-    write_atomic(path, json.dumps(_plain(obj), indent=2, sort_keys=True) + "\n")
+    write_atomic(path, json.dumps(obj, indent=2, sort_keys=True, default=asdict) + "\n")

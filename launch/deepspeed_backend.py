@@ -91,9 +91,6 @@ class DeepSpeedBackend(Backend):
         self.micro = self.engine.train_micro_batch_size_per_gpu()
         self.gas = self.engine.gradient_accumulation_steps()
 
-    def write_model_config(self, out: Path) -> None:
-        self.model.config.save_pretrained(str(out / "model"))  # HF config.json for the tools
-
     @property
     def optimizer(self):
         return self.engine.optimizer

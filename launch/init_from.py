@@ -3,21 +3,12 @@
     python launch/train.py ... --init-from runs/warm                         # tokenizer only
     python launch/train.py ... --init-from runs/warm --init-checkpoint latest  # and weights
 
-``--init-from`` reads ``RUN/tokenizer.model`` (every launch run saves its tokenizer there),
-so the new model reads text exactly as the earlier one did: a subset that ``dattri-ds
-select`` chose with a warm-up run trains a model comparable with the warm-up and the full
-run (the LESS recipe's last step). No tokenizer is trained and ``--vocab-size`` is not used.
-The model is built from ``--model-config`` with ``--seed``, as without the flag.
-
-``--init-checkpoint TAG`` (``latest``: the newest complete one) also loads that checkpoint's
-weights before training: DeepSpeed checkpoints of any ZeRO stage (consolidated on the CPU)
-and ``--backend torch`` checkpoints start a ``deepspeed`` or ``torch`` run, Megatron
-consolidated checkpoints a ``megatron`` run of any tensor-parallel size. The model config
-must equal the earlier run's (``RUN/model/config.json``): a difference is refused at start,
-naming the key and both values. Optimizer, lr schedule, step and data order start fresh
-(``--resume`` continues a run instead).
-
-Every check runs in ``check_init_from`` before any process group starts.
+``--init-from`` reads ``RUN/tokenizer.model``; ``--init-checkpoint TAG`` (``latest``: the
+newest complete one) also loads that checkpoint's weights (DeepSpeed and ``--backend torch``
+checkpoints into a ``deepspeed`` or ``torch`` run, Megatron ones into a ``megatron`` run of
+any tensor-parallel size) into a model of the same config. Every check runs in
+``check_init_from`` before any process group starts. What is refused, and the curation
+recipe it serves: docs/training.md ("Starting from another run").
 """
 
 from __future__ import annotations

@@ -96,9 +96,10 @@ class Backend(ABC):
     def __init__(self, ds_config: dict, cfg: RunConfig, tok, data) -> None:
         """Build model and optimizer on this rank (nothing written yet)."""
 
-    @abstractmethod
     def write_model_config(self, out: Path) -> None:
-        """Rank 0: what the offline tools need to rebuild the model, in ``<out>/model``."""
+        """Rank 0: what the offline tools need to rebuild the model, in ``<out>/model``
+        (default: the Hugging Face model's ``config.json``)."""
+        self.model.config.save_pretrained(str(out / "model"))
 
     @property
     @abstractmethod

@@ -4,35 +4,20 @@
         --tensor-model-parallel-size 2 [--sequence-parallel] \
         --deepspeed_config configs/zero1_cpu.json --capture
 
-The DeepSpeed JSON is still the run's config: its ``"dattri_ds"`` block, the micro-batch
-size, gradient accumulation, gradient clipping, the optimizer (``AdamW``/``Adam``/``SGD``,
-as a torch optimizer) and the scheduler (a DeepSpeed ``lr_schedules`` class driving the torch
-optimizer) are used; every other DeepSpeed key (ZeRO, precision, ...) is ignored, with a
-logged note. Ranks form ``world = TP x DP`` groups (Megatron's ``parallel_state``); pipeline
-parallelism is refused. TP ranks of one DP group train the same examples, in the data order
-of the DeepSpeed path (``micro_batch_indices`` with the DP rank and size). Gradients are
-synchronized by Megatron's own ``DistributedDataParallel`` (grad buffers, ``main_grad``)
-and ``finalize_model_grads``: replicas averaged over the DP group, sequence-parallel
-parameters (the norms) summed over the TP group. It runs on CPU too (gloo, with the
-``cpu_workarounds``). The optimizer: on CUDA Megatron's own (``get_megatron_optimizer``,
-fp32, with its global-norm clipping); on CPU, where Megatron's optimizer needs CUDA
-(docs/cpu_setup.md), the torch optimizer of the DeepSpeed JSON on ``main_grad`` with a global-
-norm clip summed over the TP group.
+What it reads of the DeepSpeed JSON (the rest is ignored, with a logged note), how gradients
+are synchronized (Megatron's ``DistributedDataParallel`` and ``finalize_model_grads``) and
+which optimizer steps (Megatron's on CUDA, the JSON's torch optimizer with a TP-aware
+global-norm clip on CPU): docs/training.md. Ranks form ``world = TP x DP`` groups (pipeline
+parallelism is refused); the TP ranks of one DP group train the same examples, in the data
+order of the other backends. The model is ``MegatronLM`` (dattri_ds/models/megatron_gpt.py),
+called like a Hugging Face model (token-mean loss over ``labels[:, 1:] != -100``).
 
-The model is ``MegatronLM`` (dattri_ds/models/megatron_gpt.py): a ``GPTModel`` called like a
-Hugging Face model, ``lm(input_ids=, labels=).loss`` being the token mean over
-``labels[:, 1:] != -100`` (so captures use the default ``label_shift=1``).
-
-Artifacts (besides those of the DeepSpeed path: resolved configs, tokenizer, trajectory.json
-with the lr of every step, summary.json, grad_store/, selection.jsonl):
-
-* ``<out>/model/config.json``: ``{"backend": "megatron", "transformer_config": {...},
-  "vocab_size", "max_position_embeddings", "trained_tensor_model_parallel_size", ...}``;
-  ``transformer_config`` holds the TransformerConfig kwargs of the TP=1 model.
-* ``<out>/checkpoints/<tag>/``: the consolidated checkpoint format of
-  dattri_ds/integrations/megatron_checkpoint.py (full TP=1-equivalent weights read by the
-  offline tools at any TP size, plus every rank's optimizer and lr-schedule state, so that
-  ``--resume <tag>`` continues the run with the same TP x DP layout).
+Artifacts besides the other backends': ``<out>/model/config.json`` (``{"backend":
+"megatron", "transformer_config": {...}}`` of the TP=1 model, ``vocab_size``,
+``max_position_embeddings``, ``trained_tensor_model_parallel_size``, ...) and
+``<out>/checkpoints/<tag>/`` in the consolidated format of
+dattri_ds/integrations/megatron_checkpoint.py (TP=1-equivalent weights the offline tools
+read at any TP size, and every rank's optimizer and lr-schedule state for ``--resume``).
 """
 
 from __future__ import annotations
@@ -48,16 +33,14 @@ from dattri_ds.errors import ConfigError
 from dattri_ds.integrations import megatron_checkpoint as ckpt
 from dattri_ds.integrations.megatron_checkpoint import is_tp
 from dattri_ds.launch.config import RunConfig, dump_json
-from dattri_ds.launch.loop import Backend
-from dattri_ds.launch.torch_backend import make_optimizer, make_schedule, optimizer_spec
+from dattri_ds.launch.torch_backend import (
+    TorchOptimized, local_device, make_optimizer, make_schedule, optimizer_spec,
+)
 from dattri_ds.models.megatron_gpt import MegatronLM, build_gpt, cpu_workarounds
 
 __all__ = ["MegatronBackend", "transformer_kwargs", "padded_vocab", "setup_parallel"]
 
 logger = logging.getLogger("dattri_ds.launch")
-#: DeepSpeed keys this backend reads; any other key of the JSON is ignored (and logged).
-USED_DS_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-                "gradient_clipping", "optimizer", "scheduler", "train_batch_size")
 
 
 # ---- model config ---------------------------------------------------------------------------
@@ -198,15 +181,8 @@ def setup_parallel(tp: int, pp: int) -> tuple[int, int]:
     return dist.get_rank(), world
 
 
-def _note_ignored(ds_config: dict) -> None:
-    ignored = sorted(set(ds_config) - set(USED_DS_KEYS))
-    if ignored:
-        logger.info("--backend megatron ignores these DeepSpeed keys: %s (used: micro-batch "
-                    "size, gradient accumulation, clipping, optimizer, scheduler)", ignored)
-
-
 # ---- the backend ----------------------------------------------------------------------------
-class MegatronBackend(Backend):
+class MegatronBackend(TorchOptimized):
     """``--backend megatron``: a ``MegatronLM`` under Megatron DDP with TP x DP groups."""
 
     fingerprint_suffix = ":megatron"
@@ -236,8 +212,7 @@ class MegatronBackend(Backend):
             raise ConfigError(f"--seq-len {data.seq_len} exceeds the model context {context} "
                               f"(n_positions of {tc.model_config})")
         vocab = padded_vocab(tok.vocab_size, tp)
-        self.device = torch.device("cuda", torch.cuda.current_device()) \
-            if torch.cuda.is_available() else torch.device("cpu")
+        self.device = local_device()
         self.model = MegatronLM(build_gpt(kw, vocab, context, tc.seed)).to(self.device)
         prepare_model(self.model)
         self.ctx = megatron_parallel_context()
@@ -248,38 +223,23 @@ class MegatronBackend(Backend):
             "tokenizer_vocab_size": tok.vocab_size, "max_position_embeddings": context,
             "trained_tensor_model_parallel_size": tp, "tokenizer_fingerprint": tok.fingerprint}
         init_megatron_weights(self.model.model, self.model_cfg, cfg)  # --init-checkpoint
-        _note_ignored(ds_config)
+        self._from_json(ds_config, "megatron")
         logger.info("megatron: TP=%d%s DP=%d, %d layers, hidden %d, vocab %d (padded from %d)",
                     self.ctx.tp_world, " (sequence parallel)" if sp else "", self.ctx.dp_world,
                     kw["num_layers"], kw["hidden_size"], vocab, tok.vocab_size)
         self.ddp = wrap_ddp(self.model.model)
-        self.clip = float(ds_config.get("gradient_clipping", 0.0))
         self.megatron_opt = torch.cuda.is_available()
         if self.megatron_opt:
             self._opt = megatron_optimizer(ds_config, self.ddp, self.clip)
             self.sched = make_schedule(ds_config, self._opt.optimizer)
         else:
             self._opt, self.sched = make_optimizer(ds_config, self.model.parameters())
-        self.micro = int(ds_config.get("train_micro_batch_size_per_gpu", 1))
-        self.gas = int(ds_config.get("gradient_accumulation_steps", 1))
         self.verify = cfg.engine.verify_checkpoints
         self.adapter = None  # the capture's MegatronAdapter, told of every optimizer step
 
     def write_model_config(self, out: Path) -> None:
         (out / "model").mkdir(exist_ok=True)
         dump_json(out / "model" / "config.json", self.model_cfg)
-
-    @property
-    def optimizer(self):
-        return self._opt
-
-    def lr(self) -> float:
-        return float(self._opt.param_groups[0]["lr"])
-
-    def forward_backward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        loss = self.model(**batch).loss
-        (loss / self.gas).backward()
-        return loss.detach()
 
     def optimizer_step(self) -> None:
         """Synchronize (Megatron DDP), clip, step, zero the grad buffers, advance the schedule;

@@ -2,22 +2,14 @@
 
     python launch/train.py --backend torch --deepspeed_config configs/zero3_cpu.json --capture
 
-No DeepSpeed engine and no process launcher: ``--backend torch`` trains in the calling
-process (a one-rank gloo group on an in-process store, so the loop's collectives are
-no-ops). The DeepSpeed JSON is still the run's config: its ``"dattri_ds"`` block, the
-micro-batch size, gradient accumulation, gradient clipping (by the global norm, with
-``torch.nn.utils.clip_grad_norm_``), the optimizer (``AdamW``/``Adam``/``SGD`` as a torch
-optimizer) and the scheduler (the DeepSpeed ``lr_schedules`` class the JSON names, driving
-the torch optimizer as in the DeepSpeed engine; only this class is imported from DeepSpeed,
-and only when the JSON has a scheduler) are used; ZeRO, precision and the other engine
-keys are ignored, with a logged note.
-
-The demo (tools/demo.py) and the selection benchmarks train through ``train_in_process``
-(launch/train.py), which runs this backend under the shipped loop.
-
-Checkpoints: ``checkpoints/<tag>/`` is a ``save_pretrained`` folder (read by the offline
-tools like any Hugging Face model) plus ``training_state.pt`` (optimizer, lr schedule and
-meta) for ``--resume``.
+No DeepSpeed engine and no process launcher: it trains in the calling process (a one-rank
+gloo group, so the loop's collectives are no-ops). Of the DeepSpeed JSON it reads the
+``"dattri_ds"`` block, batch sizes, clipping (global norm), the optimizer (``AdamW``/``Adam``/
+``SGD``) and the scheduler (the DeepSpeed ``lr_schedules`` class, the only import from
+DeepSpeed); other keys are ignored, with a logged note. The demo and the selection
+benchmarks train through ``train_in_process`` (launch/train.py). Checkpoints:
+``checkpoints/<tag>/`` is a ``save_pretrained`` folder plus ``training_state.pt``
+(optimizer, lr schedule and meta) for ``--resume``.
 """
 
 from __future__ import annotations
@@ -25,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,11 +28,13 @@ from dattri_ds.integrations.base import SteppedAdapter
 from dattri_ds.launch.config import RunConfig
 from dattri_ds.launch.loop import Backend
 
-__all__ = ["TorchBackend", "make_optimizer", "make_schedule", "optimizer_spec", "OPTIMIZERS"]
+__all__ = ["TorchBackend", "TorchOptimized", "make_optimizer", "make_schedule", "optimizer_spec",
+           "OPTIMIZERS"]
 
 logger = logging.getLogger("dattri_ds.launch")
 
-#: DeepSpeed keys the torch optimizer path reads; the other keys of the JSON are ignored.
+#: DeepSpeed keys the torch optimizer path reads; the other keys of the JSON are ignored
+#: (and logged).
 USED_DS_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
                 "gradient_clipping", "optimizer", "scheduler", "train_batch_size")
 
@@ -109,7 +104,47 @@ class _LoopAdapter(SteppedAdapter):
 
 
 
-class TorchBackend(Backend):
+class TorchOptimized(Backend):
+    """A backend that steps a torch optimizer (``_opt``, schedule ``sched``) itself
+    (``--backend torch`` and ``megatron``): batch sizes and clipping from the DeepSpeed JSON,
+    each micro-batch's loss scaled by ``1 / gas``."""
+
+    _opt: Any
+
+    def _from_json(self, ds_config: dict, name: str) -> None:
+        """The JSON's clipping, micro-batch and accumulation; a note naming its ignored keys."""
+        self.clip = float(ds_config.get("gradient_clipping", 0.0))
+        self.micro = int(ds_config.get("train_micro_batch_size_per_gpu", 1))
+        self.gas = int(ds_config.get("gradient_accumulation_steps", 1))
+        ignored = sorted(set(ds_config) - set(USED_DS_KEYS) - {"steps_per_print"})
+        if ignored:
+            logger.info("--backend %s ignores these DeepSpeed keys: %s (used: micro-batch "
+                        "size, gradient accumulation, clipping, optimizer, scheduler)",
+                        name, ignored)
+
+    @property
+    def optimizer(self):
+        return self._opt
+
+    def lr(self) -> float:
+        return float(self._opt.param_groups[0]["lr"])
+
+    def forward_backward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.backward_reused(self.model(**batch).loss)
+
+    def backward_reused(self, loss: torch.Tensor) -> torch.Tensor:
+        (loss / self.gas).backward()
+        return loss.detach()
+
+
+def local_device() -> torch.device:
+    """This process's CUDA device, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class TorchBackend(TorchOptimized):
     """``--backend torch``: one process, no DeepSpeed engine."""
 
     reuses_selection_forward = True
@@ -139,39 +174,16 @@ class TorchBackend(Backend):
         from dattri_ds.launch.deepspeed_backend import build
         from dattri_ds.launch.init_from import init_hf_weights
 
-        self.device = torch.device("cuda", torch.cuda.current_device()) \
-            if torch.cuda.is_available() else torch.device("cpu")
+        self.device = local_device()
         self.model = build(cfg, tok).to(self.device)
         init_hf_weights(self.model, cfg)  # --init-checkpoint: an earlier run's weights
         self.ctx = ParallelContext()
         self._opt, self.sched = make_optimizer(
             ds_config, [p for p in self.model.parameters() if p.requires_grad])
-        self.clip = float(ds_config.get("gradient_clipping", 0.0))
-        self.micro = int(ds_config.get("train_micro_batch_size_per_gpu", 1))
-        self.gas = int(ds_config.get("gradient_accumulation_steps", 1))
+        self._from_json(ds_config, "torch")
         #: Global gradient norm before clipping, one per optimizer step.
         self.grad_norms: list[float] = []
         self.adapter: _LoopAdapter | None = None
-        ignored = sorted(set(ds_config) - set(USED_DS_KEYS) - {"steps_per_print"})
-        if ignored:
-            logger.info("--backend torch ignores these DeepSpeed keys: %s", ignored)
-
-    def write_model_config(self, out: Path) -> None:
-        self.model.config.save_pretrained(str(out / "model"))  # HF config.json for the tools
-
-    @property
-    def optimizer(self):
-        return self._opt
-
-    def lr(self) -> float:
-        return float(self._opt.param_groups[0]["lr"])
-
-    def forward_backward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.backward_reused(self.model(**batch).loss)
-
-    def backward_reused(self, loss: torch.Tensor) -> torch.Tensor:
-        (loss / self.gas).backward()
-        return loss.detach()
 
     def optimizer_step(self) -> None:
         """Clip by the global norm (``gradient_clipping``; 0 = never), step, advance the

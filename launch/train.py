@@ -9,13 +9,9 @@ gradients and selecting data online on request.
 
 Our settings live in the ``"dattri_ds"`` block of the DeepSpeed JSON (launch/config.py);
 flags override them. This file prepares data, selector and evaluator; the loop is
-launch/loop.py, the engines are its backends (launch/deepspeed_backend.py,
-launch/megatron_backend.py, launch/torch_backend.py). ``train_in_process`` runs the same
-loop on the torch backend for callers that already hold tokenized data (tools/demo.py,
-the selection benchmarks). The output directory receives the resolved configs, the
-tokenizer, the model config, checkpoints with the learning rate of every step (for TracIn;
-``--resume <tag>`` continues from one), the per-example gradient store (``--capture``) and
-a summary.
+launch/loop.py, the engines its backends. ``train_in_process`` runs the loop on the torch
+backend for callers that already hold tokenized data (tools/demo.py, the selection
+benchmarks). What the output directory receives: docs/training.md.
 """
 
 from __future__ import annotations
@@ -88,22 +84,34 @@ def main(argv: list[str] | None = None) -> dict:
     torch.distributed.barrier()
     _, tok, data = prepare_data(cfg, out, rank)
     backend = backend_cls(ds_config, cfg, tok, data)
-    resumed = resume(backend, cfg, out, rank)  # refused before anything is overwritten
-    if rank == 0:
-        backend.write_model_config(out)
-        dump_json(out / "resolved_deepspeed_config.json", ds_config)
-        dump_json(out / "resolved_dattri_ds_config.json", cfg)
-    selector = _selector(backend, cfg, data, tok, out)
-    evaluator = make_evaluator(backend.model, cfg, tok, data.seq_len, backend.ctx,
-                               backend.device)
     try:
-        summary = train(backend, cfg, data, out, tok, rank, selector, evaluator, resumed)
+        summary = _run(backend, ds_config, cfg, data, tok, out, rank)
     except BaseException as err:  # summary.json: the step reached and the cause
         record_failure(err)
         raise
     if rank == 0:
-        dump_json(out / "summary.json", summary)
         logger.info("done: %s", json.dumps(summary))
+    return summary
+
+
+def _run(backend, ds_config: dict, cfg: RunConfig, data, tok, out: Path, rank: int, *,
+         target=None, evaluator=None, wrap_selector=None) -> dict:
+    """On a built backend: resume (refused before anything is overwritten), the run's files,
+    selector and evaluator, ``loop.train``, ``summary.json``; the summary."""
+    resumed = resume(backend, cfg, out, rank)
+    if rank == 0:
+        backend.write_model_config(out)
+        dump_json(out / "resolved_deepspeed_config.json", ds_config)
+        dump_json(out / "resolved_dattri_ds_config.json", cfg)
+    selector = _selector(backend, cfg, data, tok, out, target=target)
+    if selector is not None and wrap_selector is not None:
+        selector = wrap_selector(selector, backend)
+    if evaluator is None:
+        evaluator = make_evaluator(backend.model, cfg, tok, data.seq_len, backend.ctx,
+                                   backend.device)
+    summary = train(backend, cfg, data, out, tok, rank, selector, evaluator, resumed)
+    if rank == 0:
+        dump_json(out / "summary.json", summary)
     return summary
 
 
@@ -144,19 +152,8 @@ def train_in_process(ds_config: dict, cfg: RunConfig, data, tok, out: Path, *,
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     backend = TorchBackend(ds_config, cfg, tok, data)
-    resumed = resume(backend, cfg, out, 0)
-    backend.write_model_config(out)
-    dump_json(out / "resolved_deepspeed_config.json", ds_config)
-    dump_json(out / "resolved_dattri_ds_config.json", cfg)
-    selector = _selector(backend, cfg, data, tok, out, target=target)
-    if selector is not None and wrap_selector is not None:
-        selector = wrap_selector(selector, backend)
-    if evaluator is None:
-        evaluator = make_evaluator(backend.model, cfg, tok, data.seq_len, backend.ctx,
-                                   backend.device)
-    summary = train(backend, cfg, data, out, tok, 0, selector, evaluator, resumed)
-    dump_json(out / "summary.json", summary)
-    return summary, backend
+    return _run(backend, ds_config, cfg, data, tok, out, 0, target=target, evaluator=evaluator,
+                wrap_selector=wrap_selector), backend
 
 
 def _target_docs(path: str, tok, seq_len: int, skip: int, limit: int | None):
