@@ -240,26 +240,38 @@ def test_out_not_shared_is_refused_on_every_rank(tmp_path):
     assert not list(tmp_path.glob(".shared.*"))  # the token file is removed
 
 
-def test_a_step_past_the_end_of_an_epoch_stores_every_occurrence(tmp_path):
-    """4 ranks x 2 micro-batches x 4 examples over 48 documents: step 1's 32 slots run past
+@pytest.mark.parametrize("selection", [False, True], ids=["plain", "selection"])
+def test_a_step_past_the_end_of_an_epoch_stores_every_occurrence(tmp_path, selection):
+    """4 ranks x 2 micro-batches x 4 candidates over 48 documents: step 1's 32 slots run past
     the end of epoch 0, so documents of its tail come back at the head of epoch 1 in the
     same step, trained by two ranks (or twice by one). Each occurrence is stored under its
     own id (``<doc>@1+1#<hash>`` for the second, docs/multinode.md), so the store opens
-    without duplicates and holds all 64 rows of the 2 steps."""
+    without duplicates. Without selection it holds all 64 slots of the 2 steps; with it
+    (2 of 4 candidates trained) 32 rows, each the id of the candidate slot it was chosen
+    from."""
     require("deepspeed", "deepspeed")
     from dattri_ds.launch.loop import step_slots
     from dattri_ds.sample_id import SampleId
     from dattri_ds.store import GradientStore
 
-    out = tmp_path / "run"
-    files = tiny_run_files(tmp_path, 1, train_micro_batch_size_per_gpu=4,
+    out, micro = tmp_path / "run", 2 if selection else 4
+    files = tiny_run_files(tmp_path, 1, train_micro_batch_size_per_gpu=micro,
                            gradient_accumulation_steps=2)
+    sel = ["--online-selection", "--target-data", str(ROOT / "data/tiny/target.jsonl")]
     run(_train, 4, timeout=400, argv=[
         *files, "--out", str(out), "--steps", "2", "--capture", "--train-data", TINY,
-        "--max-docs", "48", "--seq-len", "32", "--vocab-size", "512"])
-    repeats = step_slots(48, 1, 4, 2, 4, seed=0)[1]
-    assert repeats.any()  # the case this test is about: a document twice in step 1
+        "--max-docs", "48", "--seq-len", "32", "--vocab-size", "512", *(sel if selection
+                                                                       else [])])
+    docs = [json.loads(line)["id"] for line in Path(TINY).read_text().splitlines()[:48]]
+    slots = set()
+    for step in (0, 1):
+        index, repeats = step_slots(48, step, 4, 2, 4, seed=0)
+        slots |= {(docs[i], step, r) for i, r in zip(index.flatten().tolist(),
+                                                    repeats.flatten().tolist())}
+    assert any(r for _, _, r in slots)  # the case this test is about: a document twice
     with GradientStore.open(out / "grad_store", require_complete=True) as store:
         ids = [SampleId.parse(i) for i in store.ids]  # duplicates="raise": none
-    assert len(ids) == len(set(ids)) == 64
-    assert sorted(i.repeat for i in ids if i.step == 1) == sorted(repeats.flatten().tolist())
+    assert len(ids) == len(set(ids)) == 2 * 2 * 4 * micro
+    assert {(i.doc, i.step, i.repeat) for i in ids} <= slots
+    if not selection:
+        assert {(i.doc, i.step, i.repeat) for i in ids} == slots
