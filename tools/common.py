@@ -92,18 +92,23 @@ class Run:
         Raises:
             ConfigError: the file is missing or holds no integer ``train.seq_len``.
         """
-        cfg = self.root / "resolved_dattri_ds_config.json"
+        cfg, train = self._train_record()
         hint = (f"it records the run's train.seq_len (launch/train.py writes it to the --out "
                 f"folder you pass as --run-dir). Fix: pass --seq-len N, the tokens per example")
         if not cfg.is_file():
             raise ConfigError(f"--seq-len is needed: {cfg} is missing; {hint}")
-        data = read_json(cfg, "--run")
-        train = data.get("train") if isinstance(data, dict) else None
-        value = train.get("seq_len") if isinstance(train, dict) else None
+        value = train.get("seq_len")
         if type(value) is not int or value < 2:
             raise ConfigError(f"--seq-len is needed: {cfg}: train.seq_len = {value!r} is not an "
                               f"integer >= 2; {hint}")
         return value
+
+    def _train_record(self) -> tuple[Path, dict]:
+        """``resolved_dattri_ds_config.json`` and its ``train`` object (``{}`` when absent)."""
+        cfg = self.root / "resolved_dattri_ds_config.json"
+        data = read_json(cfg, "--run") if cfg.is_file() else None
+        train = data.get("train") if isinstance(data, dict) else None
+        return cfg, train if isinstance(train, dict) else {}
 
     @property
     def context(self) -> int:
@@ -120,10 +125,8 @@ class Run:
         Raises:
             ConfigError: a recorded file is not found (named, with ``--data``).
         """
-        cfg = self.root / "resolved_dattri_ds_config.json"
-        data = read_json(cfg, "--run") if cfg.is_file() else None
-        train = data.get("train") if isinstance(data, dict) else None
-        files = train.get("train_data") if isinstance(train, dict) else None
+        cfg, train = self._train_record()
+        files = train.get("train_data")
         files = [files] if isinstance(files, str) else files
         if not isinstance(files, list) or not files or \
                 not all(isinstance(f, str) for f in files):
@@ -232,13 +235,11 @@ class Run:
 
         from dattri_ds.files import model_dir
         from dattri_ds.integrations.checkpoints import load_state_dict
-        from dattri_ds.tools.sources import is_hf_model_dir
+        from dattri_ds.tools.sources import is_hf_model_dir, load_hf_model
 
         folder = self.root / "checkpoints" / tag
         if is_hf_model_dir(folder):  # save_pretrained checkpoints (ties restored there)
-            model = AutoModelForCausalLM.from_pretrained(str(model_dir(folder, "--run")),
-                                                         dtype=torch.float32)
-            return model.to(device).eval()
+            return load_hf_model(model_dir(folder, "--run"), device)
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(
             model_dir(self.root / "model", "--run", weights=False)))
         with quiet_stdout():  # DeepSpeed's consolidation banners: --verbose

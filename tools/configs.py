@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from dattri_ds.schema import bounds, field_docs, field_flag
 
-__all__ = ["Flag", "add_flags", "values", "options", "CollectOptions", "FitOptions",
+__all__ = ["Flag", "add_flags", "values", "CollectOptions", "FitOptions",
            "AttributeOptions", "COLLECT", "FIT", "ATTRIBUTE", "DEFAULT_METHOD"]
 
 #: attribute's default method: the most faithful at its cost in ``benchmarks/lds.py``
@@ -125,11 +125,6 @@ def values(args: argparse.Namespace, flags: Sequence[Flag], cls: type) -> dict[s
             if not (v is None and spec.default is None):
                 out[spec.field] = v
     return out
-
-
-def options(args: argparse.Namespace, cls: type) -> Any:
-    """The tool's own options dataclass ``cls`` from the parsed flags."""
-    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
 def option_flags(cls: type) -> list[Flag]:

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from dattri_ds.errors import ConfigError
-from dattri_ds.tools.sources import pick_tags
+from dattri_ds.tools.sources import load_hf_model, pick_tags
 
 __all__ = ["HFCheckpoints", "expand_folders", "trainer_state", "natural_key"]
 
@@ -206,10 +206,7 @@ class HFCheckpoints:
 
     def model(self, tag: str, device: torch.device | str = "cpu"):
         """The model saved in checkpoint ``tag``'s folder, fp32, eval mode (dropout off)."""
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(str(self.folder(tag)), dtype=torch.float32)
-        return model.to(device).eval()
+        return load_hf_model(self.folder(tag), device)
 
     def _single(self):
         from dattri_ds.tools.sources import HFModelDir

@@ -27,7 +27,7 @@ from dattri_ds.files import HF_WEIGHTS
 
 __all__ = ["HFModelDir", "HFTokenizer", "is_hf_model_dir", "hf_tokenizer_dir", "load_token_ids",
            "is_token_file", "model_context", "required_context", "vocab_size_of", "pick_tags",
-           "HF_WEIGHTS", "HF_TOKENIZER_FILES"]
+           "load_hf_model", "HF_WEIGHTS", "HF_TOKENIZER_FILES"]
 
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                       "vocab.json")
@@ -209,11 +209,16 @@ class HFModelDir:
 
     def model(self, tag: str, device: torch.device | str = "cpu"):
         """The model in fp32, eval mode (dropout off)."""
-        from transformers import AutoModelForCausalLM
-
         self._check_tag(tag)
-        model = AutoModelForCausalLM.from_pretrained(str(self.root), dtype=torch.float32)
-        return model.to(device).eval()
+        return load_hf_model(self.root, device)
+
+
+def load_hf_model(folder: Path, device: torch.device | str = "cpu"):
+    """The causal LM of a ``save_pretrained`` folder, fp32, eval mode (dropout off)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    return model.to(device).eval()
 
 
 _TOKEN_EXPECTED = 'one {"id"?, "input_ids": [int, ...]} object per line'

@@ -114,7 +114,7 @@ def test_a_new_option_field_is_a_new_flag():
     from dataclasses import dataclass, field
 
     from dattri_ds.schema import bounds
-    from dattri_ds.tools.configs import add_flags, option_flags, options
+    from dattri_ds.tools.configs import add_flags, option_flags
 
     @dataclass(frozen=True, kw_only=True)
     class Toy:
@@ -125,8 +125,8 @@ def test_a_new_option_field_is_a_new_flag():
 
     p = argparse.ArgumentParser()
     add_flags(p, option_flags(Toy))
-    assert options(p.parse_args([]), Toy) == Toy()
-    assert options(p.parse_args(["--block-size", "5", "--verbose"]), Toy) == Toy(
+    assert Toy(**vars(p.parse_args([]))) == Toy()
+    assert Toy(**vars(p.parse_args(["--block-size", "5", "--verbose"]))) == Toy(
         block_size=5, verbose=True)
     with pytest.raises(SystemExit):
         p.parse_args(["--block-size", "1"])
