@@ -2,12 +2,9 @@
 
 ``BACKENDS`` maps a ``--backend`` name to ``"module:Class"`` of its ``Backend``
 (launch/loop.py), imported on use so that DeepSpeed and Megatron stay optional: a new
-backend is one ``Backend`` subclass in its own file and one line here. ``EngineConfig`` is
-the run's choice of backend and its parallel sizes; its fields are the flags ``--backend``,
-``--tensor-model-parallel-size``, ``--sequence-parallel``, ``--pipeline-model-parallel-size``
-and ``--verify-checkpoints`` (launch/args.py generates them) and the keys of the
-``"engine"`` object of the ``"dattri_ds"`` block, and every run writes them to
-``resolved_dattri_ds_config.json``.
+backend is one ``Backend`` subclass in its own file and one line here. ``EngineConfig``'s
+fields are the ``"engine"`` keys of the ``"dattri_ds"`` block and, unprefixed, flags
+(``--backend``, ``--tensor-model-parallel-size``, ...; launch/args.py).
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """What launch/train.py reads, checked at start (before any process group): each a one-line error.
 
-* ``check_seq_len`` (launch/config.py, run by ``load_run_config`` before the planner):
-  ``--seq-len`` against the positions of the model (``n_positions`` /
-  ``max_position_embeddings`` of ``--model-config`` or ``--model-path``), naming both
-  numbers; a longer sequence would fail at the first forward with an index error.
-* ``check_texts``: the target (``--target-data``, with ``--online-selection``) and held-out
-  (``--eval-data``, ``--general-eval-data``, with ``--eval-every``) files hold text: a file
-  whose every text is whitespace would rank candidates against an empty target (content and
-  gradient scores alike) or evaluate nothing.
-* ``check_init_from`` (launch/init_from.py): the run ``--init-from`` names.
+``check_inputs`` runs ``check_texts`` on the target and held-out files the run reads (a file
+whose every text is whitespace would rank candidates against an empty target or evaluate
+nothing) and ``check_init_from`` (launch/init_from.py); ``check_seq_len`` (launch/config.py,
+run by ``load_run_config`` before the planner) compares ``--seq-len`` with the model's
+positions.
 """
 
 from __future__ import annotations

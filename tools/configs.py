@@ -2,13 +2,11 @@
 
 Every option of these tools is one field of a frozen config dataclass: a library config
 (``ProjectionConfig``, ``CaptureConfig``, ``StoreConfig``, ``KFACConfig``, ``Recipe``) or
-the tool's own (``CollectOptions``, ``FitOptions``, ``AttributeOptions`` below, for what
-only the tool has: batch sizes, output knobs). :func:`add_flags` adds one flag per field,
-as ``tools/plan.py`` does for ``RunSpec`` and ``tools/curate.py`` for ``CurateConfig``: the
-field's type hint gives the parser (:func:`dattri_ds.schema.field_flag`: strict numbers in
-the declared range; ``Literal`` and registry names as choices; booleans as switches), its
-attribute docstring the help, its default the flag's default. A new field of a tool's
-options is a new flag; the tables below only name the library fields a tool exposes and
+the tool's own (``CollectOptions``, ``FitOptions``, ``AttributeOptions`` below: batch sizes,
+output knobs). :func:`add_flags` adds one flag per field: the type hint gives the parser
+(:func:`dattri_ds.schema.field_flag`: strict numbers in the declared range; ``Literal`` and
+registry names as choices; booleans as switches), the attribute docstring the help, the
+default the flag's default. The tables below name the library fields a tool exposes, under
 the flag names they have always had (``--seed`` for ``ProjectionConfig.seed``).
 """
 

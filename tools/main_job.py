@@ -2,25 +2,13 @@
 
     python tools/main_job.py [--out runs/main] [--steps 150] [--world 2] [--quick]
 
-1. trains a small GPT-2 with DeepSpeed ZeRO-3 on ``world`` CPU processes, ranking 4x
-   candidates per micro-batch against the first half of the Hamlet chunks with the default
-   selection (``--online-selection``: their n-gram content, no gradient probe), capturing
-   projected per-example gradients and saving checkpoints (data choices: ``DemoData``);
-2. trains the same model on the same candidate stream choosing uniformly at random
-   (``--random-selection``): the "without selection" baseline at equal trained examples;
-3. prints held-out Hamlet loss (second half, never scored) and held-out general-corpus loss
-   for both, writes ``target_loss.png`` with both curves of both and a ``report.md`` with
-   the comparison and which corpus sources selection preferred;
-4. attributes held-out Hamlet passages to the training corpus offline, from the saved
-   ZeRO-3 checkpoints (``RECIPE``): ``fit`` (exact EK-FAC factors of every checkpoint),
-   ``collect`` (Kronecker-projected per-example gradients of every checkpoint, plain and
-   whitened by that checkpoint's factors), ``attribute`` with TracIn (plain rows) and the
-   EK-FAC trajectory (whitened rows), and ``report`` (Markdown/HTML with top proponents and
-   opponents, plots).
-
-Every phase prints one line when it starts and one with its wall and CPU seconds when it
-ends (tools/progress.py); collect and fit print counts and ETA inside; the job ends with the
-table of its phases (also in ``<out>/phases.json``; docs/main_job.md has measured ones).
+Its four steps (README.md, "The main job"): DeepSpeed ZeRO-3 training with the default
+online selection and gradient capture; the same candidate stream chosen uniformly at random;
+held-out target and general-corpus losses of both (``target_loss.png``, ``report.md``); the
+offline attribution of held-out Hamlet passages from the saved checkpoints (``RECIPE``:
+fit, collect, attribute, report). Data choices are ``DemoData``. Every phase prints its wall
+and CPU seconds (tools/progress.py); the job ends with the table of its phases (also in
+``<out>/phases.json``; docs/main_job.md has measured ones).
 """
 
 from __future__ import annotations
