@@ -288,6 +288,8 @@ def check_memory(ds: dict[str, Any], cfg: RunConfig) -> None:
                        capture=cfg.capture_enabled,
                        projection=proj.kind if proj is not None else "kronecker",
                        k=proj.dim if proj is not None and cfg.capture_enabled else 0,
+                       projection_cache_bytes=RunSpec.projection_cache_bytes
+                       if proj is None else proj.cache_bytes,
                        method="selection" if sel.enabled else "graddot",
                        candidate_multiple=float(sel.candidate_multiple),
                        selection_probe=SCORES.lookup(sel.score).needs_probe)

@@ -154,3 +154,16 @@ def test_tools_ask_the_planner(tmp_path, flags, needle):
     small = Namespace(projection_dim=64, projection="sparse", skip_memory_check=False,
                       batch_size=8)
     assert check_tool(tmp_path, small, seq_len=256, examples=100).fits
+
+
+@pytest.mark.parametrize("cap", [0, 1 << 20, 1 << 33])
+def test_memory_check_plans_the_run_projection_cache(tmp_path, monkeypatch, cap):
+    """Launch's memory check plans the projection matrices under the run's own
+    ``capture.projection.cache_bytes`` (the planner caps resident matrices there)."""
+    import dattri_ds.plan as plan
+
+    seen = []
+    monkeypatch.setattr(plan, "check_fits", lambda model, spec, *a, **k: seen.append(spec))
+    _start(["--deepspeed_config", _ds(tmp_path, {"capture_enabled": True}),
+            "--capture-projection-cache-bytes", str(cap)])
+    assert [s.projection_cache_bytes for s in seen] == [cap]
