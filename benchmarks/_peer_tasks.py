@@ -247,10 +247,11 @@ def ds_ekfac(wl: Workload, clock: Clock) -> torch.Tensor:
 
 
 def _ds_pekfac(wl: Workload, clock: Clock, whitened: bool) -> torch.Tensor:
-    """Projected EK-FAC through ``Recipe`` (what ``benchmarks/lds.py`` scores): one exact
-    capture of the training set (``Spill``), the factors fitted from it (LoGra: in the
-    Kronecker-projected space; ``whitened``: exact factors, rows whitened, then projected),
-    the projected rows, the query and the scores, all inside the clock."""
+    """Projected EK-FAC through ``Recipe`` (what ``benchmarks/lds.py`` scores): one capture
+    of the training set (``Spill``; LoGra keeps only its Kronecker-projected sides,
+    ``Spill(projector=)``), the factors fitted from it (LoGra: in the projected space;
+    ``whitened``: exact factors, rows whitened, then projected), the projected rows, the
+    query and the scores, all inside the clock."""
     from dattri_ds import Checkpoint, GradBatch, KFACConfig, ProjectionConfig, Spill, collect
     from dattri_ds.recipe import Recipe
 
@@ -258,7 +259,8 @@ def _ds_pekfac(wl: Workload, clock: Clock, whitened: bool) -> torch.Tensor:
                     logra=not whitened, whitened=whitened)
     cfg = _ds_config(projected=False)
     with clock:
-        with Spill(collect(wl.model, _ds_batches(wl.train), cfg), dir=wl.tmp) as train:
+        with Spill(collect(wl.model, _ds_batches(wl.train), cfg), dir=wl.tmp,
+                   projector=recipe.projector if recipe.logra else None) as train:
             factors = recipe.fit(train, KFACConfig(damping=DAMPING, power=1.0))
             rows = recipe.rows(train, factors)
         query = recipe.query(GradBatch.cat(list(collect(wl.model, _ds_batches(wl.query),

@@ -349,7 +349,8 @@ class LayerGrad:
                     f"{self.shape[0]}*{self.shape[1]} = {d} columns, got "
                     f"shape {tuple(self.data.values.shape)}"
                 )
-        if isinstance(self.data, Factorized) and self.data.g.shape[2] != self.shape[0]:
+        if (isinstance(self.data, Factorized) and not self.space.projected  # LoGra sides: ko
+                and self.data.g.shape[2] != self.shape[0]):
             raise ShapeError(
                 f"Layer '{self.name}': output-grad has O = {self.data.g.shape[2]} but the "
                 f"layer shape is {self.shape}"

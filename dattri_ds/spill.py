@@ -12,6 +12,16 @@ plus one batch. ::
         factors = fit_factors(train)                                  # capture + pass 2
         scores = make_attributor("ekfac", factors=factors).scores(train, query)  # pass 3
 
+LoGra (factors fitted in a Kronecker-projected space, ``fit_factors(projector=p)``) needs
+only each layer's projected sides ``P_in a``, ``P_out g``: ``Spill(stream, projector=p)``
+keeps and yields those (``ops.kronecker.logra_sides``), about ``I'/ki`` fold fewer bytes,
+and the same factors, EK-FAC eigenvalues and projected rows (``project_batch(b, p)``) up to
+float rounding. ::
+
+    with Spill(collect(model, batches, cfg), projector=p) as train:
+        factors = fit_factors(train, projector=p)
+        rows = [project_batch(b, p) for b in train]
+
 A later iteration started before the first one finished raises (the stream would be
 read twice); an iteration after ``close()`` raises. The folder is a temporary one (under
 ``dir``) removed by ``close()`` / the ``with`` block. Why the memory budget (files cost
@@ -30,6 +40,8 @@ import torch
 
 from dattri_ds.errors import ClosedError, ConfigError, StreamItemError, StreamStateError
 from dattri_ds.gradient import GradBatch
+from dattri_ds.ops.kronecker import logra_sides
+from dattri_ds.ops.projection import Projector
 
 __all__ = ["Spill", "DEFAULT_MEMORY_BYTES"]
 
@@ -52,13 +64,18 @@ class Spill:
         dir: parent of the temporary folder (default: the system's temporary folder).
         memory_bytes: gradient bytes kept in memory (on the device the batches come on);
             later batches go to disk (0: every batch to disk).
+        projector: a Kronecker projector: keep and yield every pass each layer's projected
+            sides (``logra_sides``) instead of the exact capture, for LoGra factors and
+            rows in that projection's space (not for exact methods).
     """
 
     def __init__(self, batches: Iterable[GradBatch], dir: str | None = None,
-                 memory_bytes: int = DEFAULT_MEMORY_BYTES) -> None:
+                 memory_bytes: int = DEFAULT_MEMORY_BYTES,
+                 projector: Projector | None = None) -> None:
         if memory_bytes < 0:
             raise ConfigError(f"Spill: memory_bytes={memory_bytes} must be >= 0 "
                                 f"(0 keeps nothing in memory)")
+        self._projector = projector
         self._source: Iterable[GradBatch] | None = batches
         self._folder = Path(tempfile.mkdtemp(prefix="dattri_ds_spill_", dir=dir))
         self._items: list[GradBatch | Path] = []  # in memory, or the file holding it
@@ -96,6 +113,8 @@ class Spill:
             if not isinstance(b, GradBatch):
                 raise StreamItemError(f"Spill: item {n} of the stream is a {type(b).__name__}, "
                                     f"not a GradBatch (pass what collect() or a capture yields)")
+            if self._projector is not None:
+                b = logra_sides(b, self._projector)
             size = _nbytes(b)
             if size <= self._budget:
                 self._budget -= size

@@ -119,8 +119,10 @@ def fit_factors(batches: Batches, *, config: KFACConfig | None = None,
 
     EK-FAC needs the eigenbasis of the whole data before its eigenvalue pass. A list or a
     callable is read twice; a one-shot iterator is kept by a ``dattri_ds.Spill`` (under
-    ``spill_dir``) for the second pass, then deleted. To score the same data afterwards
-    without capturing it again, pass a ``dattri_ds.Spill`` of the stream yourself.
+    ``spill_dir``; with a Kronecker ``projector``, only the projected sides LoGra reads)
+    for the second pass, then deleted. To score the same data afterwards without capturing
+    it again, pass a ``dattri_ds.Spill`` of the stream yourself (``Spill(stream,
+    projector=projector)`` for LoGra factors and rows).
 
     Args:
         batches: factorized training GradBatches of this rank: a re-iterable, a callable
@@ -134,7 +136,9 @@ def fit_factors(batches: Batches, *, config: KFACConfig | None = None,
     make = _passes(batches)
     factors = KFACFactors(config, projector)
     if make is None and ekfac:  # a one-shot stream: spill it on the first pass
-        with Spill(batches, dir=spill_dir) as spilled:
+        sides = projector if projector is not None and projector.config.kind == "kronecker" \
+            else None
+        with Spill(batches, dir=spill_dir, projector=sides) as spilled:
             return _fit(factors, spilled, ekfac, ctx)
     return _fit(factors, make() if make is not None else batches, ekfac, ctx,
                 again=make)

@@ -61,14 +61,14 @@ from dattri_ds.distributed import ParallelContext, all_gather_object, all_reduce
 from dattri_ds.errors import ConfigError, FactorFileError, FactorStateError, ShapeError, UnsupportedLayerError
 from dattri_ds.gradient import CANONICAL, Dense, Factorized, GradBatch, LayerGrad, Space
 from dattri_ds.layers.base import COMPUTE_DTYPE, KINDS, LayerKind
-from dattri_ds.layers.outer import GHOST_CHUNK_ELEMENTS, row_chunks
+from dattri_ds.layers.outer import GHOST_CHUNK_ELEMENTS, OuterProductKind, row_chunks
 from dattri_ds.ops.cost import CostModel, default_cost_model
 from dattri_ds.ops.factor_forms import FORMS, FactorForm
 from dattri_ds.ops.projection import Projector, kron_dims
 from dattri_ds.ops.space import project
 from dattri_ds.schema import bounds, check
 
-__all__ = ["KFACConfig", "LayerFactors", "KFACFactors", "METHODS"]
+__all__ = ["KFACConfig", "LayerFactors", "KFACFactors", "METHODS", "logra_sides"]
 
 METHODS = ("kfac", "ekfac")
 _FORMAT = "dattri_ds.kfac/1"
@@ -235,8 +235,12 @@ class KFACFactors:
         return done.space, done.data.values
 
     def _factors(self, lf: LayerFactors, lg: LayerGrad) -> Factorized:
-        """Factors in ``lf``'s working space (side-projected when Kronecker projected)."""
+        """Factors in ``lf``'s working space (side-projected when Kronecker projected, unless
+        they came so: ``logra_sides``)."""
         f = lg.data
+        if lg.space.projected:
+            self._check(lf, lg)
+            return f
         if not lf.space.projected or lf.space.identity:
             return f
         p_out, p_in = self.projector.kron_sides(lf.name, *lf.shape, f.g.device, self._dtype)
@@ -563,6 +567,36 @@ class KFACFactors:
                                          f"{projector.config.tag!r}")
         return out
 
+
+
+def logra_sides(batch: GradBatch, projector: Projector) -> GradBatch:
+    """A batch in LoGra's working space: each factorized outer-product layer that a
+    Kronecker ``projector`` projects (``O*I' > dim``, not a tensor-parallel shard) becomes
+    its projected sides ``(P_in a, P_out g)`` float32 in ``projector.space``; other layers
+    are unchanged.
+
+    Everything a LoGra fit and store need is a function of these sides: the factors
+    ``P_in A P_in^T`` / ``P_out S P_out^T`` (``KFACFactors(projector=...)``), the EK-FAC
+    eigenvalues, and the rows ``vec(P_out G_b P_in^T) = vec(sum_t g'_bt a'_bt^T)``
+    (``ops.space.project`` materializes them), while a batch shrinks about ``I'/ki`` and
+    ``O/ko`` fold per side (``Spill(projector=...)`` keeps these). Not for exact methods.
+
+    Raises:
+        ConfigError: the projection is not Kronecker.
+    """
+    if projector.config.kind != "kronecker":
+        raise ConfigError(f"logra_sides: projection kind {projector.config.kind!r} has no "
+                          f"per-side factors; use ProjectionConfig(kind='kronecker') (LoGra)")
+    layers = {}
+    for n, lg in batch.layers.items():
+        o, i = lg.shape
+        if (isinstance(lg.data, Factorized) and isinstance(lg.kind, OuterProductKind)
+                and lg.space.canonical and lg.shard is None and o * i > projector.config.dim):
+            p_out, p_in = projector.kron_sides(n, o, i, lg.data.g.device)
+            lg = lg.replace(data=lg.kind.side_project(lg.data, p_out, p_in),
+                            space=projector.space)
+        layers[n] = lg
+    return batch.with_layers(layers)
 
 
 def _chunks(n_rows: int, row_elems: int) -> list[slice]:

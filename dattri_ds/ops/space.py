@@ -38,6 +38,8 @@ def project(lg: LayerGrad, projector: Projector, cost: CostModel | None = None,
     (``KFACFactors.whiten``) are projected alike, into ``<projection>+whitened:<method>``.
     """
     space = lg.space
+    if space == projector.space and isinstance(lg.data, Factorized):  # kronecker.logra_sides
+        return lg.replace(data=Dense(lg.kind.rows(lg.data, lg.shape)))
     if not (space.canonical or space.awaiting_projection):
         raise ShapeError(f"Layer '{lg.name}' is already projected ({space.tag})")
     if lg.shard is not None:

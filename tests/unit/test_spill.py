@@ -5,7 +5,9 @@ sample ids, same order); the stream is consumed exactly once; EK-FAC fitted and 
 through a Spill of a capture generator equals fitting and scoring a list of the same
 batches (one capture instead of two); a pass started before the first finished, a pass
 after close(), and a non-GradBatch item raise errors that say what to do; close() removes
-the folder.
+the folder. With a Kronecker projector (LoGra) a Spill keeps only each layer's projected
+sides: fewer bytes, and the same factors, rows and scores as the exact capture (float
+rounding), on disk or in memory.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dattri_ds import GradientCapture, Spill
+from dattri_ds import Checkpoint, GradientCapture, ProjectionConfig, Spill
 from dattri_ds.errors import DattriDSError
 from dattri_ds.methods import EKFAC, fit_factors
+from dattri_ds.recipe import Recipe
 from dattri_ds.spill import _nbytes
 from reference import rel_err, tiny_gpt2
 
@@ -97,4 +100,64 @@ def test_misuse_raises(setup, tmp_path):
     with pytest.raises(DattriDSError, match="not a GradBatch"):
         list(bad)
     bad.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def _logra(recipe, train, query):
+    """LoGra EK-FAC through ``Recipe`` as benchmarks/lds.py runs it: (factors, rows, scores)."""
+    factors = recipe.fit(train)
+    rows = recipe.rows(train, factors)
+    return factors, rows, recipe.score([Checkpoint(rows, query, 1.0, factors)]).values
+
+
+def _same_sums(got, want):
+    assert got.layers.keys() == want.layers.keys()
+    for name, lf in want.layers.items():
+        assert got.layers[name].space == lf.space
+        for key, t in lf.sums.items():
+            assert rel_err(got.layers[name].sums[key], t) <= 1e-5, (name, key)
+
+
+@pytest.mark.parametrize("memory_bytes", [0, 1 << 30])
+def test_logra_sides_give_the_exact_captures_factors_and_scores(setup, tmp_path, memory_bytes):
+    model, ids, qids = setup
+    recipe = Recipe(method="ekfac", projection=ProjectionConfig(kind="kronecker", dim=16),
+                    logra=True)
+    p = recipe.projector
+    query = list(_stream(model, qids, []))[0]
+    with Spill(_stream(model, ids, []), dir=str(tmp_path)) as train:
+        want_f, want_rows, want = _logra(recipe, train, query)
+        exact_bytes = sum(_nbytes(b) for b in train)
+    reads = []
+    with Spill(_stream(model, ids, reads), dir=str(tmp_path), memory_bytes=memory_bytes,
+               projector=p) as train:
+        got_f, got_rows, got = _logra(recipe, train, query)
+        kept = list(train)
+    assert len(reads) == ids.shape[0]
+    sided = {n for n, lg in kept[0].layers.items() if lg.space == p.space}
+    assert sided and sided < kept[0].layers.keys()  # embeddings and norms stay exact
+    assert sum(_nbytes(b) for b in kept) < exact_bytes / 2
+    _same_sums(got_f, want_f)
+    for a, b in zip(got_rows, want_rows, strict=True):
+        for name, lg in b.layers.items():
+            assert a.layers[name].space == lg.space
+            assert rel_err(a.layers[name].data.values, lg.data.values) <= 1e-5, name
+    assert rel_err(got, want) <= 1e-5
+    # a one-shot stream spilled by fit_factors itself keeps the sides and fits the same
+    _same_sums(fit_factors(_stream(model, ids, []), projector=p), want_f)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_logra_sides_refuse_other_projections_and_exact_factors(setup, tmp_path):
+    from dattri_ds.ops.projection import Projector
+
+    model, ids, _ = setup
+    sparse = Projector(ProjectionConfig(kind="sparse", dim=16))
+    with Spill(_stream(model, ids, []), dir=str(tmp_path), projector=sparse) as bad:
+        with pytest.raises(DattriDSError, match="kind='kronecker'"):
+            list(bad)
+    kron = Projector(ProjectionConfig(kind="kronecker", dim=16))
+    with Spill(_stream(model, ids, []), dir=str(tmp_path), projector=kron) as train:
+        with pytest.raises(DattriDSError, match="factors act on None"):
+            fit_factors(train)  # exact factors cannot be fitted from projected sides
     assert list(tmp_path.iterdir()) == []
