@@ -192,7 +192,9 @@ def _checkpoints(args, run: Run, available: dict[str, Path], tags: list[str], qu
     from dattri_ds import CaptureConfig, Checkpoint, GradBatch
     from dattri_ds.store import attach
 
-    for tag in tags:
+    for i, tag in enumerate(tags):
+        logger.info("%s (%d/%d): loading the model%s, capturing %d queries", tag, i + 1,
+                    len(tags), " and factors" if recipe.curvature else "", len(queries))
         store = attach(available[tag], requests[tag], mode="score")
         model = models.get(tag)
         capture = recipe.query_capture(CaptureConfig(**(store.spec.semantics or {})))
