@@ -166,7 +166,7 @@ def loop_configs(*, steps: int, seed: int, seq_len: int, eval_every: int, select
     checkpoint before the last step, ``selection`` (a SelectionConfig) as given."""
     from dattri_ds.launch.config import BLOCK, RunConfig, TrainConfig
     from dattri_ds.launch.engine import EngineConfig
-    from dattri_ds.schema import read_json
+    from dattri_ds.io.schema import read_json
 
     ds = read_json(os.path.join(ROOT, "configs/zero3_cpu.json"), "--deepspeed_config")
     ds.pop(BLOCK, None)

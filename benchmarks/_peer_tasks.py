@@ -253,7 +253,7 @@ def _ds_pekfac(wl: Workload, clock: Clock, whitened: bool) -> torch.Tensor:
     ``whitened``: exact factors, rows whitened, then projected), the projected rows, the
     query and the scores, all inside the clock."""
     from dattri_ds import Checkpoint, GradBatch, KFACConfig, ProjectionConfig, Spill, collect
-    from dattri_ds.recipe import Recipe
+    from dattri_ds.methods.recipe import Recipe
 
     recipe = Recipe(method="ekfac", projection=ProjectionConfig(kind="kronecker", dim=K),
                     logra=not whitened, whitened=whitened)

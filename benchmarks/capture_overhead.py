@@ -33,7 +33,7 @@ from _common import (
 )
 
 from dattri_ds import CaptureConfig, GradientCapture, ProjectionConfig
-import dattri_ds.capture as capture_mod
+import dattri_ds.capture.hooks as capture_mod
 
 TARGET = 1.15
 

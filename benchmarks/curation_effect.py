@@ -16,7 +16,7 @@ the content prior alone (``--method content``: DSIR), and train on each for ``--
 (5) record the held-out target loss (documents never scored against) and the
 general-corpus loss (the last 20 documents of every corpus source, never in a pool).
 Targets that share a pool (the shipped ones) share its warm-up, store, full-pool and random
-runs. The tools run in this process (``dattri_ds.cli.run``: their exit codes, no new
+runs. The tools run in this process (``dattri_ds.cli.exits.run``: their exit codes, no new
 interpreter per call).
 
 Targets: a shipped target (``hamlet``, ``trivia``, ``code``: the first ``--target-docs`` of
@@ -104,9 +104,9 @@ def parse(argv=None) -> argparse.Namespace:
 
 
 def _tool(main, argv: list[str]) -> float:
-    """Run a tool's ``main`` in this process (``dattri_ds.cli.run``: the same exit codes as
+    """Run a tool's ``main`` in this process (``dattri_ds.cli.exits.run``: the same exit codes as
     the command line, without a fresh interpreter per call); its wall seconds."""
-    from dattri_ds.cli import run
+    from dattri_ds.cli.exits import run
 
     t0 = time.perf_counter()
     if run(main, argv) != 0:

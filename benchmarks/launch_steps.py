@@ -93,7 +93,7 @@ def _bare(ds_path: str, argv: list[str], marks: _Marks, out: Path) -> dict:
     """deepspeed.initialize + the same model, config and micro-batches; nothing else."""
     import deepspeed
 
-    from dattri_ds.data import build_model
+    from dattri_ds.models.causal_lm import build_model
     from dattri_ds.launch.args import parse_args
     from dattri_ds.launch.config import load_run_config
     from dattri_ds.launch.loop import micro_batch_indices

@@ -76,15 +76,16 @@ import torch.nn.functional as F
 
 from dattri_ds import Checkpoint, KFACConfig, ProjectionConfig, collect
 from dattri_ds.data import (
-    Document, TokenizedDocuments, build_model, load_documents, load_model_config, source_counts,
-    tokenize_documents, train_tokenizer,
+    Document, TokenizedDocuments, load_documents, source_counts, tokenize_documents,
+    train_tokenizer,
 )
+from dattri_ds.models.causal_lm import build_model, load_model_config
 from dattri_ds.errors import ConfigError
 from dattri_ds.eval import lds, predicted, retrain_losses, subset_masks, tfidf_scores, zscore
 from dattri_ds.methods import registered_attributors
-from dattri_ds.recipe import Recipe
+from dattri_ds.methods.recipe import Recipe
 from dattri_ds.ops.projection import KINDS, Projector, projection_kind
-from dattri_ds.schema import add_flag
+from dattri_ds.io.schema import add_flag
 
 logger = logging.getLogger("benchmarks.lds")
 
@@ -163,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(p, "--n-heldout", int, ge=1,
              default=10, help="held-out queries (--queries heldout)")
     p.add_argument("--model-config", default=None,
-                   help="JSON model config (dattri_ds.data.build_model: gpt2 or llama, e.g. "
+                   help="JSON model config (dattri_ds.models.causal_lm.build_model: gpt2 or llama, e.g. "
                    "configs/model_llama_tiny.json) instead of the built-in 2 x 64 GPT-2")
     p.add_argument("--tie-embeddings", action="store_true",
                    help="tie the output projection to the token embedding (GPT-2's default)")
@@ -889,6 +890,6 @@ def run_one(args: argparse.Namespace, truth: dict | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    from dattri_ds.cli import run
+    from dattri_ds.cli.exits import run
 
     sys.exit(run(main))

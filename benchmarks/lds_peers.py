@@ -52,7 +52,7 @@ for p in (str(HERE), str(HERE.parent)):
 
 import lds as bench  # noqa: E402  (benchmarks/lds.py)
 
-from dattri_ds.data import build_model  # noqa: E402
+from dattri_ds.models.causal_lm import build_model  # noqa: E402
 from dattri_ds.eval import lds, predicted  # noqa: E402
 
 logger = logging.getLogger("benchmarks.lds_peers")

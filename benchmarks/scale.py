@@ -153,7 +153,7 @@ def release_after_probes() -> None:
     """
     import deepspeed
 
-    from dattri_ds.capture import GradientCapture
+    from dattri_ds.capture.hooks import GradientCapture
 
     engines = []
     initialize = deepspeed.initialize
@@ -205,7 +205,7 @@ def _zero_init_build(ds_path: str):
         from transformers import AutoModelForCausalLM
         from transformers.integrations import HfDeepSpeedConfig
 
-        from dattri_ds.data import build_model
+        from dattri_ds.models.causal_lm import build_model
         from dattri_ds.launch.config import load_run_config
         with torch.device("meta"):  # the exact HF config build_model makes, no weights
             shell = build_model(cfg.train.model_config, tokenizer=tok, seed=None)

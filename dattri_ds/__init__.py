@@ -3,9 +3,9 @@
 ``import dattri_ds`` needs only torch; DeepSpeed and Megatron integrations import lazily.
 """
 
-from dattri_ds.callbacks import TrainingCallback
-from dattri_ds.capture import GradientCapture
-from dattri_ds.config import CaptureConfig
+from dattri_ds.capture.callbacks import TrainingCallback
+from dattri_ds.capture.config import CaptureConfig
+from dattri_ds.capture.hooks import GradientCapture
 from dattri_ds.errors import (
     CaptureError, ConfigError, DattriDSError, ShapeError, StoreMismatchError, UnsupportedLayerError,
 )
@@ -15,14 +15,14 @@ from dattri_ds.ops import (
     CostModel, GradAccumulator, ProjectionConfig, Projector, Roofline, cosine, cross_gram,
     grad_sum, layer_cross_gram, materialize, norms, project, project_batch, sq_norms,
 )
-
 from dattri_ds.ops.kronecker import KFACConfig, KFACFactors
-from dattri_ds.collect import collect
-from dattri_ds.spill import Spill
+from dattri_ds.capture.collect import collect
+from dattri_ds.capture.spill import Spill
 from dattri_ds.methods import (
     Attributor, Checkpoint, Scores, fit_factors, get_attributor, make_attributor,
     registered_attributors,
 )
+from dattri_ds import integrations  # noqa: F401  (registers the engine adapters)
 
 __version__ = "0.1.0"
 

@@ -19,16 +19,22 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from dattri_ds.errors import ConfigError, ShapeError
 
-if TYPE_CHECKING:
-    from dattri_ds.layers.base import LayerKind
+__all__ = ["Factorized", "Dense", "ShardInfo", "Space", "LayerGrad", "GradBatch", "Kind"]
 
-__all__ = ["Factorized", "Dense", "ShardInfo", "Space", "LayerGrad", "GradBatch"]
+
+class Kind(Protocol):
+    """What the data model needs of a layer kind: its registered name (what stores and factor
+    files record). ``dattri_ds.layers.LayerKind`` implements it, with the per-layer maths the
+    ops call on ``LayerGrad.kind``; the data model sits below the layers and never imports
+    them."""
+
+    name: str
 
 
 @dataclass(frozen=True)
@@ -313,13 +319,13 @@ class LayerGrad:
     """
 
     name: str
-    kind: LayerKind
+    kind: Kind
     data: Factorized | Dense
     shape: tuple[int, int]
     space: Space = CANONICAL
     shard: ShardInfo | None = None
 
-    def __init__(self, name: str, kind: LayerKind, data: Factorized | Dense,
+    def __init__(self, name: str, kind: Kind, data: Factorized | Dense,
                  shape: tuple[int, int], space: Space | str | None = None,
                  shard: ShardInfo | None = None, *, projection: Space | str | None = None):
         if space is not None and projection is not None:

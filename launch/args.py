@@ -4,7 +4,7 @@ Every leaf field of the ``"dattri_ds"`` block gets one flag, with no edit here:
 ``train.<f>`` and ``engine.<f>`` -> ``--<f>``, any other ``<a>.<b>.<f>`` -> ``--<a>-<b>-<f>``
 (underscores become dashes), e.g. ``--seq-len``, ``--backend``, ``--capture-projection-dim``,
 ``--selection-score``. Values are parsed by the same strict rules as the JSON
-(dattri_ds/schema.py): ``true``/``false`` for booleans (a bare boolean flag means ``true``,
+(dattri_ds/io/schema.py): ``true``/``false`` for booleans (a bare boolean flag means ``true``,
 ``--no-<flag>`` means ``false``), integer digits for counts, ``null`` for "none". Flags
 override the JSON; each flag's help is its field's attribute docstring. ``ALIASES`` keeps
 the documented shorter names (``--online-selection``, ``--capture``, ``--target-data``, ...).
@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from dattri_ds import schema
+from dattri_ds.io import schema
 from dattri_ds.errors import UsageError
 from dattri_ds.launch.config import BLOCK, RunConfig
 

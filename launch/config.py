@@ -1,7 +1,7 @@
 """The ``"dattri_ds"`` block of a DeepSpeed JSON: parsed, validated, merged with flags, dumped.
 
 The DeepSpeed JSON in configs/ stays valid DeepSpeed: launch pops our block before
-``deepspeed.initialize``. The block is parsed by :mod:`dattri_ds.schema` from the dataclasses
+``deepspeed.initialize``. The block is parsed by :mod:`dattri_ds.io.schema` from the dataclasses
 below (strict types, ranges, unknown keys refused at every level); flags generated from the
 same dataclasses (launch/args.py) override it. Unknown top-level DeepSpeed keys are warned
 about by name.
@@ -18,11 +18,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dattri_ds import schema
-from dattri_ds.config import CaptureConfig
+from dattri_ds.io import schema
+from dattri_ds.capture.config import CaptureConfig
 from dattri_ds.errors import ConfigError
 from dattri_ds.launch.engine import EngineConfig
-from dattri_ds.outputs import write_atomic
+from dattri_ds.io.outputs import write_atomic
 from dattri_ds.selection import SelectionConfig
 from dattri_ds.store import StoreConfig
 
@@ -148,7 +148,7 @@ class RunConfig:
     ``--resume latest`` to continue the earlier run instead)."""
 
     skip_memory_check: bool = False
-    """Run even when the planner (dattri_ds/plan.py) predicts that the run needs more memory
+    """Run even when the planner (dattri_ds/plan/) predicts that the run needs more memory
     than this machine has available (for experts who know better)."""
 
     def __post_init__(self) -> None:
@@ -216,7 +216,7 @@ def model_positions(cfg: RunConfig) -> tuple[int, str, Path] | None:
     """``(positions, key, file)`` of the run's model config, None when it names none or
     cannot be read (the model's own error follows later). A GPT-2 config without
     ``n_positions`` has Hugging Face's default, 1024."""
-    from dattri_ds.files import read_json
+    from dattri_ds.io.files import read_json
 
     tc = cfg.train
     path = Path(tc.model_path) / "config.json" if tc.model_path else Path(tc.model_config)
@@ -246,7 +246,7 @@ def check_seq_len(cfg: RunConfig) -> None:
 
 
 def check_memory(ds: dict[str, Any], cfg: RunConfig) -> None:
-    """Ask the planner (dattri_ds/plan.py) whether the resolved run fits this machine's
+    """Ask the planner (dattri_ds/plan/) whether the resolved run fits this machine's
     memory (RAM from /proc/meminfo, or free GPU memory on CUDA); skipped with
     ``skip_memory_check`` or when the model config cannot be read (its own error follows).
 
@@ -323,14 +323,14 @@ def _init_vocab(tc: TrainConfig) -> int | None:
 
 
 def check_outputs(out: Path, cfg: RunConfig) -> None:
-    """The output door of launch (dattri_ds/outputs.py), at start: ``--out`` is a folder that
+    """The output door of launch (dattri_ds/io/outputs.py), at start: ``--out`` is a folder that
     can be written and holds no earlier run unless resumed or forced; the store path
     (``--capture``) is a folder too.
 
     Raises:
         OutputError: naming the path, the flag and the fix.
     """
-    from dattri_ds.outputs import check_dir
+    from dattri_ds.io.outputs import check_dir
 
     check_dir(out, flag="--out", force=cfg.force or cfg.train.resume is not None,
               overwrites=("trajectory.json", "summary.json", "checkpoints"),

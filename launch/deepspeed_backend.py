@@ -47,12 +47,12 @@ def build(cfg: RunConfig, tok):
     """The Hugging Face causal LM of ``cfg.train`` (any ``AutoModelForCausalLM`` type):
     loaded from ``model_path`` or built from ``model_config`` (random init, seeded); with
     capture or online selection on, a model with a layer capture cannot read is refused."""
-    from dattri_ds.data import build_model
-    from dattri_ds.data.models import check_capturable, load_model_config
+    from dattri_ds.models.causal_lm import build_model
+    from dattri_ds.models.causal_lm import check_capturable, load_model_config
 
     if cfg.train.model_path:
         from transformers import AutoModelForCausalLM
-        from dattri_ds.files import model_dir
+        from dattri_ds.io.files import model_dir
         folder = model_dir(cfg.train.model_path, "--model-path")
         load_model_config(folder / "config.json")  # a causal LM, else one line naming it
         model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dattri_ds import schema
+from dattri_ds.io import schema
 from dattri_ds.errors import ConfigError
 
 __all__ = ["BACKENDS", "EngineConfig"]

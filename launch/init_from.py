@@ -45,7 +45,7 @@ def _root(cfg: RunConfig) -> Path:
 
 
 def _is_megatron_run(root: Path) -> bool:
-    from dattri_ds.files import read_json
+    from dattri_ds.io.files import read_json
 
     saved = read_json(root / "model" / "config.json", "--init-from model config", fix=_FIX)
     return isinstance(saved, dict) and saved.get("backend") == "megatron"
@@ -61,7 +61,7 @@ def check_init_from(cfg: RunConfig) -> str | None:
             checkpoint, or a checkpoint another backend wrote.
     """
     from dattri_ds.data import Tokenizer
-    from dattri_ds.files import check_dir
+    from dattri_ds.io.files import check_dir
 
     tc = cfg.train
     if tc.init_from is None:
@@ -179,7 +179,7 @@ def init_megatron_weights(gpt: nn.Module, model_cfg: dict, cfg: RunConfig) -> No
     tag = _tag(cfg)
     if tag is None:
         return
-    from dattri_ds.files import read_json
+    from dattri_ds.io.files import read_json
     from dattri_ds.integrations import megatron_checkpoint as ckpt
 
     root = _root(cfg)

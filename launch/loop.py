@@ -42,7 +42,7 @@ from dattri_ds.errors import ConfigError
 from dattri_ds.launch.config import RunConfig
 from dattri_ds.launch.engine import BACKENDS
 from dattri_ds.launch.runlog import RunLog, RunRecord, make_run_id
-from dattri_ds.outputs import write_atomic
+from dattri_ds.io.outputs import write_atomic
 from dattri_ds.sample_id import SampleId
 from dattri_ds.selection.state import SelectionCheckpoint, config_difference, log_lines_before
 
@@ -363,7 +363,7 @@ class Checkpoints:
 
     @classmethod
     def of(cls, out: Path, flag: str = "--resume") -> Checkpoints:
-        from dattri_ds.files import read_json
+        from dattri_ds.io.files import read_json
 
         traj, folder = out / "trajectory.json", out / "checkpoints"
         data = read_json(traj, "trajectory", flag=flag) if traj.exists() else {}
@@ -444,7 +444,7 @@ def _capture(backend: Backend, cfg: RunConfig, out: Path, tok, run_id: str, star
 
     if cfg.capture.projection is None:
         raise ConfigError("--capture stores projected gradients: pass --capture-projection-dim "
-                          "256 (or set dattri_ds.capture.projection in the DeepSpeed JSON)")
+                          "256 (or set dattri_ds.capture.hooks.projection in the DeepSpeed JSON)")
     ctx, cbs = backend.ctx, []
     if backend.store_writer():
         cbs.append(StoreCallback(cfg.store_config(out), projection=cfg.capture.projection,

@@ -56,7 +56,7 @@ def transformer_kwargs(model_config: str | Path | dict, tp: int,
         ConfigError: another ``model_type``, a size the TP size does not divide, or
             sequence parallelism at TP 1.
     """
-    from dattri_ds.files import read_json
+    from dattri_ds.io.files import read_json
     d = model_config if isinstance(model_config, dict) else read_json(
         model_config, "model config", flag="--model-config")
     if d.get("model_type", "gpt2") != "gpt2":

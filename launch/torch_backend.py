@@ -24,7 +24,7 @@ from torch import nn
 
 from dattri_ds.distributed import ParallelContext
 from dattri_ds.errors import ConfigError
-from dattri_ds.integrations.base import SteppedAdapter
+from dattri_ds.capture.engine import SteppedAdapter
 from dattri_ds.launch.config import RunConfig
 from dattri_ds.launch.loop import Backend
 

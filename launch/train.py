@@ -34,7 +34,7 @@ from dattri_ds.launch.config import (  # noqa: E402
 from dattri_ds.launch.inputs import check_inputs  # noqa: E402
 from dattri_ds.launch.loop import backend_class, check_resume, resume, train  # noqa: E402
 from dattri_ds.launch.runlog import record_failure  # noqa: E402
-from dattri_ds.noise import (  # noqa: E402
+from dattri_ds.cli.noise import (  # noqa: E402
     quiet_third_party, setup_logging, warn_once_per_launch,
 )
 
@@ -249,6 +249,6 @@ def _loss_fn(model, ev, ctx, device):
 
 
 if __name__ == "__main__":
-    from dattri_ds.cli import run
+    from dattri_ds.cli.exits import run
 
     sys.exit(run(main))

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from dattri_ds import schema
-from dattri_ds.config import from_dict
+from dattri_ds.io import schema
+from dattri_ds.capture.config import from_dict
 from dattri_ds.errors import ConfigError
 from dattri_ds.ops.projection import ProjectionConfig
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dattri_ds.capture import GradientCapture
-from dattri_ds.config import CaptureConfig
+from dattri_ds.capture.hooks import GradientCapture
+from dattri_ds.capture.config import CaptureConfig
 from dattri_ds.distributed import ParallelContext
 from dattri_ds.gradient import GradBatch
 from dattri_ds.ops import CostModel

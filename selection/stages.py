@@ -16,8 +16,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from dattri_ds.capture import GradientCapture
-from dattri_ds.config import CaptureConfig
+from dattri_ds.capture.hooks import GradientCapture
+from dattri_ds.capture.config import CaptureConfig
 from dattri_ds.distributed import ParallelContext, all_reduce_sum
 from dattri_ds.errors import CaptureError, ConfigError
 from dattri_ds.gradient import GradBatch
@@ -32,7 +32,7 @@ from dattri_ds.selection.scorer import Score
 from dattri_ds.selection.smoothing import CandidateText
 from dattri_ds.selection.stepcost import decide_reuse
 from dattri_ds.selection.target import TargetProvider
-from dattri_ds.semantics import batch_info, content_id
+from dattri_ds.capture.semantics import batch_info, content_id
 
 __all__ = ["Batch", "Selection", "StepState", "Stage", "SampleIds", "Shortlist", "TextScore",
            "Probe", "Rank", "Choose", "Uniform", "Log", "generator"]

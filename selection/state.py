@@ -21,7 +21,7 @@ import torch
 from dattri_ds.errors import ConfigError
 from dattri_ds.gradient import Dense, GradBatch, LayerGrad, ShardInfo
 from dattri_ds.layers import get_kind
-from dattri_ds.outputs import write_atomic
+from dattri_ds.io.outputs import write_atomic
 
 __all__ = ["FORMAT_VERSION", "grad_batch_state", "grad_batch_from_state", "selector_state",
            "load_selector_state", "config_difference", "log_lines_before",
@@ -227,7 +227,7 @@ class SelectionCheckpoint:
         path = folder / cls.CONFIG
         if not path.exists():
             return None
-        from dattri_ds.files import read_json
+        from dattri_ds.io.files import read_json
 
         return read_json(path, "checkpoint selection config", flag="train.resume")
 
@@ -238,7 +238,7 @@ class SelectionCheckpoint:
         Raises:
             ConfigError: this rank's state is missing, truncated or damaged.
         """
-        from dattri_ds.files import load_torch
+        from dattri_ds.io.files import load_torch
 
         path = folder / cls.FILE.format(rank=rank)
         if not path.exists():

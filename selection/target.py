@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dattri_ds.capture import GradientCapture
+from dattri_ds.capture.hooks import GradientCapture
 from dattri_ds.distributed import ParallelContext, all_reduce_sum
 from dattri_ds.errors import ConfigError
 from dattri_ds.gradient import Dense, GradBatch

@@ -10,7 +10,7 @@
 
 Every store is checked against this run, checkpoint, layers, projection and whitening
 before any query gradient (``dattri_ds.store.attach``); every method is the library's
-(``dattri_ds.recipe.Recipe`` over ``make_attributor``); the store is streamed in blocks of
+(``dattri_ds.methods.recipe.Recipe`` over ``make_attributor``); the store is streamed in blocks of
 ``--block-rows``. What it writes and how curvature queries meet projected or whitened rows:
 docs/offline_tools.md; the text prior (``--text-weight``) and the defaults' fidelity:
 docs/attribution_fidelity.md.
@@ -37,7 +37,7 @@ from dattri_ds.tools.common import (  # noqa: E402
     open_source, recorded_config, setup_logging, source_flags, store_origin, store_paths,
     tag_choice, write_config,
 )
-from dattri_ds.recipe import Recipe  # noqa: E402
+from dattri_ds.methods.recipe import Recipe  # noqa: E402
 from dattri_ds.sample_id import SampleId  # noqa: E402
 
 __all__ = ["build_parser", "main", "DEFAULT_METHOD"]
@@ -244,7 +244,7 @@ class TokenScores:
 
     def __init__(self, args, recipe: Recipe, queries, plan, semantics: dict) -> None:
         from dattri_ds import CaptureConfig
-        from dattri_ds.per_token import token_chunks
+        from dattri_ds.methods.per_token import token_chunks
 
         self.args, self.recipe, self.plan = args, recipe, plan
         batch = queries.batch(torch.arange(len(queries)))
@@ -255,7 +255,7 @@ class TokenScores:
 
     def score(self, tag: str, ck, model, capture) -> None:
         """Add checkpoint ``tag``'s (weighted) token scores; ``ck.train`` is the store."""
-        from dattri_ds.per_token import token_gradients
+        from dattri_ds.methods.per_token import token_gradients
         from dattri_ds.tools.progress import bar
 
         progress = bar(self.where.shape[0], f"per-token {tag}")
@@ -314,7 +314,7 @@ def _token_plan(args, store: Path, queries):
     """
     from dattri_ds import CaptureConfig
     from dattri_ds.errors import DoesNotFitError
-    from dattri_ds.per_token import TokenPlan, token_rows
+    from dattri_ds.methods.per_token import TokenPlan, token_rows
     from dattri_ds.plan import available_memory
     from dattri_ds.store.attach import manifest
 
@@ -353,9 +353,9 @@ def _schedule(run, tag: str, recipe: Recipe) -> tuple[float, int | None]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Score the queries with the library's method (``dattri_ds.recipe.Recipe``)."""
+    """Score the queries with the library's method (``dattri_ds.methods.recipe.Recipe``)."""
     args = build_parser().parse_args(argv)
-    from dattri_ds.outputs import check_dir, writing
+    from dattri_ds.io.outputs import check_dir, writing
     check_dir(args.out, flag="--out", force=args.force, overwrites=("scores.npy", "summary.json"))
     setup_logging(verbose=args.verbose)
     run = open_source(args)
@@ -385,7 +385,7 @@ def main(argv: list[str] | None = None) -> dict:
         pass
     seconds = time.perf_counter() - t0
     if tokens is not None:
-        from dattri_ds.per_token import scatter_tokens
+        from dattri_ds.methods.per_token import scatter_tokens
 
         if tokens.ids != ids:
             raise RuntimeError("per-token scores read the store's rows in another order")
@@ -452,7 +452,7 @@ def _check_texts(path, queries) -> None:
         ConfigError: naming what lacks text and how to give it.
     """
     from dattri_ds.errors import ConfigError
-    from dattri_ds.files import check_file, first_json_line
+    from dattri_ds.io.files import check_file, first_json_line
     from dattri_ds.tools.sources import is_token_file
 
     for f in [path] if isinstance(path, str) else path:
@@ -573,6 +573,6 @@ def write_outputs(out: Path, args, run, tags, queries, train_ids, total, per_ckp
 
 
 if __name__ == "__main__":
-    from dattri_ds.cli import run
+    from dattri_ds.cli.exits import run
 
     sys.exit(run(main))

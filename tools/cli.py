@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from dattri_ds.cli import run
+from dattri_ds.cli.exits import run
 from dattri_ds.errors import UsageError
 
 COMMANDS = {
@@ -26,7 +26,7 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The ``dattri-ds`` console command; errors print one line (see dattri_ds/cli.py)."""
+    """The ``dattri-ds`` console command; errors print one line (see dattri_ds/cli/exits.py)."""
     return run(_dispatch, argv)
 
 

@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> dict:
     setup_logging(rank, args.verbose)
     run = open_source(args)
     tags = source_tags(run, args, "all")
-    from dattri_ds.outputs import check_dir
+    from dattri_ds.io.outputs import check_dir
     check_dir(args.out, flag="--out", folders=tags)  # the output door, before any work
     files, max_docs, where = training_data(run, args)
     data = load_texts(files, run.tokenizer, seq_len_of(run, args), max_docs)
@@ -332,6 +332,6 @@ def _seal(path: Path, rank: int, world: int) -> None:
 
 
 if __name__ == "__main__":
-    from dattri_ds.cli import run
+    from dattri_ds.cli.exits import run
 
     sys.exit(run(main))

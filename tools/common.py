@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from dattri_ds.errors import ConfigError
-from dattri_ds.schema import add_flag, flag_type, read_json
+from dattri_ds.io.schema import add_flag, flag_type, read_json
 
 __all__ = ["Run", "setup_logging", "init_distributed", "write_config", "add_source_args",
            "add_checkpoint_args", "open_source", "source_tags", "checkpoint_tags", "store_paths",
@@ -31,9 +31,9 @@ VERBOSE = False
 
 def setup_logging(rank: int = 0, verbose: bool = False) -> None:
     """The tools' log lines (rank 0 at INFO, other ranks WARNING); third-party logging,
-    warnings and progress bars kept to errors unless ``verbose`` (``dattri_ds.noise``, as
+    warnings and progress bars kept to errors unless ``verbose`` (``dattri_ds.cli.noise``, as
     launch/train.py does)."""
-    from dattri_ds.noise import setup_logging as setup
+    from dattri_ds.cli.noise import setup_logging as setup
 
     global VERBOSE
     VERBOSE = verbose
@@ -71,7 +71,7 @@ class Run:
     def open(path: str | os.PathLike, tokenizer: str | os.PathLike | None = None) -> Run:
         """A run directory; its tokenizer is ``tokenizer.model`` (SentencePiece), Hugging Face
         tokenizer files in the run or its ``model/`` folder, or ``tokenizer``."""
-        from dattri_ds.files import check_dir
+        from dattri_ds.io.files import check_dir
         from dattri_ds.tools.sources import hf_tokenizer_dir
 
         root = check_dir(path, "--run folder", "pass the --out folder of launch/train.py, or "
@@ -233,7 +233,7 @@ class Run:
             return _megatron_model(self.root, tag).to(device).eval()
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from dattri_ds.files import model_dir
+        from dattri_ds.io.files import model_dir
         from dattri_ds.integrations.checkpoints import load_state_dict
         from dattri_ds.tools.sources import is_hf_model_dir, load_hf_model
 
@@ -406,7 +406,7 @@ def _open_folder(path: Path, flag: str, tokenizer):
             f"glob '{path}/*') in place of {flag}")
     if flag == "--model":
         return HFModelDir.open(path, tokenizer)  # names what the folder lacks
-    from dattri_ds.files import check_dir
+    from dattri_ds.io.files import check_dir
     check_dir(path, "--run-dir folder", "pass the --out folder of launch/train.py")
     raise ConfigError(
         f"--run-dir {path} is not a run folder (it has no model/config.json; the layout is in "
@@ -653,7 +653,7 @@ def write_config(out: Path, name: str, args) -> None:
 def recorded_config(folder: str | os.PathLike, name: str) -> dict:
     """The resolved arguments ``write_config(folder, name, ...)`` recorded there (``{}`` when
     nothing was), e.g. the ``--data`` collect read a store's rows from."""
-    from dattri_ds.files import read_json
+    from dattri_ds.io.files import read_json
 
     rec = Path(folder) / f"{name}_config.json"
     if not rec.is_file():
@@ -664,7 +664,7 @@ def recorded_config(folder: str | os.PathLike, name: str) -> dict:
 
 def example_ids(data, rows: torch.Tensor, label_shift: int = 1) -> list[str]:
     """The sample ids capture will give these rows (``<doc id>#<content hash>``)."""
-    from dattri_ds.semantics import batch_info
+    from dattri_ds.capture.semantics import batch_info
 
     batch = data.batch(rows)
     info = batch_info((), batch, label_shift=label_shift,
@@ -706,7 +706,7 @@ def load_texts(path: str | list[str], tokenizer, seq_len: int, max_docs: int | N
     the fix.
     """
     from dattri_ds.data import load_documents, tokenize_documents
-    from dattri_ds.files import check_file
+    from dattri_ds.io.files import check_file
     from dattri_ds.tools.sources import is_token_file, load_token_ids, vocab_size_of
 
     if not isinstance(path, (str, os.PathLike)) and len(path) == 1:
@@ -746,7 +746,7 @@ def _query_documents(p: Path) -> list:
     """
     from dattri_ds.data import Document
     from dattri_ds.errors import InputFileError
-    from dattri_ds.files import iter_json_lines
+    from dattri_ds.io.files import iter_json_lines
 
     fix = 'write one {"id": ..., "text": ...} object per line'
     docs, seen = [], set()

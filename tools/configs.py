@@ -4,7 +4,7 @@ Every option of these tools is one field of a frozen config dataclass: a library
 (``ProjectionConfig``, ``CaptureConfig``, ``StoreConfig``, ``KFACConfig``, ``Recipe``) or
 the tool's own (``CollectOptions``, ``FitOptions``, ``AttributeOptions`` below: batch sizes,
 output knobs). :func:`add_flags` adds one flag per field: the type hint gives the parser
-(:func:`dattri_ds.schema.field_flag`: strict numbers in the declared range; ``Literal`` and
+(:func:`dattri_ds.io.schema.field_flag`: strict numbers in the declared range; ``Literal`` and
 registry names as choices; booleans as switches), the attribute docstring the help, the
 default the flag's default. The tables below name the library fields a tool exposes, under
 the flag names they have always had (``--seed`` for ``ProjectionConfig.seed``).
@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from dattri_ds.schema import bounds, field_docs, field_flag
+from dattri_ds.io.schema import bounds, field_docs, field_flag
 
 __all__ = ["Flag", "add_flags", "values", "CollectOptions", "FitOptions",
            "AttributeOptions", "COLLECT", "FIT", "ATTRIBUTE", "DEFAULT_METHOD"]
@@ -189,7 +189,7 @@ class AttributeOptions:
     text_weight: float | None = field(default=None, metadata=bounds(ge=0))
     """Weight w of the text-overlap prior added to the method's scores (per query: score +
     w * std(score) * z(TF-IDF overlap of the rows' and the queries' texts)); default: the
-    method's measured weight (dattri_ds.recipe.TEXT_WEIGHTS; 0 for a method not measured
+    method's measured weight (dattri_ds.methods.recipe.TEXT_WEIGHTS; 0 for a method not measured
     with it), on when the training texts are found; 0: the method's own scores. The
     training texts are --train-data, else collect's recorded --data; when the default is on
     and they are not found, the prior is off and the summary says so (the weights' choice:
@@ -222,7 +222,7 @@ def _weightings() -> Sequence[str]:
 
 def _library_flags():
     from dattri_ds import CaptureConfig, KFACConfig, ProjectionConfig
-    from dattri_ds.recipe import Recipe
+    from dattri_ds.methods.recipe import Recipe
     from dattri_ds.store import StoreConfig
 
     collect = [

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 from dattri_ds.selection.offline import CurateConfig, METHODS  # noqa: E402
 from dattri_ds.selection.offline.config import AGGREGATES, PRECONDITIONS  # noqa: E402
 from dattri_ds.errors import ConfigError  # noqa: E402
-from dattri_ds.schema import add_flag, field_docs, field_flag  # noqa: E402
+from dattri_ds.io.schema import add_flag, field_docs, field_flag  # noqa: E402
 from dattri_ds.tools.common import (  # noqa: E402
     add_checkpoint_args, add_source_args, gradients, init_distributed, load_texts, logger,
     open_source, recorded_config, setup_logging, store_paths, tag_choice,
@@ -167,7 +167,7 @@ def _target_store_rows(args, stores, tags) -> dict[str, torch.Tensor]:
 def _target_rows(args, source, stores, tags, config, docs) -> dict[str, torch.Tensor]:
     """Target rows ``[Q, P]`` per checkpoint from documents, in each store's space."""
     from dattri_ds import GradBatch
-    from dattri_ds.capture import GradientCapture
+    from dattri_ds.capture.hooks import GradientCapture
     from dattri_ds.selection.offline.targets import adam_target, capture_of, load_adam_moments, target_rows
 
     method = METHODS.lookup(config.method)(config)
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> dict:
     rank, world = init_distributed()
     from dattri_ds.selection.offline import Pool, resolve_budget
     from dattri_ds.selection.offline.writer import OUTPUTS
-    from dattri_ds.outputs import check_dir
+    from dattri_ds.io.outputs import check_dir
 
     source = open_source(args)
     available = store_paths(Path(args.store))
@@ -279,6 +279,6 @@ def _run(args, config, source, stores, tags, pool, targets, rank, world):
 
 
 if __name__ == "__main__":
-    from dattri_ds.cli import run
+    from dattri_ds.cli.exits import run
 
     sys.exit(run(main))

@@ -36,10 +36,11 @@ import torch
 import dattri_ds
 from dattri_ds import CaptureConfig, ProjectionConfig
 from dattri_ds.data import (
-    Document, TokenizedDocuments, build_model, load_documents, source_counts, tokenize_documents,
+    Document, TokenizedDocuments, load_documents, source_counts, tokenize_documents,
     train_tokenizer,
 )
-from dattri_ds.schema import add_flag
+from dattri_ds.models.causal_lm import build_model
+from dattri_ds.io.schema import add_flag
 
 logger = logging.getLogger("dattri_ds.tools.demo")
 
@@ -323,6 +324,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    from dattri_ds.cli import run
+    from dattri_ds.cli.exits import run
 
     sys.exit(run(main))

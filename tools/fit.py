@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
     check_tool(run.root, args, seq_len=data.seq_len, examples=len(data),  # the size door
                method="kfac" if args.kfac_only else "ekfac")
     one_file = len(tags) == 1 and Path(args.out).suffix == ".pt"
-    from dattri_ds.outputs import check_dir, check_file, writing
+    from dattri_ds.io.outputs import check_dir, check_file, writing
     if one_file:  # the output door, before any work
         check_file(args.out, flag="--out", force=args.force)
     else:
@@ -185,6 +185,6 @@ def main(argv: list[str] | None = None) -> list[Path]:
 
 
 if __name__ == "__main__":
-    from dattri_ds.cli import run
+    from dattri_ds.cli.exits import run
 
     sys.exit(run(main))

@@ -6,7 +6,7 @@
 #   3. the launch step costs (1B Llama, ZeRO-3 bf16, micro-batch 8, T=512): launch/train.py
 #      plain, --capture (<= 1.05x), content selection (<= 1.02x), alignment (<= 2x) and a
 #      bare DeepSpeed loop (plain within 1.1x of it), MFU and the planner beside each;
-#   4. the planner's calibration against the recorded H200 points (python -m dattri_ds.calibrate)
+#   4. the planner's calibration against the recorded H200 points (python benchmarks/calibrate.py)
 #      and refitted on this run's measurements (--from $OUT: planner-refit.log);
 #   5. peers' collect (bergson, kronfluence, dattri, LogIX) when installed;
 #   6. with >= 2 GPUs, NCCL runs of launch/train.py on 2 ranks (ZeRO-3 and Megatron TP=2).
@@ -100,8 +100,8 @@ if [[ $MODE == dry ]]; then
   step throughput 300 "$PY" benchmarks/scale.py throughput --sizes tiny --device cpu \
       --batch 2 --seq-len 64 --reps 1 --out "$OUT"
   step launch-steps 600 "$PY" benchmarks/launch_steps.py --dry-run --out "$OUT"
-  step planner-calibration 120 "$PY" -m dattri_ds.calibrate
-  step planner-refit 120 "$PY" -m dattri_ds.calibrate --from "$OUT"
+  step planner-calibration 120 "$PY" benchmarks/calibrate.py
+  step planner-refit 120 "$PY" benchmarks/calibrate.py --from "$OUT"
 else
   NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
   if [[ "$NGPU" -lt 1 ]]; then
@@ -117,8 +117,8 @@ else
   step throughput 180 "$PY" benchmarks/scale.py throughput --sizes "$SIZES" --device cuda \
       --batch 4 --seq-len 512 --reps 3 --out "$OUT"
   step launch-steps 330 "$PY" benchmarks/launch_steps.py --device cuda --out "$OUT"
-  step planner-calibration 60 "$PY" -m dattri_ds.calibrate
-  step planner-refit 60 "$PY" -m dattri_ds.calibrate --from "$OUT"  # this run's terms
+  step planner-calibration 60 "$PY" benchmarks/calibrate.py
+  step planner-refit 60 "$PY" benchmarks/calibrate.py --from "$OUT"  # this run's terms
   if [[ "$NGPU" -ge 2 ]]; then
     TRAIN=(launch/train.py --model-config configs/model_llama_tiny.json
            --train-data data/tiny/train.jsonl --max-docs 64 --seq-len 64 --vocab-size 512

@@ -74,7 +74,7 @@ def trainer_state(folder: Path) -> tuple[int | None, float | None]:
     Raises:
         InputFileError: the file is unreadable or not JSON (named).
     """
-    from dattri_ds.files import read_json
+    from dattri_ds.io.files import read_json
 
     path = folder / "trainer_state.json"
     if not path.exists() and not path.is_symlink():
@@ -119,7 +119,7 @@ class HFCheckpoints:
                 length than the folders, a step or lr neither file nor flag gives, two
                 folders with one step or one name, or folders of different models.
         """
-        from dattri_ds.files import model_dir
+        from dattri_ds.io.files import model_dir
         from dattri_ds.tools.sources import hf_tokenizer_dir
 
         folders = [model_dir(f, "--checkpoints", "give Hugging Face checkpoint folders "
@@ -241,7 +241,7 @@ def _check_unique(folders: list[Path], entries: list[dict]) -> None:
 def _check_same_model(folders: list[Path]) -> None:
     """Every folder holds the same architecture (``config.json`` equal but for
     :data:`_VOLATILE` keys)."""
-    from dattri_ds.files import read_json
+    from dattri_ds.io.files import read_json
 
     def arch(f: Path) -> dict:
         cfg = read_json(f / "config.json", "model config")

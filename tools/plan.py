@@ -20,8 +20,8 @@ if __package__ in (None, ""):
 
 from dattri_ds.ops.projection import KINDS  # noqa: E402
 from dattri_ds.plan import DEVICES, ModelShape, RunSpec, plan  # noqa: E402
-from dattri_ds.plan_traffic import TrafficSpec, traffic  # noqa: E402
-from dattri_ds.schema import add_flag, field_docs, flag_type  # noqa: E402
+from dattri_ds.plan.traffic import TrafficSpec, traffic  # noqa: E402
+from dattri_ds.io.schema import add_flag, field_docs, flag_type  # noqa: E402
 
 _CHOICES = {"zero_stage": [0, 1, 2, 3], "offload": ["none", "optimizer", "all"],
             "dtype": ["float32", "bfloat16"], "optimizer": ["adamw", "sgd", "sgd_momentum"],
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = result.to_dict()
     nodes = TrafficSpec(**{f.name: getattr(args, f.name) for f in fields(TrafficSpec)})
     text = result.table()
-    if nodes.nodes > 1:  # inter-node bytes of capture and selection (dattri_ds/plan_traffic.py)
+    if nodes.nodes > 1:  # inter-node bytes of capture and selection (dattri_ds/plan/traffic.py)
         moved = traffic(model, result.spec, nodes, k=result.spec.k)
         out["traffic"] = moved.to_dict()
         text += "\n" + moved.table()

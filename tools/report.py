@@ -21,9 +21,9 @@ if __package__ in (None, ""):
 
 import numpy as np  # noqa: E402
 
-from dattri_ds import files  # noqa: E402
+from dattri_ds.io import files  # noqa: E402
 from dattri_ds.errors import InputFileError  # noqa: E402
-from dattri_ds.schema import add_flag  # noqa: E402
+from dattri_ds.io.schema import add_flag  # noqa: E402
 from dattri_ds.tools.common import logger, setup_logging  # noqa: E402
 from dattri_ds.sample_id import SampleId  # noqa: E402
 
@@ -112,7 +112,7 @@ def _is_list_of(kind, keys=()):
 
 def read_attribution(att: Path):
     """(summary, queries, top-k, train ids, scores [N, Q]) of an attribution folder, each file
-    read through :mod:`dattri_ds.files` and checked against the others' sizes."""
+    read through :mod:`dattri_ds.io.files` and checked against the others' sizes."""
     att = files.check_dir(att, "--attribution folder", _FIX)
     if not ((att / "summary.json").exists() or (att / "summary.json").is_symlink()):
         have = sorted(p.name for p in att.iterdir())[:8]
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> Path:
     setup_logging()
     att = Path(args.attribution)
     summary, queries, top, train_ids, scores = read_attribution(att)
-    from dattri_ds.outputs import check_dir, writing
+    from dattri_ds.io.outputs import check_dir, writing
     check_dir(att, flag="--attribution", force=True, overwrites=("report.md", "report.html"))
     data = train_data(att, args.train_data)
     from dattri_ds.tools.common import announce
@@ -268,6 +268,6 @@ def main(argv: list[str] | None = None) -> Path:
 
 
 if __name__ == "__main__":
-    from dattri_ds.cli import run
+    from dattri_ds.cli.exits import run
 
     sys.exit(run(main))

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from dattri_ds import files
+from dattri_ds.io import files
 from dattri_ds.errors import ConfigError, InputFileError
-from dattri_ds.files import HF_WEIGHTS
+from dattri_ds.io.files import HF_WEIGHTS
 
 __all__ = ["HFModelDir", "HFTokenizer", "is_hf_model_dir", "hf_tokenizer_dir", "load_token_ids",
            "is_token_file", "model_context", "required_context", "vocab_size_of", "pick_tags",
@@ -227,7 +227,7 @@ _TOKEN_FIX = 'write one {"id": ..., "input_ids": [token ids]} object per line'
 
 def is_token_file(path: str | os.PathLike) -> bool:
     """Whether a jsonl file holds token ids (its first record has ``input_ids``); read
-    through :mod:`dattri_ds.files`, so a file that is not JSON lines is an InputFileError
+    through :mod:`dattri_ds.io.files`, so a file that is not JSON lines is an InputFileError
     naming the file and line."""
     first = files.first_json_line(path, "data file", "one JSON object per line (documents "
                                   "with 'text', or token ids with 'input_ids')",

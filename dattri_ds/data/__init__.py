@@ -1,10 +1,11 @@
-"""Data pipeline for the demo and launch/train.py: documents, tokenizer, examples, small models.
+"""Data pipeline for the demo and launch/train.py: documents, tokenizer, examples.
 
 Not imported by ``import dattri_ds``. Importing this package needs only torch:
 ``sentencepiece`` and ``transformers`` are imported by the functions that use them.
 
 Example:
-    >>> from dattri_ds.data import load_documents, train_tokenizer, tokenize_documents, build_model
+    >>> from dattri_ds.data import load_documents, train_tokenizer, tokenize_documents
+    >>> from dattri_ds.models.causal_lm import build_model
     >>> docs = load_documents("data/tiny/train.jsonl")
     >>> tok = train_tokenizer([d.text for d in docs], vocab_size=512)
     >>> ds = tokenize_documents(docs, tok, seq_len=128)   # ds.input_ids: [N, T]
@@ -14,7 +15,6 @@ Example:
 from dattri_ds.data.corpus import (
     FIELDS, Document, iter_jsonl, load_documents, source_counts,
 )
-from dattri_ds.data.models import ARCHITECTURES, build_model, load_model_config
 from dattri_ds.data.tokenizer import (
     BOS_ID, EOS_ID, IGNORE_INDEX, PAD_ID, UNK_ID, TokenizedDocuments, Tokenizer,
     default_cache_dir, tokenize_documents, train_tokenizer,
@@ -24,5 +24,4 @@ __all__ = [
     "Document", "FIELDS", "load_documents", "iter_jsonl", "source_counts",
     "Tokenizer", "TokenizedDocuments", "train_tokenizer", "tokenize_documents",
     "default_cache_dir", "PAD_ID", "UNK_ID", "BOS_ID", "EOS_ID", "IGNORE_INDEX",
-    "ARCHITECTURES", "build_model", "load_model_config",
 ]

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dattri_ds.errors import ConfigError, InputFileError
-from dattri_ds.files import check_file, iter_json_lines
+from dattri_ds.io.files import check_file, iter_json_lines
 
 __all__ = ["Document", "FIELDS", "load_documents", "iter_jsonl", "source_counts"]
 
@@ -67,7 +67,7 @@ def _document(row: dict, where: str) -> Document:
 
 def iter_jsonl(path: str | os.PathLike, what: str = "document file") -> Iterator[Document]:
     """Documents of one JSONL file in file order (blank lines are skipped), read through
-    :mod:`dattri_ds.files` (UTF-8, BOM stripped, line cap).
+    :mod:`dattri_ds.io.files` (UTF-8, BOM stripped, line cap).
 
     Raises:
         InputFileError: the file is missing, not UTF-8, or a line is not valid JSON (file,

@@ -24,7 +24,7 @@ import torch
 
 from dattri_ds.data.corpus import Document
 from dattri_ds.errors import ConfigError, InputFileError
-from dattri_ds.outputs import write_atomic
+from dattri_ds.io.outputs import write_atomic
 
 __all__ = ["Tokenizer", "TokenizedDocuments", "train_tokenizer", "tokenize_documents",
            "default_cache_dir", "PAD_ID", "UNK_ID", "BOS_ID", "EOS_ID", "IGNORE_INDEX"]
@@ -88,7 +88,7 @@ class Tokenizer:
         Raises:
             InputFileError: the file is missing, a folder, or not a SentencePiece model.
         """
-        from dattri_ds.files import check_file
+        from dattri_ds.io.files import check_file
 
         p = check_file(path, "tokenizer", "pass the tokenizer.model a dattri-ds run wrote")
         try:

@@ -2,7 +2,7 @@
 
 ZeRO checkpoints written by any number of ranks are consolidated to fp32 on the CPU with
 DeepSpeed's own ``zero_to_fp32`` (no GPU, no process group). Files are read through
-:mod:`dattri_ds.files`; errors name the path and say what was expected.
+:mod:`dattri_ds.io.files`; errors name the path and say what was expected.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from dattri_ds import files
+from dattri_ds.io import files
 from dattri_ds.errors import ConfigError
 
 __all__ = ["load_state_dict", "checkpoint_tags"]

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from torch import nn
 
 from dattri_ds.distributed import ParallelContext
-from dattri_ds.integrations.base import EngineAdapter
+from dattri_ds.capture.engine import EngineAdapter
 
 __all__ = ["DeepSpeedAdapter", "is_deepspeed_engine"]
 
@@ -22,8 +22,12 @@ def is_deepspeed_engine(obj: object) -> bool:
     return any(c.__name__ == "DeepSpeedEngine" for c in type(obj).__mro__)
 
 
-class DeepSpeedAdapter(EngineAdapter):
+class DeepSpeedAdapter(EngineAdapter, engine="deepspeed"):
     """Adapter for a ``deepspeed.initialize`` engine."""
+
+    @classmethod
+    def matches(cls, engine: object) -> bool:
+        return is_deepspeed_engine(engine)
 
     def __init__(self, engine) -> None:
         self.engine = engine

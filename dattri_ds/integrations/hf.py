@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from dattri_ds.callbacks import TrainingCallback
-from dattri_ds.capture import GradientCapture
-from dattri_ds.config import CaptureConfig
+from dattri_ds.capture.callbacks import TrainingCallback
+from dattri_ds.capture.hooks import GradientCapture
+from dattri_ds.capture.config import CaptureConfig
 from dattri_ds.errors import ConfigError
 from dattri_ds.ops.cost import CostModel
 

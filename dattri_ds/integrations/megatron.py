@@ -11,11 +11,11 @@ from collections.abc import Callable, Iterable
 
 from torch import nn
 
-from dattri_ds.callbacks import TrainingCallback
-from dattri_ds.config import CaptureConfig
+from dattri_ds.capture.callbacks import TrainingCallback
+from dattri_ds.capture.config import CaptureConfig
 from dattri_ds.distributed import ParallelContext
 from dattri_ds.errors import ConfigError
-from dattri_ds.integrations.base import SteppedAdapter
+from dattri_ds.capture.engine import SteppedAdapter
 from dattri_ds.layers import kind_for
 from dattri_ds.layers.megatron import SEQUENCE_FIRST_ATTR, UNSUPPORTED_ATTR
 
@@ -127,7 +127,7 @@ def megatron_capture(model: nn.Module, config: CaptureConfig | None = None, *,
     ``kwargs`` go to GradientCapture (``cost``, ``probe_only``). Attach it with ``with`` or
     ``attach()``; ``cap.adapter.step_done()`` marks optimizer steps.
     """
-    from dattri_ds.capture import GradientCapture
+    from dattri_ds.capture.hooks import GradientCapture
 
     adapter = adapter or MegatronAdapter(model)
     cap = GradientCapture(adapter.unwrap(), config, callbacks=callbacks,

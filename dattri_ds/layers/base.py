@@ -33,7 +33,7 @@ from dattri_ds.gradient import Dense, Factorized, ShardInfo
 from dattri_ds.registry import Registry
 
 if TYPE_CHECKING:
-    from dattri_ds.ops.factor_forms import FactorForm
+    from dattri_ds.layers.factor_forms import FactorForm
 
 __all__ = ["LayerDims", "LayerKind", "KINDS", "kind_for", "get_kind", "param_shape",
            "registered_kinds", "unregister_kind", "COMPUTE_DTYPE"]
@@ -194,7 +194,7 @@ class LayerKind(ABC):
         ``width`` = values per example row, ``full_max`` = ``KFACConfig.full_max``,
         ``side_projected``: the factors are Kronecker side-projected (an index input becomes
         a dense ``P_in`` column, so the index form no longer applies)."""
-        from dattri_ds.ops.factor_forms import FORMS  # the forms build on kinds, not back
+        from dattri_ds.layers.factor_forms import FORMS  # the forms build on kinds, not back
 
         if self.dense_only:
             return FORMS.lookup("full" if width <= full_max else "diagonal")
@@ -322,7 +322,7 @@ class LayerKind(ABC):
         a = p_in.T[f.a] if self.index_input else f.a.to(dt) @ p_in.T
         return Factorized(a, f.g.to(dt) @ p_out.T)
 
-    # ---- planning: one layer's sizes before a run (dattri_ds/plan.py) -------------------
+    # ---- planning: one layer's sizes before a run (dattri_ds/plan/) -------------------------
     def capture_bytes(self, rows: int, tokens: int, shape: tuple[int, int],
                       itemsize: int) -> dict[str, int]:
         """Bytes of one captured batch of ``rows`` examples of ``tokens`` tokens, as

@@ -38,7 +38,7 @@ from dattri_ds.ops.cost import CostModel
 from dattri_ds.ops.inner import project_batch
 from dattri_ds.ops.kronecker import KFACConfig, KFACFactors
 from dattri_ds.ops.projection import Projector
-from dattri_ds.spill import Spill
+from dattri_ds.capture.spill import Spill
 
 logger = logging.getLogger(__name__)
 

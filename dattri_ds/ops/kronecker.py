@@ -63,10 +63,10 @@ from dattri_ds.gradient import CANONICAL, Dense, Factorized, GradBatch, LayerGra
 from dattri_ds.layers.base import COMPUTE_DTYPE, KINDS, LayerKind
 from dattri_ds.layers.outer import GHOST_CHUNK_ELEMENTS, OuterProductKind, row_chunks
 from dattri_ds.ops.cost import CostModel, default_cost_model
-from dattri_ds.ops.factor_forms import FORMS, FactorForm
+from dattri_ds.layers.factor_forms import FORMS, FactorForm
 from dattri_ds.ops.projection import Projector, kron_dims
 from dattri_ds.ops.space import project
-from dattri_ds.schema import bounds, check
+from dattri_ds.io.schema import bounds, check
 
 __all__ = ["KFACConfig", "LayerFactors", "KFACFactors", "METHODS", "logra_sides"]
 
@@ -109,7 +109,7 @@ class KFACConfig:
     diagonal (docs/attribution_fidelity.md, "Norm layers")."""
 
     def __post_init__(self) -> None:
-        check(self, "kfac")  # types, choices and the damping range (dattri_ds/schema.py)
+        check(self, "kfac")  # types, choices and the damping range (dattri_ds/io/schema.py)
 
 
 @dataclass
@@ -545,7 +545,7 @@ class KFACFactors:
     def load(cls, path: str | Path, projector: Projector | None = None,
              map_location: str | torch.device = "cpu") -> KFACFactors:
         """Read factors written by ``save`` (``weights_only``: no pickled objects)."""
-        from dattri_ds.files import load_torch
+        from dattri_ds.io.files import load_torch
         state = load_torch(path, "K-FAC factor file", map_location=map_location,
                            fix="pass a factors file written by tools/fit.py")
         if state.get("format") != _FORMAT:

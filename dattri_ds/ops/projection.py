@@ -50,7 +50,7 @@ import torch
 from dattri_ds.errors import ConfigError
 from dattri_ds.gradient import Space
 from dattri_ds.registry import Registry
-from dattri_ds.schema import bounds, check
+from dattri_ds.io.schema import bounds, check
 
 __all__ = ["ProjectionConfig", "Projector", "stable_seed", "random_matrix", "kron_dims",
            "sparse_columns", "sparse_csr", "KINDS", "SPARSE_NNZ", "ProjectionKind", "PROJECTION_KINDS",

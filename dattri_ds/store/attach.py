@@ -277,8 +277,8 @@ _CHECKS: tuple[Callable[[StoreSpec, str, StoreRequest], list[Difference]], ...] 
 # ---- the layers a consumer captures, before any gradient ---------------------------------
 def capture_layers(capture: Any) -> dict[str, LayerShape]:
     """Layer name -> (kind, shape) of an attached GradientCapture, as its GradBatches (and so
-    a store) name them: tied modules merged into their primary (``dattri_ds.tied``)."""
-    from dattri_ds.tied import find_tied
+    a store) name them: tied modules merged into their primary (``dattri_ds.capture.tied``)."""
+    from dattri_ds.capture.tied import find_tied
 
     groups, _ = find_tied(capture.layers)
     members = {m for g in groups for m in g.members}
@@ -289,8 +289,8 @@ def capture_layers(capture: Any) -> dict[str, LayerShape]:
 def model_layers(model: Any, capture: Any = None) -> dict[str, LayerShape]:
     """``capture_layers`` of ``model`` under a CaptureConfig (default: every supported
     layer), found without a forward pass (hooks are attached and removed again)."""
-    from dattri_ds.capture import GradientCapture
-    from dattri_ds.config import CaptureConfig
+    from dattri_ds.capture.hooks import GradientCapture
+    from dattri_ds.capture.config import CaptureConfig
 
     cfg = replace(capture or CaptureConfig(), whiten=None, projection=None)
     with warnings.catch_warnings():  # the consumer's own capture warns once

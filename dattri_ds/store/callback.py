@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dattri_ds.callbacks import TrainingCallback
+from dattri_ds.capture.callbacks import TrainingCallback
 from dattri_ds.gradient import GradBatch
 from dattri_ds.ops.projection import ProjectionConfig
 from dattri_ds.store.config import StoreConfig

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from dattri_ds import schema
+from dattri_ds.io import schema
 
 __all__ = ["StoreConfig", "STORE_DTYPES"]
 
@@ -51,6 +51,6 @@ class StoreConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> StoreConfig:
         """Build from a dict (a ``"store"`` JSON block), rejecting unknown keys."""
-        from dattri_ds.config import from_dict
+        from dattri_ds.capture.config import from_dict
 
         return from_dict(cls, d, "store")

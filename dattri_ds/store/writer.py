@@ -23,7 +23,7 @@ import torch
 
 from dattri_ds.errors import CaptureError, ConfigError
 from dattri_ds.gradient import GradBatch
-from dattri_ds.outputs import check_dir, writing
+from dattri_ds.io.outputs import check_dir, writing
 from dattri_ds.store.config import StoreConfig
 from dattri_ds.store.format import (
     META_COLUMNS, ShardIndex, StoreCorruptError, list_shards, row_bytes, save_info, shard_paths,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
-from dattri_ds import schema
+from dattri_ds.io import schema
 
 from dattri_ds.errors import ConfigError
 

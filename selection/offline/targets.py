@@ -48,7 +48,7 @@ def store_target_rows(store) -> torch.Tensor:
 
 def capture_of(spec: StoreSpec, *, exact: bool):
     """The CaptureConfig that captures what the store holds (``exact``: unprojected)."""
-    from dattri_ds.config import CaptureConfig
+    from dattri_ds.capture.config import CaptureConfig
     from dattri_ds.ops.projection import ProjectionConfig
 
     from dataclasses import replace

@@ -116,7 +116,7 @@ parameter order drift."""
 
     import test_curate as tc
     from dattri_ds import CaptureConfig
-    from dattri_ds.capture import GradientCapture
+    from dattri_ds.capture.hooks import GradientCapture
     from dattri_ds.selection.offline.targets import adam_precondition, load_adam_moments
     from dattri_ds.integrations.optim_state import read_adam_state
     from dattri_ds.ops.inner import materialize
@@ -231,7 +231,7 @@ def test_adam_moments_from_megatron_tp2_equal_tp1_run(tmp_path):
 def _collect_and_select(rank, world, run_dir, out):
     """``collect`` the last checkpoint's pool store, then ``select`` with cosine and with
     adam-cosine (the run's Adam state); the two score vectors (store order)."""
-    from dattri_ds.cli import run as cli
+    from dattri_ds.cli.exits import run as cli
     from dattri_ds.tools.collect import main as collect
     from dattri_ds.tools.curate import main as select
 

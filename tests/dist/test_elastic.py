@@ -185,7 +185,7 @@ def end_step(self, step, *a, **k):
         os.kill(os.getpid(), signal.SIGKILL)
     return _end(self, step, *a, **k)
 runlog.RunLog.end_step = end_step
-from dattri_ds.cli import run
+from dattri_ds.cli.exits import run
 from dattri_ds.launch.train import main
 sys.exit(run(main))
 """

@@ -44,7 +44,7 @@ def commit(self, *a, **k):
     if os.environ["RANK"] == "1" and len(_done) == 2:
         os.kill(os.getpid(), signal.SIGKILL)
 shard.ShardAppender.commit = commit
-from dattri_ds.cli import run
+from dattri_ds.cli.exits import run
 from dattri_ds.tools.collect import main
 sys.exit(run(main))
 """

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dattri_ds.data import build_model
+from dattri_ds.models.causal_lm import build_model
 from dattri_ds.plan import ModelShape, RunSpec, plan
 
 from _dist import run

@@ -1,4 +1,4 @@
-"""The command-line error path (dattri_ds/cli.py) and the tools' refusal of stand-in defaults.
+"""The command-line error path (dattri_ds/cli/exits.py) and the tools' refusal of stand-in defaults.
 
 Invariants: a usage or config error exits 2 and a runtime error exits 1, each with exactly
 one line ``dattri-ds: error: <message>`` and no traceback; ``--debug`` (or
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from dattri_ds.cli import run
+from dattri_ds.cli.exits import run
 from dattri_ds.errors import CaptureError, ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -134,7 +134,7 @@ def test_diverging_run_fails_after_nonfinite_steps(tmp_path, limit):
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     summary = json.loads((out / "summary.json").read_text())
     if limit:
-        assert proc.returncode == 1, proc.stderr[-2000:]  # a runtime error (dattri_ds/cli.py)
+        assert proc.returncode == 1, proc.stderr[-2000:]  # a runtime error (dattri_ds/cli/exits.py)
         errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("dattri-ds: error: ")]
         assert len(errors) == 1 and f"{limit} consecutive optimizer steps" in errors[0], errors
         assert "Traceback" not in proc.stderr and summary["status"] == "failed"

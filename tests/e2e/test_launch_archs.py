@@ -66,7 +66,7 @@ def test_model_path_folder_and_refusal(tmp_path):
     """A Qwen2 save_pretrained folder trains through --model-path; a Mamba config with
     --capture stops at start naming 'mamba' and the unsupported modules."""
     require("deepspeed", "deepspeed")
-    from dattri_ds.data import build_model
+    from dattri_ds.models.causal_lm import build_model
 
     model = build_model(ROOT / "configs/model_qwen2_tiny.json", vocab_size=512, seed=0)
     model.save_pretrained(tmp_path / "qwen2")

@@ -106,7 +106,7 @@ def test_text_prior_needs_the_training_texts(tmp_path, capsys):
     prior is off and the summary says why (the method's own scores, no model_scores.npy),
     an explicit --text-weight is a one-line usage error naming --train-data that writes
     nothing, and --train-data restores it."""
-    from dattri_ds.cli import run
+    from dattri_ds.cli.exits import run
     from dattri_ds.tools import attribute, collect, fit
 
     folder = _tiny_folder(tmp_path / "gpt2-tiny")
@@ -344,7 +344,7 @@ def test_checkpoint_folders_equal_the_library_call_and_the_run_folder(tmp_path):
     rates (no trainer_state.json, --steps given) TracIn refuses to run,
     naming --lrs, while the normalized EK-FAC trajectory needs none. Breaks if a learning
     rate is misread, the checkpoints are misordered, or a folder is skipped."""
-    from dattri_ds.cli import run
+    from dattri_ds.cli.exits import run
     from dattri_ds.tools import attribute, collect, fit
 
     root = _trainer_checkpoints(tmp_path / "out")
@@ -436,7 +436,7 @@ def test_source_errors_name_the_flag_that_fixes_them(tmp_path, capsys):
     (-> --steps), folders given with --run-dir (-> --checkpoints without it). The two
     folder errors never send the user to the flag that just refused the folder, and the
     flags they name then read the folder."""
-    from dattri_ds.cli import run
+    from dattri_ds.cli.exits import run
     from dattri_ds.tools import fit
 
     root = _trainer_checkpoints(tmp_path / "out")
@@ -671,7 +671,7 @@ def test_factors_of_another_width_are_refused_naming_the_file_and_the_fix(tmp_pa
 
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from dattri_ds.cli import run
+    from dattri_ds.cli.exits import run
     from dattri_ds.tools import attribute, collect, fit
 
     small = _tiny_folder(tmp_path / "small")

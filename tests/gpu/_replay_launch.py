@@ -107,7 +107,7 @@ def main() -> int:
     torch.backends.cudnn.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")
     install(opts)
-    from dattri_ds.cli import run
+    from dattri_ds.cli.exits import run
     from dattri_ds.launch.train import main as launch_main
 
     return run(launch_main, rest)

@@ -52,7 +52,7 @@ def _captured(model, ids):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_capture_matches_autograd_on_cuda(arch):
     """CUDA capture == CUDA per-example autograd == CPU capture (untied head)."""
-    from dattri_ds.data import build_model, load_model_config
+    from dattri_ds.models.causal_lm import build_model, load_model_config
     from reference import reference_grads, rel_err
 
     d = {**load_model_config(ROOT / f"configs/model_{arch}_tiny.json"),

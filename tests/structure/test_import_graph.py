@@ -71,21 +71,28 @@ def _load_time_imports(body: list[ast.stmt]):
             yield from _load_time_imports(node.body)
 
 
-def _all_imports(body: list[ast.stmt]):
-    """Every import statement of the module, in functions too (not typing-only ones)."""
+def _all_imports(body: list[ast.stmt], typing: bool = False):
+    """Every import statement of the module, in functions too (typing-only ones only when
+    ``typing``)."""
     typing_only: set[int] = set()
     tree = ast.Module(body=body, type_ignores=[])
     for node in ast.walk(tree):
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
+        if isinstance(node, ast.If) and _is_type_checking(node.test) and not typing:
             typing_only.update(id(n) for part in node.body for n in ast.walk(part))
     for node in ast.walk(tree):
         if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in typing_only:
             yield node
 
 
-def edges(mods: dict[str, Path], lazy: bool = False) -> dict[str, set[str]]:
-    """Module -> the package modules it imports at load time (``lazy``: anywhere)."""
-    found = _all_imports if lazy else _load_time_imports
+def _typed_imports(body: list[ast.stmt]):
+    return _all_imports(body, typing=True)
+
+
+def edges(mods: dict[str, Path], lazy: bool = False,
+          typing: bool = False) -> dict[str, set[str]]:
+    """Module -> the package modules it imports at load time (``lazy``: anywhere;
+    ``typing``: anywhere, ``if TYPE_CHECKING:`` imports included)."""
+    found = _typed_imports if typing else _all_imports if lazy else _load_time_imports
     graph: dict[str, set[str]] = {}
     for name, path in mods.items():
         is_pkg = path.name == "__init__.py"
@@ -192,3 +199,65 @@ def test_imports_never_flow_upwards():
                  if layer_of(t) not in ALLOWED[layer_of(m)])
     assert not bad, "imports flowing upwards (dattri_ds <- selection <- launch, " \
                     "dattri_ds <- tools):\n" + "\n".join(bad)
+
+
+# ---- the core's rooms: folders (and the few root modules) ----------------------------------
+
+#: The core's floors, lowest first: a room imports only rooms on lower floors (typing-only
+#: imports included). Root modules are rooms of their own.
+FLOORS = (
+    {"errors"},
+    {"registry", "distributed", "sample_id", "io", "cli"},
+    {"gradient"},
+    {"layers"},
+    {"ops"},
+    {"capture", "data", "eval"},
+    {"store", "methods", "integrations", "models", "plan"},
+)
+FLOOR = {room: i for i, rooms in enumerate(FLOORS) for room in rooms}
+MAX_ROOT_MODULES = 8
+
+
+def room_of(name: str) -> str | None:
+    """The core room of module ``name`` (``dattri_ds.ops.cost`` -> ``ops``; a root module is
+    its own room); None outside the core or for the package itself."""
+    if layer_of(name) != "core" or name == "dattri_ds":
+        return None
+    return name.split(".")[1]
+
+
+def room_edges(typing: bool = False) -> dict[str, set[str]]:
+    """Room -> the other core rooms its modules import (lazy imports included)."""
+    graph: dict[str, set[str]] = {}
+    for m, targets in edges(modules(), lazy=True, typing=typing).items():
+        r = room_of(m)
+        if r is None:
+            continue
+        graph.setdefault(r, set()).update(
+            t for t in map(room_of, targets) if t is not None and t != r)
+    return graph
+
+
+def test_every_core_room_has_a_floor():
+    """Each folder and root module of the core is placed on a floor (a new room must be)."""
+    assert set(room_edges()) <= set(FLOOR), sorted(set(room_edges()) - set(FLOOR))
+
+
+def test_no_cycle_between_core_rooms():
+    """No circle between the core's folders, lazy imports included (``capture`` never imports
+    ``integrations``: adapters register themselves)."""
+    cycle = find_cycle(room_edges())
+    assert cycle is None, "folder-level import cycle: " + " -> ".join(cycle or [])
+
+
+def test_core_rooms_import_only_lower_floors():
+    """A room imports only rooms on lower floors, typing-only imports included."""
+    bad = sorted(f"{r} -> {t}" for r, ts in room_edges(typing=True).items() for t in ts
+                 if FLOOR.get(t, 99) >= FLOOR.get(r, -1))
+    assert not bad, "imports up (or across) the core's floors:\n" + "\n".join(bad)
+
+
+def test_package_root_is_small():
+    """The package root holds at most MAX_ROOT_MODULES modules (the rest live in rooms)."""
+    loose = sorted(p.name for p in (ROOT / "dattri_ds").glob("*.py"))
+    assert len(loose) <= MAX_ROOT_MODULES, loose

@@ -26,12 +26,15 @@ from pathlib import Path
 
 import pytest
 
+import dattri_ds
 from stays import count
 
 pytest.importorskip("transformers")
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1] / "dattri_ds"
+#: the package the scenarios import (not this checkout's folder: an identical checkout
+#: imported from elsewhere, e.g. an installed wheel, is where the calls happen)
+ROOT = Path(dattri_ds.__file__).resolve().parent
 
 
 @pytest.mark.parametrize("scenario, during, bound", [

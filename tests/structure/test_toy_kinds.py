@@ -216,7 +216,7 @@ def test_toy_kind_ekfac_matches_autograd(toy):
 @pytest.mark.parametrize("projection", ["kronecker", "toy_subsample"])
 def test_toy_kinds_plan_a_run(toy, projection):
     """The planner reads every layer's terms from its kind: a model made of toy-kind layers
-    plans a run (nothing in dattri_ds/plan.py names a kind), with the toy projection too. Its
+    plans a run (nothing in dattri_ds/plan/ names a kind), with the toy projection too. Its
     parameters and parameter tensors are the real model's, its captured factor bytes are
     those of a real capture, its store is the width of a real projected capture, its
     projection matrices are the toy projection's ``matrix_bytes`` and every layer is routed."""

@@ -39,8 +39,8 @@ def classify(code: int, stderr: str, needle: str) -> str:
 
 
 def in_process(main, argv: list[str]) -> tuple[int, str]:
-    """(exit code, stderr) of ``main(argv)`` through ``dattri_ds.cli.run``, debug off."""
-    from dattri_ds.cli import run
+    """(exit code, stderr) of ``main(argv)`` through ``dattri_ds.cli.exits.run``, debug off."""
+    from dattri_ds.cli.exits import run
 
     os.environ.pop("DATTRI_DS_DEBUG", None)
     err = io.StringIO()

@@ -1,8 +1,8 @@
 """Fuzz the ``"dattri_ds"`` block, DeepSpeed JSON files and launch flags, generated from the
-schema (dattri_ds/schema.py walks the config dataclasses).
+schema (dattri_ds/io/schema.py walks the config dataclasses).
 
 Invariant: every malformed input is refused at start, before anything trains, through the
-CLI error path (dattri_ds/cli.py): exit code 2 and exactly one line
+CLI error path (dattri_ds/cli/exits.py): exit code 2 and exactly one line
 ``dattri-ds: error: ...`` naming the offending key path (or the file:line:column, or the
 flag), no traceback, no silent acceptance. Valid inputs (the configs in configs/, every
 default written out explicitly, every default given as a flag) are accepted and give the
@@ -21,8 +21,8 @@ from typing import Any, Literal
 
 import pytest
 
-from dattri_ds import schema
-from dattri_ds.cli import run
+from dattri_ds.io import schema
+from dattri_ds.cli.exits import run
 from dattri_ds.launch.args import ALIASES, flag_name, parse_args
 from dattri_ds.launch.config import RunConfig, load_run_config
 

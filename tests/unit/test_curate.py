@@ -160,7 +160,7 @@ def test_adam_target_equals_preconditioned_reference(setup, tmp_path):
     (sqrt(v / (1 - beta2^t)) + eps); captured rows carry the token-sum scale n_b n_q),
     exactly before projection and within the documented error ``5 sqrt(2/k) |g_b| |D g_q|``
     after it: breaks if the canonical layout and the parameter layout drift apart."""
-    from dattri_ds.capture import GradientCapture
+    from dattri_ds.capture.hooks import GradientCapture
     from dattri_ds.selection.offline.targets import adam_precondition, adam_target, load_adam_moments
 
     model = tiny_gpt2(seed=1)
@@ -347,7 +347,7 @@ def cli(setup):
 def _select(cli, *extra, method: str | None = "cosine"):
     """``dattri-ds select`` on the fixture's run and pool store (the tests' target is a
     target store, so a gradient method: ``method=None`` leaves the default)."""
-    from dattri_ds.cli import run
+    from dattri_ds.cli.exits import run
     from dattri_ds.tools.curate import main
 
     base = ["--run-dir", str(cli["run"]), "--store", str(cli["grads"]), "--pool",

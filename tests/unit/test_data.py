@@ -22,9 +22,10 @@ require("sentencepiece", "hf")
 require("transformers", "hf")
 
 from dattri_ds.data import (  # noqa: E402
-    BOS_ID, EOS_ID, IGNORE_INDEX, PAD_ID, Document, Tokenizer, build_model, load_documents,
-    load_model_config, source_counts, tokenize_documents, train_tokenizer,
+    BOS_ID, EOS_ID, IGNORE_INDEX, PAD_ID, Document, Tokenizer, load_documents, source_counts,
+    tokenize_documents, train_tokenizer,
 )
+from dattri_ds.models.causal_lm import build_model, load_model_config  # noqa: E402
 from dattri_ds.errors import ConfigError, InputFileError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,13 +74,13 @@ def test_load_documents_errors(tmp_path):
 
 
 def test_file_door_names_line_byte_and_cause(tmp_path, monkeypatch):
-    """dattri_ds.files: a non-UTF-8 byte is named with its line and byte offset, a UTF-8 BOM
+    """dattri_ds.io.files: a non-UTF-8 byte is named with its line and byte offset, a UTF-8 BOM
     is stripped (same documents), CSV and a cut-off last line are called so, an empty file
     holds no documents, and a line over the cap fails after reading about the cap, not the
     whole line (breaks if a reader goes back to open()/json.loads)."""
     import tracemalloc
 
-    from dattri_ds.files import MAX_LINE_ENV
+    from dattri_ds.io.files import MAX_LINE_ENV
     line = '{"id": "a", "source": "s", "title": "t", "text": "x"}\n'
     f = tmp_path / "d.jsonl"
     f.write_bytes(line.encode() + b'{"id": "b", "source": "s", "title": "t", "text": "caf\xe9"}\n')
@@ -110,13 +111,13 @@ def test_file_door_names_line_byte_and_cause(tmp_path, monkeypatch):
 
 
 def test_array_door_checks_the_header_before_allocating(tmp_path):
-    """dattri_ds.files.load_array: a .npy header that declares more bytes than the file holds
+    """dattri_ds.io.files.load_array: a .npy header that declares more bytes than the file holds
     (a damaged or hostile file) is refused from the header, before numpy allocates the
     array; object arrays are refused without unpickling; a good array round-trips."""
     import numpy as np
     from numpy.lib import format as npy
 
-    from dattri_ds.files import load_array
+    from dattri_ds.io.files import load_array
 
     f = tmp_path / "a.npy"
     with open(f, "wb") as fh:

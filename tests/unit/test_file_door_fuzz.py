@@ -54,7 +54,7 @@ require("transformers", "hf")
 require("tokenizers", "hf")
 
 import dattri_ds.errors as dd_errors  # noqa: E402
-from dattri_ds.cli import DEBUG_ENV, run  # noqa: E402
+from dattri_ds.cli.exits import DEBUG_ENV, run  # noqa: E402
 
 MARK = b"w9"            # a word of the tiny tokenizer's vocabulary, inside a JSON string
 LATIN1 = b"caf\xe9"     # latin-1 bytes where UTF-8 is expected
@@ -395,7 +395,7 @@ def door_run_config(env: Env, case: str, tmp: Path):
 
 
 def door_model_config(env: Env, case: str, tmp: Path):
-    from dattri_ds.data import load_model_config
+    from dattri_ds.models.causal_lm import load_model_config
     path = tmp / "model_gpt2.json"
     CASES[case](path, MODEL_CONFIG.replace(b', "dattri_note_' + MARK + b'": null', b""
                                            ) if case != "latin1" else MODEL_CONFIG)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dattri_ds import CaptureConfig, TrainingCallback, materialize
-from dattri_ds.semantics import batch_info
+from dattri_ds.capture.semantics import batch_info
 from _deps import require
 from reference import reference_grads, rel_err, tiny_gpt2
 

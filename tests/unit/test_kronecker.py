@@ -383,7 +383,7 @@ def test_default_damping_is_deterministic_and_spectrum_relative(setup, method):
 def test_blocked_gram_equals_the_full_product(d):
     """add_gram_ (upper block triangle, mirrored) == out + x^T x, for widths that split
     unevenly into blocks and for one-block widths; exactly symmetric."""
-    from dattri_ds.ops.factor_forms import add_gram_
+    from dattri_ds.layers.factor_forms import add_gram_
     gen = torch.Generator().manual_seed(d)
     x = torch.randn(64, d, generator=gen)
     out = torch.randn(d, d, generator=gen)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from dattri_ds.cli import run
+from dattri_ds.cli.exits import run
 from dattri_ds.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -142,7 +142,7 @@ def test_half_written_checkpoint_is_skipped(tmp_path):
 def test_errors_of_one_launch_print_once(tmp_path, monkeypatch):
     """Ranks of one launch (same parent, same rendezvous) reporting the same line: the first
     prints it, the others do not; another line, another launch or a single process prints."""
-    from dattri_ds.noise import first_report
+    from dattri_ds.cli.noise import first_report
 
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     assert first_report("x") is True and first_report("x") is True  # one process
@@ -160,7 +160,7 @@ def test_warnings_of_one_launch_show_once(tmp_path, monkeypatch):
     shown once; another text is shown; a single process shows every warning."""
     import warnings
 
-    from dattri_ds.noise import warn_once_per_launch
+    from dattri_ds.cli.noise import warn_once_per_launch
 
     shown: list[str] = []
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))

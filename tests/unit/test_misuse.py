@@ -226,7 +226,7 @@ def test_capture_config_choices_mirror_semantics():
     """CaptureConfig's Literal hints (checked by the schema) are exactly semantics.py's."""
     import typing
 
-    from dattri_ds.semantics import LOSS_REDUCTIONS, PER_EXAMPLE_LOSSES
+    from dattri_ds.capture.semantics import LOSS_REDUCTIONS, PER_EXAMPLE_LOSSES
     hints = typing.get_type_hints(CaptureConfig)
     assert typing.get_args(hints["loss_reduction"]) == LOSS_REDUCTIONS
     assert typing.get_args(hints["per_example_loss"]) == PER_EXAMPLE_LOSSES

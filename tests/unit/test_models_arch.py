@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from dattri_ds import GradientCapture, materialize
-from dattri_ds.data import build_model
-from dattri_ds.data.models import ARCHITECTURES, check_capturable, load_model_config
+from dattri_ds.models.causal_lm import build_model
+from dattri_ds.models.causal_lm import ARCHITECTURES, check_capturable, load_model_config
 from dattri_ds.errors import ConfigError
 from reference import reference_grads, rel_err
 

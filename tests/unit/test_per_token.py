@@ -11,7 +11,7 @@ import torch
 
 import dattri_ds
 from dattri_ds import CaptureConfig, GradBatch, ProjectionConfig, make_attributor
-from dattri_ds.per_token import scatter_tokens, token_chunks, token_gradients
+from dattri_ds.methods.per_token import scatter_tokens, token_chunks, token_gradients
 from reference import reference_grads, tiny_gpt2
 
 
@@ -105,7 +105,7 @@ def test_token_plan_sizes_the_chunk_and_refuses_a_larger_one():
     import pytest
 
     from dattri_ds.errors import ConfigError
-    from dattri_ds.per_token import TokenPlan
+    from dattri_ds.methods.per_token import TokenPlan
 
     shapes = [(384, 129), (128, 129), (1024, 129)]
     row = TokenPlan.row_cost(shapes, 256, dense_query=True)

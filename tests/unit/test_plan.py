@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dattri_ds import CaptureConfig, GradientCapture, ProjectionConfig
-from dattri_ds.data import build_model
+from dattri_ds.models.causal_lm import build_model
 from dattri_ds.errors import ConfigError
 from dattri_ds.gradient import Dense, Factorized
 from dattri_ds.ops.projection import KINDS
@@ -233,7 +233,8 @@ def test_guard_refuses_what_cannot_fit_this_machine_and_names_the_knob():
     model cannot train here (refused, naming the model knob, the need and the limit); the
     tiny model at its defaults fits; the limit is positive and at most physical memory."""
     from dattri_ds.errors import DoesNotFitError
-    from dattri_ds.plan import Knob, _host_memory, available_memory, check_fits
+    from dattri_ds.plan import Knob, available_memory, check_fits
+    from dattri_ds.plan.devices import _host_memory
 
     limit, source = available_memory()
     assert 0 < limit <= _host_memory() * 1.01 and source

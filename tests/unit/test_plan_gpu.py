@@ -1,4 +1,4 @@
-"""The planner's GPU terms against the recorded H200 measurements (dattri_ds/calibrate.py).
+"""The planner's GPU terms against the recorded H200 measurements (benchmarks/calibrate.py).
 
 Invariants: the shipped H200 terms are what ``calibrate.fit`` finds on the recorded points
 (four numbers: efficiency, kernel latency, capture host time per layer, ZeRO-3 host time per
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from dattri_ds import calibrate
+from benchmarks import calibrate
 from dattri_ds.plan import DEVICES, ModelShape, RunSpec, plan
 
 

@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from dattri_ds import CaptureConfig, ProjectionConfig, collect, fit_factors
-from dattri_ds.data import build_model
+from dattri_ds.models.causal_lm import build_model
 from dattri_ds.layers import get_kind
 from dattri_ds.ops import projection as projection_mod
 from dattri_ds.ops.kronecker import KFACConfig

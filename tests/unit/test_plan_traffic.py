@@ -1,7 +1,7 @@
 """plan --nodes: inter-node bytes per step of capture and selection, on hand-computed cases.
 
 Invariant: each collective's bytes per inter-node link follow the ring formulas of
-dattri_ds/plan_traffic.py (all_reduce 2 (R-1)/R S, all_gather (R-1)/R S, 0 on one node),
+dattri_ds/plan/traffic.py (all_reduce 2 (R-1)/R S, all_gather (R-1)/R S, 0 on one node),
 times its calls per step; capture adds none; a content score adds none per step.
 """
 
@@ -12,7 +12,7 @@ import pytest
 from dattri_ds.errors import ConfigError
 from dattri_ds.layers import get_kind
 from dattri_ds.plan import LayerShape, RunSpec
-from dattri_ds.plan_traffic import TrafficSpec, ring_link_bytes, traffic
+from dattri_ds.plan.traffic import TrafficSpec, ring_link_bytes, traffic
 
 
 class _Model:

@@ -1,4 +1,4 @@
-"""The one per-checkpoint attribution recipe (dattri_ds/recipe.py) shared by attribute and lds.
+"""The one per-checkpoint attribution recipe (dattri_ds/methods/recipe.py) shared by attribute and lds.
 
 Invariants: rows whitened by a checkpoint's factors and kept exactly (k above every layer's
 size) score as the exact curvature method scores raw rows (``<W g_n, W g_q> = g_n^T F^-p
@@ -14,7 +14,7 @@ import torch
 
 from dattri_ds import CaptureConfig, Checkpoint, ProjectionConfig, collect
 from dattri_ds.errors import ConfigError
-from dattri_ds.recipe import Recipe
+from dattri_ds.methods.recipe import Recipe
 
 
 def _captures():

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dattri_ds.sample_id import SampleId
-from dattri_ds.semantics import content_id
+from dattri_ds.capture.semantics import content_id
 
 
 @pytest.mark.parametrize("text, doc, step, digest", [

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from _doors import ROOT, classify, failures, in_process, tally
 
-from dattri_ds import schema
+from dattri_ds.io import schema
 from dattri_ds.launch.args import flag_name, parse_args
 from dattri_ds.launch.config import RunConfig, load_run_config
 

@@ -18,8 +18,8 @@ import torch
 from dattri_ds import Checkpoint, GradientCapture, ProjectionConfig, Spill
 from dattri_ds.errors import DattriDSError
 from dattri_ds.methods import EKFAC, fit_factors
-from dattri_ds.recipe import Recipe
-from dattri_ds.spill import _nbytes
+from dattri_ds.methods.recipe import Recipe
+from dattri_ds.capture.spill import _nbytes
 from reference import rel_err, tiny_gpt2
 
 VOCAB = 31

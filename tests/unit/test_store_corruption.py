@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from dattri_ds.layers import get_kind
-from dattri_ds.config import CaptureConfig
+from dattri_ds.capture.config import CaptureConfig
 from dattri_ds.errors import ConfigError, StoreCorruptError, StoreMismatchError
 from dattri_ds.gradient import Dense, GradBatch, LayerGrad
 from dattri_ds.ops.projection import ProjectionConfig, stable_seed

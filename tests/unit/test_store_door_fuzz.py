@@ -28,7 +28,7 @@ import pytest
 import torch
 
 import dattri_ds.errors as dattri_errors
-from dattri_ds.cli import run as cli_run
+from dattri_ds.cli.exits import run as cli_run
 
 OURS = {n for n in dir(dattri_errors) if n.endswith("Error")}
 RAW = re.compile(r"\b([A-Z][A-Za-z]*(?:Error|Exception))\b")

@@ -78,7 +78,7 @@ def test_each_method_has_its_measured_text_weight():
     """attribute's default weights: the curvature methods' leave-one-regime-out choices
     (docs/attribution_fidelity.md), 0 for every method not measured with the prior."""
     from dattri_ds.methods import registered_attributors
-    from dattri_ds.recipe import TEXT_WEIGHTS, Recipe
+    from dattri_ds.methods.recipe import TEXT_WEIGHTS, Recipe
 
     assert TEXT_WEIGHTS == {"ekfac-trajectory": 0.25, "ekfac": 0.5, "kfac-trajectory": 0.5,
                             "kfac": 0.5}

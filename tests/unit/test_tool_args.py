@@ -80,7 +80,7 @@ def test_flags_are_generated_from_config_fields(tool, table):
 
     from dattri_ds.methods import registered_attributors
     from dattri_ds.ops.projection import KINDS
-    from dattri_ds.schema import FlagType
+    from dattri_ds.io.schema import FlagType
     from dattri_ds.tools import configs
 
     actions = _actions(tool)
@@ -113,7 +113,7 @@ def test_a_new_option_field_is_a_new_flag():
     import argparse
     from dataclasses import dataclass, field
 
-    from dattri_ds.schema import bounds
+    from dattri_ds.io.schema import bounds
     from dattri_ds.tools.configs import add_flags, option_flags
 
     @dataclass(frozen=True, kw_only=True)

@@ -1,8 +1,8 @@
 """Fuzz the offline tools' numeric and boolean flags (issue 13).
 
 Every tool's ``build_parser()`` is read for its flags; malformed values are generated from each
-flag's declared rule (its :class:`~dattri_ds.schema.FlagType`: type and range) and fed through
-``dattri_ds.cli.run(<tool main>, argv)``. Each must exit 2 with exactly one
+flag's declared rule (its :class:`~dattri_ds.io.schema.FlagType`: type and range) and fed through
+``dattri_ds.cli.exits.run(<tool main>, argv)``. Each must exit 2 with exactly one
 ``dattri-ds: error:`` line naming the flag, before any work starts (the parser is checked to
 reject the value first, so a missed rejection fails here instead of starting a run).
 """
@@ -14,8 +14,8 @@ import importlib
 
 import pytest
 
-from dattri_ds.cli import run
-from dattri_ds.schema import FlagType
+from dattri_ds.cli.exits import run
+from dattri_ds.io.schema import FlagType
 
 #: tool -> the required flags (pointing nowhere: a parse that wrongly succeeded fails fast).
 #: ``lds`` is absent: it has no numeric flag (``test_lds_command_has_no_numeric_flag``).

@@ -17,7 +17,7 @@ from dattri_ds.errors import (
     CheckpointMismatchError, ClosedError, ConfigError, DattriDSError, FactorFileError,
     FactorStateError, StreamItemError, StreamStateError, UnsupportedEngineError,
 )
-from dattri_ds.integrations import adapter_for
+from dattri_ds.capture.engine import adapter_for
 from dattri_ds.methods import EKFAC, KFAC
 from reference import tiny_gpt2
 

@@ -1,4 +1,10 @@
-"""EngineAdapter: what capture needs to know from a training engine, one file per engine."""
+"""EngineAdapter: what capture needs to know from a training engine, one file per engine.
+
+Capture knows engines only through this protocol. An adapter for a wrapping engine
+(``integrations/deepspeed.py``) registers itself with ``class X(EngineAdapter,
+engine="deepspeed")`` and answers ``matches(engine)``; :func:`adapter_for` asks the registered
+adapters in turn and falls back to :class:`PlainAdapter` for any ``nn.Module``.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +14,15 @@ from collections.abc import Callable
 from torch import nn
 
 from dattri_ds.distributed import ParallelContext
+from dattri_ds.errors import UnsupportedEngineError
+from dattri_ds.registry import Registry
 
-__all__ = ["EngineAdapter", "PlainAdapter", "SteppedAdapter"]
+__all__ = ["EngineAdapter", "PlainAdapter", "SteppedAdapter", "adapter_for", "ENGINES"]
+
+#: wrapping engines (name -> adapter class) that :func:`adapter_for` recognises
+ENGINES: Registry[type["EngineAdapter"]] = Registry(
+    "engine adapter", error=UnsupportedEngineError,
+    hint="register one with class X(EngineAdapter, engine='name') and a matches() classmethod")
 
 
 class EngineAdapter(ABC):
@@ -27,6 +40,15 @@ class EngineAdapter(ABC):
     """
 
     counts_steps: bool = True
+
+    def __init_subclass__(cls, engine: str | None = None, **kw) -> None:
+        super().__init_subclass__(**kw)
+        ENGINES.register_class(cls, engine)
+
+    @classmethod
+    def matches(cls, engine: object) -> bool:
+        """Whether ``engine`` is one this adapter wraps (registered adapters answer it)."""
+        return False
 
     @abstractmethod
     def unwrap(self) -> nn.Module: ...
@@ -104,3 +126,20 @@ class PlainAdapter(EngineAdapter):
             self._step += 1
             fn()
         return self.optimizer.register_step_post_hook(hook).remove
+
+
+def adapter_for(engine: object, optimizer=None) -> EngineAdapter:
+    """The registered adapter whose ``matches(engine)`` is true (e.g. a DeepSpeed engine), or
+    a PlainAdapter for any nn.Module (whose ``optimizer``, if given, marks the optimizer steps).
+
+    Raises:
+        UnsupportedEngineError: neither a registered engine nor an nn.Module.
+    """
+    for cls in ENGINES.values():
+        if cls.matches(engine):
+            return cls(engine)
+    if isinstance(engine, nn.Module):
+        return PlainAdapter(engine, optimizer)
+    raise UnsupportedEngineError(
+        f"No dattri-ds adapter for {type(engine).__name__}: pass an nn.Module or an engine of "
+        f"a registered adapter ({ENGINES.names()})")

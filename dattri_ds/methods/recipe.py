@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import TypeVar
 
-from dattri_ds.config import CaptureConfig
+from dattri_ds.capture.config import CaptureConfig
 from dattri_ds.errors import ConfigError
 from dattri_ds.gradient import GradBatch
 from dattri_ds.methods import (

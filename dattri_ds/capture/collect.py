@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from dattri_ds.capture import GradientCapture
-from dattri_ds.config import CaptureConfig
+from dattri_ds.capture.hooks import GradientCapture
+from dattri_ds.capture.config import CaptureConfig
 from dattri_ds.errors import CaptureError, ConfigError
 from dattri_ds.gradient import GradBatch
 from dattri_ds.ops.cost import CostModel

@@ -23,7 +23,7 @@ import torch
 
 from dattri_ds.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 from dattri_ds.errors import ConfigError
-from dattri_ds.files import read_json
+from dattri_ds.io.files import read_json
 
 __all__ = ["ARCHITECTURES", "causal_lm_types", "load_model_config", "build_model",
            "check_capturable"]

@@ -30,17 +30,17 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
-from dattri_ds.callbacks import TrainingCallback
-from dattri_ds.config import CaptureConfig
+from dattri_ds.capture.callbacks import TrainingCallback
+from dattri_ds.capture.config import CaptureConfig
 from dattri_ds.errors import CaptureError, ConfigError, UnsupportedLayerError
 from dattri_ds.gradient import Dense, Factorized, GradBatch, LayerGrad, ShardInfo
-from dattri_ds.integrations.base import EngineAdapter
+from dattri_ds.capture.engine import EngineAdapter, adapter_for
 from dattri_ds.layers import LayerKind, kind_for
 from dattri_ds.ops.cost import CostModel
 from dattri_ds.ops.inner import project_batch
 from dattri_ds.ops.projection import Projector
-from dattri_ds.semantics import BatchInfo, batch_info, example_scale
-from dattri_ds.tied import TiedGroup, find_tied, merge_tied
+from dattri_ds.capture.semantics import BatchInfo, batch_info, example_scale
+from dattri_ds.capture.tied import TiedGroup, find_tied, merge_tied
 
 __all__ = ["GradientCapture"]
 
@@ -152,7 +152,6 @@ class GradientCapture:
         For a plain module, steps advance after every ``optimizer.step()`` when ``optimizer``
         is given, else when the loop calls ``next_step()``.
         """
-        from dattri_ds.integrations import adapter_for
 
         adapter = adapter_for(engine, optimizer=optimizer)
         cap = cls(adapter.unwrap(), config, callbacks=callbacks, cost=cost,
@@ -246,7 +245,7 @@ class GradientCapture:
             )
 
     def _warn_tied(self) -> None:
-        """Find tied weights; warn, by name, about ties no rule of dattri_ds/tied.py covers."""
+        """Find tied weights; warn, by name, about ties no rule of dattri_ds/capture/tied.py covers."""
         self._tied, unsupported = find_tied(self.layers)
         if unsupported:
             warnings.warn(

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dattri_ds.collect import collect
-from dattri_ds.config import CaptureConfig
+from dattri_ds.capture.collect import collect
+from dattri_ds.capture.config import CaptureConfig
 from dattri_ds.errors import ConfigError
 from dattri_ds.gradient import GradBatch
 from dattri_ds.ops.cost import CostModel

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
-from dattri_ds import schema
+from dattri_ds.io import schema
 from dattri_ds.errors import ConfigError
 from dattri_ds.ops.projection import ProjectionConfig
 
@@ -16,7 +16,7 @@ C = TypeVar("C")
 
 @dataclass(frozen=True, kw_only=True)
 class CaptureConfig:
-    """How gradients are captured (semantics: see dattri_ds/semantics.py)."""
+    """How gradients are captured (semantics: see dattri_ds/capture/semantics.py)."""
 
     include: tuple[str, ...] = ()
     """fnmatch patterns of module names to capture; empty = every supported layer."""
@@ -87,7 +87,7 @@ class CaptureConfig:
 
 
 def from_dict(cls: type[C], d: dict[str, Any], where: str) -> C:
-    """Build a frozen config dataclass from a JSON object with :func:`dattri_ds.schema.parse`:
+    """Build a frozen config dataclass from a JSON object with :func:`dattri_ds.io.schema.parse`:
     strict types and ranges from the type hints (nested dataclasses included), unknown keys
     refused at every level."""
     return schema.parse(cls, d, where)

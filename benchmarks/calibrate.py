@@ -8,7 +8,7 @@ steps of the 1B Llama config under ZeRO-3 on one GPU (micro-batch 8, T=512, voca
 ``fit`` chooses the four host and device terms of a ``DeviceSpec`` that ``plan._times`` reads
 (``efficiency``, ``kernel_latency_s``, ``capture_layer_s``, ``zero3_tensor_s``): a grid over
 the first two, the others in closed form, minimizing the squared relative error of every
-fitted point. ``python -m dattri_ds.calibrate`` prints the fit, each point's error and the
+fitted point. ``python benchmarks/calibrate.py`` prints the fit, each point's error and the
 leave-one-size-out predictions; ``--from runs/gpu_check`` refits on a new
 ``tools/gpu_check.sh`` run.
 """

@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from dattri_ds import schema
+from dattri_ds.io import schema
 from dattri_ds.errors import ConfigError
 
 __all__ = ["TrafficSpec", "Collective", "Traffic", "ring_link_bytes", "traffic"]

@@ -66,7 +66,7 @@ def run(main: Callable[[list[str]], Any], argv: list[str] | None = None) -> int:
     except Exception as err:  # noqa: BLE001 - the one place errors become exit codes
         if debug:
             raise
-        from dattri_ds.noise import first_report
+        from dattri_ds.cli.noise import first_report
 
         line = f"{PROG}: error: {message(err)}\n"
         if first_report(line):  # ranks of one launch failing alike: the line once

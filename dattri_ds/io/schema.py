@@ -425,9 +425,9 @@ def leaves(cls: type, prefix: tuple[str, ...] = ()) -> Iterator[Leaf]:
 # ---- JSON files ---------------------------------------------------------------------------
 
 def read_json(path: str | os.PathLike, flag: str) -> Any:
-    """A JSON file's content through the one file reader (:func:`dattri_ds.files.read_json`):
+    """A JSON file's content through the one file reader (:func:`dattri_ds.io.files.read_json`):
     every failure is an InputFileError naming the file (and line and column for syntax
     errors, the flag that supplies the file when it is missing)."""
-    from dattri_ds.files import read_json as read
+    from dattri_ds.io.files import read_json as read
 
     return read(path, "JSON config", flag=flag)
