@@ -145,7 +145,7 @@ def load_run_config(path: str | Path, overrides: dict[tuple[str, ...], Any] | No
 
     Args:
         path: the DeepSpeed JSON (``--deepspeed_config``).
-        overrides: ``{key path: value}`` from the generated flags (launch/args.py); they
+        overrides: ``{key path: value}`` from the generated flags (``parse_args``); they
             replace the JSON's values before the block is parsed.
 
     Raises:
