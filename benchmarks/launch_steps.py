@@ -94,8 +94,7 @@ def _bare(ds_path: str, argv: list[str], marks: _Marks, out: Path) -> dict:
     import deepspeed
 
     from dattri_ds.models.causal_lm import build_model
-    from dattri_ds.launch.args import parse_args
-    from dattri_ds.launch.config import load_run_config
+    from dattri_ds.launch.args import load_run_config, parse_args
     from dattri_ds.launch.loop import micro_batch_indices
     from dattri_ds.launch.train import prepare_data
 
@@ -157,7 +156,7 @@ def worker(port: int, opts: dict, q) -> None:
 
 def _predict(opts: dict, v: str) -> tuple[float, float]:
     """(planner seconds of variant ``v``, the device's peak flops/s)."""
-    from dattri_ds.launch.config import load_run_config
+    from dattri_ds.launch.args import load_run_config
     from dattri_ds.plan import DEVICES, ModelShape, RunSpec, plan
 
     ds, cfg = load_run_config(opts["ds"])

@@ -206,7 +206,7 @@ def _zero_init_build(ds_path: str):
         from transformers.integrations import HfDeepSpeedConfig
 
         from dattri_ds.models.causal_lm import build_model
-        from dattri_ds.launch.config import load_run_config
+        from dattri_ds.launch.args import load_run_config
         with torch.device("meta"):  # the exact HF config build_model makes, no weights
             shell = build_model(cfg.train.model_config, tokenizer=tok, seed=None)
         keep = HfDeepSpeedConfig(load_run_config(ds_path)[0])

@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from selection_effect import Setup, mean_loss, spearman  # noqa: E402
 
 from benchmarks._common import loop_configs  # noqa: E402
-from dattri_ds.launch.torch_backend import make_optimizer  # noqa: E402
+from dattri_ds.launch.optimizer import make_optimizer  # noqa: E402
 from dattri_ds.selection import SelectionConfig  # noqa: E402
 
 #: The DeepSpeed dict of the runs (configs/zero3_cpu.json, micro-batch 8 x 2): optimizer,

@@ -251,7 +251,8 @@ def instrument_backend(backend, clock: PhaseClock, turns: Turns, run: int) -> No
 def measure(rank: int, world: int, args, out: Path) -> dict:
     """Both runs on this rank (after ``Backend.setup``); per-step CPU seconds and phases of
     the measured steps, the selector's plan line and the resolved selection settings."""
-    from dattri_ds.launch.loop import backend_class, train
+    from dattri_ds.launch.backend import backend_class
+    from dattri_ds.launch.loop import train
 
     ds, plain_cfg, sel_cfg, data, tok, target = run_inputs(args, world, out)
     backend_cls = backend_class(sel_cfg.engine.backend)

@@ -20,7 +20,7 @@ import torch
 from dattri_ds.distributed import ParallelContext
 from dattri_ds.errors import ConfigError
 from dattri_ds.launch.config import RunConfig
-from dattri_ds.launch.loop import Backend
+from dattri_ds.launch.backend import Backend
 
 __all__ = ["DeepSpeedBackend", "setup_distributed", "build", "to_universal"]
 

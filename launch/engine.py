@@ -1,7 +1,7 @@
 """Which engine trains: the backend registry and ``EngineConfig`` (``dattri_ds.engine``).
 
 ``BACKENDS`` maps a ``--backend`` name to ``"module:Class"`` of its ``Backend``
-(launch/loop.py), imported on use so that DeepSpeed and Megatron stay optional: a new
+(launch/backend.py), imported on use so that DeepSpeed and Megatron stay optional: a new
 backend is one ``Backend`` subclass in its own file and one line here. ``EngineConfig``'s
 fields are the ``"engine"`` keys of the ``"dattri_ds"`` block and, unprefixed, flags
 (``--backend``, ``--tensor-model-parallel-size``, ...; launch/args.py).

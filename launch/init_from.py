@@ -24,6 +24,7 @@ from torch import nn
 
 from dattri_ds.errors import ConfigError
 from dattri_ds.launch.config import RunConfig
+from dattri_ds.launch.resume import Checkpoints
 
 __all__ = ["check_init_from", "init_tokenizer", "init_hf_weights", "init_megatron_weights"]
 
@@ -93,8 +94,6 @@ def check_init_from(cfg: RunConfig) -> str | None:
 
 def _tag(cfg: RunConfig) -> str | None:
     """The complete checkpoint ``--init-checkpoint`` names (``latest``: the newest)."""
-    from dattri_ds.launch.loop import Checkpoints
-
     if cfg.train.init_checkpoint is None:
         return None
     root = _root(cfg)

@@ -32,9 +32,10 @@ from torch import nn
 from dattri_ds.errors import ConfigError
 from dattri_ds.integrations import megatron_checkpoint as ckpt
 from dattri_ds.integrations.megatron_checkpoint import is_tp
+from dattri_ds.launch.backend import local_device
 from dattri_ds.launch.config import RunConfig, dump_json
-from dattri_ds.launch.torch_backend import (
-    TorchOptimized, local_device, make_optimizer, make_schedule, optimizer_spec,
+from dattri_ds.launch.optimizer import (
+    TorchOptimized, make_optimizer, make_schedule, optimizer_spec,
 )
 from dattri_ds.models.megatron_gpt import MegatronLM, build_gpt, cpu_workarounds
 
@@ -91,7 +92,7 @@ def padded_vocab(vocab: int, tp: int, multiple: int = 64) -> int:
     return -(-vocab // m) * m
 
 
-# ---- optimization (the torch optimizer and schedule: launch/torch_backend.py) -------------
+# ---- optimization (the torch optimizer and schedule: launch/optimizer.py) -----------------
 def wrap_ddp(gpt: nn.Module) -> nn.Module:
     """Megatron's ``DistributedDataParallel`` around the GPTModel (grad buffers; no overlap).
 

@@ -1,5 +1,6 @@
-"""Train a causal LM with DeepSpeed (or Megatron-core) on local text, capturing per-example
-gradients and selecting data online on request.
+"""The training command: a causal LM on local text, capturing gradients and selecting data on request.
+
+The engine is DeepSpeed (the default), Megatron-core or plain torch (``--backend``).
 
     deepspeed --num_gpus 2 launch/train.py --deepspeed_config configs/zero3_cpu.json --capture
     torchrun --standalone --nproc_per_node 2 launch/train.py --deepspeed_config ...
@@ -8,10 +9,12 @@ gradients and selecting data online on request.
     python launch/train.py --backend torch --deepspeed_config ...    # no DeepSpeed engine
 
 Our settings live in the ``"dattri_ds"`` block of the DeepSpeed JSON (launch/config.py);
-flags override them. This file prepares data, selector and evaluator; the loop is
-launch/loop.py, the engines its backends. ``train_in_process`` runs the loop on the torch
-backend for callers that already hold tokenized data (tools/demo.py, the selection
-benchmarks). What the output directory receives: docs/training.md.
+flags override them (launch/args.py). This file runs the checks at start (launch/checks.py),
+prepares data and selector, and hands them to the loop (launch/loop.py) with a backend
+(launch/backend.py), the evaluator (launch/evaluate.py) and, on ``--resume``, the state
+launch/resume.py restored. ``train_in_process`` runs the loop on the torch backend for
+callers that already hold tokenized data (tools/demo.py, the selection benchmarks). What the
+output directory receives: docs/training.md.
 """
 
 from __future__ import annotations
@@ -27,16 +30,20 @@ if __package__ in (None, ""):  # run as a script: make `dattri_ds.launch` import
 
 import torch  # noqa: E402
 
-from dattri_ds.launch.args import parse_args  # noqa: E402
-from dattri_ds.launch.config import (  # noqa: E402
-    RunConfig, check_outputs, dump_json, load_run_config,
-)
-from dattri_ds.launch.inputs import check_inputs  # noqa: E402
-from dattri_ds.launch.loop import backend_class, check_resume, resume, train  # noqa: E402
+from dattri_ds.errors import ConfigError  # noqa: E402
+from dattri_ds.launch.args import load_run_config, parse_args  # noqa: E402
+from dattri_ds.launch.backend import backend_class  # noqa: E402
+from dattri_ds.launch.checks import check_inputs, check_outputs  # noqa: E402
+from dattri_ds.launch.config import RunConfig, dump_json  # noqa: E402
+from dattri_ds.launch.evaluate import make_evaluator, tokenized_texts  # noqa: E402
+from dattri_ds.launch.init_from import init_tokenizer  # noqa: E402
+from dattri_ds.launch.loop import train  # noqa: E402
+from dattri_ds.launch.resume import check_resume, resume  # noqa: E402
 from dattri_ds.launch.runlog import record_failure  # noqa: E402
 from dattri_ds.cli.noise import (  # noqa: E402
     quiet_third_party, setup_logging, warn_once_per_launch,
 )
+from dattri_ds.selection import OnlineSelector, check_target_compatible  # noqa: E402
 
 logger = logging.getLogger("dattri_ds.launch")
 # DeepSpeed calls torch collectives that torch 2.13 marks deprecated: noise for our users.
@@ -47,7 +54,6 @@ def prepare_data(cfg: RunConfig, out: Path, rank: int):
     """Documents, tokenizer (the ``--init-from`` run's, else trained by rank 0, cached, then
     loaded by the others), examples."""
     from dattri_ds.data import load_documents, tokenize_documents, train_tokenizer
-    from dattri_ds.launch.init_from import init_tokenizer
 
     tc = cfg.train
     docs = load_documents(list(tc.train_data))
@@ -140,7 +146,6 @@ def train_in_process(ds_config: dict, cfg: RunConfig, data, tok, out: Path, *,
     Raises:
         ConfigError: another backend, or anything ``main`` refuses.
     """
-    from dattri_ds.errors import ConfigError
     from dattri_ds.launch.torch_backend import TorchBackend
 
     if cfg.engine.backend != "torch":
@@ -156,13 +161,6 @@ def train_in_process(ds_config: dict, cfg: RunConfig, data, tok, out: Path, *,
                 wrap_selector=wrap_selector), backend
 
 
-def _target_docs(path: str, tok, seq_len: int, skip: int, limit: int | None):
-    from dattri_ds.data import load_documents, tokenize_documents
-
-    docs = load_documents(path)[skip:]
-    return tokenize_documents(docs[:limit] if limit else docs, tok, seq_len)
-
-
 def make_selector(model, cfg: RunConfig, data, tok, ctx, device, log_path, target=None):
     """The OnlineSelector of ``--online-selection`` on ``model`` (what the loop calls), for
     both backends; every check runs before the first step. None when selection is off.
@@ -170,16 +168,13 @@ def make_selector(model, cfg: RunConfig, data, tok, ctx, device, log_path, targe
     sc = cfg.selection
     if not sc.enabled:
         return None
-    from dattri_ds.errors import ConfigError
-    from dattri_ds.selection import OnlineSelector, check_target_compatible
-
     tdata = target
     if not sc.target_store and tdata is None:
         if sc.target_data is None:
             raise ConfigError("--online-selection needs the target texts: pass --target-data "
                               "FILE.jsonl (e.g. a validation set of the task you care about) "
                               "or --selection-target-store STORE")
-        tdocs = _target_docs(sc.target_data, tok, data.seq_len, 0, sc.target_max_docs)
+        tdocs = tokenized_texts(sc.target_data, tok, data.seq_len, 0, sc.target_max_docs)
         check_target_compatible(data, tdocs)
         tdata = tdocs.batch(slice(None))
     return OnlineSelector.for_target_data(model, sc, tdata, capture=cfg.capture, ctx=ctx,
@@ -193,59 +188,6 @@ def _selector(backend, cfg: RunConfig, data, tok, out: Path, target=None):
     backend.check_selection()
     return make_selector(backend.model, cfg, data, tok, backend.ctx, backend.device,
                          backend.selection_log(out), target=target)
-
-
-def make_evaluator(model, cfg: RunConfig, tok, seq_len: int, ctx, device):
-    """``evaluate() -> {"target_loss": ..., "general_loss": ...}`` mean token losses on
-    held-out texts (``general_loss`` only with ``train.general_eval_data``), each DP rank a
-    share; None when ``train.eval_every`` is 0.
-
-    Every rank runs the same number of forward calls (``ceil(N / (8 * dp_world))``, a rank
-    without rows left runs a zero-weight batch) so ZeRO-3 gathers and tensor-parallel
-    collectives stay in step; the token-weighted sums are all-reduced over the DP group.
-    """
-    from dattri_ds.errors import ConfigError
-
-    tc = cfg.train
-    if not tc.eval_every:
-        return None
-    path = tc.eval_data or cfg.selection.target_data
-    if path is None:
-        raise ConfigError("--eval-every needs held-out texts: pass --eval-data FILE.jsonl")
-    sets = {"target_loss": _target_docs(path, tok, seq_len,
-                                        tc.eval_skip if tc.eval_data is None else 0,
-                                        tc.eval_max_docs)}
-    if tc.general_eval_data:
-        sets["general_loss"] = _target_docs(tc.general_eval_data, tok, seq_len, 0,
-                                            tc.eval_max_docs)
-    losses = {k: _loss_fn(model, ev, ctx, device) for k, ev in sets.items()}
-    return lambda: {k: fn() for k, fn in losses.items()}
-
-
-def _loss_fn(model, ev, ctx, device):
-    """``() -> mean token loss`` of the examples ``ev``, split over the DP group."""
-    from dattri_ds.distributed import all_reduce_sum
-
-    rows = torch.arange(ctx.dp_rank, len(ev), ctx.dp_world)
-    n_batches = max(-(-len(ev) // (8 * ctx.dp_world)), 1)  # the same count on every DP rank
-
-    @torch.no_grad()
-    def evaluate() -> float:
-        was = model.training
-        model.eval()
-        tot = torch.zeros(2, dtype=torch.float64, device=device)
-        for i in range(n_batches):
-            idx, weight = rows[i * 8:(i + 1) * 8], 1.0
-            if idx.numel() == 0:  # keep collectives in step on every rank
-                idx, weight = torch.tensor([0]), 0.0
-            b = {k: v.to(device) for k, v in ev.batch(idx).items()}
-            n = float((b["labels"][:, 1:] != -100).sum()) * weight
-            tot += torch.tensor([float(model(**b).loss) * n, n], dtype=torch.float64,
-                                device=device)
-        all_reduce_sum(tot, ctx.dp_group, ctx.dp_world)
-        model.train(was)
-        return float(tot[0] / tot[1].clamp_min(1))
-    return evaluate
 
 
 if __name__ == "__main__":

@@ -219,7 +219,7 @@ def _blind_rank(rank, world, out):
     import torch.distributed as dist
 
     from dattri_ds.errors import ConfigError
-    from dattri_ds.launch.loop import check_shared_out
+    from dattri_ds.launch.resume import check_shared_out
 
     dist.init_process_group("gloo")
     if rank == 1:  # this "node" mounts another file system at the same path

@@ -109,7 +109,7 @@ def test_resume_refusals(tmp_path):
     """A resume that cannot reproduce the run is refused at start, naming the fix: from a
     tag the run does not have (another selection config: test_resume_selection.py)."""
     from dattri_ds.errors import ConfigError
-    from dattri_ds.launch.loop import resume_tag
+    from dattri_ds.launch.resume import resume_tag
 
     (tmp_path / "checkpoints" / "step2").mkdir(parents=True)
     (tmp_path / "trajectory.json").write_text(json.dumps(

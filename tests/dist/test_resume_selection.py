@@ -134,7 +134,7 @@ def test_resume_under_another_selection_config_is_refused(tmp_path):
     start with one line naming the key, both values and the fix; the same config passes."""
     from dattri_ds.errors import ConfigError
     from dattri_ds.launch.config import RunConfig
-    from dattri_ds.launch.loop import check_resume, selection_config
+    from dattri_ds.launch.resume import check_resume, selection_config
     from dattri_ds.selection.state import SelectionCheckpoint
 
     sel = {"enabled": True, "target_data": "t.jsonl"}

@@ -210,8 +210,7 @@ def test_engine_flags_are_config_fields(tmp_path):
     the flags and the JSON's "engine" block alike), and parallel sizes without --backend
     megatron are refused naming the flags and the fix."""
     from dattri_ds.errors import ConfigError
-    from dattri_ds.launch.args import parse_args
-    from dattri_ds.launch.config import load_run_config
+    from dattri_ds.launch.args import load_run_config, parse_args
 
     cfg = _config(tmp_path, 2, engine={"backend": "megatron"})
     args = parse_args(["--deepspeed_config", str(cfg), "--tensor-model-parallel-size", "2",

@@ -23,8 +23,8 @@ import pytest
 
 from dattri_ds.io import schema
 from dattri_ds.cli.exits import run
-from dattri_ds.launch.args import ALIASES, flag_name, parse_args
-from dattri_ds.launch.config import RunConfig, load_run_config
+from dattri_ds.launch.args import ALIASES, flag_name, load_run_config, parse_args
+from dattri_ds.launch.config import RunConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1}

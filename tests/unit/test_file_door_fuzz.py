@@ -231,10 +231,10 @@ def door_queries(env: Env, case: str, tmp: Path):
 
 def door_target_data(env: Env, case: str, tmp: Path):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from launch.train import _target_docs
+    from launch.evaluate import tokenized_texts
     path = tmp / "target.jsonl"
     CASES[case](path, DOCS)
-    return path, lambda: _target_docs(str(path), env.tok, 16, 0, None)
+    return path, lambda: tokenized_texts(str(path), env.tok, 16, 0, None)
 
 
 def _report(env: Env, case: str, tmp: Path, name: str, valid: bytes | None):
@@ -388,7 +388,7 @@ MODEL_CONFIG = (b'{"model_type": "gpt2", "n_embd": 16, "n_layer": 1, "n_head": 2
 
 def door_run_config(env: Env, case: str, tmp: Path):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from launch.config import load_run_config
+    from launch.args import load_run_config
     path = tmp / "ds.json"
     CASES[case](path, RUN_CONFIG)
     return path, lambda: load_run_config(path, {})

@@ -105,7 +105,7 @@ def test_resume_latest_after_the_latest_checkpoint_was_deleted(tmp_path):
     """trajectory.json lists step2 and step4, step4's folder was deleted: `--resume latest`
     fails listing only step2 and suggesting `--resume step2` (not `latest`, which just
     failed); `--resume step2` works."""
-    from dattri_ds.launch.loop import resume_tag
+    from dattri_ds.launch.resume import resume_tag
 
     out = _run_folder(tmp_path, ["step2", "step4"], ["step2"])
     with pytest.raises(ConfigError) as e:
@@ -124,7 +124,7 @@ def test_half_written_checkpoint_is_skipped(tmp_path):
     stopped: `latest` is the newest listed one; naming it explicitly is refused with the
     complete ones; with none complete, `latest` restarts at step 0 (None) when the folder
     holds a run, and is refused when it holds none."""
-    from dattri_ds.launch.loop import Checkpoints, resume_tag
+    from dattri_ds.launch.resume import Checkpoints, resume_tag
 
     out = _run_folder(tmp_path / "a", ["step2"], ["step2", "step4"])
     assert resume_tag(out, "latest") == "step2"

@@ -257,7 +257,8 @@ def test_selection_plans_the_probe_only_when_its_score_reads_gradients(monkeypat
     launch guard plans what the resolved score does (target documents: content; the
     gradient probe when asked for)."""
     import dattri_ds.plan as planner
-    from launch.config import RunConfig, check_memory
+    from launch.checks import check_memory
+    from launch.config import RunConfig
 
     model = ModelShape.from_config("configs/model_gpt2_tiny.json", vocab_size=1024)
     base = dict(seq_len=128, micro_batch=4, k=256, dtype="float32", zero_stage=0)

@@ -131,8 +131,8 @@ def test_resolved_config_and_flags_record_the_score(tmp_path):
     """Through launch's flags: ``--online-selection --target-data`` -> content,
     ``--selection-score alignment`` -> alignment (with gradient flags too), and the resolved
     JSON records it; a gradient flag without the score is refused naming that flag."""
-    from dattri_ds.launch.args import parse_args
-    from dattri_ds.launch.config import dump_json, load_run_config
+    from dattri_ds.launch.args import load_run_config, parse_args
+    from dattri_ds.launch.config import dump_json
 
     cfg = json.loads((ROOT / "configs/zero0_cpu.json").read_text())
     path = tmp_path / "ds.json"

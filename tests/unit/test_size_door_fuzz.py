@@ -19,8 +19,8 @@ import pytest
 from _doors import ROOT, classify, failures, in_process, tally
 
 from dattri_ds.io import schema
-from dattri_ds.launch.args import flag_name, parse_args
-from dattri_ds.launch.config import RunConfig, load_run_config
+from dattri_ds.launch.args import flag_name, load_run_config, parse_args
+from dattri_ds.launch.config import RunConfig
 
 #: Numeric leaves that are not sizes (seeds, label values, scales, scores, shares).
 NOT_SIZES = {"train.seed", "capture.ignore_index", "capture.backward_scale",

@@ -1,0 +1,210 @@
+"""What launch/train.py refuses at start, before any process group: each a one-line error.
+
+``load_run_config`` (launch/args.py) runs ``check_seq_len`` (``--seq-len`` against the
+model's positions) and ``check_memory`` (the planner's verdict on this machine's memory) as
+soon as the settings are read. ``train.main`` then runs ``check_inputs``: ``check_texts`` on
+the target and held-out files the run reads (a file whose every text is whitespace would rank
+candidates against an empty target or evaluate nothing) and ``check_init_from``
+(launch/init_from.py); ``check_resume`` (launch/resume.py); and ``check_outputs``, the output
+door of ``--out`` and the store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dattri_ds.errors import ConfigError
+from dattri_ds.io.files import read_json
+from dattri_ds.launch.config import BLOCK, RunConfig, TrainConfig
+from dattri_ds.launch.init_from import check_init_from
+from dattri_ds.io.outputs import check_dir
+
+__all__ = ["check_inputs", "check_texts", "check_seq_len", "model_positions", "check_memory",
+           "check_outputs"]
+
+
+def check_texts(path: str, flag: str, rows: slice = slice(None)) -> None:
+    """Raises: ConfigError: every text of the jsonl file ``path`` (given by ``flag``) that
+    the run reads (``rows`` of its documents) is whitespace (InputFileError for a file that
+    cannot be read, from the reader)."""
+    from dattri_ds.data.corpus import load_documents
+
+    every = load_documents(path)
+    docs = every[rows]
+    if not docs:  # the held-out part of a target file that has none left
+        raise ConfigError(f"{flag} {path} holds {len(every)} documents, and --eval-every reads "
+                          f"documents {rows.start}.. of it (the first --eval-skip "
+                          f"{rows.start} are the selection target): none are left. Fix: pass "
+                          f"--eval-data FILE.jsonl, or a smaller --eval-skip")
+    if all(not d.text.strip() for d in docs):
+        what = (f"the {len(docs)} texts it reads (documents {rows.start or 0}.."
+                f"{(rows.start or 0) + len(docs) - 1}) are" if rows != slice(None) else
+                "its only text is" if len(docs) == 1 else f"all {len(docs)} texts are")
+        raise ConfigError(f"{flag} {path}: {what} whitespace, so there is nothing to compare "
+                          f"with or evaluate. Fix: pass a jsonl file whose \"text\" fields "
+                          f"hold the texts you care about")
+
+
+def check_inputs(cfg: RunConfig) -> str | None:
+    """The text and ``--init-from`` checks above (``load_run_config`` ran ``check_seq_len``);
+    the ``--init-checkpoint`` tag to load (None: none).
+
+    Raises:
+        ConfigError: naming the flag, the value and the fix.
+    """
+    sc, tc = cfg.selection, cfg.train
+    reads: list[tuple[str, str, slice]] = []  # what make_selector and make_evaluator read
+    if sc.enabled and sc.target_data is not None and not sc.target_store:
+        reads.append((sc.target_data, "--target-data", slice(0, sc.target_max_docs)))
+    if tc.eval_every and tc.eval_data is not None:
+        reads.append((tc.eval_data, "--eval-data", slice(0, tc.eval_max_docs)))
+    elif tc.eval_every and sc.target_data is not None:  # held out from the target file
+        reads.append((sc.target_data, "--target-data",
+                      slice(tc.eval_skip, tc.eval_skip + tc.eval_max_docs)))
+    if tc.eval_every and tc.general_eval_data is not None:
+        reads.append((tc.general_eval_data, "--general-eval-data", slice(0, tc.eval_max_docs)))
+    for path, flag, rows in reads:
+        check_texts(path, flag, rows if rows != slice(0, None) else slice(None))
+    return check_init_from(cfg)
+
+
+#: Config keys holding a model's number of positions, in the order Hugging Face reads them.
+_POSITION_KEYS = ("n_positions", "max_position_embeddings", "n_ctx", "max_sequence_length")
+
+
+def model_positions(cfg: RunConfig) -> tuple[int, str, Path] | None:
+    """``(positions, key, file)`` of the run's model config, None when it names none or
+    cannot be read (the model's own error follows later). A GPT-2 config without
+    ``n_positions`` has Hugging Face's default, 1024."""
+    tc = cfg.train
+    path = Path(tc.model_path) / "config.json" if tc.model_path else Path(tc.model_config)
+    try:
+        d = read_json(path, "model config")
+    except ConfigError:
+        return None
+    if not isinstance(d, dict):
+        return None
+    for key in _POSITION_KEYS:
+        if isinstance(d.get(key), int) and not isinstance(d.get(key), bool):
+            return d[key], key, path
+    if d.get("model_type") == "gpt2":
+        return 1024, "n_positions (default)", path
+    return None
+
+
+def check_seq_len(cfg: RunConfig) -> None:
+    """Raises: ConfigError: ``--seq-len`` exceeds the model's positions (both named)."""
+    found = model_positions(cfg)
+    if found is None or cfg.train.seq_len <= found[0]:
+        return
+    n, key, path = found
+    raise ConfigError(f"--seq-len {cfg.train.seq_len} is longer than the model's {n} positions "
+                      f"({key} in {path}). Fix: pass --seq-len {n} or less, or a model "
+                      f"config with more positions")
+
+
+#: The planner's knobs in launch: RunSpec field -> (JSON key, flag, default).
+_KNOBS = {"seq_len": (f"{BLOCK}.train.seq_len", "--seq-len", 128),
+          "micro_batch": ("train_micro_batch_size_per_gpu", "in the DeepSpeed JSON", 4),
+          "candidate_multiple": (f"{BLOCK}.selection.candidate_multiple",
+                                 "--candidate-multiple", 2.0),
+          "vocab": (f"{BLOCK}.train.vocab_size", "--vocab-size", 1024),
+          "k": (f"{BLOCK}.capture.projection.dim", "--capture-projection-dim", 4096),
+          "model": (f"{BLOCK}.train.model_config", "--model-config", None)}
+
+
+def check_memory(ds: dict[str, Any], cfg: RunConfig) -> None:
+    """Ask the planner (dattri_ds/plan/) whether the resolved run fits this machine's
+    memory (RAM from /proc/meminfo, or free GPU memory on CUDA); skipped with
+    ``skip_memory_check`` or when the model config cannot be read (its own error follows).
+
+    Raises:
+        DoesNotFitError: naming the knob (JSON key and flag), the need and the limit.
+    """
+    if cfg.skip_memory_check:
+        return
+    from dattri_ds.plan import Knob, ModelShape, RunSpec, check_fits
+    from dattri_ds.selection.scorer import SCORES
+
+    tc = cfg.train
+    src = Path(tc.model_path) / "config.json" if tc.model_path else Path(tc.model_config)
+    try:
+        model = ModelShape.from_config(src, vocab_size=None if tc.model_path else
+                                       _init_vocab(tc) or tc.vocab_size)
+    except (OSError, ValueError, KeyError, TypeError, ConfigError):
+        return
+    zero = ds.get("zero_optimization") if isinstance(ds.get("zero_optimization"), dict) else {}
+    stage = zero.get("stage", 0) if zero.get("stage", 0) in (0, 1, 2, 3) else 0
+    offload = "none"
+    if isinstance(zero.get("offload_optimizer"), dict) and \
+            zero["offload_optimizer"].get("device") == "cpu":
+        offload = "all" if stage == 3 and isinstance(zero.get("offload_param"), dict) and \
+            zero["offload_param"].get("device") == "cpu" else "optimizer"
+    micro = ds.get("train_micro_batch_size_per_gpu", 1)
+    micro = micro if type(micro) is int and micro >= 1 else 1
+    bf16 = any(isinstance(ds.get(k), dict) and ds[k].get("enabled") is True
+               for k in ("bf16", "fp16"))
+    opt = ds.get("optimizer", {}).get("type", "adamw") if isinstance(ds.get("optimizer"),
+                                                                     dict) else "adamw"
+    proj = cfg.capture.projection
+    sel = cfg.selection
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    try:
+        spec = RunSpec(world=world, seq_len=tc.seq_len, micro_batch=micro, zero_stage=stage,
+                       offload=offload, dtype="bfloat16" if bf16 else "float32",
+                       optimizer="sgd_momentum" if str(opt).lower() == "sgd" else "adamw",
+                       capture=cfg.capture_enabled,
+                       projection=proj.kind if proj is not None else "kronecker",
+                       k=proj.dim if proj is not None and cfg.capture_enabled else 0,
+                       projection_cache_bytes=RunSpec.projection_cache_bytes
+                       if proj is None else proj.cache_bytes,
+                       method="selection" if sel.enabled else "graddot",
+                       candidate_multiple=float(sel.candidate_multiple),
+                       selection_probe=SCORES.lookup(sel.score).needs_probe)
+    except ConfigError:  # a projection kind the planner does not model: nothing to check
+        return
+    values = {"seq_len": tc.seq_len, "micro_batch": micro,
+              "candidate_multiple": sel.candidate_multiple if spec.probes else None,
+              "vocab": None if tc.model_path or tc.init_from else tc.vocab_size,
+              "k": spec.k or None, "model": tc.model_path or tc.model_config}
+    knobs = [Knob(f, key, flag, values[f], default)
+             for f, (key, flag, default) in _KNOBS.items() if values[f] is not None]
+    cuda = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "") != "cpu"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)) or 1)
+    device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0') or 0)}" if cuda else "cpu"
+    check_fits(model, spec, knobs, device=device, local_ranks=local,
+               override=f"--skip-memory-check ({BLOCK}.skip_memory_check)")
+
+
+def _init_vocab(tc: TrainConfig) -> int | None:
+    """The vocabulary of the ``--init-from`` run's model (its tokenizer's), None if unknown."""
+    if not tc.init_from:
+        return None
+    try:
+        d = json.loads((Path(tc.init_from) / "model" / "config.json").read_text("utf-8"))
+    except (OSError, ValueError):
+        return None  # check_init_from names what is wrong with the folder
+    got = d.get("vocab_size") if isinstance(d, dict) else None
+    return got if isinstance(got, int) and not isinstance(got, bool) and got > 0 else None
+
+
+def check_outputs(out: Path, cfg: RunConfig) -> None:
+    """The output door of launch (dattri_ds/io/outputs.py), at start: ``--out`` is a folder that
+    can be written and holds no earlier run unless resumed or forced; the store path
+    (``--capture``) is a folder too.
+
+    Raises:
+        OutputError: naming the path, the flag and the fix.
+    """
+    check_dir(out, flag="--out", force=cfg.force or cfg.train.resume is not None,
+              overwrites=("trajectory.json", "summary.json", "checkpoints"),
+              what="an earlier run", fix=f"pass --resume latest to continue it, --force "
+                                         f"({BLOCK}.force) to start over, or another --out")
+    if cfg.capture_enabled:
+        check_dir(cfg.store_config(out).path, flag=f"{BLOCK}.store.path (--store-path)")
+
