@@ -134,11 +134,11 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_json(path: Path, obj: Any) -> None:
+def _write_json(path: Path, obj: Any, indent: int | None = 1) -> None:
     """``obj`` as JSON, atomically: a temporary file, fsynced, renamed, the folder fsynced."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "w") as fh:
-        json.dump(obj, fh, indent=1)
+        fh.write(json.dumps(obj, indent=indent, separators=None if indent else (",", ":")))
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
@@ -147,7 +147,8 @@ def _write_json(path: Path, obj: Any) -> None:
 
 @dataclass
 class _Work:
-    """The work folder: ``progress.json`` and the committed parts ``part-<k>.*``."""
+    """The work folder: ``progress.json`` (``parts``: ``[documents, tokens, bytes of each of
+    PART_FILES]`` per committed chunk) and the committed parts ``part-<k>.*``."""
 
     folder: Path
     state: dict
@@ -158,32 +159,33 @@ class _Work:
         return self.folder / f"part-{k:06d}{ext}"
 
     @property
-    def parts(self) -> list[dict]:
+    def parts(self) -> list[list[int]]:
         return self.state["parts"]
 
     @property
     def documents(self) -> int:
-        return sum(p["docs"] for p in self.parts)
+        return sum(p[0] for p in self.parts)
 
     @property
     def tokens(self) -> int:
-        return sum(p["tokens"] for p in self.parts)
+        return sum(p[1] for p in self.parts)
 
     def commit(self, result: dict) -> None:
         if result["part"] != len(self.parts):
             raise RuntimeError(f"part {result['part']} committed out of order")
-        self.parts.append({k: result[k] for k in ("docs", "tokens", "sizes")})
-        _write_json(self.folder / "progress.json", self.state)
+        self.parts.append([result["docs"], result["tokens"],
+                           *(result["sizes"][e] for e in self.PART_FILES)])
+        self.save()
 
     def save(self) -> None:
-        _write_json(self.folder / "progress.json", self.state)
+        _write_json(self.folder / "progress.json", self.state, indent=None)
 
     def check_and_clean(self) -> None:
         """Committed parts must be there with their recorded sizes; every other file of a
         part (uncommitted, or a temporary one of a killed worker) is removed."""
         keep = {self.part(k, e).name for k in range(len(self.parts)) for e in self.PART_FILES}
         for k, rec in enumerate(self.parts):
-            for ext, size in rec["sizes"].items():
+            for ext, size in zip(self.PART_FILES, rec[2:]):
                 p = self.part(k, ext)
                 if not p.is_file() or p.stat().st_size != size:
                     raise InputFileError(f"prepare work folder '{self.folder}': committed part "
@@ -532,7 +534,7 @@ def prepare(cfg: PrepareConfig, *,
                     done["documents"], done["tokens"])
         return done
     work = _open_work(paths, request, cfg)
-    work.state["ids_generated"] = cfg.id_field not in plans[0]
+    work.state["ids_generated"] = all(cfg.id_field not in p for p in plans if p)
     tok = given if given is not None else _trained(cfg, files, work)
     dtype = DType.optimal_dtype(tok.vocab_size)
     _tokenize(cfg, files, tok, work, dtype, progress)

@@ -13,8 +13,8 @@
 :func:`open_prepared` reads a prefix with a manifest, refuses one whose prepare did not
 finish, and accepts a Megatron-LM prefix (``.bin`` + ``.idx`` written by megatron-core's own
 builder, no manifest) as it is: its document ``d`` is named ``<name>:doc-<d>`` (``<name>``:
-the prefix's file name), and ``<name>:doc-<d>/seq-<j>`` for the sequences of a document that
-has several.
+the prefix's file name), and ``<name>:doc-<d>/seq-<j>`` for sequence ``j`` of a document
+that has several.
 """
 
 from __future__ import annotations
@@ -170,7 +170,9 @@ class PreparedCorpus:
         if self._doc_of_seq is None:
             self._doc_of_seq = np.asarray(seqs)
         d = int(np.searchsorted(self._doc_of_seq, doc, side="right")) - 1
-        return f"{self.name}:doc-{d}/seq-{int(doc) - int(self._doc_of_seq[d])}"
+        first, end = int(self._doc_of_seq[d]), int(self._doc_of_seq[d + 1])
+        return f"{self.name}:doc-{d}" if end - first == 1 else \
+            f"{self.name}:doc-{d}/seq-{int(doc) - first}"
 
     def document(self, doc: int) -> dict[str, Any]:
         """``{"id", "source", "title", "tokens"}`` of document ``doc``."""

@@ -403,11 +403,14 @@ def _is_string(t) -> bool:
     return pa.types.is_string(t) or pa.types.is_large_string(t)
 
 
-def _plan(f: InputFile, fields: FieldMap) -> dict[str, object]:
-    """The mapped columns this file has (input name -> type), checked."""
+def _plan(f: InputFile, fields: FieldMap) -> dict[str, object] | None:
+    """The mapped columns this file has (input name -> type), checked; None for a JSON-lines
+    file without a record (an empty shard)."""
     import pyarrow as pa
 
     cols = FORMATS.lookup(f.format).columns(f)
+    if not cols and f.format.startswith("jsonl"):
+        return None
     if fields.text not in cols:
         raise InputFileError(f"corpus file '{f.path}' has no text field '{fields.text}' (its "
                              f"fields: {sorted(cols)[:12]}). Fix: name the text column with "
@@ -423,8 +426,8 @@ def _plan(f: InputFile, fields: FieldMap) -> dict[str, object]:
         if not ok:
             kind = "a string or an integer" if field == "id" else "a string"
             raise InputFileError(f"corpus file '{f.path}': field '{col}' ({field}) is {t}, "
-                                 f"not {kind}. Fix: map --{field}-field to a column of "
-                                 f"{kind}s")
+                                 f"not {kind}. Fix: map --{field}-field to a column of that "
+                                 f"type")
         plan[col] = pa.string() if pa.types.is_null(t) else t
     return plan
 
@@ -433,20 +436,27 @@ def _kinds(plan: dict[str, object]) -> dict[str, str]:
     return {k: "string" if _is_string(t) else "integer" for k, t in sorted(plan.items())}
 
 
-def check_shards(files: Sequence[InputFile], fields: FieldMap) -> list[dict[str, object]]:
-    """Each file's mapped columns; every shard must have the same ones, of the same types.
+def check_shards(files: Sequence[InputFile], fields: FieldMap
+                 ) -> list[dict[str, object] | None]:
+    """Each file's mapped columns (None: an empty JSON-lines shard); every other shard must
+    have the same ones, of the same types.
 
     Raises:
-        InputFileError: no file, a file without the text field, a wrong type, or two shards
-            whose mapped columns differ (both named).
+        InputFileError: no file, only empty files, a file without the text field, a wrong
+            type, or two shards whose mapped columns differ (both named).
     """
     if not files:
         raise InputFileError("the corpus names no file. Fix: pass --input")
     plans = [_plan(f, fields) for f in files]
-    want = _kinds(plans[0])
-    for f, plan in zip(files[1:], plans[1:]):
+    full = [(f, p) for f, p in zip(files, plans) if p is not None]
+    if not full:
+        raise InputFileError(f"the corpus ({files[0].path}{' ...' if len(files) > 1 else ''}) "
+                             f"holds no record: every file is empty. Fix: pass files with at "
+                             f"least one JSON object")
+    first, want = full[0][0], _kinds(full[0][1])
+    for f, plan in full[1:]:
         if _kinds(plan) != want:
-            raise InputFileError(f"corpus shards differ: '{files[0].path}' has fields {want} "
+            raise InputFileError(f"corpus shards differ: '{first.path}' has fields {want} "
                                  f"but '{f.path}' has {_kinds(plan)}. Fix: give every shard "
                                  f"the same mapped fields and types, or prepare them "
                                  f"separately and blend the prefixes")
@@ -493,6 +503,8 @@ def iter_batches(files: Sequence[InputFile], fields: FieldMap = FieldMap(), *,
     """
     plans = check_shards(files, fields)
     for f, plan in zip(files, plans):
+        if plan is None:
+            continue
         row = 0
         for batch in FORMATS.lookup(f.format).batches(f, plan):
             n = batch.num_rows
