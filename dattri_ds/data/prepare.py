@@ -27,7 +27,6 @@ prepare with the same request does nothing; another request is refused unless
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import os
 import shutil
@@ -46,6 +45,7 @@ from dattri_ds.data.tokenizers import CorpusTokenizer, TrainedSentencePiece, loa
     open_tokenizer
 from dattri_ds.errors import InputFileError, OutputError
 from dattri_ds.schema import bounds
+from dattri_ds.store.format import _fsync_dir, write_json_atomic
 
 __all__ = ["PrepareConfig", "PrepareProgress", "prepare", "DOCUMENT_RULE"]
 
@@ -124,27 +124,6 @@ class PrepareProgress:
 
 # ---- the work folder ----------------------------------------------------------------------
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError:  # some file systems refuse fsync on folders
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_json(path: Path, obj: Any, indent: int | None = 1) -> None:
-    """``obj`` as JSON, atomically: a temporary file, fsynced, renamed, the folder fsynced."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as fh:
-        fh.write(json.dumps(obj, indent=indent, separators=None if indent else (",", ":")))
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
 @dataclass
 class _Work:
     """The work folder: ``progress.json`` (``parts``: ``[documents, tokens, bytes of each of
@@ -178,7 +157,7 @@ class _Work:
         self.save()
 
     def save(self) -> None:
-        _write_json(self.folder / "progress.json", self.state, indent=None)
+        write_json_atomic(self.folder / "progress.json", self.state)
 
     def check_and_clean(self) -> None:
         """Committed parts must be there with their recorded sizes; every other file of a
@@ -498,7 +477,7 @@ def _finish(cfg: PrepareConfig, paths: PreparedPaths, work: _Work, tok: CorpusTo
         os.replace(tmp[k], final)
     _fsync_dir(paths.prefix.parent)
     manifest = _manifest(cfg, inputs, tok, request, work, dtype, paths)
-    _write_json(paths.manifest, manifest)  # last: from here the corpus reads as complete
+    write_json_atomic(paths.manifest, manifest)  # last: from here the corpus reads as complete
     shutil.rmtree(paths.work)
     return manifest
 

@@ -38,8 +38,9 @@ __all__ = ["FieldMap", "InputFile", "Format", "FORMATS", "DOC_FIELDS", "doc_sche
 #: The columns of every batch :func:`iter_batches` yields, in this order, all strings.
 DOC_FIELDS = ("id", "source", "title", "text")
 _READ_FIX = "re-create or re-download the file (it is damaged or cut off)"
-#: First JSON-lines block size; doubled (up to the line cap) for a longer record.
-_JSON_BLOCK = 8 << 20
+#: JSON-lines block size (pyarrow reads ahead some 30 blocks: this bounds the memory), grown
+#: 4x (up to the line cap) for a file with a longer record.
+_JSON_BLOCK = 1 << 20
 _HASH_BLOCK = 1 << 20
 
 
@@ -181,7 +182,8 @@ class _JsonLines(Format, name="jsonl", suffixes=(".jsonl", ".json", ".ndjson")):
             try:
                 seen = 0
                 with self._open(f) as stream:
-                    reader = pj.open_json(stream, read_options=pj.ReadOptions(block_size=block),
+                    reader = pj.open_json(stream, read_options=pj.ReadOptions(
+                        block_size=block, use_threads=False),
                                           parse_options=parse)
                     for batch in reader:
                         if seen + batch.num_rows > done:
