@@ -192,12 +192,12 @@ def _finished(paths: PreparedPaths, request: str, overwrite: bool) -> dict | Non
     fix = f"pass --overwrite to replace it, or another --output-prefix than {paths.prefix}"
     if paths.manifest.exists():
         m = read_json(paths.manifest, "prepared corpus manifest")
-        if isinstance(m, dict) and m.get("request") == request and not overwrite:
+        had = m.get("request") if isinstance(m, dict) else None
+        if had == request and not overwrite:
             return m
         if not overwrite:
             raise OutputError(f"{paths.prefix} already holds a prepared corpus of other inputs "
-                              f"or settings (request {m.get('request') if isinstance(m, dict) else '?'}, "
-                              f"now {request}). Fix: {fix}")
+                              f"or settings (request {had}, now {request}). Fix: {fix}")
         paths.manifest.unlink()  # first: the old files no longer read as complete
         _fsync_dir(paths.manifest.parent)
         shutil.rmtree(paths.work, ignore_errors=True)
