@@ -39,8 +39,8 @@ of its examples at least once (the more heavily weighted ones repeat: nothing is
 document, start, end)`` (token offsets inside the document, in window order);
 :meth:`~PackedDataset.doc_ids` names their documents and :meth:`~PackedDataset.example_id`
 names the example: ``<first document id>+<first token offset>``, prefixed by
-``<corpus name>/`` when several corpora are read, suffixed ``~<k>`` for the k-th repeat of
-an up-weighted corpus's example.
+``<corpus name>/`` when several corpora are read (the prefix's path when two share a name),
+suffixed ``~<k>`` for the k-th repeat of an up-weighted corpus's example.
 """
 
 from __future__ import annotations
@@ -155,9 +155,14 @@ def _cached(folder: Path, key: str, description: dict, build) -> dict[str, np.nd
         del arrays
     if dist_on:
         torch.distributed.barrier()
-    names = json.loads(desc.read_text())["arrays"]
-    return {n: np.load(folder / f"{key}-{n}.npy", mmap_mode="r", allow_pickle=False)
-            for n in names}
+    try:
+        names = json.loads(desc.read_text())["arrays"]
+        return {n: np.load(folder / f"{key}-{n}.npy", mmap_mode="r", allow_pickle=False)
+                for n in names}
+    except (OSError, ValueError, KeyError) as e:
+        raise InputFileError(f"index cache '{folder}' ({key}-*) is incomplete or damaged "
+                             f"({' '.join(str(e).split())[:80]}). Fix: delete the "
+                             f"{key}-* files there (they are rebuilt)") from None
 
 
 # ---- the blend form --------------------------------------------------------------------------
@@ -256,6 +261,9 @@ class PackedDataset:
         self._idx = [self._indices(c) for c in self.corpora]
         self._sizes = [len(ix["shuffle_index"]) for ix in self._idx]
         self._blend = None if len(self.corpora) == 1 else self._blend_indices()
+        names = [c.name for c in self.corpora]  # the prefix's path where file names repeat
+        self._labels = [n if names.count(n) == 1 else str(c.paths.prefix)
+                        for n, c in zip(names, self.corpora)]
 
     # -- construction --
 
@@ -359,7 +367,7 @@ class PackedDataset:
         first = self.spans(i)[0]
         name = f"{self.corpora[c].doc_id(first.document)}+{first.start}"
         if len(self.corpora) > 1:
-            name = f"{self.corpora[c].name}/{name}"
+            name = f"{self._labels[c]}/{name}"
         return f"{name}~{rep}" if rep else name
 
     @property

@@ -516,5 +516,11 @@ def prepare(cfg: PrepareConfig, *,
     work.state["ids_generated"] = all(cfg.id_field not in p for p in plans if p)
     tok = given if given is not None else _trained(cfg, files, work)
     dtype = DType.optimal_dtype(tok.vocab_size)
+    t0 = time.perf_counter()
     _tokenize(cfg, files, tok, work, dtype, progress)
-    return _finish(cfg, paths, work, tok, inputs, request, dtype)
+    t1 = time.perf_counter()
+    manifest = _finish(cfg, paths, work, tok, inputs, request, dtype)
+    logger.info("prepare: %d documents, %d tokens -> %s.bin/.idx (tokenized in %.1f s, "
+                "merged %d chunks in %.1f s)", manifest["documents"], manifest["tokens"],
+                paths.prefix, t1 - t0, manifest["chunks"], time.perf_counter() - t1)
+    return manifest

@@ -206,7 +206,13 @@ def test_indices_are_cached_and_reused(tmp_path, mega):
     PackedDataset(str(tmp_path / "c"), 32, seed=1)
     assert len(list(folder.iterdir())) == 12  # another key per seq_len and seed
     PackedDataset(str(tmp_path / "c"), 32, cache_dir=tmp_path / "elsewhere")
-    assert len(list((tmp_path / "elsewhere").iterdir())) == 4
+    gone = next((tmp_path / "elsewhere").glob("*-sample_index.npy"))
+    gone.unlink()
+    with pytest.raises(InputFileError, match="delete the"):
+        PackedDataset(str(tmp_path / "c"), 32, cache_dir=tmp_path / "elsewhere")
+    for f in (tmp_path / "elsewhere").iterdir():
+        f.unlink()
+    assert len(PackedDataset(str(tmp_path / "c"), 32, cache_dir=tmp_path / "elsewhere")) > 0
 
 
 def _open_in_rank(rank, world, prefix):
