@@ -45,6 +45,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from _common import table  # noqa: E402
 
+from dattri_ds.data.prepare import usable_cores  # noqa: E402
+
 CORPUS = ROOT / "data" / "corpus" / "train.jsonl"
 
 _PREPARE = """
@@ -168,7 +170,7 @@ def run_scale(out: Path, k: int, model: Path, workers: int, seq_len: int) -> dic
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--scales", default="1,10,100", help="comma list of corpus multiples")
-    p.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)),
+    p.add_argument("--workers", type=int, default=usable_cores(),
                    help="prepare's processes, and the tokenizer's threads for its baseline")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per training example")
     p.add_argument("--out", default=str(ROOT / "runs" / "data_scale"))

@@ -40,14 +40,15 @@ from typing import Any, Literal
 import numpy as np
 
 from dattri_ds.data.prepared import FORMAT, FORMAT_VERSION, PreparedPaths, fingerprint_of
-from dattri_ds.data.read import FieldMap, describe_inputs, iter_batches, resolve_inputs
+from dattri_ds.data.read import FieldMap, check_shards, describe_inputs, iter_batches, \
+    resolve_inputs
 from dattri_ds.data.tokenizers import CorpusTokenizer, TrainedSentencePiece, load_saved, \
     open_tokenizer
 from dattri_ds.errors import InputFileError, OutputError
 from dattri_ds.schema import bounds
 from dattri_ds.store.format import _fsync_dir, write_json_atomic
 
-__all__ = ["PrepareConfig", "PrepareProgress", "prepare", "DOCUMENT_RULE"]
+__all__ = ["PrepareConfig", "PrepareProgress", "prepare", "DOCUMENT_RULE", "usable_cores"]
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ class PrepareConfig:
         return FieldMap(self.text_field, self.id_field, self.source_field, self.title_field)
 
     def n_workers(self) -> int:
-        return self.workers or len(os.sched_getaffinity(0))
+        return self.workers or usable_cores()
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,12 @@ class PrepareProgress:
     tokens: int
     chunks: int
     seconds: float
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        (os.cpu_count() or 1)
 
 
 # ---- the work folder ----------------------------------------------------------------------
@@ -344,6 +351,7 @@ class _Runner:
 
     def __init__(self, tok: CorpusTokenizer, dtype: Any, workers: int) -> None:
         self.pool = None
+        self._env = os.environ.get("TOKENIZERS_PARALLELISM")  # restored by close()
         if workers > 1:
             import multiprocessing as mp
 
@@ -371,6 +379,10 @@ class _Runner:
         if self.pool is not None:
             self.pool.terminate()
             self.pool.join()
+        if self._env is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = self._env
 
 
 def _tokenize(cfg: PrepareConfig, files, tok: CorpusTokenizer, work: _Work, dtype: Any,
@@ -498,11 +510,11 @@ def prepare(cfg: PrepareConfig, *,
     """
     from megatron.core.datasets.indexed_dataset import DType
 
-    paths = PreparedPaths.of(cfg.output_prefix)
-    paths.prefix.parent.mkdir(parents=True, exist_ok=True)
-    files = resolve_inputs(cfg.input)
-    from dattri_ds.data.read import check_shards
+    from dattri_ds.outputs import check_dir
 
+    paths = PreparedPaths.of(cfg.output_prefix)
+    check_dir(paths.prefix.parent, flag="the folder of --output-prefix")
+    files = resolve_inputs(cfg.input)
     plans = check_shards(files, cfg.fields)
     given = open_tokenizer(cfg.tokenizer) if cfg.tokenizer is not None else None
     inputs = describe_inputs(files)

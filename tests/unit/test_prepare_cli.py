@@ -55,6 +55,8 @@ def test_inputs_and_outputs_are_one_line(capsys, tmp_path):
     out = str(tmp_path / "o")
     _fails(capsys, ["--input", str(tmp_path / "none.jsonl"), "--output-prefix", out],
            "none.jsonl")
+    _fails(capsys, ["--input", str(tmp_path / "c.jsonl"), "--output-prefix",
+                    str(tmp_path / "c.jsonl" / "o")], "--output-prefix")
     _fails(capsys, ["--input", str(tmp_path / "c.jsonl"), "--output-prefix", out,
                     "--text-field", "body"], "--text-field")
     _fails(capsys, ["--input", str(tmp_path / "c.jsonl"), "--output-prefix", out,
