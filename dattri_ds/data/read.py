@@ -26,6 +26,7 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from dattri_ds.errors import InputFileError
 from dattri_ds.files import check_dir, check_file, max_line_bytes
@@ -121,6 +122,10 @@ FORMATS: Registry[Format] = Registry("corpus file format", hint="register one wi
 
 def _damaged(f: InputFile, err: Exception, what: str = "is damaged or cut off") -> InputFileError:
     first = " ".join(str(err).split())[:160]
+    if "too much memory" in first:  # zstd --long: a window over the decoder's 128 MiB
+        return InputFileError(f"corpus file '{f.path}' was compressed with a zstd window over "
+                              f"128 MiB (zstd --long; pyarrow: {first}). Fix: decompress it "
+                              f"(zstd -d --long=31) or recompress it without --long")
     return InputFileError(f"corpus file '{f.path}' {what} (pyarrow: {first}). Fix: {_READ_FIX}")
 
 
@@ -151,11 +156,9 @@ class _JsonLines(Format, name="jsonl", suffixes=(".jsonl", ".json", ".ndjson")):
                                          f"or raise DATTRI_DS_MAX_LINE_BYTES")
 
     def columns(self, f: InputFile) -> dict[str, object]:
-        import pyarrow as pa
-
         try:
             line = self._first_line(f)
-        except (OSError, pa.ArrowException) as e:
+        except self._errors() as e:
             raise _damaged(f, e) from None
         if not line:
             return {}
@@ -171,32 +174,48 @@ class _JsonLines(Format, name="jsonl", suffixes=(".jsonl", ".json", ".ndjson")):
                                  f"object per line")
         return {k: _json_type(v) for k, v in row.items()}
 
+    def _errors(self) -> tuple[type[BaseException], ...]:
+        """What reading raises for a damaged or cut file."""
+        import pyarrow as pa
+
+        return (OSError, pa.ArrowException)
+
+    def _blocks(self, f: InputFile, parse: Any, block: int) -> Iterator[tuple[Any, int]]:
+        """``(record batch, rows before it)`` of one pass; the reader is released before its
+        stream closes (pyarrow's read-ahead thread may be reading a Python stream)."""
+        import pyarrow.json as pj
+
+        with self._open(f) as stream:
+            reader = pj.open_json(stream, parse_options=parse, read_options=pj.ReadOptions(
+                block_size=block, use_threads=False))
+            try:
+                seen = 0
+                for batch in reader:
+                    yield batch, seen
+                    seen += batch.num_rows
+            finally:
+                del reader
+
     def batches(self, f: InputFile, columns: dict[str, object]) -> Iterator[object]:
         import pyarrow as pa
         import pyarrow.json as pj
 
-        schema = pa.schema(list(columns.items()))
-        parse = pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
+        parse = pj.ParseOptions(explicit_schema=pa.schema(list(columns.items())),
+                                unexpected_field_behavior="ignore")
         block, done = _JSON_BLOCK, 0
         while True:
             try:
-                seen = 0
-                with self._open(f) as stream:
-                    reader = pj.open_json(stream, read_options=pj.ReadOptions(
-                        block_size=block, use_threads=False),
-                                          parse_options=parse)
-                    for batch in reader:
-                        if seen + batch.num_rows > done:
-                            yield batch.slice(max(done - seen, 0))
-                            done = seen + batch.num_rows
-                        seen += batch.num_rows
+                for batch, seen in self._blocks(f, parse, block):
+                    if seen + batch.num_rows > done:
+                        yield batch.slice(max(done - seen, 0))
+                        done = seen + batch.num_rows
                 return
             except pa.ArrowInvalid as e:
                 if "straddl" in str(e) and block < max_line_bytes():
                     block = min(block * 4, max_line_bytes())  # a record longer than a block
                     continue
                 raise _json_error(f, e, done) from None
-            except (OSError, pa.ArrowException) as e:
+            except self._errors() as e:
                 raise _damaged(f, e) from None
 
 

@@ -64,8 +64,7 @@ def test_every_format_reads_the_same_documents(corpus, tmp_path):
     ref = _reference(path)
     data = path.read_bytes()
     (tmp_path / "g.jsonl.gz").write_bytes(gzip.compress(data))
-    with pa.CompressedOutputStream(str(tmp_path / "z.jsonl.zst"), "zstd") as out:
-        out.write(data)
+    (tmp_path / "z.jsonl.zst").write_bytes(_zstd(data))
     pq.write_table(_table(rows), tmp_path / "p.parquet", row_group_size=64)
     with pa.ipc.new_file(str(tmp_path / "f.arrow"), _table(rows).schema) as w:
         for b in _table(rows).to_batches(max_chunksize=50):
@@ -83,6 +82,31 @@ def test_every_format_reads_the_same_documents(corpus, tmp_path):
     assert _rows([shards]) == ref  # sorted by relative path: a/part-0 before part-1
     assert _rows([str(shards / "**" / "*.jsonl")]) == ref
     assert _rows([path]) == ref
+
+
+def _zstd(data: bytes) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.CompressedOutputStream(sink, "zstd") as out:
+        out.write(data)
+    return sink.getvalue().to_pybytes()
+
+
+def test_zstd_frames_cut_files_and_long_windows(corpus, tmp_path):
+    """A .zst of several frames reads whole; a cut one and one whose frame declares a window
+    over 128 MiB (zstd --long: the header's window byte patched to 2**30) are one line."""
+    path, _ = corpus
+    data = path.read_bytes()
+    half = data.index(b"\n", len(data) // 2) + 1
+    two = _zstd(data[:half]) + _zstd(data[half:])
+    (tmp_path / "two.jsonl.zst").write_bytes(two)
+    assert _rows([tmp_path / "two.jsonl.zst"]) == _reference(path)
+    (tmp_path / "cut.jsonl.zst").write_bytes(two[: len(two) * 3 // 4])
+    _one_line(tmp_path, [tmp_path / "cut.jsonl.zst"], "cut.jsonl.zst", "cut off")
+    one = bytearray(_zstd(data))
+    assert not one[4] & 0x20  # no single-segment flag: byte 5 is the window descriptor
+    one[5] = 20 << 3  # window log 10 + 20
+    (tmp_path / "long.jsonl.zst").write_bytes(bytes(one))
+    _one_line(tmp_path, [tmp_path / "long.jsonl.zst"], "long.jsonl.zst", "--long")
 
 
 def test_field_mapping_stable_and_integer_ids(tmp_path):
