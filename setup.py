@@ -29,8 +29,8 @@ setup(
     package_dir=MAPPED,
     install_requires=["torch>=2.4", "numpy"],
     extras_require={
-        "hf": ["transformers>=4.40", "datasets", "sentencepiece", "protobuf", "accelerate",
-               "trl>=1.16"],
+        "hf": ["transformers>=4.40", "datasets", "pyarrow", "sentencepiece", "protobuf",
+               "accelerate", "trl>=1.16"],
         "deepspeed": ["deepspeed>=0.15"],
         "megatron": ["megatron-core>=0.12"],
         "plot": ["matplotlib"],

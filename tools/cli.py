@@ -1,6 +1,6 @@
 """``dattri-ds <subcommand>``: one console command for the tool scripts.
 
-    dattri-ds collect | fit | attribute | report | lds | plan | select  [options]   (see --help of each)
+    dattri-ds prepare | collect | fit | attribute | report | lds | plan | select  [options]   (see --help of each)
 
 Errors print one line ``dattri-ds: error: <message>`` (exit 2: usage or config, 1: runtime);
 ``--debug`` or ``DATTRI_DS_DEBUG=1`` shows the traceback.
@@ -22,6 +22,7 @@ COMMANDS = {
     "lds": "dattri_ds.tools.lds",
     "plan": "dattri_ds.tools.plan",
     "select": "dattri_ds.tools.curate",
+    "prepare": "dattri_ds.tools.prepare",
 }
 
 

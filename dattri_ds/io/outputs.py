@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 from dattri_ds.errors import DattriDSError, OutputError, WriteError
 
-__all__ = ["check_dir", "check_file", "writing", "write_error", "reason", "human_bytes"]
+__all__ = ["check_dir", "check_file", "writing", "write_error", "reason", "human_bytes",
+           "fsync_dir", "write_json_atomic"]
 
 #: errno -> what a user reads (instead of the exception class and strerror).
 _REASONS = {
@@ -225,3 +228,28 @@ def write_atomic(path: str | os.PathLike, data: bytes | str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new file in ``path`` durable (a no-op where the file system refuses
+    fsync on directories)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems refuse fsync on directories
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: Path, obj: Any, fsync: bool = True) -> None:
+    """Write JSON to ``path`` so readers see the old or the new file, never a mix."""
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if fsync:
+        fsync_dir(path.parent)

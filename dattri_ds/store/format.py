@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import warnings
 import zlib
 from dataclasses import dataclass, field
@@ -19,10 +18,11 @@ import numpy as np
 import torch
 
 from dattri_ds.errors import DuplicateSampleError, StoreCorruptError, StoreMismatchError  # noqa: F401
+from dattri_ds.io.outputs import write_json_atomic
 
 __all__ = [
     "FORMAT_VERSION", "StoreCorruptError", "DuplicateSampleError", "ShardPaths", "Chunk",
-    "ShardIndex", "shard_paths", "list_shards", "write_json_atomic", "read_json", "save_info",
+    "ShardIndex", "shard_paths", "list_shards", "read_json", "save_info",
     "load_info", "to_storage", "from_storage", "numpy_dtype", "torch_dtype", "row_bytes",
     "digest", "check_sizes", "read_committed_ids", "verify_chunk", "verify_data",
     "json_checksum", "store_files",
@@ -103,29 +103,6 @@ def _fix_for(path: Path) -> str:
 def digest(buf: bytes | memoryview | np.ndarray) -> str:
     """``crc32:<8 hex>`` of a buffer (numpy arrays must be C-contiguous)."""
     return f"crc32:{zlib.crc32(memoryview(buf)) & 0xFFFFFFFF:08x}"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError:  # some file systems refuse fsync on directories
-        pass
-    finally:
-        os.close(fd)
-
-
-def write_json_atomic(path: Path, obj: Any, fsync: bool = True) -> None:
-    """Write JSON to ``path`` so readers see the old or the new file, never a mix."""
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        if fsync:
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
-    if fsync:
-        _fsync_dir(path.parent)
 
 
 def read_json(path: Path) -> dict[str, Any]:

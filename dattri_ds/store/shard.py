@@ -18,9 +18,10 @@ except ImportError:  # not POSIX: no protection against two writers of one shard
 import numpy as np
 
 from dattri_ds.errors import ConfigError
+from dattri_ds.io.outputs import write_json_atomic
 from dattri_ds.store.format import (
     META_COLUMNS, Chunk, ShardIndex, ShardPaths, StoreCorruptError, check_sizes, digest,
-    list_shards, read_committed_ids, row_bytes, save_info, verify_data, write_json_atomic,
+    list_shards, read_committed_ids, row_bytes, save_info, verify_data,
 )
 from dattri_ds.store.spec import mismatch_error
 
