@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
     warn_once_per_launch()  # ranks reading one config warn alike: once per launch
     ds_config, cfg = load_run_config(args.deepspeed_config, args.overrides)
     check_inputs(cfg)  # model positions, target texts, the --init-from run
-    check_resume(cfg, args.out)  # a resume the checkpoint cannot continue
+    check_resume(cfg, args.out, ds_config)  # a resume the checkpoint cannot continue
     check_outputs(Path(args.out), cfg)  # the output door, before any process group
     backend_cls = backend_class(cfg.engine.backend)
     rank, _ = backend_cls.setup(ds_config, cfg)
@@ -152,7 +152,10 @@ def train_in_process(ds_config: dict, cfg: RunConfig, data, tok, out: Path, *,
         raise ConfigError(f"train_in_process runs --backend torch, not "
                           f"'{cfg.engine.backend}': set engine.backend='torch' or launch "
                           f"launch/train.py")
-    check_resume(cfg, out)
+    from dattri_ds.launch.checks import resolve_batch
+
+    resolve_batch(ds_config, 1, "the DeepSpeed config")  # DeepSpeed's batch rule
+    check_resume(cfg, out, ds_config)
     TorchBackend.setup(ds_config, cfg)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
