@@ -3,11 +3,12 @@
 ``load_run_config`` (launch/args.py) runs ``check_seq_len`` (``--seq-len`` against the
 model's positions), ``check_deepspeed_json`` (DeepSpeed's batch rule for every backend, and
 what DeepSpeed would assert on the keys the run passes on) and ``check_memory`` (the
-planner's verdict on this machine's memory) as soon as the settings are read. ``train.main`` then runs ``check_inputs``: ``check_texts`` on
-the target and held-out files the run reads (a file whose every text is whitespace would rank
-candidates against an empty target or evaluate nothing) and ``check_init_from``
-(launch/init_from.py); ``check_resume`` (launch/resume.py); and ``check_outputs``, the output
-door of ``--out`` and the store.
+planner's verdict on this machine's memory) as soon as the settings are read.
+``train.main`` then runs ``check_inputs``: ``check_texts`` on the target and held-out files
+the run reads (a file whose every text is whitespace would rank candidates against an empty
+target or evaluate nothing), the ``--model-path`` folder and ``check_init_from``
+(launch/init_from.py); ``check_resume`` (launch/resume.py); and ``check_outputs``, the
+output door of ``--out`` and the store.
 """
 
 from __future__ import annotations
@@ -23,12 +24,12 @@ import torch
 from dattri_ds.errors import ConfigError
 from dattri_ds.io.files import model_dir, read_json
 from dattri_ds.launch.config import BLOCK, RunConfig, TrainConfig
+from dattri_ds.launch.engine import BATCH_KEYS, data_parallel_world, resolve_batch
 from dattri_ds.launch.init_from import check_init_from
 from dattri_ds.io.outputs import check_dir
 
 __all__ = ["check_inputs", "check_texts", "check_seq_len", "model_positions", "check_memory",
-           "check_outputs", "BATCH_KEYS", "data_parallel_world", "resolve_batch",
-           "check_deepspeed_json"]
+           "check_outputs", "check_deepspeed_json"]
 
 
 def check_texts(path: str, flag: str, rows: slice = slice(None)) -> None:
@@ -216,81 +217,7 @@ def check_outputs(out: Path, cfg: RunConfig) -> None:
 
 
 # ---- the DeepSpeed JSON: the batch rule and what DeepSpeed would assert ---------------------
-#: DeepSpeed's three batch keys, in the order of its rule train = micro x accumulation x world.
-BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 _DS_DOCS = "https://www.deepspeed.ai/docs/config-json/"
-
-
-def data_parallel_world(cfg: RunConfig) -> int:
-    """The data-parallel ranks of this launch, before any process group: ``WORLD_SIZE`` (set by
-    every launcher; 1 without one) over the tensor-parallel size.
-
-    Raises:
-        ConfigError: ``--backend torch`` under a launcher, or a tensor-parallel size that
-            does not divide the processes.
-    """
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    ec = cfg.engine
-    if ec.backend == "torch" and world != 1:
-        raise ConfigError(f"--backend torch trains in one process, but WORLD_SIZE={world}: "
-                          f"run `python launch/train.py --backend torch ...` (no torchrun or "
-                          f"deepspeed launcher), or use --backend deepspeed")
-    if world % ec.tensor_model_parallel_size:
-        raise ConfigError(f"--tensor-model-parallel-size {ec.tensor_model_parallel_size} must "
-                          f"divide the number of processes ({world}); e.g. torchrun "
-                          f"--nproc_per_node {ec.tensor_model_parallel_size}")
-    return world // ec.tensor_model_parallel_size
-
-
-def resolve_batch(ds: dict[str, Any], world: int, source: str) -> tuple[int, int, int]:
-    """``(train_batch_size, micro-batch, accumulation)`` of the DeepSpeed JSON ``ds`` on
-    ``world`` data-parallel ranks, by DeepSpeed's own rule (``DeepSpeedConfig.
-    _set_batch_related_parameters`` then ``_batch_assertion``, branch for branch): the keys
-    left out are derived from the ones given (accumulation = train // micro // world; micro =
-    train // world // accumulation; train = micro x accumulation x world; with train alone,
-    accumulation 1; with micro alone, accumulation 1), then train = micro x accumulation x
-    world must hold with every value >= 1. Every backend trains by it.
-
-    Raises:
-        ConfigError: one line naming ``source``, the three keys and their values (derived
-            ones marked), the world size and the fix.
-    """
-    given = {k: ds.get(k) for k in BATCH_KEYS}
-    for k, v in given.items():
-        if v is not None and (type(v) is not int or v < 1):
-            raise ConfigError(f"{source}: {k} = {json.dumps(v)} is not allowed: expected a "
-                              f"positive integer (or leave it out and DeepSpeed derives it). "
-                              f"Fix: e.g. \"{k}\": {4 if 'micro' in k else 1 if 'acc' in k else 8}")
-    train, micro, gas = given.values()
-    if train is not None and micro is not None and gas is None:
-        gas = train // micro // world
-    elif train is not None and gas is not None and micro is None:
-        micro = train // world // gas
-    elif micro is not None and gas is not None and train is None:
-        train = micro * gas * world
-    elif train is not None and micro is None and gas is None:
-        micro, gas = train // world, 1
-    elif micro is not None and train is None:
-        train, gas = micro * world, 1
-    elif train is None:
-        raise ConfigError(f"{source} sets neither train_batch_size nor "
-                          f"train_micro_batch_size_per_gpu; DeepSpeed needs one of them. Fix: "
-                          f"add e.g. \"train_micro_batch_size_per_gpu\": 4 (examples per rank "
-                          f"and micro-batch)")
-    if micro >= 1 and gas >= 1 and train == micro * gas * world:
-        return train, micro, gas
-    shown = ", ".join(f"{k} {v}" + ("" if given[k] is not None else " (derived)")
-                      for k, v in zip(BATCH_KEYS, (train, micro, gas)))
-    step = (micro if given["train_micro_batch_size_per_gpu"] is not None else 1) * \
-        (gas if given["gradient_accumulation_steps"] is not None else 1) * world
-    fix = (f"set train_batch_size to {micro * gas * world}, or leave one of the three keys "
-           f"out and DeepSpeed derives it" if None not in given.values() else
-           f"make train_batch_size a multiple of {step} (e.g. {max(1, round(train / step)) * step})")
-    raise ConfigError(f"{source}: the batch keys do not fit {world} data-parallel rank(s): "
-                      f"{shown}; DeepSpeed needs train_batch_size = "
-                      f"train_micro_batch_size_per_gpu x gradient_accumulation_steps x world "
-                      f"size, each >= 1 ({micro} x {gas} x {world} = {micro * gas * world}). "
-                      f"Fix: {fix}, or run on another number of processes")
 
 
 def check_deepspeed_json(ds: dict[str, Any], cfg: RunConfig, source: str) -> None:
@@ -306,7 +233,7 @@ def check_deepspeed_json(ds: dict[str, Any], cfg: RunConfig, source: str) -> Non
     Raises:
         ConfigError: naming ``source``, the key and the fix.
     """
-    world = data_parallel_world(cfg)
+    world = data_parallel_world(cfg.engine)
     ds.update(zip(BATCH_KEYS, resolve_batch(ds, world, source)))
     clip = ds.get("gradient_clipping", 0.0)
     if type(clip) not in (int, float) or not math.isfinite(clip) or clip < 0:

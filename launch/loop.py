@@ -5,8 +5,8 @@ of the step, so a resumed run continues the same stream), online selection, capt
 step bookkeeping (``RunLog``, launch/runlog.py: losses, lrs, evaluations, non-finite steps)
 and when to checkpoint (all or nothing: launch/save.py). A ``Backend`` (launch/backend.py)
 does the rest: it builds the model and optimizer, runs forward and backward of one
-micro-batch, steps the optimizer, attaches capture, and saves / loads its own checkpoint. What a checkpoint adds for the loop, and
-resuming from it: launch/resume.py.
+micro-batch, steps the optimizer, attaches capture, and saves / loads its own checkpoint.
+What a checkpoint adds for the loop, and resuming from it: launch/resume.py.
 """
 
 from __future__ import annotations

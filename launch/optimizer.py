@@ -3,7 +3,7 @@
 From the DeepSpeed JSON, read as DeepSpeed reads it: the optimizer (``AdamW``/``Adam``/
 ``SGD``; ``Adam`` is AdamW unless ``adam_w_mode`` is false, as in DeepSpeed), the scheduler
 (the DeepSpeed ``lr_schedules`` class), the three batch keys (DeepSpeed's rule:
-launch/checks.py ``resolve_batch``) and ``gradient_clipping`` (DeepSpeed's default when left
+launch/engine.py ``resolve_batch``) and ``gradient_clipping`` (DeepSpeed's default when left
 out); every other key is named in a notice as ignored. ``TorchOptimized`` is the part of
 ``Backend`` the two share (the learning rate, and each micro-batch's backward of its loss
 scaled by ``1 / gas``).
@@ -18,6 +18,7 @@ import torch
 
 from dattri_ds.errors import ConfigError
 from dattri_ds.launch.backend import Backend
+from dattri_ds.launch.engine import resolve_batch
 
 __all__ = ["TorchOptimized", "make_optimizer", "make_schedule", "optimizer_spec", "OPTIMIZERS",
            "USED_DS_KEYS"]
@@ -101,8 +102,6 @@ class TorchOptimized(Backend):
         """The JSON's clipping (DeepSpeed's default when left out), micro-batch and
         accumulation (DeepSpeed's batch rule on this run's data-parallel ranks); a notice
         naming every key it ignores."""
-        from dattri_ds.launch.checks import resolve_batch
-
         self.clip = float(ds_config.get("gradient_clipping", _clipping_default()))
         _, self.micro, self.gas = resolve_batch(ds_config, self.ctx.dp_world,
                                                 "the DeepSpeed config")

@@ -29,8 +29,8 @@ from dattri_ds.errors import ConfigError
 from dattri_ds.io.files import check_checkpoint, load_torch, read_json
 from dattri_ds.launch.backend import Backend
 from dattri_ds.launch.config import RunConfig
+from dattri_ds.launch.engine import data_parallel_world
 from dattri_ds.launch.runlog import RunRecord, make_run_id
-from dattri_ds.launch.save import TMP
 from dattri_ds.io.outputs import write_atomic
 from dattri_ds.selection.online import log_file, writes_log
 from dattri_ds.selection.state import SelectionCheckpoint, config_difference, log_lines_before
@@ -176,8 +176,8 @@ class Checkpoints:
         listed = tuple(c["tag"] for c in rows)
         existing = tuple(t for t in listed if (folder / t).is_dir())
         incomplete = tuple(sorted((p.name for p in folder.iterdir() if p.is_dir()
-                                   and p.name not in listed and not p.name.endswith(TMP)),
-                                  key=lambda t: (len(t), t))) if folder.is_dir() else ()
+                                   and p.name not in listed), key=lambda t: (len(t), t))
+                           ) if folder.is_dir() else ()
         return cls(listed, existing, incomplete)
 
     @property
@@ -302,8 +302,6 @@ def _written_by(folder: Path) -> str | None:
 def _check_same_run(out: Path, tag: str, saved: LoopState, cfg: RunConfig, ds: dict) -> None:
     """``check_resume``'s comparison of the checkpoint's ``run_record`` and layout with this
     run's (before any process group: the layout from ``WORLD_SIZE``)."""
-    from dattri_ds.launch.checks import data_parallel_world
-
     backend = cfg.engine.backend
     now = run_record(cfg, zero_stage(ds) if backend == "deepspeed" else None)
     was = {"backend": _written_by(out / "checkpoints" / tag), **saved.run}
@@ -315,7 +313,8 @@ def _check_same_run(out: Path, tag: str, saved: LoopState, cfg: RunConfig, ds: d
                           f"this run has --backend {backend}; a checkpoint resumes only on the "
                           f"backend that wrote it. Fix: pass --backend {was['backend']}"
                           + (f", or {fresh}" if other else ""))
-    layout = {"dp": data_parallel_world(cfg), "tp": cfg.engine.tensor_model_parallel_size}
+    layout = {"dp": data_parallel_world(cfg.engine),
+              "tp": cfg.engine.tensor_model_parallel_size}
     moved = saved.layout != layout
     if moved and backend != "deepspeed":
         raise ConfigError(f"{flag}: the checkpoint was written with the process layout "

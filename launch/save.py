@@ -45,9 +45,12 @@ def write_checkpoint(ckpt_dir: Path, tag: str, rank: int, write: Callable[[Path]
         if rank == 0:
             ckpt_dir.mkdir(parents=True, exist_ok=True)
             for old in ckpt_dir.glob(f"*{TMP}"):
-                shutil.rmtree(old) if old.is_dir() else old.unlink()
+                if old.is_dir():
+                    shutil.rmtree(old)
+                else:
+                    old.unlink()
             tmp.mkdir()
-        dist.barrier()
+        _barrier()
         write(tmp)
     except Exception as err:  # noqa: BLE001 - anything but a failed write is re-raised
         cause = write_failure(err, tmp)
@@ -62,11 +65,17 @@ def write_checkpoint(ckpt_dir: Path, tag: str, rank: int, write: Callable[[Path]
             f"checkpoint {tag} is not listed (trajectory.json, summary.json, latest) and its "
             f"partial files are removed; the complete checkpoints are {complete or 'none'}. "
             f"Fix: {fix}, then rerun the same command with --resume latest")) from None
-    dist.barrier()
+    _barrier()
     if rank == 0:
         _commit(tmp, ckpt_dir / tag)
         write_atomic(ckpt_dir / "latest", tag)
-    dist.barrier()
+    _barrier()
+
+
+def _barrier() -> None:
+    """Every rank reached this point (nothing to wait for without a process group)."""
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def _newest(folder: Path) -> Path:

@@ -6,8 +6,9 @@ No DeepSpeed engine and no process launcher: it trains in the calling process (a
 gloo group, so the loop's collectives are no-ops). Of the DeepSpeed JSON it reads the
 ``"dattri_ds"`` block and, as DeepSpeed reads them, the three batch keys, clipping (global
 norm), the optimizer (``AdamW``/``Adam``/``SGD``) and the scheduler (the DeepSpeed
-``lr_schedules`` class; launch/optimizer.py); a notice names every other key as ignored. The demo and the selection
-benchmarks train through ``train_in_process`` (launch/train.py). Checkpoints:
+``lr_schedules`` class; launch/optimizer.py); a notice names every other key as ignored.
+The demo and the selection benchmarks train through ``train_in_process`` (launch/train.py).
+Checkpoints:
 ``checkpoints/<tag>/`` is a ``save_pretrained`` folder plus ``training_state.pt``
 (optimizer, lr schedule and meta) for ``--resume``.
 """
@@ -26,6 +27,7 @@ from dattri_ds.io.outputs import naming
 from dattri_ds.capture.engine import SteppedAdapter
 from dattri_ds.launch.backend import local_device
 from dattri_ds.launch.config import RunConfig
+from dattri_ds.launch.engine import data_parallel_world
 from dattri_ds.launch.optimizer import TorchOptimized, make_optimizer
 
 __all__ = ["TorchBackend"]
@@ -63,9 +65,7 @@ class TorchBackend(TorchOptimized):
         """
         import torch.distributed as dist
 
-        from dattri_ds.launch.checks import data_parallel_world
-
-        data_parallel_world(cfg)  # WORLD_SIZE 1: no launcher
+        data_parallel_world(cfg.engine)  # WORLD_SIZE 1: no launcher
         if not dist.is_initialized():
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         elif dist.get_world_size() != 1:

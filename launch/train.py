@@ -35,6 +35,7 @@ from dattri_ds.launch.args import load_run_config, parse_args  # noqa: E402
 from dattri_ds.launch.backend import backend_class  # noqa: E402
 from dattri_ds.launch.checks import check_inputs, check_outputs  # noqa: E402
 from dattri_ds.launch.config import RunConfig, dump_json  # noqa: E402
+from dattri_ds.launch.engine import resolve_batch  # noqa: E402
 from dattri_ds.launch.evaluate import make_evaluator, tokenized_texts  # noqa: E402
 from dattri_ds.launch.init_from import init_tokenizer  # noqa: E402
 from dattri_ds.launch.loop import train  # noqa: E402
@@ -152,8 +153,6 @@ def train_in_process(ds_config: dict, cfg: RunConfig, data, tok, out: Path, *,
         raise ConfigError(f"train_in_process runs --backend torch, not "
                           f"'{cfg.engine.backend}': set engine.backend='torch' or launch "
                           f"launch/train.py")
-    from dattri_ds.launch.checks import resolve_batch
-
     resolve_batch(ds_config, 1, "the DeepSpeed config")  # DeepSpeed's batch rule
     check_resume(cfg, out, ds_config)
     TorchBackend.setup(ds_config, cfg)

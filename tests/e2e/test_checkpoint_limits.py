@@ -36,7 +36,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-       "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+       "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+       "PYTHONDONTWRITEBYTECODE": "1"}  # Python installs a cut .pyc under a file-size limit
 ENV.pop("DATTRI_DS_DEBUG", None)
 pytestmark = pytest.mark.slow
 LIMIT = 100_000  # bytes: every file of step4 but its weights / optimizer state fits
