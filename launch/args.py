@@ -24,7 +24,7 @@ from typing import Any
 
 from dattri_ds.io import schema
 from dattri_ds.errors import ConfigError, UsageError
-from dattri_ds.launch.checks import check_memory, check_seq_len
+from dattri_ds.launch.checks import check_deepspeed_json, check_memory, check_seq_len
 from dattri_ds.launch.config import BLOCK, RunConfig
 
 __all__ = ["build_parser", "parse_args", "flag_name", "ALIASES", "load_run_config",
@@ -149,8 +149,9 @@ def load_run_config(path: str | Path, overrides: dict[tuple[str, ...], Any] | No
             replace the JSON's values before the block is parsed.
 
     Raises:
-        ConfigError: the file is missing, not UTF-8, not JSON (file:line:column), or a value
-            of the block is invalid (its key path named).
+        ConfigError: the file is missing, not UTF-8, not JSON (file:line:column), a value
+            of the block is invalid (its key path named), or DeepSpeed would refuse a key
+            (``check_deepspeed_json``; the three batch keys come back resolved).
     """
     p = Path(path)
     ds = schema.read_json(p, "--deepspeed_config")
@@ -166,6 +167,7 @@ def load_run_config(path: str | Path, overrides: dict[tuple[str, ...], Any] | No
         _set(block, key, value)
     cfg = RunConfig.from_dict(block)
     check_seq_len(cfg)  # a length the model cannot take: named before the planner's verdict
+    check_deepspeed_json(ds, cfg, str(p))  # the batch rule; what DeepSpeed would assert
     check_memory(ds, cfg)
     return ds, cfg
 

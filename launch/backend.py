@@ -58,6 +58,8 @@ class Backend(ABC):
     #: ``backward_reused`` back-propagates a loss the selector computed from the candidates'
     #: forward (``selection.reuse_forward``); backends without it forward the chosen again.
     reuses_selection_forward: ClassVar[bool] = False
+    #: The ZeRO stage of the engine (DeepSpeed sets it; recorded in checkpoints).
+    zero_stage: int | None = None
 
     model: nn.Module
     ctx: ParallelContext
@@ -107,7 +109,8 @@ class Backend(ABC):
 
     @abstractmethod
     def save(self, ckpt_dir: Path, tag: str, meta: dict, data) -> None:
-        """Write checkpoint ``ckpt_dir/tag`` (collective); ``meta`` has tag, step and lr."""
+        """Write checkpoint ``ckpt_dir/tag`` (collective; ``tag`` is the temporary name of
+        launch/save.py, renamed once every rank is done); ``meta`` has tag, step and lr."""
 
     @abstractmethod
     def load(self, ckpt_dir: Path, tag: str) -> None:
@@ -134,7 +137,8 @@ class Backend(ABC):
 
     def load_resharded(self, ckpt_dir: Path, tag: str, saved: dict[str, int]) -> None:
         """Restore weights, optimizer and lr schedule from ``ckpt_dir/tag``, written with the
-        process layout ``saved`` (another data-parallel world size): an elastic resume.
+        process layout ``saved`` (another data-parallel world size: an elastic resume) or
+        another ZeRO stage (``check_resume`` refuses what cannot be converted).
 
         Raises:
             ConfigError: this backend resumes only on the layout that wrote the checkpoint.

@@ -1,17 +1,20 @@
 """What launch/train.py refuses at start, before any process group: each a one-line error.
 
 ``load_run_config`` (launch/args.py) runs ``check_seq_len`` (``--seq-len`` against the
-model's positions) and ``check_memory`` (the planner's verdict on this machine's memory) as
-soon as the settings are read. ``train.main`` then runs ``check_inputs``: ``check_texts`` on
-the target and held-out files the run reads (a file whose every text is whitespace would rank
-candidates against an empty target or evaluate nothing) and ``check_init_from``
-(launch/init_from.py); ``check_resume`` (launch/resume.py); and ``check_outputs``, the output
-door of ``--out`` and the store.
+model's positions), ``check_deepspeed_json`` (DeepSpeed's batch rule for every backend, and
+what DeepSpeed would assert on the keys the run passes on) and ``check_memory`` (the
+planner's verdict on this machine's memory) as soon as the settings are read.
+``train.main`` then runs ``check_inputs``: ``check_texts`` on the target and held-out files
+the run reads (a file whose every text is whitespace would rank candidates against an empty
+target or evaluate nothing), the ``--model-path`` folder and ``check_init_from``
+(launch/init_from.py); ``check_resume`` (launch/resume.py); and ``check_outputs``, the
+output door of ``--out`` and the store.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -19,13 +22,14 @@ from typing import Any
 import torch
 
 from dattri_ds.errors import ConfigError
-from dattri_ds.io.files import read_json
+from dattri_ds.io.files import model_dir, read_json
 from dattri_ds.launch.config import BLOCK, RunConfig, TrainConfig
+from dattri_ds.launch.engine import BATCH_KEYS, data_parallel_world, resolve_batch
 from dattri_ds.launch.init_from import check_init_from
 from dattri_ds.io.outputs import check_dir
 
 __all__ = ["check_inputs", "check_texts", "check_seq_len", "model_positions", "check_memory",
-           "check_outputs"]
+           "check_outputs", "check_deepspeed_json"]
 
 
 def check_texts(path: str, flag: str, rows: slice = slice(None)) -> None:
@@ -51,8 +55,9 @@ def check_texts(path: str, flag: str, rows: slice = slice(None)) -> None:
 
 
 def check_inputs(cfg: RunConfig) -> str | None:
-    """The text and ``--init-from`` checks above (``load_run_config`` ran ``check_seq_len``);
-    the ``--init-checkpoint`` tag to load (None: none).
+    """The text checks above, the ``--model-path`` folder (``files.model_dir``: its config
+    and weights whole) and the ``--init-from`` run (``load_run_config`` ran
+    ``check_seq_len``); the ``--init-checkpoint`` tag to load (None: none).
 
     Raises:
         ConfigError: naming the flag, the value and the fix.
@@ -70,6 +75,8 @@ def check_inputs(cfg: RunConfig) -> str | None:
         reads.append((tc.general_eval_data, "--general-eval-data", slice(0, tc.eval_max_docs)))
     for path, flag, rows in reads:
         check_texts(path, flag, rows if rows != slice(0, None) else slice(None))
+    if tc.model_path:  # config and weights whole, before a tokenizer is trained into --out
+        model_dir(tc.model_path, "--model-path")
     return check_init_from(cfg)
 
 
@@ -208,3 +215,196 @@ def check_outputs(out: Path, cfg: RunConfig) -> None:
     if cfg.capture_enabled:
         check_dir(cfg.store_config(out).path, flag=f"{BLOCK}.store.path (--store-path)")
 
+
+# ---- the DeepSpeed JSON: the batch rule and what DeepSpeed would assert ---------------------
+_DS_DOCS = "https://www.deepspeed.ai/docs/config-json/"
+
+
+def check_deepspeed_json(ds: dict[str, Any], cfg: RunConfig, source: str) -> None:
+    """Refuse at start what DeepSpeed would assert on the JSON this run passes on, each as
+    one line naming the file, the key and the fix: the batch rule (``resolve_batch``; the
+    resolved three keys are written back into ``ds``, so every backend and the resolved
+    config say the same), ``gradient_clipping``, every check of DeepSpeed's own config parser
+    (``DeepSpeedConfig``: ZeRO keys, fp16/bf16, ...), the optimizer (its type and params as
+    the engine would build it, ZeRO with an untested optimizer) and the scheduler (built on
+    a probe parameter). ``--backend torch`` and ``megatron`` build their torch optimizer and
+    schedule on a probe instead.
+
+    Raises:
+        ConfigError: naming ``source``, the key and the fix.
+    """
+    world = data_parallel_world(cfg.engine)
+    ds.update(zip(BATCH_KEYS, resolve_batch(ds, world, source)))
+    clip = ds.get("gradient_clipping", 0.0)
+    if type(clip) not in (int, float) or not math.isfinite(clip) or clip < 0:
+        raise ConfigError(f"{source}: gradient_clipping = {json.dumps(clip)} is not allowed: "
+                          f"expected a number >= 0 (the largest global gradient norm; 0 = no "
+                          f"clipping). Fix: e.g. \"gradient_clipping\": 1.0")
+    _deepspeed_parser(ds, source)
+    if cfg.engine.backend == "deepspeed":
+        _deepspeed_optimizer(ds, source)
+        _deepspeed_scheduler(ds, source)
+    else:
+        _torch_optimizer(ds, source, cfg.engine.backend)
+
+
+def _fail(source: str, key: str, problem: str, fix: str = "") -> ConfigError:
+    return ConfigError(f"{source}: {key}: {problem}. Fix: "
+                       f"{fix or f'correct {key} (DeepSpeed config reference: {_DS_DOCS})'}")
+
+
+#: DeepSpeed's config models -> their key in the JSON.
+_DS_SECTIONS = {"DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedFP16Config": "fp16",
+                "DeepSpeedBF16Config": "bf16"}
+#: An assertion of DeepSpeed's config parser (its message) -> (key, fix).
+_DS_ASSERTS = {
+    "bfloat16 and fp16 modes": ("fp16.enabled and bf16.enabled", "enable at most one of them"),
+    "Fp16_master_weights_and_grads": ("fp16.fp16_master_weights_and_grads",
+                                      "set zero_optimization.stage to 1, 2 or 3, or drop it"),
+    "Bf16_master_weights_and_grads": ("bf16.bf16_master_weights_and_grads",
+                                      "set zero_optimization.stage to 1, 2 or 3, or drop it"),
+    "bf16_optimizer_states requires": ("bf16.bf16_optimizer_states",
+                                       "also set bf16.bf16_master_weights_and_grads true"),
+    "bf16_optimizer_states is only": ("bf16.bf16_optimizer_states",
+                                      "set zero_optimization.stage to 1, 2 or 3, or drop it"),
+    "Partial offloading": ("zero_optimization.offload_param",
+                           "set zero_optimization.stage to 3, or drop the ratio"),
+}
+
+
+def _deepspeed_parser(ds: dict[str, Any], source: str) -> None:
+    """``DeepSpeedConfig`` on ``ds`` (its batch keys as this process would see them), its
+    errors as one line. Nothing without DeepSpeed."""
+    try:
+        from deepspeed import comm
+        from deepspeed.runtime.config import DeepSpeedConfig
+    except ImportError:  # pragma: no cover - deepspeed is an optional extra
+        return
+    try:
+        world = comm.get_world_size()  # what DeepSpeedConfig divides by (1 without a group)
+    except Exception:  # noqa: BLE001 - no process group yet
+        world = 1
+    _, micro, gas = (ds[k] for k in BATCH_KEYS)
+    try:
+        DeepSpeedConfig({**ds, "train_batch_size": micro * gas * world})
+    except Exception as e:  # noqa: BLE001 - every refusal of DeepSpeed's parser is named
+        if hasattr(e, "errors") and hasattr(e, "title"):  # pydantic: the key path and value
+            first = e.errors()[0]
+            key = ".".join([_DS_SECTIONS.get(e.title, e.title),
+                            *(str(x) for x in first.get("loc", ()))])
+            raise _fail(source, key, f"{json.dumps(first.get('input'), default=str)[:60]} is "
+                        f"refused by DeepSpeed ({first.get('msg')})") from None
+        text = " ".join(str(e).split())
+        for needle, (key, fix) in _DS_ASSERTS.items():
+            if needle in text:
+                raise _fail(source, key, f"DeepSpeed refuses it ({text})", fix) from None
+        import traceback
+
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        raise ConfigError(f"{source}: DeepSpeed refuses this config: "
+                          f"{text or where.line} ({Path(where.filename).name}:{where.lineno})."
+                          f" Fix: correct the key it names ({_DS_DOCS})") from None
+
+
+def _deepspeed_optimizer(ds: dict[str, Any], source: str) -> None:
+    """The ``optimizer`` block as ``DeepSpeedEngine._configure_basic_optimizer`` reads it:
+    the type (one of DeepSpeed's or a ``torch.optim`` class), params the class takes
+    (``max_grad_norm`` refused, as DeepSpeed does), and with ZeRO an optimizer it supports
+    unless ``zero_allow_untested_optimizer``."""
+    spec = ds.get("optimizer")
+    if spec is None:
+        return
+    if not isinstance(spec, dict) or not isinstance(spec.get("type"), str) or not isinstance(
+            spec.get("params", {}), dict):
+        raise _fail(source, "optimizer", f"{json.dumps(spec)[:60]} is not an object with a "
+                    f"\"type\" string and a \"params\" object",
+                    "e.g. \"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": 0.001}}")
+    from deepspeed.runtime import config as dsc
+    from deepspeed.runtime.zero.utils import ZERO_SUPPORTED_OPTIMIZERS
+
+    name, params = spec["type"], spec.get("params", {})
+    if "max_grad_norm" in params:
+        raise _fail(source, "optimizer.params.max_grad_norm", "DeepSpeed clips with the "
+                    "top-level gradient_clipping, not an optimizer parameter",
+                    f"remove it and set \"gradient_clipping\": {params['max_grad_norm']}")
+    classes, extra = _optimizer_classes(name.lower() if name.lower() in
+                                        dsc.DEEPSPEED_OPTIMIZERS else name)
+    if classes is None:
+        raise _fail(source, "optimizer.type", f"'{name}' is neither one of DeepSpeed's "
+                    f"optimizers {dsc.DEEPSPEED_OPTIMIZERS} nor a torch.optim class (the name "
+                    f"is case-sensitive there)", "e.g. \"AdamW\", \"SGD\"")
+    import inspect
+
+    allowed = set(extra)
+    for c in classes:
+        allowed |= set(list(inspect.signature(c.__init__).parameters)[2:])
+    bad = sorted(set(params) - allowed)
+    if classes and bad:
+        raise _fail(source, f"optimizer.params.{bad[0]}", f"{name} takes no parameter "
+                    f"'{bad[0]}' (it takes {sorted(allowed)})", f"remove or rename '{bad[0]}'")
+    zero = ds.get("zero_optimization") or {}
+    if classes and zero.get("stage", 0) and not ds.get("zero_allow_untested_optimizer") and \
+            not any(c in ZERO_SUPPORTED_OPTIMIZERS for c in classes):
+        raise _fail(source, "optimizer.type", f"ZeRO stage {zero['stage']} has not been tested "
+                    f"by DeepSpeed with {name}", "add \"zero_allow_untested_optimizer\": true, "
+                    "or use AdamW")
+
+
+def _optimizer_classes(name: str) -> tuple[list | None, tuple[str, ...]]:
+    """The classes DeepSpeed may build for optimizer ``name`` and the params it removes
+    first; ``([], ())`` for its optimizers whose params are not checked here, None for a
+    name it does not know."""
+    import torch
+
+    if name in ("adam", "adamw"):
+        from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+        return ([torch.optim.Adam, torch.optim.AdamW, FusedAdam, DeepSpeedCPUAdam],
+                ("torch_adam", "adam_w_mode", "fp32_optimizer_states", "foreach"))
+    if name == "adagrad":
+        return [torch.optim.Adagrad], ()
+    if name in ("lamb", "lion", "muadam", "muadamw", "musgd", "muon"):
+        return [], ()
+    found = getattr(torch.optim, name, None)
+    ok = isinstance(found, type) and issubclass(found, torch.optim.Optimizer)
+    return ([found], ()) if ok else (None, ())
+
+
+def _deepspeed_scheduler(ds: dict[str, Any], source: str) -> None:
+    """The ``scheduler`` block: a DeepSpeed ``lr_schedules`` class, built with its params
+    on a probe optimizer (what the engine does with the real one)."""
+    spec = ds.get("scheduler")
+    if spec is None:
+        return
+    from deepspeed.runtime import lr_schedules
+
+    if not isinstance(spec, dict) or spec.get("type") not in lr_schedules.VALID_LR_SCHEDULES \
+            or not isinstance(spec.get("params", {}), dict):
+        raise _fail(source, "scheduler.type", f"{json.dumps(spec)[:60]} does not name one of "
+                    f"DeepSpeed's schedules {lr_schedules.VALID_LR_SCHEDULES} (with a "
+                    f"\"params\" object)", "e.g. \"scheduler\": {\"type\": \"WarmupLR\", "
+                    "\"params\": {\"warmup_num_steps\": 10}}")
+    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-3)
+    try:
+        getattr(lr_schedules, spec["type"])(probe, **spec.get("params", {}))
+    except (TypeError, ValueError, AssertionError, KeyError) as e:
+        raise _fail(source, "scheduler.params", f"{spec['type']} refuses them "
+                    f"({' '.join(str(e).split())[:160]})") from None
+
+
+def _torch_optimizer(ds: dict[str, Any], source: str, backend: str) -> None:
+    """``--backend torch`` / ``megatron``: the torch optimizer and the schedule of the JSON
+    (launch/optimizer.py), built on a probe parameter."""
+    from dattri_ds.launch.optimizer import OPTIMIZERS, make_schedule, optimizer_spec
+
+    key = "optimizer"
+    try:
+        kind, params = optimizer_spec(ds)
+        key = "optimizer.params"
+        opt = OPTIMIZERS[kind]([torch.zeros(1, requires_grad=True)], **params)
+        key = "scheduler"
+        make_schedule(ds, opt)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    except (TypeError, ValueError, AssertionError, KeyError, AttributeError) as e:
+        raise _fail(source, key, f"--backend {backend} builds its torch {key.split('.')[0]} "
+                    f"from it, which refuses it ({' '.join(str(e).split())[:160]})") from None

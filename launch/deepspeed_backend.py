@@ -90,6 +90,7 @@ class DeepSpeedBackend(Backend):
         self.device = self.engine.device
         self.micro = self.engine.train_micro_batch_size_per_gpu()
         self.gas = self.engine.gradient_accumulation_steps()
+        self.zero_stage = int(self.engine.zero_optimization_stage())
 
     @property
     def optimizer(self):
@@ -126,13 +127,16 @@ class DeepSpeedBackend(Backend):
         check_engine_supported(self.engine)
 
     def save(self, ckpt_dir: Path, tag: str, meta: dict, data) -> None:
-        self.engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=dict(meta))
+        # ``latest`` is written by launch/save.py once the folder is complete and renamed
+        self.engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=dict(meta),
+                                    save_latest=False)
 
     def load_resharded(self, ckpt_dir: Path, tag: str, saved: dict[str, int]) -> None:
-        """Elastic resume: ``checkpoints/<tag>`` (written on ``saved["dp"]`` ranks) converted
-        to a universal checkpoint by rank 0 (kept for later resumes), then loaded by every
-        rank with ``checkpoint.load_universal`` (weights, fp32 master copy, Adam moments and
-        step, lr schedule; DeepSpeed reshards them over this run's ranks)."""
+        """Elastic resume (or ZeRO stage 1 <-> 2): ``checkpoints/<tag>`` (written on
+        ``saved["dp"]`` ranks) converted to a universal checkpoint by rank 0 (kept for later
+        resumes), then loaded by every rank with ``checkpoint.load_universal`` (weights, fp32
+        master copy, Adam moments and step, lr schedule; DeepSpeed reshards them over this
+        run's ranks and stage)."""
         import torch.distributed as dist
 
         universal = ckpt_dir / tag / "universal"
@@ -147,8 +151,8 @@ class DeepSpeedBackend(Backend):
         if failed.item():
             raise ConfigError(
                 f"--resume {tag}: the checkpoint was written on {saved['dp']} data-parallel "
-                f"ranks and this run has {self.ctx.dp_world}; converting it to DeepSpeed's "
-                f"universal checkpoint failed"
+                f"ranks and this run has {self.ctx.dp_world} (ZeRO stage {self.zero_stage}); "
+                f"converting it to DeepSpeed's universal checkpoint failed"
                 + (f" ({reason})" if dist.get_rank() == 0 else "")
                 + "; a ZeRO-1/2 checkpoint written before dattri-ds recorded its "
                   "universal_checkpoint_info cannot be converted: resume with the number of "

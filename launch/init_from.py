@@ -93,12 +93,18 @@ def check_init_from(cfg: RunConfig) -> str | None:
 
 
 def _tag(cfg: RunConfig) -> str | None:
-    """The complete checkpoint ``--init-checkpoint`` names (``latest``: the newest)."""
+    """The complete checkpoint ``--init-checkpoint`` names (``latest``: the newest), its
+    files whole (``files.check_checkpoint``)."""
+    from dattri_ds.io.files import check_checkpoint
+
     if cfg.train.init_checkpoint is None:
         return None
     root = _root(cfg)
-    return Checkpoints.of(root, flag="--init-checkpoint").choose(
+    tag = Checkpoints.of(root, flag="--init-checkpoint").choose(
         root, cfg.train.init_checkpoint, flag="--init-checkpoint", fresh_ok=False)
+    check_checkpoint(root / "checkpoints" / tag, f"--init-checkpoint {tag} checkpoint",
+                     f"pass another checkpoint of {root} (--init-checkpoint <tag>)")
+    return tag
 
 
 def init_tokenizer(cfg: RunConfig):

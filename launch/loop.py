@@ -3,10 +3,10 @@
 The loop owns what does not depend on the engine: the data order (``step_slots``, a function
 of the step, so a resumed run continues the same stream), online selection, capture tags, the
 step bookkeeping (``RunLog``, launch/runlog.py: losses, lrs, evaluations, non-finite steps)
-and when to checkpoint. A ``Backend`` (launch/backend.py) does the rest: it builds the model
-and optimizer, runs forward and backward of one micro-batch, steps the optimizer, attaches
-capture, and saves / loads its own checkpoint. What a checkpoint adds for the loop, and
-resuming from it: launch/resume.py.
+and when to checkpoint (all or nothing: launch/save.py). A ``Backend`` (launch/backend.py)
+does the rest: it builds the model and optimizer, runs forward and backward of one
+micro-batch, steps the optimizer, attaches capture, and saves / loads its own checkpoint.
+What a checkpoint adds for the loop, and resuming from it: launch/resume.py.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from dattri_ds.distributed import all_reduce_sum
 from dattri_ds.errors import ConfigError
 from dattri_ds.launch.backend import Backend
 from dattri_ds.launch.config import RunConfig
-from dattri_ds.launch.resume import LoopState, selection_config
+from dattri_ds.launch.resume import LoopState, run_record, selection_config
 from dattri_ds.launch.runlog import RunLog, make_run_id
+from dattri_ds.launch.save import write_checkpoint
 from dattri_ds.sample_id import SampleId
 from dattri_ds.selection.state import SelectionCheckpoint
 from dattri_ds.store import StoreCallback, seal_store
@@ -89,18 +90,23 @@ def train(backend: Backend, cfg: RunConfig, data, out: Path, tok, rank: int,
     log = RunLog(tc, out, rank, evaluator, run_id=run_id,
                  record=resumed.record if resumed is not None else None)
 
+    ran = run_record(cfg, backend.zero_stage)  # what a resume compares (check_resume)
+
+    def write(folder: Path, tag: str, step: int, lr: float) -> None:
+        backend.save(folder.parent, folder.name, {"tag": tag, "step": step, "lr": lr}, data)
+        LoopState(step=step, record=log.record, rng=LoopState.capture_rng(),
+                  layout=backend.layout(), origin=origin, per_step=per_step, run=ran
+                  ).save(folder, rank)
+        if selector is not None:  # every rank: under rank scope each rank's state differs
+            SelectionCheckpoint.write(folder, rank, selector.state_dict(),
+                                      selection_config(cfg) if rank == 0 else None)
+
     def save(tag: str, step: int, lr: float) -> None:
         if capture is not None:  # a checkpoint implies the rows of its steps are committed:
             for cb in capture.callbacks:  # a resume from it never recomputes them
                 cb.on_detach()  # StoreCallback: commit the buffered rows
-        backend.save(ckpt_dir, tag, {"tag": tag, "step": step, "lr": lr}, data)
-        LoopState(step=step, record=log.record, rng=LoopState.capture_rng(),
-                  layout=backend.layout(), origin=origin, per_step=per_step
-                  ).save(ckpt_dir / tag, rank)
-        if selector is not None:  # every rank: under rank scope each rank's state differs
-            SelectionCheckpoint.write(ckpt_dir / tag, rank, selector.state_dict(),
-                                      selection_config(cfg) if rank == 0 else None)
-        dist.barrier()
+        write_checkpoint(ckpt_dir, tag, rank, lambda f: write(f, tag, step, lr),
+                         [c["tag"] for c in log.record.checkpoints[:-1]])
 
     backend.model.train()
     if resumed is not None:

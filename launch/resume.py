@@ -18,7 +18,7 @@ import json
 import logging
 import os
 import socket
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -26,9 +26,10 @@ import torch
 import torch.distributed as dist
 
 from dattri_ds.errors import ConfigError
-from dattri_ds.io.files import read_json
+from dattri_ds.io.files import check_checkpoint, load_torch, read_json
 from dattri_ds.launch.backend import Backend
 from dattri_ds.launch.config import RunConfig
+from dattri_ds.launch.engine import data_parallel_world
 from dattri_ds.launch.runlog import RunRecord, make_run_id
 from dattri_ds.io.outputs import write_atomic
 from dattri_ds.selection.online import log_file, writes_log
@@ -36,9 +37,12 @@ from dattri_ds.selection.state import SelectionCheckpoint, config_difference, lo
 from dattri_ds.store.shard import rollback_to_step
 
 __all__ = ["LoopState", "Checkpoints", "resume_tag", "check_resume", "resume",
-           "check_shared_out", "selection_config"]
+           "check_shared_out", "selection_config", "run_record", "zero_stage"]
 
 logger = logging.getLogger("dattri_ds.launch")
+
+#: The fix for a checkpoint whose files are cut or damaged.
+_EARLIER = "resume from an earlier checkpoint (--resume <tag>), or start over (--force)"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,6 +77,10 @@ class LoopState:
     """Elastic resume onto more ranks: this rank continues another rank's selector state
     (its run statistics start at zero, so that none is counted twice)."""
 
+    run: dict[str, Any] = field(default_factory=dict)
+    """What trained (``run_record``: backend, ZeRO stage, model); empty in checkpoints of a
+    dattri-ds that did not record it."""
+
     FILE: ClassVar[str] = "loop_state.rank{rank:05d}.pt"
 
     @staticmethod
@@ -91,7 +99,8 @@ class LoopState:
         folder.mkdir(parents=True, exist_ok=True)
         torch.save({"step": self.step, "record": self.record.to_dict(), "rng": self.rng,
                     "layout": self.layout, "origin": list(self.origin),
-                    "per_step": self.per_step}, folder / self.FILE.format(rank=rank))
+                    "per_step": self.per_step, "run": self.run},
+                   folder / self.FILE.format(rank=rank))
 
     @classmethod
     def load(cls, folder: Path, rank: int) -> LoopState:
@@ -102,10 +111,10 @@ class LoopState:
             raise ConfigError(f"{folder} has no loop state of rank {rank} ({path.name}): it was "
                               f"written by fewer processes or by a dattri-ds without resume; "
                               f"resume with the number of processes that wrote it")
-        d = torch.load(path, map_location="cpu", weights_only=True)
+        d = load_torch(path, "loop state", fix=_EARLIER)
         return cls(step=int(d["step"]), record=RunRecord.from_dict(d["record"]), rng=d["rng"],
                    layout=dict(d["layout"]), origin=tuple(d.get("origin", (0, 0))),
-                   per_step=int(d.get("per_step", 0)))
+                   per_step=int(d.get("per_step", 0)), run=dict(d.get("run", {})))
 
     def restore(self, selector=None) -> None:
         """Continue from this state right before the first step: the selector's state and
@@ -228,22 +237,26 @@ def resume_tag(out: Path, resume: str) -> str | None:
     return Checkpoints.of(out).choose(out, resume)
 
 
-def check_resume(cfg: RunConfig, out: Path | str) -> None:
+def check_resume(cfg: RunConfig, out: Path | str, ds_config: dict | None = None) -> None:
     """Refuse, before any process starts, what a resume cannot reproduce: no complete
-    checkpoint to continue from (``resume_tag``), or online selection under a selection
-    config other than the checkpoint's (its selector state would not fit or would choose
-    differently). Every other setting the selector holds is restored.
+    checkpoint to continue from (``resume_tag``), a file of it cut or damaged (named), one
+    written by another backend, on another process layout (but by DeepSpeed, which reshards
+    it), under a ZeRO stage DeepSpeed's universal checkpoint cannot convert from, or for
+    another model (``run_record``); and, with online selection, a selection config other
+    than the checkpoint's (its selector state would not fit or would choose differently).
 
     Raises:
-        ConfigError: no such checkpoint, or a selection key that differs from the
-            checkpoint's (named, with both values).
+        ConfigError: naming the checkpoint, the difference (both values) and the flag.
     """
     if not cfg.train.resume:
         return
-    tag = resume_tag(Path(out), cfg.train.resume)
-    if tag is None or not cfg.selection.enabled:
+    out = Path(out)
+    tag = resume_tag(out, cfg.train.resume)
+    if tag is None:
         return
-    saved = SelectionCheckpoint.config_of(Path(out) / "checkpoints" / tag)
+    folder = check_checkpoint(out / "checkpoints" / tag, f"--resume {tag} checkpoint", _EARLIER)
+    _check_same_run(out, tag, LoopState.load(folder, 0), cfg, ds_config or {})
+    saved = SelectionCheckpoint.config_of(folder) if cfg.selection.enabled else None
     if saved is None:
         return  # written without selection: ``resume`` starts a fresh selector (warned)
     diff = config_difference(saved, selection_config(cfg))
@@ -253,6 +266,92 @@ def check_resume(cfg: RunConfig, out: Path | str) -> None:
                           f"this run has {key}={now!r}; a selector's state continues only "
                           f"under the settings that wrote it: set {key} back to {was!r}, or "
                           f"start a fresh run (drop --resume)")
+
+
+def zero_stage(ds_config: dict) -> int:
+    """The ZeRO stage of a DeepSpeed JSON (DeepSpeed's default 0 when it names none)."""
+    zero = ds_config.get("zero_optimization")
+    return zero.get("stage", 0) if isinstance(zero, dict) else 0
+
+
+def run_record(cfg: RunConfig, stage: int | None) -> dict[str, Any]:
+    """What a checkpoint records about the run that wrote it, for ``check_resume``: the
+    backend, the ZeRO stage (DeepSpeed; None otherwise) and the model (the content of its
+    config file, and the tokenizer's source: ``--vocab-size`` or the ``--init-from`` run)."""
+    tc = cfg.train
+    src = Path(tc.model_path) / "config.json" if tc.model_path else Path(tc.model_config)
+    try:
+        config = read_json(src, "model config")
+    except ConfigError:  # the model's own error follows when it is built
+        config = None
+    return {"backend": cfg.engine.backend, "zero_stage": stage,
+            "model": {"config": config, "vocab_size": None if tc.model_path or tc.init_from
+                      else tc.vocab_size,
+                      "init_from": str(Path(tc.init_from).resolve()) if tc.init_from else None}}
+
+
+def _written_by(folder: Path) -> str | None:
+    """The backend whose files a checkpoint folder holds (older checkpoints record none)."""
+    if (folder / "training_state.pt").exists():
+        return "torch"
+    if (folder / "megatron_consolidated.pt").exists():
+        return "megatron"
+    return "deepspeed" if any(folder.glob("*model_states.pt")) else None
+
+
+def _check_same_run(out: Path, tag: str, saved: LoopState, cfg: RunConfig, ds: dict) -> None:
+    """``check_resume``'s comparison of the checkpoint's ``run_record`` and layout with this
+    run's (before any process group: the layout from ``WORLD_SIZE``)."""
+    backend = cfg.engine.backend
+    now = run_record(cfg, zero_stage(ds) if backend == "deepspeed" else None)
+    was = {"backend": _written_by(out / "checkpoints" / tag), **saved.run}
+    flag, fresh = f"--resume {tag}", (f"start a new run from its weights (--init-from {out} "
+                                      f"--init-checkpoint {tag} --out NEW_DIR)")
+    if was["backend"] not in (None, backend):
+        other = "megatron" not in (was["backend"], backend)
+        raise ConfigError(f"{flag}: the checkpoint was written by --backend {was['backend']}, "
+                          f"this run has --backend {backend}; a checkpoint resumes only on the "
+                          f"backend that wrote it. Fix: pass --backend {was['backend']}"
+                          + (f", or {fresh}" if other else ""))
+    layout = {"dp": data_parallel_world(cfg.engine),
+              "tp": cfg.engine.tensor_model_parallel_size}
+    moved = saved.layout != layout
+    if moved and backend != "deepspeed":
+        raise ConfigError(f"{flag}: the checkpoint was written with the process layout "
+                          f"{saved.layout}, this run has {layout}, and --backend {backend} "
+                          f"resumes only on the layout that wrote it. Fix: resume with the "
+                          f"same number of processes and parallel sizes (elastic resume onto "
+                          f"another world size runs on --backend deepspeed)")
+    s0, s1 = was.get("zero_stage"), now["zero_stage"]
+    if s0 is not None and s0 != s1 and not {s0, s1} <= {1, 2}:
+        raise ConfigError(f"{flag}: the checkpoint was written with ZeRO stage {s0}, this run "
+                          f"has stage {s1} (zero_optimization.stage); DeepSpeed's universal "
+                          f"checkpoint converts stages 1 and 2 into each other only. Fix: set "
+                          f"zero_optimization.stage to {s0}, or {fresh}")
+    if moved and backend == "deepspeed" and (s1 if s0 is None else s0) == 0:
+        raise ConfigError(f"{flag}: the checkpoint was written with the process layout "
+                          f"{saved.layout} under ZeRO stage 0, this run has {layout}; "
+                          f"DeepSpeed's universal checkpoint reshards ZeRO 1-3 checkpoints "
+                          f"only. Fix: resume on the number of processes that wrote it, or "
+                          f"{fresh}")
+    diffs = _differences(was.get("model"), now["model"])
+    if diffs:
+        raise ConfigError(f"{flag}: the checkpoint was written for another model: "
+                          f"{'; '.join(diffs[:4])}. Fix: pass the --model-config (and "
+                          f"--vocab-size) that run used, or start over (drop --resume, pass "
+                          f"--force)")
+
+
+def _differences(was: dict | None, now: dict) -> list[str]:
+    """``key=<there> there, <here> here`` for each model key that differs (none when the
+    checkpoint recorded no model)."""
+    if not was:
+        return []
+    flat = [({**(w.get("config") or {}), **{k: v for k, v in w.items() if k != "config"}})
+            for w in (was, now)]
+    keys = sorted(set(flat[0]) | set(flat[1]))
+    return [f"{k}={flat[0].get(k)!r} there, {flat[1].get(k)!r} here" for k in keys
+            if flat[0].get(k) != flat[1].get(k)]
 
 
 def resume(backend: Backend, cfg: RunConfig, out: Path, rank: int) -> LoopState | None:
@@ -291,9 +390,11 @@ def resume(backend: Backend, cfg: RunConfig, out: Path, rank: int) -> LoopState 
             raise
     saved_dp = state.layout["dp"]
     elastic = state.layout != backend.layout()
-    if elastic and rank == 0:
-        logger.info("--resume %s: elastic resume from the process layout %s onto %s", tag,
-                    state.layout, backend.layout())
+    restaged = state.run.get("zero_stage", backend.zero_stage) != backend.zero_stage
+    if (elastic or restaged) and rank == 0:
+        logger.info("--resume %s: converting the checkpoint (process layout %s, ZeRO stage %s) "
+                    "onto %s, stage %s", tag, state.layout, state.run.get("zero_stage"),
+                    backend.layout(), backend.zero_stage)
     selection = None
     if cfg.selection.enabled and SelectionCheckpoint.config_of(folder) is not None:
         log = backend.selection_log(out)  # read before the selector rewrites its log
@@ -310,11 +411,12 @@ def resume(backend: Backend, cfg: RunConfig, out: Path, rank: int) -> LoopState 
     elif cfg.selection.enabled and rank == 0:
         logger.warning("--resume %s: the checkpoint was written without online selection; "
                        "the selector starts fresh at step %d", tag, state.step)
-    if elastic:
+    if elastic or restaged:
         backend.load_resharded(out / "checkpoints", tag, state.layout)
-        _rollback_store(cfg, out, rank, state.step)
     else:
         backend.load(out / "checkpoints", tag)
+    if elastic:
+        _rollback_store(cfg, out, rank, state.step)
     logger.info("resuming from %s at step %d", tag, state.step)
     return replace(state, selection=selection)
 

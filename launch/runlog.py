@@ -121,7 +121,11 @@ class RunLog:
         if (tc.save_every and n % tc.save_every == 0) or n == tc.steps:
             tag = f"step{n}"
             rec.checkpoints.append({"tag": tag, "step": n, "lr": lr})
-            save(tag, n, lr)  # the record saved with it includes this checkpoint
+            try:
+                save(tag, n, lr)  # the record saved with it includes this checkpoint
+            except BaseException:  # not written: listed nowhere (summary.json included)
+                rec.checkpoints.pop()
+                raise
             if self.rank == 0:
                 dump_json(self.out / "trajectory.json",
                           {"checkpoints": rec.checkpoints, "lrs": rec.lrs})

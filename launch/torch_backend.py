@@ -4,17 +4,17 @@
 
 No DeepSpeed engine and no process launcher: it trains in the calling process (a one-rank
 gloo group, so the loop's collectives are no-ops). Of the DeepSpeed JSON it reads the
-``"dattri_ds"`` block, batch sizes, clipping (global norm), the optimizer (``AdamW``/``Adam``/
-``SGD``) and the scheduler (the DeepSpeed ``lr_schedules`` class, the only import from
-DeepSpeed; launch/optimizer.py); other keys are ignored, with a logged note. The demo and the selection
-benchmarks train through ``train_in_process`` (launch/train.py). Checkpoints:
+``"dattri_ds"`` block and, as DeepSpeed reads them, the three batch keys, clipping (global
+norm), the optimizer (``AdamW``/``Adam``/``SGD``) and the scheduler (the DeepSpeed
+``lr_schedules`` class; launch/optimizer.py); a notice names every other key as ignored.
+The demo and the selection benchmarks train through ``train_in_process`` (launch/train.py).
+Checkpoints:
 ``checkpoints/<tag>/`` is a ``save_pretrained`` folder plus ``training_state.pt``
 (optimizer, lr schedule and meta) for ``--resume``.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -22,9 +22,12 @@ from torch import nn
 
 from dattri_ds.distributed import ParallelContext
 from dattri_ds.errors import ConfigError
+from dattri_ds.io.files import load_torch
+from dattri_ds.io.outputs import naming
 from dattri_ds.capture.engine import SteppedAdapter
 from dattri_ds.launch.backend import local_device
 from dattri_ds.launch.config import RunConfig
+from dattri_ds.launch.engine import data_parallel_world
 from dattri_ds.launch.optimizer import TorchOptimized, make_optimizer
 
 __all__ = ["TorchBackend"]
@@ -62,11 +65,7 @@ class TorchBackend(TorchOptimized):
         """
         import torch.distributed as dist
 
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world != 1:
-            raise ConfigError(f"--backend torch trains in one process, but WORLD_SIZE={world}: "
-                              f"run `python launch/train.py --backend torch ...` (no torchrun "
-                              f"or deepspeed launcher), or use --backend deepspeed")
+        data_parallel_world(cfg.engine)  # WORLD_SIZE 1: no launcher
         if not dist.is_initialized():
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         elif dist.get_world_size() != 1:
@@ -120,14 +119,14 @@ class TorchBackend(TorchOptimized):
         bar = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()  # one "Writing model shards" bar per checkpoint
         try:
-            self.model.save_pretrained(str(folder))
+            with naming(folder / "model.safetensors"):  # safetensors names no file
+                self.model.save_pretrained(str(folder))
         finally:
             if bar:
                 hf_logging.enable_progress_bar()
         state = {"optimizer": self._opt.state_dict(), "meta": dict(meta),
                  "scheduler": None if self.sched is None else self.sched.state_dict()}
-        torch.save(state, folder / "training_state.pt.tmp")
-        os.replace(folder / "training_state.pt.tmp", folder / "training_state.pt")
+        torch.save(state, folder / "training_state.pt")
 
     def load(self, ckpt_dir: Path, tag: str) -> None:
         from transformers import AutoModelForCausalLM
@@ -138,8 +137,9 @@ class TorchBackend(TorchOptimized):
                               f"by --backend torch); resume with the backend that wrote it")
         saved = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
         self.model.load_state_dict(saved.state_dict())
-        state = torch.load(folder / "training_state.pt", map_location=self.device,
-                           weights_only=False)
+        state = load_torch(folder / "training_state.pt", "training state",
+                           fix="resume from an earlier checkpoint (--resume <tag>)",
+                           map_location=self.device, trusted="a --backend torch checkpoint")
         self._opt.load_state_dict(state["optimizer"])
         if self.sched is not None and state["scheduler"] is not None:
             self.sched.load_state_dict(state["scheduler"])

@@ -35,6 +35,7 @@ from dattri_ds.launch.args import load_run_config, parse_args  # noqa: E402
 from dattri_ds.launch.backend import backend_class  # noqa: E402
 from dattri_ds.launch.checks import check_inputs, check_outputs  # noqa: E402
 from dattri_ds.launch.config import RunConfig, dump_json  # noqa: E402
+from dattri_ds.launch.engine import resolve_batch  # noqa: E402
 from dattri_ds.launch.evaluate import make_evaluator, tokenized_texts  # noqa: E402
 from dattri_ds.launch.init_from import init_tokenizer  # noqa: E402
 from dattri_ds.launch.loop import train  # noqa: E402
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
     warn_once_per_launch()  # ranks reading one config warn alike: once per launch
     ds_config, cfg = load_run_config(args.deepspeed_config, args.overrides)
     check_inputs(cfg)  # model positions, target texts, the --init-from run
-    check_resume(cfg, args.out)  # a resume the checkpoint cannot continue
+    check_resume(cfg, args.out, ds_config)  # a resume the checkpoint cannot continue
     check_outputs(Path(args.out), cfg)  # the output door, before any process group
     backend_cls = backend_class(cfg.engine.backend)
     rank, _ = backend_cls.setup(ds_config, cfg)
@@ -152,7 +153,8 @@ def train_in_process(ds_config: dict, cfg: RunConfig, data, tok, out: Path, *,
         raise ConfigError(f"train_in_process runs --backend torch, not "
                           f"'{cfg.engine.backend}': set engine.backend='torch' or launch "
                           f"launch/train.py")
-    check_resume(cfg, out)
+    resolve_batch(ds_config, 1, "the DeepSpeed config")  # DeepSpeed's batch rule
+    check_resume(cfg, out, ds_config)
     TorchBackend.setup(ds_config, cfg)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,6 @@ docs/integrations.md, "Megatron checkpoints"."""
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ import torch
 from torch import nn
 
 from dattri_ds.errors import CheckpointMismatchError, ConfigError
+from dattri_ds.io.files import load_torch
 
 __all__ = ["CONSOLIDATED", "CONSOLIDATED_META", "FORMAT", "is_consolidated",
            "consolidated_state", "load_consolidated", "read_consolidated", "read_meta",
@@ -101,7 +101,8 @@ def read_consolidated(folder: str | Path) -> dict[str, torch.Tensor]:
     if not path.exists():
         raise ConfigError(f"'{folder}' holds no {CONSOLIDATED}: pass a checkpoints/<tag> folder "
                           f"of a launch/train.py --backend megatron run")
-    return torch.load(path, map_location="cpu", weights_only=True)
+    return load_torch(path, "Megatron consolidated weights",
+                      fix="pass another checkpoint of the run (an earlier tag)")
 
 
 def read_meta(folder: str | Path) -> dict:
@@ -140,11 +141,9 @@ def save_checkpoint(lm: nn.Module, path: Path, meta: dict, data, verify: bool) -
     rows = list(range(min(CHECK_EXAMPLES, len(data))))
     meta = {**meta, "format": FORMAT, "format_version": FORMAT_VERSION,
             "check": {"rows": rows, "example_loss": _check_losses(lm, data.batch, rows)}}
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0:  # into a folder launch/save.py renames once it is complete
         path.mkdir(parents=True, exist_ok=True)
-        tmp = path / (CONSOLIDATED + ".tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, path / CONSOLIDATED)
+        torch.save(state, path / CONSOLIDATED)
         (path / CONSOLIDATED_META).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     dist.barrier()
     if verify:
@@ -177,9 +176,7 @@ def save_optimizer_state(path: Path, rank: int, layout: dict[str, int], optimize
     path.mkdir(parents=True, exist_ok=True)
     state = {"layout": dict(layout), "optimizer": optimizer.state_dict(),
              "scheduler": None if scheduler is None else scheduler.state_dict()}
-    tmp = path / (_optimizer_file(rank) + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path / _optimizer_file(rank))
+    torch.save(state, path / _optimizer_file(rank))
 
 
 def load_optimizer_state(path: Path, rank: int, layout: dict[str, int], optimizer,
@@ -197,7 +194,8 @@ def load_optimizer_state(path: Path, rank: int, layout: dict[str, int], optimize
                           f"resume with the layout that wrote it, or start a new run from "
                           f"its weights")
     # our own file; Megatron's optimizers keep plain Python objects in their param groups
-    state = torch.load(file, map_location="cpu", weights_only=False)
+    state = load_torch(file, "Megatron optimizer state", fix="resume from an earlier "
+                       "checkpoint (--resume <tag>)", trusted="a --backend megatron checkpoint")
     if state["layout"] != dict(layout):
         raise ConfigError(f"{path} was written by a run with layout {state['layout']}, this run "
                           f"has {dict(layout)}: resume with the same --tensor-model-parallel-"

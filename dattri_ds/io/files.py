@@ -23,7 +23,8 @@ from dattri_ds.errors import InputFileError
 
 __all__ = ["MAX_LINE_ENV", "max_line_bytes", "check_file", "check_dir", "iter_lines",
            "iter_json_lines", "first_json_line", "read_json", "read_text", "load_array",
-           "load_torch", "load_safetensors", "model_dir", "HF_WEIGHTS"]
+           "load_torch", "load_safetensors", "model_dir", "HF_WEIGHTS", "check_torch_file",
+           "check_safetensors", "check_checkpoint"]
 
 #: Environment variable capping the bytes of one text line (and of one JSON file).
 MAX_LINE_ENV = "DATTRI_DS_MAX_LINE_BYTES"
@@ -312,6 +313,31 @@ def _npy_header(fh, p: Path, what: str, fix: str) -> None:
                     f"({need} bytes) but {have} bytes follow", fix)
 
 
+def check_torch_file(path: str | os.PathLike, what: str = "torch file",
+                     fix: str = "pass a file written by dattri-ds") -> Path:
+    """``path`` if it is a complete ``torch.save`` archive: its zip directory, which torch
+    writes last, is present and every entry lies inside the file (read without loading).
+
+    Raises:
+        InputFileError: a path problem, an empty, cut or damaged file.
+    """
+    import zipfile
+
+    p = check_file(path, what, fix)
+    size = p.stat().st_size
+    if size == 0:
+        raise _fail(what, p, "is empty", fix)
+    try:
+        with zipfile.ZipFile(p) as z:
+            end = max((i.header_offset + i.compress_size for i in z.infolist()), default=0)
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+        raise _fail(what, p, f"is cut off or damaged ({size} bytes, not a complete "
+                    f"torch.save archive: its write did not finish)", fix) from None
+    if end > size:
+        raise _fail(what, p, f"is cut off ({size} bytes, its entries need {end})", fix)
+    return p
+
+
 def load_torch(path: str | os.PathLike, what: str = "torch file", *,
                fix: str = "pass a file written by dattri-ds", map_location: Any = "cpu",
                trusted: str | None = None) -> Any:
@@ -343,38 +369,98 @@ def load_torch(path: str | os.PathLike, what: str = "torch file", *,
                     f"{first})", fix) from None
 
 
-def _safetensors_header(p: Path, what: str, fix: str) -> None:
-    """The 8-byte length and JSON header of a safetensors file."""
+#: Bytes per element of the safetensors dtypes.
+_ST_BYTES = {"F64": 8, "I64": 8, "U64": 8, "C64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2,
+             "BF16": 2, "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1,
+             "F8_E5M2": 1}
+
+
+def check_safetensors(path: str | os.PathLike, what: str = "weights file",
+                      fix: str = "pass a folder written by model.save_pretrained(path)"
+                      ) -> Path:
+    """``path`` if it is a whole ``.safetensors`` file, read without loading a tensor: the
+    8-byte header length, a JSON header, every tensor's ``data_offsets`` matching its dtype
+    and shape, and the data running to the end of the file (what safetensors reports as
+    "file not fully covered" when the file is cut).
+
+    Raises:
+        InputFileError: a path problem, a damaged header, or data cut off or inconsistent.
+    """
+    import math
+
+    p = check_file(path, what, fix)
     size = p.stat().st_size
     with _open(p, what, fix) as fh:
         head = fh.read(8)
         n = int.from_bytes(head, "little") if len(head) == 8 else -1
-        ok = 0 < n <= size - 8
-        if ok:
+        header = None
+        if 0 < n <= size - 8:
             try:
-                ok = isinstance(json.loads(fh.read(n)), dict)
+                header = json.loads(fh.read(n))
             except (ValueError, UnicodeDecodeError):
-                ok = False
-    if not ok:
+                header = None
+    if not isinstance(header, dict):
         raise _fail(what, p, "is not a safetensors file (truncated or damaged header)", fix)
+    end = 0
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            lo, hi = (int(x) for x in t["data_offsets"])
+            need = math.prod(int(d) for d in t["shape"]) * _ST_BYTES.get(t["dtype"], 0)
+        except (TypeError, KeyError, ValueError):
+            raise _fail(what, p, f"has a damaged header (tensor '{name}' lacks dtype, shape "
+                        f"or data_offsets)", fix) from None
+        if not 0 <= lo <= hi or (t["dtype"] in _ST_BYTES and hi - lo != need):
+            raise _fail(what, p, f"has a damaged header (tensor '{name}': data_offsets "
+                        f"{[lo, hi]} do not hold its {t['dtype']} {t['shape']})", fix)
+        end = max(end, hi)
+    have = size - 8 - n
+    if end != have:
+        state = "cut off" if end > have else "longer than its header says"
+        raise _fail(what, p, f"is {state}: its header declares {end} bytes of tensor data, "
+                    f"the file holds {have}", fix)
+    return p
 
 
 def load_safetensors(path: str | os.PathLike, what: str = "weights file",
                      fix: str = "pass a folder written by model.save_pretrained(path)"):
-    """The tensors of a ``.safetensors`` file (header checked first).
+    """The tensors of a ``.safetensors`` file, checked whole first (:func:`check_safetensors`).
 
     Raises:
         InputFileError: a path problem, or a truncated or damaged file.
     """
     from safetensors.torch import load_file
 
-    p = check_file(path, what, fix)
-    _safetensors_header(p, what, fix)
+    p = check_safetensors(path, what, fix)
     try:
         return load_file(str(p))
     except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError
         first = " ".join(str(e).split())[:80]
         raise _fail(what, p, f"is truncated or damaged ({first})", fix) from None
+
+
+#: The check of each weight and state file of a checkpoint folder, by suffix.
+_CHECKPOINT_FILES = {".pt": check_torch_file, ".bin": check_torch_file,
+                     ".safetensors": check_safetensors}
+
+
+def check_checkpoint(folder: str | os.PathLike, what: str = "checkpoint",
+                     fix: str = "resume from another checkpoint") -> Path:
+    """``folder`` if every weight and state file directly in it (``*.pt``, ``*.bin``,
+    ``*.safetensors``: DeepSpeed's ``mp_rank_*`` and ``*_optim_states.pt``, a
+    ``save_pretrained`` folder's weights, the loop's and the optimizer's states) is whole,
+    read without loading a tensor, so that a cut file is named before anything is built.
+
+    Raises:
+        InputFileError: the folder is missing, or a file in it is empty, cut or damaged.
+    """
+    p = check_dir(folder, f"{what} folder", fix)
+    for f in sorted(p.iterdir()):
+        check = _CHECKPOINT_FILES.get(f.suffix)
+        if check is not None and f.is_file():
+            check(f, f"{what} file", fix)
+    return p
 
 
 def read_text(path: str | os.PathLike, what: str = "text file",
@@ -391,7 +477,7 @@ def model_dir(path: str | os.PathLike, what: str = "--model",
 
     ``config.json`` must be a UTF-8 JSON object without BOM (transformers cannot read one)
     whose ``model_type`` the installed transformers knows (``CONFIG_MAPPING``); with
-    ``weights``, one of :data:`HF_WEIGHTS` must be present (a safetensors header readable).
+    ``weights``, one of :data:`HF_WEIGHTS` must be present and whole (``_check_weights``).
 
     Raises:
         InputFileError: any of these checks, naming the folder or file.
@@ -425,7 +511,22 @@ def model_dir(path: str | os.PathLike, what: str = "--model",
         if not found:
             raise _fail(f"{what} folder", p, f"is not a Hugging Face model folder: it holds "
                         f"no weights (one of {list(HF_WEIGHTS)}) next to its config.json", fix)
-        if found[0] == "model.safetensors":
-            _safetensors_header(check_file(p / found[0], f"{what} weights", fix),
-                                f"{what} weights", fix)
+        _check_weights(p, found[0], f"{what} weights", fix)
     return p
+
+
+def _check_weights(folder: Path, name: str, what: str, fix: str) -> None:
+    """The weights file ``name`` of a model folder (each shard of an index) is whole."""
+    if name == "pytorch_model.bin":
+        check_torch_file(folder / name, what, fix)
+        return
+    shards = [name]
+    if name.endswith(".index.json"):
+        index = read_json(folder / name, f"{what} index", fix=fix)
+        wmap = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(wmap, dict) or not all(isinstance(v, str) for v in wmap.values()):
+            raise _fail(f"{what} index", folder / name, "has no weight_map of tensor names to "
+                        "shard files", fix)
+        shards = sorted(set(wmap.values()))
+    for shard in shards:
+        check_safetensors(folder / shard, what, fix)

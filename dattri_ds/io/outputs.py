@@ -13,6 +13,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -20,31 +21,29 @@ from typing import Any
 
 from dattri_ds.errors import DattriDSError, OutputError, WriteError
 
-__all__ = ["check_dir", "check_file", "writing", "write_error", "reason", "human_bytes",
-           "fsync_dir", "write_json_atomic"]
+__all__ = ["check_dir", "check_file", "writing", "write_error", "write_failure", "naming",
+           "reason", "human_bytes", "write_atomic", "fsync_dir", "write_json_atomic"]
 
-#: errno -> what a user reads (instead of the exception class and strerror).
+#: errno -> what it means here, after the system's own words (``os.strerror``).
 _REASONS = {
-    errno.ENOSPC: "the disk is full (no space left on device)",
-    errno.EFBIG: "the file size limit was reached (file too large: ulimit -f, or the file "
-                 "system's largest file)",
+    errno.ENOSPC: "the disk is full",
+    errno.EFBIG: "the file size limit was reached: ulimit -f, or the file system's largest "
+                 "file",
     errno.EDQUOT: "the disk quota is exceeded",
-    errno.EACCES: "permission denied",
-    errno.EPERM: "the operation is not permitted there",
-    errno.EROFS: "the file system is read-only",
     errno.ENOENT: "a folder on the way does not exist and cannot be created there",
     errno.ENOTDIR: "a part of the path is a file, not a folder",
     errno.EISDIR: "it is a folder, not a file",
     errno.ELOOP: "the path has a symbolic link loop",
-    errno.ENAMETOOLONG: "the name is too long",
 }
 
 
 def reason(err: OSError) -> str:
-    """Why an OS call failed, in words (no exception class)."""
-    if err.errno in _REASONS:
-        return _REASONS[err.errno]
-    return (os.strerror(err.errno) if err.errno else str(err) or "it failed").lower()
+    """Why an OS call failed, in the system's words and what they mean (no exception
+    class), e.g. ``File too large (the file size limit was reached: ...)``."""
+    if not err.errno:
+        return str(err) or "it failed"
+    said = os.strerror(err.errno)
+    return f"{said} ({_REASONS[err.errno]})" if err.errno in _REASONS else said
 
 
 def human_bytes(n: float) -> str:
@@ -171,6 +170,39 @@ def write_error(err: OSError, path: str | os.PathLike, nbytes: int | None = None
 
 #: How torch.save reports a failed write (its C++ stream writer raises RuntimeError).
 _TORCH_WRITE = ("PytorchStreamWriter", "inline_container")
+#: How a Rust io error (safetensors) carries the errno.
+_RUST_ERRNO = re.compile(r"(?:os error|code:)\s*(\d+)")
+
+
+def write_failure(err: BaseException, path: str | os.PathLike) -> OSError | None:
+    """The OS error behind a failed write of ``path``: ``err`` itself, the errno inside a
+    safetensors (Rust) error, or, for torch.save's errno-less RuntimeError, the likely
+    cause (a file size limit, a full disk); None when ``err`` is not a failed write."""
+    if isinstance(err, OSError):
+        return err
+    text = str(err)
+    found = _RUST_ERRNO.search(text)
+    if found and ("Io" in text or "os error" in text):
+        no = int(found.group(1))
+        return OSError(no, os.strerror(no))
+    if any(m in text for m in _TORCH_WRITE):
+        return _why_write_failed(Path(path))
+    return None
+
+
+@contextlib.contextmanager
+def naming(path: str | os.PathLike) -> Iterator[None]:
+    """A failed write in the block that does not name its file (a safetensors or torch.save
+    error) becomes an ``OSError`` naming ``path``, its errno kept (:func:`write_failure`)."""
+    try:
+        yield
+    except DattriDSError:
+        raise
+    except Exception as e:  # noqa: BLE001 - anything but a failed write is re-raised
+        cause = write_failure(e, path)
+        if cause is None or cause.filename:
+            raise
+        raise OSError(cause.errno, cause.strerror, str(path)) from None
 
 
 def _why_write_failed(path: Path) -> OSError:
@@ -193,29 +225,31 @@ def _why_write_failed(path: Path) -> OSError:
 @contextlib.contextmanager
 def writing(path: str | os.PathLike, *, nbytes: int | None = None,
             committed: str | None = None, new_file: bool = False) -> Iterator[None]:
-    """Turn an ``OSError`` of the block (or torch.save's failed-write RuntimeError) into a
-    :class:`WriteError` naming ``path``, the bytes ``nbytes`` being written and
-    ``committed`` (what stays safe and how to go on). ``new_file``: ``path`` is one file the
-    block writes; if it did not exist before, a partly written one is removed."""
+    """Turn a failed write of the block (an ``OSError``, torch.save's RuntimeError, a
+    safetensors io error: :func:`write_failure`) into a :class:`WriteError` naming ``path``,
+    the bytes ``nbytes`` being written and ``committed`` (what stays safe and how to go on).
+    ``new_file``: ``path`` is one file the block writes; if it did not exist before, a
+    partly written one is removed."""
     p = Path(path)
     existed = p.exists()
     try:
         yield
     except DattriDSError:
         raise
-    except (OSError, RuntimeError) as e:
-        if isinstance(e, RuntimeError) and not any(m in str(e) for m in _TORCH_WRITE):
+    except Exception as e:  # noqa: BLE001 - anything but a failed write is re-raised
+        cause = write_failure(e, p)
+        if cause is None:
             raise
         if new_file and not existed:
             with contextlib.suppress(OSError):
                 p.unlink()
-        cause = e if isinstance(e, OSError) else _why_write_failed(p)
         raise write_error(cause, path, nbytes, committed) from None
 
 
-def write_atomic(path: str | os.PathLike, data: bytes | str) -> None:
+def write_atomic(path: str | os.PathLike, data: bytes | str, fsync: bool = True) -> None:
     """Write ``data`` to ``path`` so readers see the old or the new file, never a torn one:
-    a unique temporary file beside it, fsynced, then ``os.replace`` (removed on failure)."""
+    a unique temporary file beside it, then ``os.replace`` (removed on failure); ``fsync``
+    makes the file and the rename durable before it returns."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
@@ -223,11 +257,14 @@ def write_atomic(path: str | os.PathLike, data: bytes | str) -> None:
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode("utf-8") if isinstance(data, str) else data)
             f.flush()
-            os.fsync(f.fileno())
+            if fsync:
+                os.fsync(f.fileno())
         os.replace(tmp, p)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    if fsync:
+        fsync_dir(p.parent)
 
 
 def fsync_dir(path: Path) -> None:
@@ -242,14 +279,6 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_json_atomic(path: Path, obj: Any, fsync: bool = True) -> None:
-    """Write JSON to ``path`` so readers see the old or the new file, never a mix."""
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        if fsync:
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
-    if fsync:
-        fsync_dir(path.parent)
+def write_json_atomic(path: str | os.PathLike, obj: Any, fsync: bool = True) -> None:
+    """:func:`write_atomic` of ``obj`` as indented JSON."""
+    write_atomic(path, json.dumps(obj, indent=1), fsync)

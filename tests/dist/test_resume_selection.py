@@ -134,13 +134,15 @@ def test_resume_under_another_selection_config_is_refused(tmp_path):
     start with one line naming the key, both values and the fix; the same config passes."""
     from dattri_ds.errors import ConfigError
     from dattri_ds.launch.config import RunConfig
-    from dattri_ds.launch.resume import check_resume, selection_config
+    from dattri_ds.launch.resume import LoopState, check_resume, selection_config
+    from dattri_ds.launch.runlog import RunRecord
     from dattri_ds.selection.state import SelectionCheckpoint
 
     sel = {"enabled": True, "target_data": "t.jsonl"}
     cfg = RunConfig.from_dict({"train": {"resume": "latest"}, "selection": sel})
     folder = tmp_path / "checkpoints" / "step2"
     SelectionCheckpoint.write(folder, 0, {"format": 1}, selection_config(cfg))
+    LoopState(step=2, record=RunRecord(), rng={}, layout={"dp": 1, "tp": 1}).save(folder, 0)
     (tmp_path / "trajectory.json").write_text(json.dumps(
         {"checkpoints": [{"tag": "step2", "step": 2, "lr": 0.1}], "lrs": []}))
     check_resume(cfg, tmp_path)

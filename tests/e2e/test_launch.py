@@ -205,12 +205,14 @@ def test_torch_backend_resume_equals_uninterrupted(tmp_path):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-def test_engine_flags_are_config_fields(tmp_path):
+def test_engine_flags_are_config_fields(tmp_path, monkeypatch):
     """--backend and the tensor-parallel flags are fields of RunConfig.engine (parsed from
     the flags and the JSON's "engine" block alike), and parallel sizes without --backend
     megatron are refused naming the flags and the fix."""
     from dattri_ds.errors import ConfigError
     from dattri_ds.launch.args import load_run_config, parse_args
+
+    monkeypatch.setenv("WORLD_SIZE", "2")  # TP 2 is parsed in a launch of 2 processes
 
     cfg = _config(tmp_path, 2, engine={"backend": "megatron"})
     args = parse_args(["--deepspeed_config", str(cfg), "--tensor-model-parallel-size", "2",
@@ -290,8 +292,9 @@ def test_curation_recipe_trains_the_subset_with_the_warmup_tokenizer(tmp_path):
     assert "n_embd=128 there, 32 here" in _errors(proc)[0]
 
 
-#: launch/train.py whose torch backend is SIGKILLed while saving checkpoint $KILL_AT: the
-#: weights are written, the training state is not (the 0.02-0.05 s window of a real save).
+#: launch/train.py whose torch backend is SIGKILLed while saving checkpoint $KILL_AT (its
+#: temporary folder, launch/save.py): the weights are written, the training state is not
+#: (the 0.02-0.05 s window of a real save).
 _KILLED_IN_SAVE = """
 import os, runpy, signal, sys
 from dattri_ds.launch.torch_backend import TorchBackend
@@ -309,30 +312,33 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 @pytest.mark.parametrize("save_every", [2, 0])
 def test_killed_during_final_checkpoint_resumes_with_resume_latest(tmp_path, save_every):
-    """`launch/train.py --capture` killed while writing its final checkpoint (step4): the
-    same command is refused with a suggestion (`--resume latest`) that works: it skips the
-    half-written step4 with a warning and resumes from step2 (with --save-every 2) or, when
-    no checkpoint was completed, starts again at step 0; the run then ends with the losses
-    and the gradient store of an uninterrupted run. Breaks if a half-written checkpoint is
-    taken for complete, or if the suggested command fails."""
+    """`launch/train.py --capture` killed while writing its final checkpoint (step4, into
+    `checkpoints/step4.tmp`): no `step4` exists; the same command is refused with a
+    suggestion (`--resume latest`) that works: it skips the half-written folder with a
+    warning and resumes from step2 (with --save-every 2) or, when no checkpoint was
+    completed, starts again at step 0; the run then ends with the losses and the gradient
+    store of an uninterrupted run, the temporary folder removed. Breaks if a half-written
+    checkpoint is taken for complete, or if the suggested command fails."""
     cfg = _config(tmp_path, 0, store={"flush_every": 2})
     cmd = [str(ROOT / "launch/train.py"), "--backend", "torch", "--deepspeed_config", str(cfg),
            "--steps", "4", "--save-every", str(save_every), "--capture", *SMALL]
     full, part = tmp_path / "full", tmp_path / "part"
     _tool(*cmd[:1], *cmd[1:], "--out", str(full))
     killed = subprocess.run([PY, "-c", _KILLED_IN_SAVE, *cmd, "--out", str(part)], cwd=ROOT,
-                            env={**ENV, "KILL_AT": "step4"}, capture_output=True, text=True,
-                            timeout=600)
+                            env={**ENV, "KILL_AT": "step4.tmp"}, capture_output=True,
+                            text=True, timeout=600)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-    assert (part / "checkpoints" / "step4").is_dir()
-    assert not (part / "checkpoints" / "step4" / "training_state.pt").exists()
+    assert (part / "checkpoints" / "step4.tmp").is_dir()
+    assert not (part / "checkpoints" / "step4").exists()
+    assert not (part / "checkpoints" / "step4.tmp" / "training_state.pt").exists()
     again = subprocess.run([PY, *cmd, "--out", str(part)], cwd=ROOT, env=ENV,
                            capture_output=True, text=True, timeout=600)
     assert again.returncode == 2 and len(_errors(again)) == 1, again.stderr[-2000:]
     assert "pass --resume latest to continue it" in _errors(again)[0]
     resumed = _tool(*cmd, "--out", str(part), "--resume", "latest")
-    assert "skipping step4" in resumed.stderr
+    assert "skipping step4.tmp" in resumed.stderr
     assert ("resuming from step2" if save_every else "starts again at step 0") in resumed.stderr
+    assert not (part / "checkpoints" / "step4.tmp").exists()  # removed by the next save
     a, b = (json.loads((d / "trajectory.json").read_text()) for d in (full, part))
     assert [r["loss"] for r in a["lrs"]] == [r["loss"] for r in b["lrs"]]
     assert a["checkpoints"] == b["checkpoints"]

@@ -24,7 +24,8 @@ PREFIX = "dattri-ds: error: "
 #: The environment of a subprocess case: offline, CPU, the debug switch off.
 ENV = {**{k: v for k, v in os.environ.items() if k != "DATTRI_DS_DEBUG"},
        "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "DS_ACCELERATOR": "cpu",
-       "TRANSFORMERS_VERBOSITY": "error", "PYTHONPATH": str(ROOT)}
+       "TRANSFORMERS_VERBOSITY": "error", "PYTHONPATH": str(ROOT),
+       "PYTHONDONTWRITEBYTECODE": "1"}  # under a file-size limit Python installs a cut .pyc
 
 
 def classify(code: int, stderr: str, needle: str) -> str:

@@ -10,16 +10,24 @@ Doors (what a user hands the system, and the code path that reads it):
   scores, train data) or a missing/empty folder;
 * ``factors``: ``KFACFactors.load`` (``attribute --factors``);
 * ``hf-model``: ``dattri-ds collect --model DIR`` with a damaged Hugging Face folder;
-* ``model-path``: launch's ``train.model_path`` (``deepspeed_backend.build``);
+* ``model-path``: launch's ``train.model_path``, checked at start (``check_inputs``);
 * ``run-config`` / ``model-config``: launch's DeepSpeed JSON and a ``configs/model_*.json``;
 * ``plan-model``: ``dattri-ds plan --model FILE``;
 * ``tokenizer``: a run's SentencePiece ``tokenizer.model``;
 * ``run-*``: ``dattri-ds collect --run DIR`` with the run folder, its ``trajectory.json``,
-  ``resolved_dattri_ds_config.json`` or ``tokenizer.model`` damaged.
+  ``resolved_dattri_ds_config.json`` or ``tokenizer.model`` damaged;
+* ``resume`` / ``init-checkpoint``: launch's ``--resume latest`` and ``--init-from RUN
+  --init-checkpoint latest`` with a file of the checkpoint cut or damaged (DeepSpeed's
+  ``mp_rank_*`` model states and ``*_optim_states.pt``, ``training_state.pt``, the loop's
+  state, the weights);
+* ``deepspeed-keys``: launch's DeepSpeed JSON with one key DeepSpeed asserts on (batch
+  keys, ZeRO keys, fp16/bf16, gradient clipping, optimizer and scheduler params).
 
 Cases: garbage bytes, a truncated file, latin-1 bytes, a UTF-8 BOM (accepted: the run goes on),
 CSV, an empty file, a directory, a symlink loop, a dangling symlink, a line over the line cap,
-token ids out of range / negative, an unknown ``model_type``, a missing file or folder.
+token ids out of range / negative, an unknown ``model_type``, a missing file or folder; a
+``model.safetensors`` cut after its header, with its header broken or its offsets wrong; a
+checkpoint file cut, emptied or garbage; a DeepSpeed key DeepSpeed asserts on.
 
 Invariant: with the debug switch off, every case exits 2 (or 1) with exactly one
 ``dattri-ds: error:`` line that names the file, and the line holds no exception class name
@@ -304,6 +312,9 @@ def door_hf_model(env: Env, case: str, tmp: Path):
         elif case == "garbage-tokenizer":
             path = folder / "tokenizer.json"
             path.write_bytes(b"\x00\x9c garbage {")
+        elif case in WEIGHT_DAMAGE:
+            path = folder / "model.safetensors"
+            path.write_bytes(WEIGHT_DAMAGE[case](path.read_bytes()))
         else:
             valid = path.read_bytes()
             path.unlink()
@@ -312,24 +323,149 @@ def door_hf_model(env: Env, case: str, tmp: Path):
                                        str(tmp / "out"), "--projection-dim", "8"])
 
 
+def _cut_data(raw: bytes) -> bytes:
+    """A safetensors file whose header is intact and whose tensor data is cut in half."""
+    n = int.from_bytes(raw[:8], "little")
+    return raw[:8 + n + (len(raw) - 8 - n) // 2]
+
+
+#: Damage to a ``model.safetensors``: data cut (header intact), the header's JSON broken,
+#: a tensor's dtype changed so that its offsets no longer hold it.
+WEIGHT_DAMAGE = {
+    "cut-weights": _cut_data,
+    "damaged-header": lambda raw: raw[:8] + b"x" + raw[9:],
+    "wrong-offsets": lambda raw: raw.replace(b'"F32"', b'"F16"', 1),
+}
 CASES["empty-folder"] = CASES["not-a-folder"] = lambda p, v: None
 CASES["garbage-weights"] = CASES["garbage-tokenizer"] = lambda p, v: None
+for _name in WEIGHT_DAMAGE:
+    CASES[_name] = lambda p, v: None
 
 
 def door_model_path(env: Env, case: str, tmp: Path):
-    """launch's ``train.model_path``: a Hugging Face folder loaded at start."""
-    from types import SimpleNamespace
+    """launch's ``train.model_path``, checked at start (``check_inputs``, before a tokenizer
+    is trained into --out)."""
+    from dattri_ds.launch.checks import check_inputs
+    from dattri_ds.launch.config import RunConfig
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     path, call = door_hf_model(env, case, tmp)
     folder = path if path.name == "model" else path.parent
+    return path, lambda: check_inputs(RunConfig.from_dict({"train": {
+        "model_path": str(folder)}}))
 
-    def build():
-        from launch.deepspeed_backend import build as build_model
-        cfg = SimpleNamespace(train=SimpleNamespace(model_path=str(folder), model_config=None,
-                                                    seed=0))
-        build_model(cfg, env.tok)
-    return path, build
+
+# ---- checkpoints under --resume and --init-checkpoint, and the DeepSpeed JSON's keys ---------
+#: A checkpoint as DeepSpeed (ZeRO-1/2/3) and --backend torch name their files.
+CHECKPOINT_FILES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                    "training_state.pt")
+#: case -> (file of the checkpoint, how it is damaged).
+CHECKPOINT_DAMAGE = {
+    "cut-model-states": ("mp_rank_00_model_states.pt", lambda raw: raw[:len(raw) // 2]),
+    "cut-optimizer-states": ("zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                             lambda raw: raw[:len(raw) - 30]),
+    "empty-optimizer-states": ("zero_pp_rank_0_mp_rank_00_optim_states.pt", lambda raw: b""),
+    "garbage-model-states": ("mp_rank_00_model_states.pt", lambda raw: b"\x00\x9c" * 64),
+    "cut-training-state": ("training_state.pt", lambda raw: raw[:len(raw) // 3]),
+    "cut-loop-state": ("loop_state.rank00000.pt", lambda raw: raw[:len(raw) // 2]),
+}
+for _name in CHECKPOINT_DAMAGE:
+    CASES[_name] = lambda p, v: None
+
+
+def _damaged_checkpoint(run: Path, case: str) -> Path:
+    """``run/checkpoints/step1`` with the files of ``CHECKPOINT_FILES`` and the loop's
+    state, listed in ``run/trajectory.json``; the file of ``case`` damaged (returned)."""
+    from dattri_ds.launch.resume import LoopState
+    from dattri_ds.launch.runlog import RunRecord
+
+    folder = run / "checkpoints" / "step1"
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in CHECKPOINT_FILES:
+        torch.save({"module": {"w": torch.zeros(64)}, "step": 1}, folder / name)
+    LoopState(step=1, record=RunRecord(), rng={}, layout={"dp": 1, "tp": 1}).save(folder, 0)
+    (run / "trajectory.json").write_text(json.dumps(
+        {"checkpoints": [{"tag": "step1", "step": 1, "lr": 0.1}], "lrs": []}))
+    name, damage = CHECKPOINT_DAMAGE[case]
+    path = folder / name
+    path.write_bytes(damage(path.read_bytes()))
+    return path
+
+
+def door_resume(env: Env, case: str, tmp: Path):
+    """launch's ``--resume latest`` (``check_resume``, before any process group)."""
+    from dattri_ds.launch.config import RunConfig
+    from dattri_ds.launch.resume import check_resume
+
+    out = tmp / "run"
+    path = _damaged_checkpoint(out, case)
+    cfg = RunConfig.from_dict({"train": {"resume": "latest"}})
+    return path, lambda: check_resume(cfg, out, {})
+
+
+def door_init_checkpoint(env: Env, case: str, tmp: Path):
+    """launch's ``--init-from RUN --init-checkpoint latest`` (``check_inputs``)."""
+    from dattri_ds.launch.checks import check_inputs
+    from dattri_ds.launch.config import RunConfig
+
+    run = tmp / "run"
+    shutil.copytree(env.run, run)
+    if case in WEIGHT_DAMAGE:
+        path = run / "checkpoints" / "step1" / "model.safetensors"
+        path.write_bytes(WEIGHT_DAMAGE[case](path.read_bytes()))
+    else:
+        path = _damaged_checkpoint(run, case)
+    cfg = RunConfig.from_dict({"train": {"init_from": str(run), "init_checkpoint": "latest"}})
+    return path, lambda: check_inputs(cfg)
+
+
+#: What DeepSpeed asserts (or refuses later) on the keys of the JSON this project passes
+#: on, one case each: case -> (keys replaced in configs/zero3_cpu.json, None removes one).
+DS_KEY_CASES = {
+    "batch-mismatch": {"train_batch_size": 64},
+    "batch-derived-zero": {"train_batch_size": 2, "gradient_accumulation_steps": None},
+    "batch-none": {"train_micro_batch_size_per_gpu": None},
+    "micro-zero": {"train_micro_batch_size_per_gpu": 0},
+    "micro-string": {"train_micro_batch_size_per_gpu": "4"},
+    "accumulation-negative": {"gradient_accumulation_steps": -2},
+    "zero-stage-7": {"zero_optimization": {"stage": 7}},
+    "zero-unknown-key": {"zero_optimization": {"stage": 3, "stage3_bogus": 1}},
+    "zero-offload-ratio-stage1": {"zero_optimization": {
+        "stage": 1, "offload_param": {"device": "cpu", "ratio": 0.5}}},
+    "fp16-and-bf16": {"fp16": {"enabled": True}, "bf16": {"enabled": True}},
+    "fp16-loss-scale": {"fp16": {"enabled": True, "loss_scale": -1}},
+    "bf16-enabled-string": {"bf16": {"enabled": "maybe"}},
+    "fp16-master-stage0": {"zero_optimization": {"stage": 0},
+                           "fp16": {"enabled": True, "fp16_master_weights_and_grads": True}},
+    "clipping-string": {"gradient_clipping": "a"},
+    "clipping-negative": {"gradient_clipping": -1.0},
+    "optimizer-max-grad-norm": {"optimizer": {"type": "AdamW", "params": {
+        "lr": 1e-3, "max_grad_norm": 1.0}}},
+    "optimizer-unknown-param": {"optimizer": {"type": "AdamW", "params": {
+        "lr": 1e-3, "betas2": 0.9}}},
+    "optimizer-unknown-type": {"optimizer": {"type": "NoSuchOpt", "params": {"lr": 1e-3}}},
+    "optimizer-untested-zero": {"optimizer": {"type": "SGD", "params": {"lr": 1e-3}}},
+    "scheduler-unknown-type": {"scheduler": {"type": "Nope", "params": {}}},
+    "scheduler-unknown-param": {"scheduler": {"type": "WarmupLR", "params": {"bogus": 1}}},
+    "scheduler-zero-warmup": {"scheduler": {"type": "WarmupCosineLR", "params": {
+        "warmup_num_steps": 0, "total_num_steps": 10}}},
+}
+for _name in DS_KEY_CASES:
+    CASES[_name] = lambda p, v: None
+
+
+def door_deepspeed_keys(env: Env, case: str, tmp: Path):
+    """launch's DeepSpeed JSON (``load_run_config``: ``check_deepspeed_json``), one key that
+    DeepSpeed would assert on."""
+    from dattri_ds.launch.args import load_run_config
+    ds = json.loads((Path(__file__).resolve().parents[2] / "configs/zero3_cpu.json").read_text())
+    for key, value in DS_KEY_CASES[case].items():
+        if value is None:
+            ds.pop(key, None)
+        else:
+            ds[key] = value
+    path = tmp / "ds.json"
+    path.write_text(json.dumps(ds))
+    return path, lambda: load_run_config(path, {})
 
 
 def _run_door(env: Env, case: str, tmp: Path, name: str | None):
@@ -412,7 +548,7 @@ def door_plan_model(env: Env, case: str, tmp: Path):
 
 MODEL_CASES = ["missing", "dangling-symlink", "symlink-loop", "empty-folder", "not-a-folder",
                "garbage", "truncated", "latin1", "bom", "empty", "directory",
-               "unknown-model-type", "no-weights", "garbage-weights"]
+               "unknown-model-type", "no-weights", "garbage-weights", *WEIGHT_DAMAGE]
 DOOR_HF_CASES = MODEL_CASES + ["garbage-tokenizer"]
 DOORS = {
     "collect-data": (door_collect_data, TEXT + ["huge-line"]),
@@ -438,6 +574,10 @@ DOORS = {
     "run-config": (door_run_config, TEXT),
     "model-config": (door_model_config, TEXT + ["unknown-model-type"]),
     "plan-model": (door_plan_model, TEXT),
+    "resume": (door_resume, list(CHECKPOINT_DAMAGE)),
+    "init-checkpoint": (door_init_checkpoint, [c for c in CHECKPOINT_DAMAGE
+                                               if c != "cut-loop-state"] + list(WEIGHT_DAMAGE)),
+    "deepspeed-keys": (door_deepspeed_keys, list(DS_KEY_CASES)),
 }
 PAIRS = [(d, c) for d, (_, cases) in DOORS.items() for c in cases]
 #: A UTF-8 BOM is stripped: the input is valid (not in a Hugging Face config.json, which

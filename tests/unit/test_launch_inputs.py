@@ -176,3 +176,108 @@ def test_warnings_of_one_launch_show_once(tmp_path, monkeypatch):
     for text in texts:  # what warnings.warn calls on each rank
         warnings.showwarning(UserWarning(text), UserWarning, "ds.json", 1)
     assert shown[3:] == ["unknown key 'x'", "unknown key 'y'"]
+
+
+# ---- --resume checks what it resumes (backend, ZeRO stage, layout, model) ------------------
+def _checkpoint(out: Path, run: dict, files: tuple[str, ...], layout: dict | None = None,
+                tag: str = "step2") -> Path:
+    """A run folder whose trajectory lists ``tag``: the loop's state (recording ``run`` and
+    ``layout``) and small torch files named as a backend names them."""
+    import torch
+
+    from dattri_ds.launch.resume import LoopState
+    from dattri_ds.launch.runlog import RunRecord
+
+    folder = out / "checkpoints" / tag
+    folder.mkdir(parents=True)
+    for name in files:
+        torch.save({"x": torch.zeros(4)}, folder / name)
+    LoopState(step=2, record=RunRecord(), rng={}, layout=layout or {"dp": 1, "tp": 1},
+              run=run).save(folder, 0)
+    (out / "trajectory.json").write_text(json.dumps(
+        {"checkpoints": [{"tag": tag, "step": 2, "lr": 0.1}], "lrs": []}))
+    return folder
+
+
+def _snapshot(out: Path) -> dict:
+    return {str(p): p.stat().st_mtime_ns for p in sorted(out.rglob("*"))}
+
+
+DS_FILES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+
+
+def _record(tmp: Path, backend: str, stage: int | None, **model) -> dict:
+    from dattri_ds.launch.args import load_run_config
+    from dattri_ds.launch.resume import run_record
+
+    _, cfg = load_run_config(ROOT / "configs/zero0_cpu.json", {
+        ("train", "model_config"): str(tmp / "model.json"), ("engine", "backend"): backend})
+    rec = run_record(cfg, stage)
+    rec["model"]["config"] = {**rec["model"]["config"], **model}
+    return rec
+
+
+def test_resume_on_another_backend_is_one_line_before_any_engine(tmp_path, capsys):
+    """A --backend torch checkpoint resumed with --backend deepspeed (the case that died
+    with DeepSpeed's bare AssertionError): one line naming both backends and the fixes
+    (--backend torch, or --init-from its weights), the run folder untouched."""
+    argv = _base(tmp_path, "--resume", "latest")  # writes model.json
+    out = tmp_path / "run"
+    _checkpoint(out, _record(tmp_path, "torch", None),
+                ("training_state.pt",))
+    before = _snapshot(out)
+    argv[argv.index("torch")] = "deepspeed"
+    code, errors = _errors(capsys, argv)
+    assert code == 2 and len(errors) == 1, errors
+    for needle in ("--resume step2", "written by --backend torch", "--backend deepspeed",
+                   "pass --backend torch", f"--init-from {out} --init-checkpoint step2"):
+        assert needle in errors[0], (needle, errors[0])
+    assert _snapshot(out) == before
+
+
+def test_resume_checks_zero_stage_layout_and_model(tmp_path, monkeypatch):
+    """ZeRO 3 -> 2 and a ZeRO-0 checkpoint on another world size are refused (DeepSpeed's
+    universal checkpoint converts neither), ZeRO 1 -> 2 is accepted (converted); a Megatron
+    checkpoint of TP=2 on TP=1, a model config that differs (the key and both values named),
+    and an old checkpoint without a record (the backend read from its files) are refused."""
+    from dattri_ds.launch.args import load_run_config
+    from dattri_ds.launch.resume import check_resume
+
+    _base(tmp_path)  # model.json
+    flags = {("train", "model_config"): str(tmp_path / "model.json"),
+             ("train", "resume"): "latest"}
+
+    def check(out: Path, config: str, backend: str = "deepspeed") -> str | None:
+        ds, cfg = load_run_config(ROOT / f"configs/{config}.json",
+                                  {**flags, ("engine", "backend"): backend})
+        try:
+            check_resume(cfg, out, ds)
+        except ConfigError as e:
+            return str(e)
+        return None
+
+    z3 = tmp_path / "z3"
+    _checkpoint(z3, _record(tmp_path, "deepspeed", 3), DS_FILES)
+    msg = check(z3, "zero2_cpu")
+    assert "ZeRO stage 3, this run has stage 2" in msg and "stages 1 and 2" in msg, msg
+    assert check(z3, "zero3_cpu") is None
+    z1 = tmp_path / "z1"
+    _checkpoint(z1, _record(tmp_path, "deepspeed", 1), DS_FILES)
+    assert check(z1, "zero2_cpu") is None
+    z0 = tmp_path / "z0"
+    _checkpoint(z0, _record(tmp_path, "deepspeed", 0), DS_FILES[:1], layout={"dp": 2, "tp": 1})
+    msg = check(z0, "zero0_cpu")
+    assert "under ZeRO stage 0" in msg and "{'dp': 2, 'tp': 1}" in msg, msg
+    tp2 = tmp_path / "tp2"
+    _checkpoint(tp2, _record(tmp_path, "megatron", None), ("megatron_consolidated.pt",),
+                layout={"dp": 1, "tp": 2})
+    msg = check(tp2, "zero1_cpu", "megatron")
+    assert "written with the process layout {'dp': 1, 'tp': 2}" in msg, msg
+    wide = tmp_path / "wide"
+    _checkpoint(wide, _record(tmp_path, "deepspeed", 3, n_embd=64), DS_FILES)
+    msg = check(wide, "zero3_cpu")
+    assert "another model: n_embd=64 there, 16 here" in msg and "--model-config" in msg, msg
+    old = tmp_path / "old"
+    _checkpoint(old, {}, DS_FILES)
+    msg = check(old, "zero0_cpu", "torch")
+    assert "written by --backend deepspeed" in msg, msg
