@@ -34,11 +34,14 @@ from pathlib import Path
 import torch
 
 import dattri_ds
-from dattri_ds import CaptureConfig, ProjectionConfig
+from dattri_ds import CaptureConfig, ProjectionConfig, cli
 from dattri_ds.data import (
     Document, TokenizedDocuments, build_model, load_documents, source_counts, tokenize_documents,
     train_tokenizer,
 )
+from dattri_ds.launch.config import RunConfig, TrainConfig
+from dattri_ds.launch.engine import EngineConfig
+from dattri_ds.launch.train import train_in_process
 from dattri_ds.schema import add_flag
 
 logger = logging.getLogger("dattri_ds.tools.demo")
@@ -128,9 +131,6 @@ def run_configs(args: argparse.Namespace):
     (``--backend torch``): AdamW (betas 0.9/0.95, weight decay 0.1), DeepSpeed
     WarmupCosineLR (linear warm-up over 10% of the steps, cosine to 10% of the peak),
     clipping 1.0, ``batch_size`` examples per step."""
-    from dattri_ds.launch.config import RunConfig, TrainConfig
-    from dattri_ds.launch.engine import EngineConfig
-
     ds_config = {
         "train_micro_batch_size_per_gpu": args.batch_size, "gradient_accumulation_steps": 1,
         "gradient_clipping": 1.0,
@@ -148,8 +148,6 @@ def run_configs(args: argparse.Namespace):
 def train(ds: TokenizedDocuments, tok, args: argparse.Namespace, out: Path):
     """Train with the shipped loop (``train_in_process``) into ``out``; returns the model
     and ``[[step, mean loss since the previous log step], ...]``."""
-    from dattri_ds.launch.train import train_in_process
-
     ds_config, cfg = run_configs(args)
     _, backend = train_in_process(ds_config, cfg, ds, tok, out)
     lrs = json.loads((out / "trajectory.json").read_text())["lrs"]
@@ -323,6 +321,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    from dattri_ds.cli import run
-
-    sys.exit(run(main))
+    sys.exit(cli.run(main))
