@@ -25,7 +25,7 @@ from dattri_ds.files import HF_WEIGHTS
 from dattri_ds.tools.provenance import Record
 from dattri_ds.tools.sources.base import config_vocab_size, pick_tags, required_context
 
-__all__ = ["HFModelDir", "HFTokenizer", "is_hf_model_dir", "hf_tokenizer_dir",
+__all__ = ["HFModelDir", "HFTokenizer", "NoRunRecords", "is_hf_model_dir", "hf_tokenizer_dir",
            "load_hf_model", "HF_TOKENIZER_FILES"]
 
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
@@ -93,8 +93,20 @@ class HFTokenizer:
         return self._tok.decode(list(ids))
 
 
+class NoRunRecords:
+    """What Hugging Face folders do not record (no launch/train.py run): a run id for the
+    stores, the training documents (``Source.training_record``)."""
+
+    @property
+    def run_id(self) -> None:
+        return None
+
+    def training_record(self) -> Record | None:
+        return None
+
+
 @dataclass(frozen=True)
-class HFModelDir:
+class HFModelDir(NoRunRecords):
     """A Hugging Face causal LM folder used as a one-checkpoint "run" by the tools.
 
     Attributes:
@@ -172,15 +184,6 @@ class HFModelDir:
         """The model folder itself (it is its one checkpoint)."""
         self._check_tag(tag)
         return self.root
-
-    @property
-    def run_id(self) -> None:
-        """No training run: stores record no run id."""
-        return None
-
-    def training_record(self) -> Record | None:
-        """A model folder records no training data."""
-        return None
 
     def fingerprint(self) -> str:
         found = [self.root / "config.json"]

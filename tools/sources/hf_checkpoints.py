@@ -25,9 +25,10 @@ import torch
 
 from dattri_ds.errors import ConfigError
 from dattri_ds.files import model_dir, read_json
-from dattri_ds.tools.provenance import Record
 from dattri_ds.tools.sources.base import pick_tags
-from dattri_ds.tools.sources.hf import HFModelDir, hf_tokenizer_dir, load_hf_model
+from dattri_ds.tools.sources.hf import (
+    HFModelDir, NoRunRecords, hf_tokenizer_dir, load_hf_model,
+)
 
 __all__ = ["HFCheckpoints", "expand_folders", "trainer_state", "natural_key"]
 
@@ -93,7 +94,7 @@ def trainer_state(folder: Path) -> tuple[int | None, float | None]:
 
 
 @dataclass(frozen=True)
-class HFCheckpoints:
+class HFCheckpoints(NoRunRecords):
     """Hugging Face checkpoint folders of one training run, ordered by step, as a tool source.
 
     A ``Source`` (``tools.sources.base``) as a run folder is, so collect, fit, attribute
@@ -200,15 +201,6 @@ class HFCheckpoints:
     def default_tags(self, tool_default: str) -> str:
         """``all``: the folders listed are the checkpoints the user chose."""
         return "all"
-
-    @property
-    def run_id(self) -> None:
-        """No launch/train.py run: stores record no run id."""
-        return None
-
-    def training_record(self) -> Record | None:
-        """Checkpoint folders record no training data."""
-        return None
 
     def fingerprint(self) -> str:
         """The model family (config + tokenizer), as ``--model`` on one of the folders."""
