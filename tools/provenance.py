@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,8 +30,8 @@ from dattri_ds.files import read_json
 if TYPE_CHECKING:
     from dattri_ds.tools.sources.base import Source
 
-__all__ = ["write_config", "recorded_config", "Record", "DataOrigin", "training_data",
-           "as_files"]
+__all__ = ["write_config", "recorded_config", "DataOrigin", "training_data", "as_files",
+           "positive_int"]
 
 #: The project folder: a recorded relative data path is also looked up from here.
 PROJECT = Path(__file__).resolve().parents[1]
@@ -63,49 +63,28 @@ def as_files(value) -> list[str] | None:
     return None
 
 
-def _int(value) -> int | None:
+def positive_int(value) -> int | None:
+    """``value`` when it is a positive integer (a recorded cap or length), else None."""
     return value if type(value) is int and value > 0 else None
 
 
 @dataclass(frozen=True)
-class Record:
-    """One record naming training documents.
-
-    Attributes:
-        what: who recorded them, for messages ("the run's training data").
-        path: the record file.
-        key: the key holding the files in it.
-        files: the recorded files (as written there).
-        max_docs: the recorded document cap (None: every document).
-        seq_len: the recorded sequence length the documents were read at (None: unknown).
-    """
-
-    what: str
-    path: Path
-    key: str
-    files: tuple[str, ...]
-    max_docs: int | None = None
-    seq_len: int | None = None
-
-
-@dataclass(frozen=True)
 class DataOrigin:
-    """The training documents a tool reads and where that came from.
+    """Training documents and where they were named: by a flag, or in a record.
 
     Attributes:
         files: the jsonl files, in order.
         max_docs: documents to read (None: every one).
-        seq_len: the sequence length collect read them at, when a record says (None:
-            unknown; the reader's own).
-        where: the flag that gave them, or who recorded them.
-        given: whether the flag gave them.
+        seq_len: the sequence length a record says they were read at (None: unknown).
+        where: the flag that gave them, or who recorded them ("the run's training data").
+        record: the record file and the key holding them there (None: given by the flag).
     """
 
     files: tuple[str, ...]
-    max_docs: int | None
-    seq_len: int | None
-    where: str
-    given: bool
+    max_docs: int | None = None
+    seq_len: int | None = None
+    where: str = ""
+    record: tuple[Path, str] | None = None
 
     @property
     def data(self) -> str | list[str]:
@@ -115,7 +94,7 @@ class DataOrigin:
     def describe(self, n: int) -> str:
         """``FILE (N documents, the run's training data)`` for a tool's first line."""
         files = ", ".join(self.files)
-        return f"{files} ({n} documents)" if self.given else \
+        return f"{files} ({n} documents)" if self.record is None else \
             f"{files} ({n} documents, {self.where})"
 
 
@@ -135,7 +114,7 @@ def training_data(flag: str, given: str | list[str] | None = None, *,
     if given:
         files = (given,) if isinstance(given, str) else tuple(given)
         rec = _store_record(store) if store is not None else None
-        return DataOrigin(files, max_docs, rec.seq_len if rec else None, flag, True)
+        return DataOrigin(files, max_docs, rec.seq_len if rec else None, flag)
     looked: list[str] = []
     found = None
     if attribution is not None:
@@ -154,38 +133,38 @@ def training_data(flag: str, given: str | list[str] | None = None, *,
         raise ConfigError(f"{flag} is needed: no record names the training data "
                           f"({'; '.join(looked)}). Fix: pass {flag} the jsonl of the training "
                           f"documents (or token ids)")
-    files = tuple(_find(f, found, flag) for f in found.files)
-    return DataOrigin(files, max_docs if max_docs is not None else found.max_docs,
-                      found.seq_len, found.what, False)
+    return replace(found, files=tuple(_find(f, found, flag) for f in found.files),
+                   max_docs=max_docs if max_docs is not None else found.max_docs)
 
 
-def _attribution_record(att: Path) -> tuple[Record | None, str | None]:
+def _attribution_record(att: Path) -> tuple[DataOrigin | None, str | None]:
     """Attribute's recorded ``--train-data`` (None when it had none) and its ``--store``."""
     rec = recorded_config(att, "attribute")
     files = as_files(rec.get("train_data"))
     store = rec.get("store") if isinstance(rec.get("store"), str) else None
-    found = Record("attribute's --train-data", att / "attribute_config.json", "train_data",
-                   tuple(files)) if files else None
+    found = DataOrigin(tuple(files), where="attribute's --train-data", record=(
+        att / "attribute_config.json", "train_data")) if files else None
     return found, store
 
 
-def _store_record(store: str | os.PathLike) -> Record | None:
+def _store_record(store: str | os.PathLike) -> DataOrigin | None:
     """Collect's recorded ``--data`` of a store: in the store folder, else its parent (the
     folder of per-checkpoint stores collect wrote)."""
     for folder in (Path(store), Path(store).parent):
         rec = recorded_config(folder, "collect")
         files = as_files(rec.get("data"))
         if files:
-            return Record("collect's --data", folder / "collect_config.json", "data",
-                          tuple(files), _int(rec.get("max_docs")), _int(rec.get("seq_len")))
+            return DataOrigin(tuple(files), positive_int(rec.get("max_docs")), positive_int(rec.get("seq_len")),
+                              "collect's --data", (folder / "collect_config.json", "data"))
     return None
 
 
-def _find(f: str, rec: Record, flag: str) -> str:
+def _find(f: str, rec: DataOrigin, flag: str) -> str:
     """A recorded file found from the current folder or the project's, made absolute."""
     path = next((p for p in (Path(f), PROJECT / f) if p.is_file()), None)
     if path is None:
-        raise ConfigError(f"{rec.what[0].upper()}{rec.what[1:]} '{f}' ({rec.path}: {rec.key}) "
+        where, key = rec.record or ("", "")
+        raise ConfigError(f"{rec.where[0].upper()}{rec.where[1:]} '{f}' ({where}: {key}) "
                           f"is not found from {Path.cwd()} nor {PROJECT}. Fix: pass {flag} "
                           f"the jsonl of those documents")
     return str(path.resolve())

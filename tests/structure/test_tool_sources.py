@@ -23,7 +23,9 @@ MAX_LAZY = 10
 
 
 def _members(cls: type) -> set[str]:
-    return {n for n in vars(cls) if not n.startswith("_")}
+    """The public names a class declares: its attributes and annotated fields."""
+    return {n for n in [*vars(cls), *vars(cls).get("__annotations__", {})]
+            if not n.startswith("_")}
 
 
 @pytest.mark.parametrize("name", SOURCES)
@@ -33,7 +35,8 @@ def test_every_source_implements_the_protocol(name):
     import dattri_ds.tools.sources as sources
 
     declared = _members(sources.Source)
-    assert {"model", "checkpoint", "default_tags", "training_record", "vocab_size"} <= declared
+    assert {"root", "model", "checkpoint", "default_tags", "training_record",
+            "vocab_size"} <= declared
     cls = getattr(sources, name)
     have = {n for n in declared if hasattr(cls, n) or n in getattr(cls, "__dataclass_fields__",
                                                                       {})}

@@ -165,12 +165,12 @@ def test_tools_given_a_run_read_its_own_training_data(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     own = str(tmp_path / "own.jsonl")
     got = training_data("--data", None, source=Run.open(run))
-    assert (got.data, got.max_docs, got.where, got.given) == (
-        own, 200, "the run's training data", False)
+    assert (got.data, got.max_docs, got.where) == (own, 200, "the run's training data")
+    assert got.record == (run / "resolved_dattri_ds_config.json", "train.train_data")
     assert got.describe(3) == f"{own} (3 documents, the run's training data)"
     assert training_data("--data", None, max_docs=50, source=Run.open(run)).max_docs == 50
     got = training_data("--data", "other.jsonl", source=Run.open(run))
-    assert (got.data, got.max_docs, got.given) == ("other.jsonl", None, True)
+    assert (got.data, got.max_docs, got.record) == ("other.jsonl", None, None)
     assert got.describe(2) == "other.jsonl (2 documents)"
     (tmp_path / "own.jsonl").unlink()
     with pytest.raises(ConfigError, match="own.jsonl.*--data"):

@@ -16,7 +16,7 @@ import torch
 
 from dattri_ds.errors import ConfigError, InputFileError
 from dattri_ds.files import read_json
-from dattri_ds.tools.provenance import Record
+from dattri_ds.tools.provenance import DataOrigin
 
 __all__ = ["Source", "pick_tags", "model_context", "required_context", "config_vocab_size"]
 
@@ -28,44 +28,24 @@ class Source(Protocol):
     lists them oldest first with their step and learning rate.
     """
 
-    @property
-    def root(self) -> Path:
-        """The folder whose ``config.json`` (a run: ``model/config.json``) describes the
-        model."""
-        ...
-
-    @property
-    def tokenizer_path(self) -> Path | None:
-        """A Hugging Face tokenizer folder (None: a run's ``tokenizer.model``, or none)."""
-        ...
-
-    @property
-    def context(self) -> int:
-        """The model's context length (``n_positions`` / ``max_position_embeddings``)."""
-        ...
-
-    @property
-    def seq_len(self) -> int:
-        """Tokens per example when no ``--seq-len`` is given (a run's, else the context)."""
-        ...
-
-    @property
-    def vocab_size(self) -> int | None:
-        """The model config's ``vocab_size`` (token-id data is checked against it)."""
-        ...
-
-    @property
-    def run_id(self) -> str | None:
-        """The id launch/train.py gave the run (stores record it); None without one."""
-        ...
+    root: Path
+    """The folder whose ``config.json`` (a run: ``model/config.json``) describes the model."""
+    tokenizer_path: Path | None
+    """A Hugging Face tokenizer folder (None: a run's ``tokenizer.model``, or none)."""
+    context: int
+    """The model's context length (``n_positions`` / ``max_position_embeddings``)."""
+    seq_len: int
+    """Tokens per example when no ``--seq-len`` is given (a run's, else the context)."""
+    vocab_size: int | None
+    """The model config's ``vocab_size`` (token-id data is checked against it)."""
+    run_id: str | None
+    """The id launch/train.py gave the run (stores record it); None without one."""
 
     def tokenizer(self):
         """The tokenizer texts are tokenized with (``tokenize_documents`` interface)."""
-        ...
 
     def trajectory(self) -> list[dict]:
         """``[{"tag", "step", "lr"}]``, oldest first (None where a value is unknown)."""
-        ...
 
     def checkpoint(self, tag: str) -> dict:
         """The entry of ``tag`` with a known learning rate (lr-weighted scores read it).
@@ -74,33 +54,26 @@ class Source(Protocol):
             ConfigError: ``tag`` is not a checkpoint, or its learning rate is unknown
                 (naming the flags that supply it).
         """
-        ...
 
     def tags(self, wanted: str | None) -> list[str]:
         """``all``/None -> every checkpoint, ``last`` -> the newest, else a comma list."""
-        ...
 
     def default_tags(self, tool_default: str) -> str:
         """The checkpoint choice when no flag makes one: ``tool_default`` (``all`` or
         ``last``), or ``all`` when the user listed the checkpoints themselves."""
-        ...
 
     def folder(self, tag: str) -> Path:
         """The folder holding checkpoint ``tag`` (its weights, optimizer state)."""
-        ...
 
     def fingerprint(self) -> str:
         """The model family's identity (config + tokenizer): stores record it."""
-        ...
 
     def model(self, tag: str, device: torch.device | str = "cpu") -> torch.nn.Module:
         """The model at checkpoint ``tag``, fp32, eval mode (dropout off)."""
-        ...
 
-    def training_record(self) -> Record | None:
+    def training_record(self) -> DataOrigin | None:
         """The training documents the source records (a run's ``train.train_data``), None
         when it records none (``tools.provenance.training_data`` reads it)."""
-        ...
 
 
 def pick_tags(tags: list[str], wanted: str | None, check) -> list[str]:

@@ -22,7 +22,7 @@ import torch
 from dattri_ds import files
 from dattri_ds.errors import ConfigError
 from dattri_ds.files import HF_WEIGHTS
-from dattri_ds.tools.provenance import Record
+from dattri_ds.tools.provenance import DataOrigin
 from dattri_ds.tools.sources.base import config_vocab_size, pick_tags, required_context
 
 __all__ = ["HFModelDir", "HFTokenizer", "NoRunRecords", "is_hf_model_dir", "hf_tokenizer_dir",
@@ -101,7 +101,7 @@ class NoRunRecords:
     def run_id(self) -> None:
         return None
 
-    def training_record(self) -> Record | None:
+    def training_record(self) -> DataOrigin | None:
         return None
 
 

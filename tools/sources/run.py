@@ -22,7 +22,7 @@ from dattri_ds.errors import ConfigError
 from dattri_ds.files import check_dir, model_dir, read_json
 from dattri_ds.integrations.checkpoints import load_state_dict
 from dattri_ds.integrations.megatron_checkpoint import is_consolidated
-from dattri_ds.tools.provenance import Record, as_files
+from dattri_ds.tools.provenance import DataOrigin, as_files, positive_int
 from dattri_ds.tools.runtime import quiet_stdout
 from dattri_ds.tools.sources.base import config_vocab_size, pick_tags, required_context
 from dattri_ds.tools.sources.hf import HFTokenizer, hf_tokenizer_dir, is_hf_model_dir, load_hf_model
@@ -66,8 +66,8 @@ class Run:
             ConfigError: the file is missing or holds no integer ``train.seq_len``.
         """
         cfg, train = self._train_record()
-        hint = (f"it records the run's train.seq_len (launch/train.py writes it to the --out "
-                f"folder you pass as --run-dir). Fix: pass --seq-len N, the tokens per example")
+        hint = ("it records the run's train.seq_len (launch/train.py writes it to the --out "
+                "folder you pass as --run-dir). Fix: pass --seq-len N, the tokens per example")
         if not cfg.is_file():
             raise ConfigError(f"--seq-len is needed: {cfg} is missing; {hint}")
         value = train.get("seq_len")
@@ -92,7 +92,7 @@ class Run:
     def vocab_size(self) -> int | None:
         return config_vocab_size(self.root / "model/config.json")
 
-    def training_record(self) -> Record | None:
+    def training_record(self) -> DataOrigin | None:
         """The run's own training data: ``train.train_data`` and ``train.max_docs`` of
         ``resolved_dattri_ds_config.json`` as written there (None when it names none;
         ``tools.provenance.training_data`` finds the files)."""
@@ -100,10 +100,9 @@ class Run:
         files = as_files(train.get("train_data"))
         if files is None:
             return None
-        max_docs, seq_len = train.get("max_docs"), train.get("seq_len")
-        return Record("the run's training data", cfg, "train.train_data", tuple(files),
-                      max_docs if type(max_docs) is int and max_docs > 0 else None,
-                      seq_len if type(seq_len) is int and seq_len > 0 else None)
+        return DataOrigin(tuple(files), positive_int(train.get("max_docs")),
+                          positive_int(train.get("seq_len")), "the run's training data",
+                          (cfg, "train.train_data"))
 
     def tokenizer(self):
         """SentencePiece ``tokenizer.model``, else the Hugging Face tokenizer found at open."""
