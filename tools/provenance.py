@@ -154,8 +154,9 @@ def _store_record(store: str | os.PathLike) -> DataOrigin | None:
         rec = recorded_config(folder, "collect")
         files = as_files(rec.get("data"))
         if files:
-            return DataOrigin(tuple(files), positive_int(rec.get("max_docs")), positive_int(rec.get("seq_len")),
-                              "collect's --data", (folder / "collect_config.json", "data"))
+            return DataOrigin(tuple(files), positive_int(rec.get("max_docs")),
+                              positive_int(rec.get("seq_len")), "collect's --data",
+                              (folder / "collect_config.json", "data"))
     return None
 
 
@@ -163,8 +164,8 @@ def _find(f: str, rec: DataOrigin, flag: str) -> str:
     """A recorded file found from the current folder or the project's, made absolute."""
     path = next((p for p in (Path(f), PROJECT / f) if p.is_file()), None)
     if path is None:
-        where, key = rec.record or ("", "")
-        raise ConfigError(f"{rec.where[0].upper()}{rec.where[1:]} '{f}' ({where}: {key}) "
+        path_, key = rec.record or ("", "")
+        raise ConfigError(f"{rec.where[0].upper()}{rec.where[1:]} '{f}' ({path_}: {key}) "
                           f"is not found from {Path.cwd()} nor {PROJECT}. Fix: pass {flag} "
                           f"the jsonl of those documents")
     return str(path.resolve())
