@@ -11,7 +11,7 @@ launch/loop.py on ``--backend torch``) for ``--warmup-steps`` on the pool and sa
 checkpoint (with Adam state); (2) collect the pool's projected gradients from it
 (``tools/collect.py``); (3) train a fresh model (same init seed) for ``--steps`` on the full
 pool and on a seeded random subset of each fraction; (4) per target, select subsets at each
-fraction with ``tools/curate.py`` (``dattri-ds select``) for every ``--methods`` entry and
+fraction with ``tools/curate.py`` (``dattri-ds curate``) for every ``--methods`` entry and
 the content prior alone (``--method content``: DSIR), and train on each for ``--steps``;
 (5) record the held-out target loss (documents never scored against) and the
 general-corpus loss (the last 20 documents of every corpus source, never in a pool).

@@ -297,7 +297,8 @@ def _collect(rank: int, world: int, opts: dict, progress: str | None, counter) -
 
     from dattri_ds.launch.deepspeed_backend import setup_distributed
     from dattri_ds.tools.collect import build_parser, collect_checkpoint
-    from dattri_ds.tools.common import Run, load_texts
+    from dattri_ds.tools.sources import Run
+    from dattri_ds.tools.texts import load_texts
 
     setup_distributed()
     run_dir = Path(opts["run"])

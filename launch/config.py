@@ -88,7 +88,7 @@ class TrainConfig:
     init_from: str | None = None
     """Start from an earlier launch/train.py run (its ``--out``): reuse its tokenizer
     (``tokenizer.model``; none is trained and ``vocab_size`` is not used), so this model
-    reads text exactly as that run's did (e.g. train on a subset ``dattri-ds select`` chose
+    reads text exactly as that run's did (e.g. train on a subset ``dattri-ds curate`` chose
     with that run). Weights: ``init_checkpoint``. null = train a tokenizer on the texts."""
 
     init_checkpoint: str | None = None

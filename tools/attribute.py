@@ -31,14 +31,34 @@ if __package__ in (None, ""):
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from dattri_ds.tools.configs import ATTRIBUTE, DEFAULT_METHOD, add_flags  # noqa: E402
-from dattri_ds.tools.common import (  # noqa: E402
-    Run, add_checkpoint_args, add_source_args, factors_path, gradients, load_texts, logger,
-    open_source, recorded_config, setup_logging, source_flags, store_origin, store_paths,
-    tag_choice, write_config,
+from dattri_ds import (  # noqa: E402
+    CaptureConfig, Checkpoint, GradBatch, KFACFactors, Projector, cli,
 )
+from dattri_ds.errors import ConfigError, DoesNotFitError, StoreCorruptError  # noqa: E402
+from dattri_ds.eval import tfidf_scores, with_text_prior  # noqa: E402
+from dattri_ds.io.files import check_file, first_json_line  # noqa: E402
+from dattri_ds.methods import get_attributor  # noqa: E402
+from dattri_ds.io.outputs import check_dir, writing  # noqa: E402
+from dattri_ds.methods.per_token import (  # noqa: E402
+    TokenPlan, scatter_tokens, token_chunks, token_gradients, token_rows,
+)
+from dattri_ds.plan import available_memory, check_tool  # noqa: E402
 from dattri_ds.methods.recipe import Recipe  # noqa: E402
 from dattri_ds.sample_id import SampleId  # noqa: E402
+from dattri_ds.store import StoreRequest, attach  # noqa: E402
+from dattri_ds.store.attach import check, manifest, model_layers  # noqa: E402
+from dattri_ds.tools.configs import ATTRIBUTE, DEFAULT_METHOD, add_flags  # noqa: E402
+from dattri_ds.tools.gradients import gradients  # noqa: E402
+from dattri_ds.tools.progress import bar  # noqa: E402
+from dattri_ds.tools.provenance import training_data, write_config  # noqa: E402
+from dattri_ds.tools.runtime import announce, logger, setup_logging  # noqa: E402
+from dattri_ds.tools.sources import (  # noqa: E402
+    Source, add_checkpoint_args, add_source_args, open_source, source_flags, tag_choice,
+)
+from dattri_ds.tools.stores import (  # noqa: E402
+    check_factors, factors_path, store_origin, store_paths,
+)
+from dattri_ds.tools.texts import is_token_file, load_texts, row_texts  # noqa: E402
 
 __all__ = ["build_parser", "main", "DEFAULT_METHOD"]
 
@@ -76,7 +96,7 @@ _FIXES = {
 }
 
 
-def store_requests(args, run: Run, available: dict[str, Path], tags: list[str],
+def store_requests(args, run: Source, available: dict[str, Path], tags: list[str],
                    models: _Models | None = None):
     """``(proj, whitened, requests)``: every store this attribution reads is compared with
     what it will do (this run, checkpoint and weights; the layers the queries are captured
@@ -88,10 +108,6 @@ def store_requests(args, run: Run, available: dict[str, Path], tags: list[str],
         StoreCorruptError: a manifest is damaged (named).
         ConfigError: a whitened store and a method it was not whitened for.
     """
-    from dattri_ds import CaptureConfig
-    from dattri_ds.store import StoreRequest, attach
-    from dattri_ds.store.attach import check, model_layers
-
     first = check(available[tags[0]], StoreRequest(consumer="attribute"))
     proj, whitened = first.projection_cfg(), first.whitened
     _check_whitened(args.method, whitened, available[tags[0]])
@@ -111,11 +127,9 @@ def store_requests(args, run: Run, available: dict[str, Path], tags: list[str],
     return proj, whitened, requests
 
 
-def _choose_tags(args, run: Run, available: dict[str, Path]) -> list[str]:
+def _choose_tags(args, run: Source, available: dict[str, Path]) -> list[str]:
     """The checkpoints to score; a checkpoint the request needs but whose store is missing is
     an error naming the expected path, never a fallback to the stores that exist."""
-    from dattri_ds.errors import ConfigError, StoreCorruptError
-
     root, wanted = Path(args.store), tag_choice(args)
     traj = Recipe(method=args.method).trajectory
     if wanted not in (None, "all"):
@@ -145,8 +159,6 @@ def _choose_tags(args, run: Run, available: dict[str, Path]) -> list[str]:
 
 def _check_whitened(method: str, whitened: str | None, store: Path) -> None:
     """A whitened store is scored only by the curvature method it was whitened for."""
-    from dattri_ds.errors import ConfigError
-
     if whitened is not None and Recipe(method=method).inner != whitened:
         raise ConfigError(f"Store '{store}' holds rows whitened by '{whitened}' factors; "
                           f"--method {method} cannot score them: use --method {whitened} or "
@@ -156,9 +168,6 @@ def _check_whitened(method: str, whitened: str | None, store: Path) -> None:
 def _factors(args, tag: str, proj, model=None):
     """The curvature factors of checkpoint ``tag`` (a file, or ``<dir>/<tag>.pt``), checked
     against ``model``'s layer shapes when given."""
-    from dattri_ds import KFACFactors, Projector
-    from dattri_ds.errors import ConfigError
-
     path = factors_path(args.factors, tag)
     if path is None or not path.exists():
         every = " --checkpoint all" if Recipe(method=args.method).trajectory else ""
@@ -167,7 +176,6 @@ def _factors(args, tag: str, proj, model=None):
                           f"them with tools/fit.py {source_flags(args)}{every} --out <dir>")
     factors = KFACFactors.load(path, projector=Projector(proj) if proj else None)
     if model is not None:
-        from dattri_ds.tools.common import check_factors
         check_factors(factors, path, model, args)
     if proj is not None and all(lf.projection is None for lf in factors.layers.values()):
         logger.warning("%s: exact factors on a %s-projected store of raw gradients: the query "
@@ -180,7 +188,7 @@ def _factors(args, tag: str, proj, model=None):
     return factors
 
 
-def _checkpoints(args, run: Run, available: dict[str, Path], tags: list[str], queries,
+def _checkpoints(args, run: Source, available: dict[str, Path], tags: list[str], queries,
                  recipe: Recipe, requests: dict, models: _Models,
                  tokens: TokenScores | None = None):
     """One ``Checkpoint`` per tag, opened lazily (store, query gradients, factors); every
@@ -189,9 +197,6 @@ def _checkpoints(args, run: Run, available: dict[str, Path], tags: list[str], qu
     With ``tokens`` (``--per-token``) the query tokens are scored at each checkpoint once
     its sequence scores are done, with the same model, factors and store, chunk by chunk.
     """
-    from dattri_ds import CaptureConfig, Checkpoint, GradBatch
-    from dattri_ds.store import attach
-
     for i, tag in enumerate(tags):
         logger.info("%s (%d/%d): loading the model%s, capturing %d queries", tag, i + 1,
                     len(tags), " and factors" if recipe.curvature else "", len(queries))
@@ -243,9 +248,6 @@ class TokenScores:
     the method sums them; a progress line at least every 10 s."""
 
     def __init__(self, args, recipe: Recipe, queries, plan, semantics: dict) -> None:
-        from dattri_ds import CaptureConfig
-        from dattri_ds.methods.per_token import token_chunks
-
         self.args, self.recipe, self.plan = args, recipe, plan
         batch = queries.batch(torch.arange(len(queries)))
         self.chunks = list(token_chunks(batch, CaptureConfig(**semantics), chunk=plan.chunk))
@@ -255,9 +257,6 @@ class TokenScores:
 
     def score(self, tag: str, ck, model, capture) -> None:
         """Add checkpoint ``tag``'s (weighted) token scores; ``ck.train`` is the store."""
-        from dattri_ds.methods.per_token import token_gradients
-        from dattri_ds.tools.progress import bar
-
         progress = bar(self.where.shape[0], f"per-token {tag}")
         col = 0
         for rows, where in self.chunks:
@@ -276,9 +275,6 @@ class TokenScores:
 
 def _announce(args, available: dict[str, Path], tags: list[str], queries) -> None:
     """The first line: queries, store, checkpoints, projection, method and factors."""
-    from dattri_ds.store.attach import manifest
-    from dattri_ds.tools.common import announce
-
     found = manifest(available[tags[0]])
     proj = found[0].projection_cfg() if found else None
     rows = "?" if found is None else (f"{proj.kind} k={proj.dim}" + (
@@ -292,14 +288,10 @@ def _announce(args, available: dict[str, Path], tags: list[str], queries) -> Non
 
 
 def _default_weighting(method: str) -> str:
-    from dattri_ds.methods import get_attributor
-
     return get_attributor(method).default_weighting
 
 
 def _semantics(store: Path) -> dict:
-    from dattri_ds.store.attach import manifest
-
     found = manifest(store)
     return dict((found[0].semantics or {}) if found else {})
 
@@ -312,12 +304,6 @@ def _token_plan(args, store: Path, queries):
         ConfigError: --token-chunk (or one token row) needs more than --token-memory-gb.
         DoesNotFitError: --token-memory-gb is more than the memory available.
     """
-    from dattri_ds import CaptureConfig
-    from dattri_ds.errors import DoesNotFitError
-    from dattri_ds.methods.per_token import TokenPlan, token_rows
-    from dattri_ds.plan import available_memory
-    from dattri_ds.store.attach import manifest
-
     found = manifest(store)
     cfg = CaptureConfig(**_semantics(store))
     _, where = token_rows(queries.batch(torch.arange(len(queries))),
@@ -344,8 +330,6 @@ def _schedule(run, tag: str, recipe: Recipe) -> tuple[float, int | None]:
     reads_schedule``: a trajectory under ``weighting="lr"``); ``(1.0,
     None)`` (``Checkpoint``'s defaults, unread) otherwise, so a checkpoint folder without a
     recorded learning rate scores under the other weightings."""
-    from dattri_ds.methods import get_attributor
-
     if recipe.trajectory and get_attributor(recipe.method).reads_schedule(recipe.weighting):
         entry = run.checkpoint(tag)
         return float(entry["lr"]), entry.get("step")
@@ -355,16 +339,15 @@ def _schedule(run, tag: str, recipe: Recipe) -> tuple[float, int | None]:
 def main(argv: list[str] | None = None) -> dict:
     """Score the queries with the library's method (``dattri_ds.methods.recipe.Recipe``)."""
     args = build_parser().parse_args(argv)
-    from dattri_ds.io.outputs import check_dir, writing
     check_dir(args.out, flag="--out", force=args.force, overwrites=("scores.npy", "summary.json"))
     setup_logging(verbose=args.verbose)
     run = open_source(args)
     available = store_paths(Path(args.store))
     tags = _choose_tags(args, run, available)
     queries = load_texts(args.queries, run.tokenizer, run.context, args.query_max_docs,
-                         context=run.context, truncate=args.truncate, queries=True)
+                         context=run.context, truncate=args.truncate, queries=True,
+                         vocab_size=run.vocab_size)
     _announce(args, available, tags, queries)
-    from dattri_ds.plan import check_tool
     check_tool(run.root, args, seq_len=queries.seq_len, examples=len(queries),  # the size door
                method=next((m for m in ("ekfac", "kfac") if m in args.method), "graddot"))
     tokens_plan = _token_plan(args, available[tags[0]], queries) if args.per_token else None
@@ -385,16 +368,12 @@ def main(argv: list[str] | None = None) -> dict:
         pass
     seconds = time.perf_counter() - t0
     if tokens is not None:
-        from dattri_ds.methods.per_token import scatter_tokens
-
         if tokens.ids != ids:
             raise RuntimeError("per-token scores read the store's rows in another order")
         per_token = scatter_tokens(tokens.values, tokens.where, len(queries), queries.seq_len)
         write_per_token(Path(args.out), run, queries, per_token)
     model_total = total
     if prior.weight > 0:
-        from dattri_ds.eval import with_text_prior
-
         prior = with_overlap(prior, run, queries, ids)
         total = with_text_prior(total, prior.overlap.to(total.dtype), prior.weight)
     with writing(args.out):
@@ -423,15 +402,14 @@ def text_prior(args, recipe: Recipe, queries) -> TextPrior:
         ConfigError: ``--text-weight`` > 0 was asked for and the texts are not there (the
             default turns the prior off instead, and says why).
     """
-    from dattri_ds.errors import ConfigError
-
     asked = args.text_weight
     weight = recipe.text_weight if asked is None else asked
     if weight == 0:
         return TextPrior(0.0, "--text-weight 0" if asked is not None else
                          f"--method {args.method} has no measured text weight")
     try:
-        path, seq_len = _train_data(args)
+        origin = training_data("--train-data", args.train_data, store=args.store)
+        path, seq_len = origin.data, origin.seq_len
         _check_texts(path, queries)
     except ConfigError as e:
         if asked is not None:
@@ -451,10 +429,6 @@ def _check_texts(path, queries) -> None:
     Raises:
         ConfigError: naming what lacks text and how to give it.
     """
-    from dattri_ds.errors import ConfigError
-    from dattri_ds.io.files import check_file, first_json_line
-    from dattri_ds.tools.sources import is_token_file
-
     for f in [path] if isinstance(path, str) else path:
         check_file(f, "training data file", "pass an existing jsonl file of documents")
         if is_token_file(f):
@@ -477,13 +451,9 @@ def with_overlap(prior: TextPrior, run, queries, train_ids) -> TextPrior:
     Raises:
         ConfigError: a store row has no document in the training texts.
     """
-    from dattri_ds.errors import ConfigError
-    from dattri_ds.eval import tfidf_scores
-
-    from dattri_ds.tools.common import row_texts
-
     tok = run.tokenizer
-    rows = load_texts(prior.path, tok, prior.seq_len or queries.seq_len, truncate=True)
+    rows = load_texts(prior.path, tok, prior.seq_len or queries.seq_len, truncate=True,
+                      vocab_size=run.vocab_size)
     by_id = {d.id: i for i, d in enumerate(rows.docs)}
     missing = [i for i in train_ids if SampleId.parse(i).doc not in by_id]
     if missing:
@@ -492,22 +462,6 @@ def with_overlap(prior: TextPrior, run, queries, train_ids) -> TextPrior:
                           f"collected from, or --text-weight 0")
     train = row_texts(rows.subset([by_id[SampleId.parse(i).doc] for i in train_ids]), tok)
     return replace(prior, overlap=tfidf_scores(train, row_texts(queries, tok)))
-
-
-def _train_data(args) -> tuple[str, int | None]:
-    """The training documents' file and the sequence length collect read them at (None:
-    the run's)."""
-    from dattri_ds.errors import ConfigError
-
-    recorded = recorded_config(args.store, "collect") or \
-        recorded_config(Path(args.store).parent, "collect")
-    if args.train_data:
-        return args.train_data, recorded.get("seq_len")
-    if not isinstance(recorded.get("data"), (str, list)) or not recorded["data"]:
-        raise ConfigError(f"{Path(args.store) / 'collect_config.json'} records no collect "
-                          f"--data file; pass --train-data the jsonl the store was collected "
-                          f"from")
-    return recorded["data"], recorded.get("seq_len")
 
 
 def write_per_token(out: Path, run, queries, per_token: torch.Tensor) -> None:
@@ -573,6 +527,4 @@ def write_outputs(out: Path, args, run, tags, queries, train_ids, total, per_ckp
 
 
 if __name__ == "__main__":
-    from dattri_ds.cli.exits import run
-
-    sys.exit(run(main))
+    sys.exit(cli.run(main))

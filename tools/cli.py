@@ -1,6 +1,6 @@
 """``dattri-ds <subcommand>``: one console command for the tool scripts.
 
-    dattri-ds prepare | collect | fit | attribute | report | lds | plan | select  [options]   (see --help of each)
+    dattri-ds prepare | collect | fit | attribute | report | lds | plan | curate  [options]   (see --help of each)
 
 Errors print one line ``dattri-ds: error: <message>`` (exit 2: usage or config, 1: runtime);
 ``--debug`` or ``DATTRI_DS_DEBUG=1`` shows the traceback.
@@ -21,9 +21,11 @@ COMMANDS = {
     "report": "dattri_ds.tools.report",
     "lds": "dattri_ds.tools.lds",
     "plan": "dattri_ds.tools.plan",
-    "select": "dattri_ds.tools.curate",
+    "curate": "dattri_ds.tools.curate",
     "prepare": "dattri_ds.tools.prepare",
 }
+#: Former subcommand names -> the one that does their job now (one line names it).
+RENAMED = {"select": "curate"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,6 +50,10 @@ def _dispatch(argv: list[str]) -> None:
     if not argv or argv[0] in ("-h", "--help"):
         sys.stdout.write(help_text())
         return
+    if argv[0] in RENAMED:
+        new = RENAMED[argv[0]]
+        raise UsageError(f"'dattri-ds {argv[0]}' is now 'dattri-ds {new}' (same flags; see "
+                         f"dattri-ds {new} --help)")
     if argv[0] not in COMMANDS:
         raise UsageError(f"unknown subcommand '{argv[0]}'; choose one of {sorted(COMMANDS)} "
                          f"(see dattri-ds --help)")

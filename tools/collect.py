@@ -19,8 +19,11 @@ finished store is sealed (docs/offline_tools.md, docs/store.md).
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 import time
+from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -29,12 +32,30 @@ if __package__ in (None, ""):
 
 import torch  # noqa: E402
 
-from dattri_ds.tools.configs import COLLECT, add_flags, values  # noqa: E402
-from dattri_ds.tools.common import (  # noqa: E402
-    Run, add_checkpoint_args, add_source_args, announce, describe_data, example_ids,
-    factors_path, gradients, init_distributed, load_texts, logger, open_source, seq_len_of,
-    setup_logging, source_tags, store_origin, training_data, write_config,
+from dattri_ds import CaptureConfig, KFACFactors, ProjectionConfig  # noqa: E402
+
+from dattri_ds.cli import exits as cli  # noqa: E402
+from dattri_ds.errors import ConfigError  # noqa: E402
+from dattri_ds.ops.cost import explain_projection  # noqa: E402
+from dattri_ds.io.outputs import check_dir  # noqa: E402
+from dattri_ds.plan import check_tool  # noqa: E402
+from dattri_ds.store import (  # noqa: E402
+    GradientStoreWriter, StoreConfig, StoreRequest, StoreSpec, attach, seal_store,
 )
+from dattri_ds.store.attach import check, model_layers  # noqa: E402
+from dattri_ds.store.format import store_files  # noqa: E402
+from dattri_ds.store.spec import capture_semantics  # noqa: E402
+from dattri_ds.tools.configs import COLLECT, add_flags, values  # noqa: E402
+from dattri_ds.tools.gradients import example_ids, gradients  # noqa: E402
+from dattri_ds.tools.provenance import training_data, write_config  # noqa: E402
+from dattri_ds.tools.runtime import (  # noqa: E402
+    announce, init_distributed, logger, setup_logging,
+)
+from dattri_ds.tools.sources import (  # noqa: E402
+    Source, add_checkpoint_args, add_source_args, open_source, seq_len_of, source_tags,
+)
+from dattri_ds.tools.stores import check_factors, factors_path, store_origin  # noqa: E402
+from dattri_ds.tools.texts import load_texts  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,25 +72,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def prepare(run: Run, tag: str, args):
+def prepare(run: Source, tag: str, args):
     """``(model, capture, factors, origin, request)`` of checkpoint ``tag``: what its store
     gets, and the StoreRequest an existing store there must match."""
-    from dattri_ds import CaptureConfig, ProjectionConfig
-
     proj = ProjectionConfig(**values(args, COLLECT, ProjectionConfig))
     capture = CaptureConfig(projection=proj, **values(args, COLLECT, CaptureConfig))
     factors = _factors(args, tag)
     model = run.model(tag)
     if factors is not None:
-        from dattri_ds.tools.common import check_factors
-
         check_factors(factors, args.factors, model, args)
     origin = store_origin(run, tag, model)
     whitened_by = None if factors is None else factors.fingerprint()
     return model, capture, factors, origin, _request(args, model, capture, origin, whitened_by)
 
 
-def check_stores(run: Run, tags: list[str], args) -> None:
+def check_stores(run: Source, tags: list[str], args) -> None:
     """Compare every existing store under ``--out`` with this collect before any gradient
     is computed (a mismatch at the last checkpoint must not come after hours on the first).
 
@@ -77,24 +94,19 @@ def check_stores(run: Run, tags: list[str], args) -> None:
         StoreMismatchError: one line per store, every differing field with both values.
         StoreCorruptError: a damaged manifest (named).
     """
-    from dattri_ds.store.attach import check
-    from dattri_ds.store.format import store_files
-
     for tag in tags:
         path = Path(args.out) / tag
         if store_files(path):  # a new store needs no model loaded twice
             check(path, prepare(run, tag, args)[-1])
 
 
-def collect_checkpoint(run: Run, tag: str, data, args, rank: int, world: int) -> int:
+def collect_checkpoint(run: Source, tag: str, data, args, rank: int, world: int) -> int:
     """Write the store of one checkpoint; return how many rows this rank added.
 
     An existing store is attached first (``dattri_ds.store.attach``): a store collected with
     another projection, dtype, whitening, layer set, capture semantics or checkpoint is
     refused before any gradient is computed; its intact rows are kept and skipped.
     """
-    from dattri_ds.store import GradientStoreWriter, StoreConfig, StoreSpec
-
     model, capture, factors, origin, request = prepare(run, tag, args)
     proj, path = capture.projection, Path(args.out) / tag
     whitened_by = request.whitening[1]
@@ -162,10 +174,6 @@ def _commit_kept(writer, stored: int | None) -> int | None:
 
 def _log_projection(spec, proj, verbose: bool) -> None:
     """The per-layer projection choice: one summary line, the table with --verbose."""
-    from collections import Counter
-
-    from dattri_ds.ops.cost import explain_projection
-
     table = explain_projection({ls.name: tuple(ls.shape) for ls in spec.layers}, proj.dim,
                                proj.kron_speedup)
     if verbose:
@@ -195,10 +203,6 @@ _FIXES = {
 
 def _request(args, model, capture, origin: dict, whitened_by: str | None):
     """What this collect appends: compared with an existing store before any work."""
-    from dattri_ds.store import StoreRequest
-    from dattri_ds.store.attach import model_layers
-    from dattri_ds.store.spec import capture_semantics
-
     return StoreRequest(consumer="collect", projection=capture.projection, dtype=args.dtype,
                         layers=model_layers(model, capture),
                         semantics=capture_semantics(capture),
@@ -209,8 +213,6 @@ def _request(args, model, capture, origin: dict, whitened_by: str | None):
 
 def _stored_ids(path: Path, request) -> set[str]:
     """Ids of the intact rows already in the store at ``path`` (none when there is none)."""
-    from dattri_ds.store import attach
-
     old = attach(path, request, mode="resume")
     if old is None:
         return set()
@@ -220,9 +222,6 @@ def _stored_ids(path: Path, request) -> set[str]:
 
 def _factors(args, tag: str):
     """The exact curvature factors of checkpoint ``tag`` for ``--whiten`` (else None)."""
-    from dattri_ds import KFACFactors
-    from dattri_ds.errors import ConfigError
-
     if args.whiten is None:
         return None
     path = factors_path(args.factors, tag)
@@ -238,8 +237,6 @@ def _factors(args, tag: str):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from dattri_ds import ProjectionConfig
-
     args = build_parser().parse_args(argv)
     if args.whiten is None and args.factors:  # factors given: the default method's rows
         args.whiten = "ekfac"
@@ -247,17 +244,17 @@ def main(argv: list[str] | None = None) -> dict:
     setup_logging(rank, args.verbose)
     run = open_source(args)
     tags = source_tags(run, args, "all")
-    from dattri_ds.io.outputs import check_dir
     check_dir(args.out, flag="--out", folders=tags)  # the output door, before any work
-    files, max_docs, where = training_data(run, args)
-    data = load_texts(files, run.tokenizer, seq_len_of(run, args), max_docs)
+    origin = training_data("--data", args.data, max_docs=args.max_docs, source=run)
+    args.data, args.max_docs = origin.data, origin.max_docs  # recorded: what was read
+    data = load_texts(origin.data, run.tokenizer, seq_len_of(run, args), origin.max_docs,
+                      vocab_size=run.vocab_size)
     proj = ProjectionConfig(**values(args, COLLECT, ProjectionConfig))
-    announce("collect", data=describe_data(files, where, len(data)), checkpoints=",".join(tags),
+    announce("collect", data=origin.describe(len(data)), checkpoints=",".join(tags),
              projection=f"{proj.kind} k={proj.dim} seed {proj.seed}",
              rows=f"whitened by {args.whiten} factors {args.factors}" if args.whiten
              else "plain (not whitened)", out=args.out)
     check_stores(run, tags, args)
-    from dattri_ds.plan import check_tool
     check_tool(run.root, args, seq_len=data.seq_len, examples=len(data))  # the size door
     if rank == 0:
         write_config(Path(args.out), "collect", args)
@@ -285,9 +282,6 @@ def _signals_deferred():
     """SIGINT/SIGTERM that arrive while rows are being committed wait until the commit is
     done, then interrupt as usual (``KeyboardInterrupt``): a stop never lands between a
     commit taking the buffered rows and writing them."""
-    import signal
-    import threading
-
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -306,9 +300,6 @@ def _signals_deferred():
 
 def _sigterm_interrupts() -> None:
     """SIGTERM (a scheduler's stop) takes Ctrl-C's path: the buffered rows are committed."""
-    import signal
-    import threading
-
     if threading.current_thread() is not threading.main_thread():
         return
 
@@ -320,9 +311,6 @@ def _sigterm_interrupts() -> None:
 
 def _seal(path: Path, rank: int, world: int) -> None:
     """Once every rank has closed its writer, rank 0 records the store as complete."""
-    from dattri_ds.store import seal_store
-    from dattri_ds.store.format import store_files
-
     if world > 1:
         torch.distributed.barrier()
     if rank == 0 and store_files(path):  # nothing was written when no rank had rows
@@ -332,6 +320,4 @@ def _seal(path: Path, rank: int, world: int) -> None:
 
 
 if __name__ == "__main__":
-    from dattri_ds.cli.exits import run
-
-    sys.exit(run(main))
+    sys.exit(cli.run(main))

@@ -20,7 +20,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from dattri_ds import CaptureConfig, KFACConfig, ProjectionConfig
+from dattri_ds.methods import registered_attributors
+from dattri_ds.methods.tracin import WEIGHTINGS
+from dattri_ds.ops.projection import KINDS
+from dattri_ds.methods.recipe import Recipe
 from dattri_ds.io.schema import bounds, field_docs, field_flag
+from dattri_ds.store import StoreConfig
 
 __all__ = ["Flag", "add_flags", "values", "CollectOptions", "FitOptions",
            "AttributeOptions", "COLLECT", "FIT", "ATTRIBUTE", "DEFAULT_METHOD"]
@@ -203,28 +209,18 @@ class AttributeOptions:
 # ---- which library fields each tool exposes, under the names its flags always had -------
 
 def _projection_kinds() -> Sequence[str]:
-    from dattri_ds.ops.projection import KINDS
-
     return KINDS
 
 
 def _methods() -> Sequence[str]:
-    from dattri_ds.methods import registered_attributors
-
     return sorted(registered_attributors())
 
 
 def _weightings() -> Sequence[str]:
-    from dattri_ds.methods.tracin import WEIGHTINGS
-
     return WEIGHTINGS
 
 
 def _library_flags():
-    from dattri_ds import CaptureConfig, KFACConfig, ProjectionConfig
-    from dattri_ds.methods.recipe import Recipe
-    from dattri_ds.store import StoreConfig
-
     collect = [
         Flag(ProjectionConfig, "kind", "--projection", choices=_projection_kinds,
              help="projection kind (ops/projection.py registry)"),

@@ -1,12 +1,12 @@
-"""Select a training subset from a pool's stored gradients against a target (offline, LESS-style).
+"""Curate a training subset from a pool's stored gradients against a target (offline, LESS-style).
 
-    python tools/curate.py --run-dir runs/warm --store runs/warm/grads --pool data/pool.jsonl \
+    dattri-ds curate --run-dir runs/warm --store runs/warm/grads --pool data/pool.jsonl \
         --target data/target/hamlet.jsonl --fraction 0.05 --with-text --out runs/warm/subset
     torchrun --standalone --nproc_per_node 2 tools/curate.py --run-dir ...   # rows per rank
     --method content (default) | combined | cosine | adam-cosine | trajectory
 
 The method, budget (exactly one of --fraction, --examples, --tokens) and diversity flags
-are generated from ``dattri_ds.selection.offline.CurateConfig`` (one flag per field). The
+are generated from ``dattri_ds.selection.curate.CurateConfig`` (one flag per field). The
 default method is the content prior (``content``, DSIR): no gradient method was ahead of it
 in the curation benchmark. Inputs (pool stores, ``--target`` documents or a
 ``--target-store``), outputs (``subset.jsonl``, ``scores.npy``, ``ids.json``,
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import fields
+from functools import cache
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -26,14 +27,32 @@ if __package__ in (None, ""):
 
 import torch  # noqa: E402
 
-from dattri_ds.selection.offline import CurateConfig, METHODS  # noqa: E402
-from dattri_ds.selection.offline.config import AGGREGATES, PRECONDITIONS  # noqa: E402
+from dattri_ds import GradBatch  # noqa: E402
+
+from dattri_ds.cli import exits as cli  # noqa: E402
+from dattri_ds.capture.hooks import GradientCapture  # noqa: E402
+from dattri_ds.data import tokenize_documents  # noqa: E402
 from dattri_ds.errors import ConfigError  # noqa: E402
+from dattri_ds.io.outputs import check_dir  # noqa: E402
 from dattri_ds.io.schema import add_flag, field_docs, field_flag  # noqa: E402
-from dattri_ds.tools.common import (  # noqa: E402
-    add_checkpoint_args, add_source_args, gradients, init_distributed, load_texts, logger,
-    open_source, recorded_config, setup_logging, store_paths, tag_choice,
+from dattri_ds.selection.curate import (  # noqa: E402
+    METHODS, CurateConfig, Pool, curate, resolve_budget,
 )
+from dattri_ds.selection.curate.config import AGGREGATES, PRECONDITIONS  # noqa: E402
+from dattri_ds.selection.curate.pool import ngram_counts  # noqa: E402
+from dattri_ds.selection.curate.targets import (  # noqa: E402
+    adam_target, capture_of, load_adam_moments, store_target_rows, target_rows,
+)
+from dattri_ds.selection.curate.writer import OUTPUTS  # noqa: E402
+from dattri_ds.store import StoreRequest, attach  # noqa: E402
+from dattri_ds.tools.gradients import gradients  # noqa: E402
+from dattri_ds.tools.provenance import training_data  # noqa: E402
+from dattri_ds.tools.runtime import init_distributed, logger, setup_logging  # noqa: E402
+from dattri_ds.tools.sources import (  # noqa: E402
+    Source, add_checkpoint_args, add_source_args, open_source, tag_choice,
+)
+from dattri_ds.tools.stores import store_paths  # noqa: E402
+from dattri_ds.tools.texts import load_texts  # noqa: E402
 
 _CHOICES = {"method": METHODS.names(), "aggregate": list(AGGREGATES),
             "precondition": list(PRECONDITIONS),
@@ -42,7 +61,7 @@ _CHOICES = {"method": METHODS.names(), "aggregate": list(AGGREGATES),
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dattri-ds select", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="dattri-ds curate", description=__doc__.splitlines()[0])
     add_source_args(p)
     p.add_argument("--store", required=True,
                    help="the pool's gradient store, or a folder of per-checkpoint stores")
@@ -81,7 +100,7 @@ def _config(args) -> CurateConfig:
     return CurateConfig(**{f.name: getattr(args, f.name) for f in fields(CurateConfig)})
 
 
-def _tags(args, source, available: dict[str, Path]) -> list[str]:
+def _tags(args, source: Source, available: dict[str, Path]) -> list[str]:
     """Stored checkpoints to read, oldest first (the run's trajectory order)."""
     order = [c["tag"] for c in source.trajectory()]
     tags = [t for t in order if t in available] or sorted(available)
@@ -97,25 +116,17 @@ def _tags(args, source, available: dict[str, Path]) -> list[str]:
 
 
 def _pool_paths(args) -> list[str]:
-    if args.pool:
-        return list(args.pool)
-    data = recorded_config(args.store, "collect").get("data")
-    if data:
-        return [data] if isinstance(data, str) else list(data)
-    raise ConfigError(f"--pool is needed: {Path(args.store) / 'collect_config.json'} records no "
-                      f"collect --data; pass the pool jsonl the store was collected from")
+    """``--pool``, else the documents the pool store was collected from."""
+    return list(training_data("--pool", args.pool, store=args.store).files)
 
 
-def _attach_pool(source, available, tags):
+def _attach_pool(source: Source, available, tags):
     """Every pool store of ``tags``, attached after comparing its provenance."""
-    from dattri_ds.store import StoreRequest, attach
-
     stores = {}
     for t in tags:
         _refuse_empty(available[t])
-        req = StoreRequest(consumer="select", whitening=(None, None), origin={
-            "fingerprint": f"{source.fingerprint()}@{t}" if hasattr(source, "trajectory")
-            and hasattr(source, "checkpoint") else None},
+        req = StoreRequest(consumer="curate", whitening=(None, None), origin={
+            "fingerprint": f"{source.fingerprint()}@{t}"},
             fixes={"whitened": "collect the pool without --whiten / --factors",
                    "fingerprint": "--run-dir / --model of the run the pool store was "
                    "collected from"})
@@ -140,9 +151,6 @@ def _projection_fields(spec) -> dict:
 def _target_store_rows(args, stores, tags) -> dict[str, torch.Tensor]:
     """Rows of the target store of each checkpoint, refused unless it holds the pool
     store's model, checkpoint, projection and layers."""
-    from dattri_ds.selection.offline.targets import store_target_rows
-    from dattri_ds.store import StoreRequest, attach
-
     found = store_paths(Path(args.target_store))
     out = {}
     for t in tags:
@@ -152,7 +160,7 @@ def _target_store_rows(args, stores, tags) -> dict[str, torch.Tensor]:
             raise ConfigError(f"--target-store {args.target_store}: no store for checkpoint "
                               f"'{t}' (stored: {sorted(found)})")
         req = StoreRequest(
-            consumer="select --target-store", projection=_projection_fields(spec),
+            consumer="curate --target-store", projection=_projection_fields(spec),
             layers={ls.name: (ls.kind, tuple(ls.shape)) for ls in spec.layers},
             whitening=(None, None), origin={"fingerprint": spec.fingerprint},
             fixes={"projection": f"collect the target with the pool store's projection "
@@ -164,12 +172,8 @@ def _target_store_rows(args, stores, tags) -> dict[str, torch.Tensor]:
     return out
 
 
-def _target_rows(args, source, stores, tags, config, docs) -> dict[str, torch.Tensor]:
+def _target_rows(args, source: Source, stores, tags, config, docs) -> dict[str, torch.Tensor]:
     """Target rows ``[Q, P]`` per checkpoint from documents, in each store's space."""
-    from dattri_ds import GradBatch
-    from dattri_ds.capture.hooks import GradientCapture
-    from dattri_ds.selection.offline.targets import adam_target, capture_of, load_adam_moments, target_rows
-
     method = METHODS.lookup(config.method)(config)
     adam = method.precondition == "adam"
     out = {}
@@ -182,7 +186,7 @@ def _target_rows(args, source, stores, tags, config, docs) -> dict[str, torch.Te
         batch = GradBatch.cat(list(gradients(model, docs, torch.arange(len(docs)),
                                              capture=capture, batch_size=8)))
         if adam:
-            folder = source.folder(t) if hasattr(source, "folder") else source.root
+            folder = source.folder(t)
             logger.info("target %s: reading the Adam moments of %s", t, folder)
             moments = load_adam_moments(model, folder)
             probe = GradientCapture(model, capture, probe_only=True).attach()
@@ -198,7 +202,7 @@ def _target_rows(args, source, stores, tags, config, docs) -> dict[str, torch.Te
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Select the subset (``dattri_ds.selection.offline.curate``); returns the summary on rank 0."""
+    """Curate the subset (``dattri_ds.selection.curate.curate``); the summary on rank 0."""
     args = build_parser().parse_args(argv)
     config = _config(args)
     if (args.target is None) == (args.target_store is None) and METHODS.lookup(
@@ -212,10 +216,6 @@ def main(argv: list[str] | None = None) -> dict:
                           f"--target-store a gradient method (--method cosine)")
     setup_logging()
     rank, world = init_distributed()
-    from dattri_ds.selection.offline import Pool, resolve_budget
-    from dattri_ds.selection.offline.writer import OUTPUTS
-    from dattri_ds.io.outputs import check_dir
-
     source = open_source(args)
     available = store_paths(Path(args.store))
     tags = METHODS.lookup(config.method)(config).checkpoints(_tags(args, source, available))
@@ -232,19 +232,13 @@ def main(argv: list[str] | None = None) -> dict:
     return _run(args, config, source, stores, tags, pool, targets, rank, world)
 
 
-def _run(args, config, source, stores, tags, pool, targets, rank, world):
-    from functools import cache
-
-    from dattri_ds.selection.offline import curate
-    from dattri_ds.selection.offline.pool import ngram_counts
-    from dattri_ds.data import tokenize_documents
-
+def _run(args, config, source: Source, stores, tags, pool, targets, rank, world):
     tokenizer = cache(source.tokenizer)  # loaded only when texts are tokenized
     seq_len = args.seq_len or source.seq_len
     docs = None
     if args.target is not None:
         docs = load_texts(args.target, tokenizer, seq_len, args.target_max_docs,
-                          context=source.context, truncate=True)
+                          context=source.context, truncate=True, vocab_size=source.vocab_size)
     method = METHODS.lookup(config.method)
     if method.gradient and targets is None:
         targets = _target_rows(args, source, stores, tags, config, docs)
@@ -261,8 +255,7 @@ def _run(args, config, source, stores, tags, pool, targets, rank, world):
         b = d.batch(torch.arange(len(d)))
         return b["input_ids"], b["attention_mask"]
 
-    weights = {t: float(source.checkpoint(t)["lr"]) for t in tags} \
-        if hasattr(source, "checkpoint") else {t: 1.0 for t in tags}
+    weights = {t: float(source.checkpoint(t)["lr"]) for t in tags}
     resolved = {"inputs": {"run": args.run, "model": args.model, "store": args.store,
                            "pool": list(pool.paths), "target": args.target,
                            "target_store": args.target_store, "seq_len": seq_len,
@@ -279,6 +272,4 @@ def _run(args, config, source, stores, tags, pool, targets, rank, world):
 
 
 if __name__ == "__main__":
-    from dattri_ds.cli.exits import run
-
-    sys.exit(run(main))
+    sys.exit(cli.run(main))

@@ -32,15 +32,23 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+from dattri_ds.launch.config import RunConfig, TrainConfig
+from dattri_ds.launch.engine import EngineConfig
+from dattri_ds.launch.train import train_in_process
 
 import dattri_ds
 from dattri_ds import CaptureConfig, ProjectionConfig
+from dattri_ds.cli import exits as cli
 from dattri_ds.data import (
-    Document, TokenizedDocuments, load_documents, source_counts, tokenize_documents,
+    Document,
+    TokenizedDocuments,
+    load_documents,
+    source_counts,
+    tokenize_documents,
     train_tokenizer,
 )
-from dattri_ds.models.causal_lm import build_model
 from dattri_ds.io.schema import add_flag
+from dattri_ds.models.causal_lm import build_model
 
 logger = logging.getLogger("dattri_ds.tools.demo")
 
@@ -129,9 +137,6 @@ def run_configs(args: argparse.Namespace):
     (``--backend torch``): AdamW (betas 0.9/0.95, weight decay 0.1), DeepSpeed
     WarmupCosineLR (linear warm-up over 10% of the steps, cosine to 10% of the peak),
     clipping 1.0, ``batch_size`` examples per step."""
-    from dattri_ds.launch.config import RunConfig, TrainConfig
-    from dattri_ds.launch.engine import EngineConfig
-
     ds_config = {
         "train_micro_batch_size_per_gpu": args.batch_size, "gradient_accumulation_steps": 1,
         "gradient_clipping": 1.0,
@@ -149,8 +154,6 @@ def run_configs(args: argparse.Namespace):
 def train(ds: TokenizedDocuments, tok, args: argparse.Namespace, out: Path):
     """Train with the shipped loop (``train_in_process``) into ``out``; returns the model
     and ``[[step, mean loss since the previous log step], ...]``."""
-    from dattri_ds.launch.train import train_in_process
-
     ds_config, cfg = run_configs(args)
     _, backend = train_in_process(ds_config, cfg, ds, tok, out)
     lrs = json.loads((out / "trajectory.json").read_text())["lrs"]
@@ -324,6 +327,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    from dattri_ds.cli.exits import run
-
-    sys.exit(run(main))
+    sys.exit(cli.run(main))

@@ -28,12 +28,26 @@ if __package__ in (None, ""):
 
 import torch  # noqa: E402
 
-from dattri_ds.tools.configs import FIT, add_flags, values  # noqa: E402
-from dattri_ds.tools.common import (  # noqa: E402
-    add_checkpoint_args, add_source_args, announce, describe_data, gradients, init_distributed,
-    load_texts, logger, open_source, seq_len_of, setup_logging, source_tags, store_of,
-    store_origin, tag_choice, training_data, write_config,
+from dattri_ds import (  # noqa: E402
+    CaptureConfig, KFACConfig, ProjectionConfig, Projector, cli, fit_factors,
 )
+from dattri_ds.distributed import ParallelContext  # noqa: E402
+from dattri_ds.errors import ConfigError  # noqa: E402
+from dattri_ds.io.outputs import check_dir, check_file, writing  # noqa: E402
+from dattri_ds.plan import check_tool  # noqa: E402
+from dattri_ds.store import StoreRequest, attach  # noqa: E402
+from dattri_ds.store.attach import model_layers  # noqa: E402
+from dattri_ds.tools.configs import FIT, add_flags, values  # noqa: E402
+from dattri_ds.tools.gradients import gradients  # noqa: E402
+from dattri_ds.tools.provenance import training_data, write_config  # noqa: E402
+from dattri_ds.tools.runtime import (  # noqa: E402
+    announce, init_distributed, logger, setup_logging,
+)
+from dattri_ds.tools.sources import (  # noqa: E402
+    add_checkpoint_args, add_source_args, open_source, seq_len_of, source_tags, tag_choice,
+)
+from dattri_ds.tools.stores import store_of, store_origin  # noqa: E402
+from dattri_ds.tools.texts import load_texts  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,11 +86,6 @@ _FIXES = {
 def store_request(args, run, tag: str, model):
     """What ``fit --store`` takes from the store of ``tag``: rows of this model, checkpoint
     and weights, plain (not whitened), with the Kronecker size and seed given by flag."""
-    from dattri_ds.store import StoreRequest
-    from dattri_ds.store.attach import model_layers
-
-    from dattri_ds import ProjectionConfig
-
     projection = values(args, FIT, ProjectionConfig)  # the fields given by flag
     if "dim" in projection:
         projection["kind"] = "kronecker"
@@ -99,9 +108,6 @@ def store_space(args, run, tag: str, model):
             weights, holds whitened rows, or differs from --projection-dim / --seed.
         StoreCorruptError: its manifest or a shard is damaged (named).
     """
-    from dattri_ds import CaptureConfig, ProjectionConfig
-    from dattri_ds.store import attach
-
     if not args.store:
         given = values(args, FIT, ProjectionConfig)
         if "dim" in given:
@@ -117,39 +123,34 @@ def store_space(args, run, tag: str, model):
     return None, CaptureConfig(**semantics)
 
 
-def _config(args):
-    from dattri_ds import KFACConfig
+def _config(args) -> KFACConfig:
     return KFACConfig(**values(args, FIT, KFACConfig))
 
 
 def main(argv: list[str] | None = None) -> list[Path]:
-    from dattri_ds import ProjectionConfig, Projector, fit_factors
-    from dattri_ds.distributed import ParallelContext
-
     args = build_parser().parse_args(argv)
     rank, world = init_distributed()
     setup_logging(rank, args.verbose)
     run = open_source(args)
     if args.checkpoint is not None and tag_choice(args) is not None:
-        from dattri_ds.errors import ConfigError
         raise ConfigError(f"Give one of --checkpoint {args.checkpoint} and --checkpoints "
                           f"{' '.join(args.checkpoints)}: both choose the checkpoints to fit")
     tags = source_tags(run, args, "last", "--checkpoint" if args.checkpoint else "--checkpoints",
                        chosen=args.checkpoint)
-    files, max_docs, where = training_data(run, args)
-    data = load_texts(files, run.tokenizer, seq_len_of(run, args), max_docs)
+    origin = training_data("--data", args.data, max_docs=args.max_docs, source=run)
+    args.data, args.max_docs = origin.data, origin.max_docs  # recorded: what was read
+    data = load_texts(origin.data, run.tokenizer, seq_len_of(run, args), origin.max_docs,
+                      vocab_size=run.vocab_size)
     rows = torch.arange(rank, len(data), world)
     given = values(args, FIT, ProjectionConfig)
-    announce("fit", data=describe_data(files, where, len(data)), checkpoints=",".join(tags),
+    announce("fit", data=origin.describe(len(data)), checkpoints=",".join(tags),
              method="kfac" if args.kfac_only else "ekfac",
              projection=f"the store {args.store}'s (LoGra if Kronecker)" if args.store else
              f"kronecker k={given['dim']} (LoGra)" if "dim" in given else "none (exact factors)",
              out=args.out)
-    from dattri_ds.plan import check_tool
     check_tool(run.root, args, seq_len=data.seq_len, examples=len(data),  # the size door
                method="kfac" if args.kfac_only else "ekfac")
     one_file = len(tags) == 1 and Path(args.out).suffix == ".pt"
-    from dattri_ds.io.outputs import check_dir, check_file, writing
     if one_file:  # the output door, before any work
         check_file(args.out, flag="--out", force=args.force)
     else:
@@ -185,6 +186,4 @@ def main(argv: list[str] | None = None) -> list[Path]:
 
 
 if __name__ == "__main__":
-    from dattri_ds.cli.exits import run
-
-    sys.exit(run(main))
+    sys.exit(cli.run(main))

@@ -25,6 +25,7 @@ if __package__ in (None, ""):
 
 import torch  # noqa: E402
 
+from dattri_ds.cli import exits as cli  # noqa: E402
 from dattri_ds.io import files  # noqa: E402
 from dattri_ds.sample_id import SampleId  # noqa: E402
 from dattri_ds.errors import InputFileError  # noqa: E402
@@ -100,6 +101,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    from dattri_ds.cli.exits import run
-
-    sys.exit(run(main))
+    sys.exit(cli.run(main))

@@ -30,7 +30,9 @@ if __package__ in (None, ""):  # run as a script: make `dattri_ds.tools` importa
 
 from dattri_ds import ProjectionConfig  # noqa: E402
 from dattri_ds.sample_id import SampleId  # noqa: E402
-from dattri_ds.tools.progress import phase  # noqa: E402
+from dattri_ds.selection import read_selection_log  # noqa: E402
+from dattri_ds.tools import attribute, collect, fit, report  # noqa: E402
+from dattri_ds.tools.progress import PHASES, phase  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -122,8 +124,6 @@ def corpus_sources() -> dict[str, str]:
 
 def chosen_sources(run: Path) -> Counter:
     """Which corpus sources the selector trained on (from selection.jsonl)."""
-    from dattri_ds.selection import read_selection_log
-
     source = corpus_sources()
     return Counter(source.get(SampleId.parse(sid).doc, "?")
                    for record in read_selection_log(run / "selection.jsonl")
@@ -175,9 +175,6 @@ RECIPE = {"plain": ("kronecker", 256),
 def attribute_offline(run: Path, out: Path, args) -> list[Path]:
     """Step 4: fit -> collect -> attribute (TracIn, EK-FAC trajectory) -> report, in-process,
     one timed phase each (``RECIPE``)."""
-    from dattri_ds.tools import attribute, collect, fit, report
-    from dattri_ds.tools.progress import phase
-
     corpus = str(ROOT / DEMO.corpus)
     queries = out / "data_queries.jsonl"  # held-out target passages (DemoData.write)
     tags = [c["tag"] for c in json.loads((run / "trajectory.json").read_text())["checkpoints"]]
@@ -298,8 +295,6 @@ def main() -> None:
 
 def print_phases(out: Path, wall: float) -> None:
     """The job's phases (wall and CPU seconds), printed and written to ``phases.json``."""
-    from dattri_ds.tools.progress import PHASES
-
     rows = [{"phase": p.name, "wall_s": round(p.wall_s, 1),
              "cpu_s": round(p.cpu_s + p.child_cpu_s, 1)} for p in PHASES]
     load = "/".join(f"{x:.1f}" for x in os.getloadavg())

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -70,7 +70,6 @@ def _add_flags(p: argparse.ArgumentParser, cls: type) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
-    from dataclasses import replace
     model = ModelShape.from_config(args.model, vocab_size=args.vocab_size)
     dev = DEVICES[args.device]
     if args.memory_gb is not None:

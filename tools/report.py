@@ -21,11 +21,14 @@ if __package__ in (None, ""):
 
 import numpy as np  # noqa: E402
 
+from dattri_ds.cli import exits as cli  # noqa: E402
 from dattri_ds.io import files  # noqa: E402
 from dattri_ds.errors import InputFileError  # noqa: E402
-from dattri_ds.io.schema import add_flag  # noqa: E402
-from dattri_ds.tools.common import logger, setup_logging  # noqa: E402
+from dattri_ds.io.outputs import check_dir, writing  # noqa: E402
 from dattri_ds.sample_id import SampleId  # noqa: E402
+from dattri_ds.io.schema import add_flag  # noqa: E402
+from dattri_ds.tools.provenance import training_data  # noqa: E402
+from dattri_ds.tools.runtime import announce, logger, setup_logging  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,32 +53,6 @@ def _prior_note(summary: dict) -> str:
         return ""
     return (f" (scores include the text-overlap prior at weight {w:g}: + {w:g} x std x "
             f"z(TF-IDF overlap) per query; the method's own scores are model_scores.npy)")
-
-
-def train_data(att: Path, given: str | None) -> str | list[str]:
-    """``--train-data``, else the training file(s) the attribution read: attribute's
-    recorded ``--train-data``, else the ``--data`` collect recorded next to its store.
-
-    Raises:
-        ConfigError: none is given or recorded (names --train-data).
-    """
-    from dattri_ds.errors import ConfigError
-    from dattri_ds.tools.common import recorded_config
-
-    if given:
-        return given
-    rec = recorded_config(att, "attribute")
-    if rec.get("train_data"):
-        return rec["train_data"]
-    store = rec.get("store")
-    for folder in ([Path(store), Path(store).parent] if isinstance(store, str) else []):
-        data = recorded_config(folder, "collect").get("data")
-        if isinstance(data, (str, list)) and data:
-            return data
-    raise ConfigError(f"--train-data is needed: {att} records no training data (neither "
-                      f"attribute's --train-data nor a collect_config.json next to its store "
-                      f"{store!r}). Fix: pass --train-data the jsonl the store was collected "
-                      f"from")
 
 
 def _docs(path: str | list[str]) -> dict[str, dict]:
@@ -220,10 +197,8 @@ def main(argv: list[str] | None = None) -> Path:
     setup_logging()
     att = Path(args.attribution)
     summary, queries, top, train_ids, scores = read_attribution(att)
-    from dattri_ds.io.outputs import check_dir, writing
     check_dir(att, flag="--attribution", force=True, overwrites=("report.md", "report.html"))
-    data = train_data(att, args.train_data)
-    from dattri_ds.tools.common import announce
+    data = training_data("--train-data", args.train_data, attribution=att).data
     announce("report", attribution=att, training_texts=data if isinstance(data, str)
              else ", ".join(data))
     docs = _docs(data)
@@ -268,6 +243,4 @@ def main(argv: list[str] | None = None) -> Path:
 
 
 if __name__ == "__main__":
-    from dattri_ds.cli.exits import run
-
-    sys.exit(run(main))
+    sys.exit(cli.run(main))

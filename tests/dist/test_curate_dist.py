@@ -24,7 +24,7 @@ pytestmark = pytest.mark.dist
 def _select(rank, world, store, pool_file, q_rows, tc, out, method):
     import torch.distributed as dist
 
-    from dattri_ds.selection.offline import CurateConfig, Pool, curate
+    from dattri_ds.selection.curate import CurateConfig, Pool, curate
     from dattri_ds.store import GradientStore
     from test_curate import tokenize
 
@@ -47,8 +47,8 @@ def test_two_ranks_equal_one_rank(tmp_path, method):
     import json
 
     import test_curate as tc
-    from dattri_ds.selection.offline.pool import ngram_counts
-    from dattri_ds.selection.offline.targets import target_rows
+    from dattri_ds.selection.curate.pool import ngram_counts
+    from dattri_ds.selection.curate.targets import target_rows
     from dattri_ds.store import GradientStore
 
     model = tc.tiny_gpt2()
@@ -107,7 +107,7 @@ def test_adam_moments_from_zero_checkpoint_equal_engine_state(tmp_path, stage, w
                                                               need_deepspeed):
     """The Adam moments read offline from a multi-rank ZeRO checkpoint (every rank's flat
     ``exp_avg_sq`` partition mapped onto named parameters) equal the engine's own state
-    gathered in-process, exactly; so the LESS preconditioner ``D g_q`` that ``select
+    gathered in-process, exactly; so the LESS preconditioner ``D g_q`` that ``curate
     --method adam-cosine`` builds from the checkpoint equals the one built from that
     gathered state. 3 ranks under ZeRO-3: most parameter sizes do not divide by 3, so every
 partition's zero padding is crossed. Breaks if a partition offset, the padding or the
@@ -117,10 +117,10 @@ parameter order drift."""
     import test_curate as tc
     from dattri_ds import CaptureConfig
     from dattri_ds.capture.hooks import GradientCapture
-    from dattri_ds.selection.offline.targets import adam_precondition, load_adam_moments
+    from dattri_ds.selection.curate.targets import adam_precondition, load_adam_moments
     from dattri_ds.integrations.optim_state import read_adam_state
     from dattri_ds.ops.inner import materialize
-    from dattri_ds.selection.offline.precondition import TorchAdamMoments
+    from dattri_ds.selection.curate.precondition import TorchAdamMoments
     from reference import tiny_gpt2
 
     full = run(_zero_train_save, world, timeout=300, stage=stage, out=str(tmp_path / "ckpt"))[0]
@@ -169,7 +169,7 @@ def _megatron_moments(rank, world, run_dir):
     """The Adam moments of a Megatron run's last checkpoint, read offline onto the TP=1 model
     the tools rebuild (in a worker: Megatron's groups are per process)."""
     from dattri_ds.integrations.optim_state import read_adam_state
-    from dattri_ds.tools.common import Run
+    from dattri_ds.tools.sources import Run
 
     run_ = Run.open(run_dir)
     tag = run_.tags("last")[0]
@@ -228,12 +228,12 @@ def test_adam_moments_from_megatron_tp2_equal_tp1_run(tmp_path):
     assert max(errs.values()) <= 1e-4, sorted(errs.items(), key=lambda kv: -kv[1])[:3]
 
 
-def _collect_and_select(rank, world, run_dir, out):
-    """``collect`` the last checkpoint's pool store, then ``select`` with cosine and with
+def _collect_and_curate(rank, world, run_dir, out):
+    """``collect`` the last checkpoint's pool store, then ``curate`` with cosine and with
     adam-cosine (the run's Adam state); the two score vectors (store order)."""
     from dattri_ds.cli.exits import run as cli
     from dattri_ds.tools.collect import main as collect
-    from dattri_ds.tools.curate import main as select
+    from dattri_ds.tools.curate import main as curate_main
 
     root = Path(__file__).resolve().parents[2]
     grads, pool = Path(out) / "grads", str(root / "data/tiny/train.jsonl")
@@ -243,7 +243,7 @@ def _collect_and_select(rank, world, run_dir, out):
     scores = {}
     for method in ("cosine", "adam-cosine"):
         sel = Path(out) / method
-        assert cli(select, ["--run-dir", run_dir, "--store", str(grads), "--target",
+        assert cli(curate_main, ["--run-dir", run_dir, "--store", str(grads), "--target",
                             str(root / "data/tiny/target.jsonl"), "--target-max-docs", "4",
                             "--method", method, "--examples", "4", "--out", str(sel)]) == 0
         scores[method] = np.load(sel / "scores.npy")
@@ -251,8 +251,8 @@ def _collect_and_select(rank, world, run_dir, out):
 
 
 @pytest.mark.parametrize("backend", ["deepspeed", "megatron"])
-def test_select_adam_cosine_from_sharded_run(tmp_path, backend, need_deepspeed):
-    """``dattri-ds select --method adam-cosine`` on a 2-rank ZeRO-3 run and on a TP=2
+def test_curate_adam_cosine_from_sharded_run(tmp_path, backend, need_deepspeed):
+    """``dattri-ds curate --method adam-cosine`` on a 2-rank ZeRO-3 run and on a TP=2
     Megatron run of launch/train.py: the Adam state is read from the sharded checkpoint
     (no training_state.pt there) and changes the scores against plain cosine."""
     import json
@@ -280,6 +280,6 @@ def test_select_adam_cosine_from_sharded_run(tmp_path, backend, need_deepspeed):
         "--max-docs", "16", "--seq-len", "32", "--vocab-size", "512", "--log-every", "1"])
     tag = next((out / "checkpoints").glob("step2"))
     assert not (tag / "training_state.pt").exists()
-    got = run(_collect_and_select, 1, timeout=300, run_dir=str(out), out=str(tmp_path))[0]
+    got = run(_collect_and_curate, 1, timeout=300, run_dir=str(out), out=str(tmp_path))[0]
     assert got["cosine"].shape == got["adam-cosine"].shape == (12,)
     assert not np.allclose(got["cosine"], got["adam-cosine"], rtol=1e-3, atol=0)

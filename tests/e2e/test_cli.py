@@ -87,6 +87,21 @@ def test_dattri_ds_command_usage_errors():
     assert len(_errors(err.getvalue())) == 1 and "--attribution" in err.getvalue()
 
 
+def test_select_is_named_curate():
+    """Offline selection has one name, ``dattri-ds curate``: ``dattri-ds select`` (its old
+    name, in older READMEs) is one usage line naming it, exit 2, and runs nothing."""
+    from dattri_ds.tools.cli import COMMANDS, main
+
+    assert "curate" in COMMANDS and "select" not in COMMANDS
+    for argv in (["select"], ["select", "--store", "s", "--out", "o"], ["select", "--help"]):
+        err = io.StringIO()
+        with redirect_stderr(err):
+            assert main(argv) == 2
+        assert _errors(err.getvalue()) == [
+            "dattri-ds: error: 'dattri-ds select' is now 'dattri-ds curate' (same flags; see "
+            "dattri-ds curate --help)"], err.getvalue()
+
+
 def test_scripts_print_one_line_and_exit_2(tmp_path):
     """``python launch/train.py`` with a bad flag and ``python tools/collect.py`` on a folder
     that is not a run: exit 2, one error line naming the flag/key or the folder, no
@@ -113,7 +128,7 @@ def test_run_without_config_or_trajectory_is_an_error_naming_file_and_flag(tmp_p
     """No stand-ins: a run folder without resolved_dattri_ds_config.json has no seq_len
     (was 128), without trajectory.json no learning rates (was lr = 1 for every
     checkpoint); both are errors naming the file and --run."""
-    from dattri_ds.tools.common import Run
+    from dattri_ds.tools.sources import Run
 
     (tmp_path / "model").mkdir()
     (tmp_path / "model/config.json").write_text("{}")

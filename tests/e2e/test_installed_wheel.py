@@ -5,7 +5,7 @@ that sdist installs, into a new virtualenv, every module of ``dattri_ds``, ``sel
 ``launch`` and ``tools`` (as ``dattri_ds.selection`` etc.); each imports from the installed
 copy with the working directory outside the source tree (so nothing resolves through the
 checkout); ``dattri-ds --help`` and every subcommand's ``--help`` exit 0; and a tiny
-``collect -> attribute -> select`` runs through the installed console command. A package
+``collect -> attribute -> curate`` runs through the installed console command. A package
 forgotten by setup.py (as ``dattri_ds.curate`` once was) fails here, not in a user's hands.
 
 The new virtualenv sees the test environment's third-party packages (torch, transformers,
@@ -124,13 +124,13 @@ def test_every_subcommand_answers_help(installed):
     assert "collect" in _run([cli, "--help"], work, env)
     subs = _run([str(installed["py"]), "-c", "from dattri_ds.tools.cli import COMMANDS; "
                  "print(' '.join(COMMANDS))"], work, env).split()
-    assert {"collect", "fit", "attribute", "select"} <= set(subs), subs
+    assert {"collect", "fit", "attribute", "curate"} <= set(subs), subs
     for sub in subs:
         assert "usage" in _run([cli, sub, "--help"], work, env).lower(), sub
 
 
-def test_collect_attribute_select_from_the_installed_copy(installed):
-    """A tiny save_pretrained GPT-2: collect its rows, attribute queries, select a subset."""
+def test_collect_attribute_curate_from_the_installed_copy(installed):
+    """A tiny save_pretrained GPT-2: collect its rows, attribute queries, curate a subset."""
     py, cli, env, work = (str(installed["py"]), str(installed["cli"]), installed["env"],
                           installed["work"])
     make = (
@@ -156,7 +156,7 @@ def test_collect_attribute_select_from_the_installed_copy(installed):
           "--out", "grads"], work, env)
     _run([cli, "attribute", "--model", "model", "--store", "grads", "--queries",
           "queries.jsonl", "--method", "graddot", "--out", "attr"], work, env)
-    _run([cli, "select", "--model", "model", "--store", "grads", "--pool", "pool.jsonl",
+    _run([cli, "curate", "--model", "model", "--store", "grads", "--pool", "pool.jsonl",
           "--target", "queries.jsonl", "--examples", "3", "--out", "subset"], work, env)
     import numpy as np
 

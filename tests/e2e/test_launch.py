@@ -182,7 +182,7 @@ def test_torch_backend_trains_what_deepspeed_trains(tmp_path):
         assert list(sa.ids) == list(sb.ids) and len(sa) == 5 * 2 * 2
         va, vb = sa.read(slice(None)), sb.read(slice(None))
         assert float(((va - vb).norm(dim=1) / va.norm(dim=1)).max()) < 1e-4
-    from dattri_ds.tools.common import Run
+    from dattri_ds.tools.sources import Run
     wa = Run.open(ds).model("step5").state_dict()
     wb = Run.open(pt).model("step5").state_dict()
     assert all(torch.allclose(wa[k], wb[k], rtol=1e-4, atol=1e-6) for k in wa)
@@ -200,7 +200,7 @@ def test_torch_backend_resume_equals_uninterrupted(tmp_path):
     _ok(_train_cmd(part, cfg, 4, "--backend", "torch", "--resume", "latest"))
     a, b = (json.loads((d / "trajectory.json").read_text())["lrs"] for d in (full, part))
     assert [x["loss"] for x in a] == [x["loss"] for x in b]
-    from dattri_ds.tools.common import Run
+    from dattri_ds.tools.sources import Run
     wa, wb = Run.open(full).model("step4").state_dict(), Run.open(part).model("step4").state_dict()
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
@@ -276,7 +276,7 @@ def test_curation_recipe_trains_the_subset_with_the_warmup_tokenizer(tmp_path):
     base[base.index(str(cfg))] = str(tmp_path / "lr0.json")
     _tool("launch/train.py", *base, "--train-data", str(subset), "--steps", "1", "--out",
           str(tmp_path / "warm_start"), "--init-from", str(warm), "--init-checkpoint", "latest")
-    from dattri_ds.tools.common import Run
+    from dattri_ds.tools.sources import Run
     wa = Run.open(warm).model("step3").state_dict()
     wb = Run.open(tmp_path / "warm_start").model("step1").state_dict()
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)

@@ -134,9 +134,9 @@ def test_dp2_run_writes_one_shard_per_replica(run_dir):
 @pytest.fixture(scope="module")
 def tp1_megatron():
     """Megatron groups in this process (TP=1, 1-process gloo), torn down afterwards."""
-    from dattri_ds.tools.common import _megatron_single_process
+    from dattri_ds.tools.sources.megatron import megatron_single_process
 
-    _megatron_single_process()
+    megatron_single_process()
     yield
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -176,7 +176,8 @@ def test_offline_attribution_from_tp2_checkpoint_equals_tp1(run_dir, tmp_path, t
     TP=2 run's consolidated checkpoint equal autograd graddot on a TP=1 model built from the
     same weights; that model reproduces the live TP=2 losses recorded at save time."""
     from dattri_ds.tools import attribute, collect
-    from dattri_ds.tools.common import Run, load_texts
+    from dattri_ds.tools.sources import Run
+    from dattri_ds.tools.texts import load_texts
 
     tag = "step3"
     collect.main(["--run", str(run_dir), "--data", str(ROOT / "data/tiny/train.jsonl"),

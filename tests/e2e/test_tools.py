@@ -129,7 +129,8 @@ def test_tracin_and_ekfac_match_independent_references(run_dir, tmp_path):
     import torch
 
     from dattri_ds.tools import attribute, collect, fit
-    from dattri_ds.tools.common import Run, load_texts
+    from dattri_ds.tools.sources import Run
+    from dattri_ds.tools.texts import load_texts
 
     grads = tmp_path / "exact"
     collect.main(["--run", str(run_dir), "--data", TINY, "--max-docs", "6", "--out",

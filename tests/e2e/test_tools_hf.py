@@ -71,7 +71,7 @@ def test_model_folder_collect_attribute(tmp_path):
     model's context (24), its own tokenizer; token-id jsonl needs no tokenizer; a text file
     without any tokenizer names what is missing."""
     from dattri_ds.tools import attribute, collect
-    from dattri_ds.tools.common import load_texts
+    from dattri_ds.tools.texts import load_texts
     from dattri_ds.tools.sources import HFModelDir
 
     folder = _tiny_folder(tmp_path / "gpt2-tiny")
@@ -290,7 +290,7 @@ def _library(folders: list[Path], data: str, queries: str):
 
     import dattri_ds
     from dattri_ds import CaptureConfig, Checkpoint, GradBatch, fit_factors, make_attributor
-    from dattri_ds.tools.common import load_texts
+    from dattri_ds.tools.texts import load_texts
     from dattri_ds.tools.sources import HFTokenizer
 
     tok = HFTokenizer(folders[0])
@@ -340,7 +340,7 @@ def test_checkpoint_folders_equal_the_library_call_and_the_run_folder(tmp_path):
     folder, attribute's TracIn (lr-weighted) and EK-FAC trajectory equal the library call
     on the same checkpoints, and a hand-built run folder of the documented layout
     (model/config.json, checkpoints/<tag> links, trajectory.json) gives the same scores.
-    ``dattri-ds select`` reads the list with the same learning rates. Without learning
+    ``dattri-ds curate`` reads the list with the same learning rates. Without learning
     rates (no trainer_state.json, --steps given) TracIn refuses to run,
     naming --lrs, while the normalized EK-FAC trajectory needs none. Breaks if a learning
     rate is misread, the checkpoints are misordered, or a folder is skipped."""
@@ -404,7 +404,7 @@ def test_checkpoint_folders_equal_the_library_call_and_the_run_folder(tmp_path):
     np.testing.assert_allclose(np.load(tmp_path / "tracin-run/scores.npy"), got["tracin"],
                                rtol=1e-5, atol=1e-7 * float(abs(got["tracin"]).max()))
 
-    from dattri_ds.tools import curate  # dattri-ds select reads the same list
+    from dattri_ds.tools import curate  # dattri-ds curate reads the same list
     curate.main([*src, "--store", str(tmp_path / "g"), "--pool", data, "--target", queries,
                  "--method", "trajectory", "--fraction", "0.5", "--out", str(tmp_path / "sel")])
     chosen = json.loads((tmp_path / "sel/config.json").read_text())

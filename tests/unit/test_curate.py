@@ -1,4 +1,4 @@
-"""Offline curation (dattri_ds.selection.offline, dattri-ds select).
+"""Offline curation (dattri_ds.selection.curate, dattri-ds curate).
 
 Invariants: the streamed scores equal the cross_gram references (cosine, the
 Adam-preconditioned target, the lr-weighted trajectory), and the projected ones stay within
@@ -21,8 +21,8 @@ import torch
 
 import dattri_ds
 from dattri_ds import CaptureConfig, GradBatch, ProjectionConfig
-from dattri_ds.selection.offline import CurateConfig, Pool, choose, curate, get_method, resolve_budget
-from dattri_ds.selection.offline.scoring import score_pool
+from dattri_ds.selection.curate import CurateConfig, Pool, choose, curate, get_method, resolve_budget
+from dattri_ds.selection.curate.scoring import score_pool
 from dattri_ds.errors import ConfigError
 from dattri_ds.ops.inner import cross_gram, materialize, sq_norms
 from dattri_ds.store import GradientStore, StoreConfig, seal_store
@@ -101,7 +101,7 @@ def setup(tmp_path_factory):
 
 
 def _rows(batch, spec):
-    from dattri_ds.selection.offline.targets import target_rows
+    from dattri_ds.selection.curate.targets import target_rows
 
     return target_rows(batch, spec)
 
@@ -148,7 +148,7 @@ def test_projected_cosine_within_projection_error(setup):
 def test_adam_moments_of_a_folder_without_optimizer_state_is_a_usage_error(tmp_path):
     """adam-cosine on a checkpoint with no optimizer state (a Hugging Face model folder, or
     weights only) is one ConfigError naming the folder and the files it looks for."""
-    from dattri_ds.selection.offline.targets import load_adam_moments
+    from dattri_ds.selection.curate.targets import load_adam_moments
 
     with pytest.raises(ConfigError, match=r"has none .*_optim_states.pt.*--method cosine"):
         load_adam_moments(tiny_gpt2(), tmp_path)
@@ -161,7 +161,7 @@ def test_adam_target_equals_preconditioned_reference(setup, tmp_path):
     exactly before projection and within the documented error ``5 sqrt(2/k) |g_b| |D g_q|``
     after it: breaks if the canonical layout and the parameter layout drift apart."""
     from dattri_ds.capture.hooks import GradientCapture
-    from dattri_ds.selection.offline.targets import adam_precondition, adam_target, load_adam_moments
+    from dattri_ds.selection.curate.targets import adam_precondition, adam_target, load_adam_moments
 
     model = tiny_gpt2(seed=1)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
@@ -282,7 +282,7 @@ def test_dedupe_keeps_one_per_content_hash():
 def test_streaming_equals_in_memory(setup):
     """block_rows=2 (many reads) gives the scores and the subset of one block of all rows,
     for a gradient method and for the combination with the content prior and clusters."""
-    from dattri_ds.selection.offline.pool import ngram_counts
+    from dattri_ds.selection.curate.pool import ngram_counts
 
     ids, mask = tokenize([d["text"] for d in setup["target"]])
     tc = ngram_counts(ids, mask).sum(0)
@@ -302,7 +302,7 @@ def test_streaming_equals_in_memory(setup):
 def test_content_prior_is_dsir_log_ratio(setup):
     """``content`` = mean over a row's hashed n-grams of log p_target - log p_pool (add-one
     smoothed, p_pool over the whole pool)."""
-    from dattri_ds.selection.offline.pool import ngram_counts
+    from dattri_ds.selection.curate.pool import ngram_counts
 
     ids, mask = tokenize([d["text"] for d in setup["target"]])
     tc = ngram_counts(ids, mask).sum(0).double()
@@ -333,7 +333,7 @@ def _fake_run(tmp: Path, model) -> Path:
 @pytest.fixture(scope="module")
 def cli(setup):
     """A run folder, its pool store and a target store of its fingerprint."""
-    from dattri_ds.tools.common import Run
+    from dattri_ds.tools.sources import Run
 
     tmp = setup["tmp"] / "cli"
     run = _fake_run(tmp, setup["model"])
@@ -344,8 +344,8 @@ def cli(setup):
             "pool": setup["pool_file"]}
 
 
-def _select(cli, *extra, method: str | None = "cosine"):
-    """``dattri-ds select`` on the fixture's run and pool store (the tests' target is a
+def _curate(cli, *extra, method: str | None = "cosine"):
+    """``dattri-ds curate`` on the fixture's run and pool store (the tests' target is a
     target store, so a gradient method: ``method=None`` leaves the default)."""
     from dattri_ds.cli.exits import run
     from dattri_ds.tools.curate import main
@@ -373,19 +373,19 @@ def test_cli_default_method_needs_target_documents(cli, capsys):
     that names the fix (--method cosine) and writes nothing."""
     out = cli["tmp"] / "sel-default"
     capsys.readouterr()
-    assert _select(cli, "--target-store", str(cli["tstore"]), "--examples", "5",
+    assert _curate(cli, "--target-store", str(cli["tstore"]), "--examples", "5",
                    "--out", str(out), method=None) == 2
     err = capsys.readouterr().err.strip()
     assert "(the default)" in err and "--method cosine" in err and "\n" not in err, err
     assert not out.exists()
 
 
-def test_cli_selects_writes_and_refuses_overwrite(cli, setup, capsys):
-    """`dattri-ds select` with a target store writes the subset (ids = the library's choice),
+def test_cli_curates_writes_and_refuses_overwrite(cli, setup, capsys):
+    """`dattri-ds curate` with a target store writes the subset (ids = the library's choice),
     scores, config and report; a second run into the same --out is refused (exit 2)
     unless --force."""
     out = cli["tmp"] / "sel"
-    assert _select(cli, "--target-store", str(cli["tstore"]), "--examples", "5",
+    assert _curate(cli, "--target-store", str(cli["tstore"]), "--examples", "5",
                    "--with-text", "--out", str(out)) == 0
     lines = [json.loads(x) for x in (out / "subset.jsonl").read_text().splitlines()]
     want = curate(CurateConfig(method="cosine", examples=5), {"step1": setup["store"]},
@@ -400,10 +400,10 @@ def test_cli_selects_writes_and_refuses_overwrite(cli, setup, capsys):
     assert "## Per-source shares" in report and "budget 5 examples;" in report
     assert "<table>" in (out / "report.html").read_text()
     capsys.readouterr()
-    assert _select(cli, "--target-store", str(cli["tstore"]), "--examples", "5",
+    assert _curate(cli, "--target-store", str(cli["tstore"]), "--examples", "5",
                    "--out", str(out)) == 2
     assert "already holds" in capsys.readouterr().err
-    assert _select(cli, "--target-store", str(cli["tstore"]), "--examples", "5",
+    assert _curate(cli, "--target-store", str(cli["tstore"]), "--examples", "5",
                    "--out", str(out), "--force") == 0
 
 
@@ -428,7 +428,7 @@ def test_cli_bad_inputs_are_one_line_and_write_nothing(cli, setup, capsys, case)
     elif case == "two_budgets":
         budget = ["--examples", "3", "--fraction", "0.5"]
     elif case == "other_projection":
-        from dattri_ds.tools.common import Run
+        from dattri_ds.tools.sources import Run
 
         fp = f"{Run.open(cli['run']).fingerprint()}@step1"
         proj = ProjectionConfig(kind="sparse", dim=16, seed=0)
@@ -438,7 +438,7 @@ def test_cli_bad_inputs_are_one_line_and_write_nothing(cli, setup, capsys, case)
         tstore = str(_write_store(cli["tmp"] / f"t-{case}", setup["q"],
                                   fingerprint="model:other@step1"))
     elif case == "empty_store":
-        from dattri_ds.tools.common import Run
+        from dattri_ds.tools.sources import Run
 
         fp = f"{Run.open(cli['run']).fingerprint()}@step1"
         grads = cli["tmp"] / "empty/step1"
@@ -448,7 +448,7 @@ def test_cli_bad_inputs_are_one_line_and_write_nothing(cli, setup, capsys, case)
     if grads is not None:
         args = ["--store", str(grads.parent)] + args
     capsys.readouterr()
-    assert _select(cli, *args) == 2
+    assert _curate(cli, *args) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("dattri-ds: error:") and "\n" not in err, err
     assert not out.exists()
@@ -458,7 +458,7 @@ def test_subset_trains_with_launch(cli, tmp_path):
     """subset.jsonl written with --with-text is train data: launch/train.py --backend torch
     trains one step on it."""
     out = tmp_path / "sel"
-    assert _select(cli, "--target-store", str(cli["tstore"]), "--examples", "8",
+    assert _curate(cli, "--target-store", str(cli["tstore"]), "--examples", "8",
                    "--with-text", "--out", str(out)) == 0
     cfg = json.loads((ROOT / "configs/zero0_cpu.json").read_text())
     cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"] = 2, 1

@@ -228,13 +228,14 @@ def door_collect_tokens(env: Env, case: str, tmp: Path):
 
 
 def door_queries(env: Env, case: str, tmp: Path):
-    from dattri_ds.tools.common import load_texts
+    from dattri_ds.tools.texts import load_texts
     from dattri_ds.tools.sources import HFModelDir
     path = tmp / "queries.jsonl"
     CASES[case](path, TOKENS if case.startswith("token") else DOCS)
     src = HFModelDir.open(env.model)
     return path, lambda: load_texts(str(path), src.tokenizer, src.context, None,
-                                    context=src.context, truncate=False)
+                                    context=src.context, truncate=False,
+                                    vocab_size=src.vocab_size)
 
 
 def door_target_data(env: Env, case: str, tmp: Path):

@@ -86,7 +86,9 @@ def _library_store(out: Path, run: Path, data: str, tag: str, **capture) -> Path
     from dattri_ds.store import (
         GradientStoreWriter, StoreConfig, StoreSpec, seal_store, weights_hash,
     )
-    from dattri_ds.tools.common import Run, gradients, load_texts
+    from dattri_ds.tools.gradients import gradients
+    from dattri_ds.tools.sources import Run
+    from dattri_ds.tools.texts import load_texts
 
     src = Run.open(run)
     model = src.model(tag)
@@ -176,7 +178,7 @@ def _target(w, store, *, model="run", kind="dense", dim=4, seed=0, sub="s1", **c
     def main(argv):
         from dattri_ds import CaptureConfig, ProjectionConfig
         from dattri_ds.selection import OnlineSelector, SelectionConfig
-        from dattri_ds.tools.common import Run
+        from dattri_ds.tools.sources import Run
         from dattri_ds.tools.sources import HFModelDir
 
         net = Run.open(w[model]).model("s1") if model == "run" else \

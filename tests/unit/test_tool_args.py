@@ -7,6 +7,7 @@ torchrun-safe ``--run-dir`` (same destination as ``--run``); exactly one of --ru
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
@@ -147,13 +148,13 @@ def test_lds_methods_are_the_registry():
 
 def test_tools_given_a_run_read_its_own_training_data(tmp_path, monkeypatch):
     """collect/fit without --data read the run's train.train_data and max_docs from its
-    resolved config (relative paths from the current folder or the project), recorded in
-    the tool's args; --data and --max-docs override; a model folder without --data is a
+    resolved config (relative paths from the current folder or the project, made
+    absolute); --data and --max-docs override; a model folder without --data is a
     ConfigError naming --data. Breaks if a cwd-relative corpus default comes back."""
-    import argparse
     import json
 
-    from dattri_ds.tools.common import Run, training_data
+    from dattri_ds.tools.provenance import training_data
+    from dattri_ds.tools.sources import HFModelDir, Run
 
     run = tmp_path / "run"
     (run / "model").mkdir(parents=True)
@@ -162,21 +163,47 @@ def test_tools_given_a_run_read_its_own_training_data(tmp_path, monkeypatch):
     (run / "resolved_dattri_ds_config.json").write_text(json.dumps(
         {"train": {"train_data": ["own.jsonl"], "max_docs": 200, "seq_len": 16}}))
     monkeypatch.chdir(tmp_path)
-    args = argparse.Namespace(data=None, max_docs=None)
     own = str(tmp_path / "own.jsonl")
-    got = training_data(Run.open(run), args)
-    assert got == (own, 200, "the run's training data")
-    assert (args.data, args.max_docs) == (own, 200)
-    args = argparse.Namespace(data=None, max_docs=50)
-    assert training_data(Run.open(run), args)[:2] == (own, 50)
-    args = argparse.Namespace(data="other.jsonl", max_docs=None)
-    assert training_data(Run.open(run), args) == ("other.jsonl", None, "--data")
+    got = training_data("--data", None, source=Run.open(run))
+    assert (got.data, got.max_docs, got.where) == (own, 200, "the run's training data")
+    assert got.record == (run / "resolved_dattri_ds_config.json", "train.train_data")
+    assert got.describe(3) == f"{own} (3 documents, the run's training data)"
+    assert training_data("--data", None, max_docs=50, source=Run.open(run)).max_docs == 50
+    got = training_data("--data", "other.jsonl", source=Run.open(run))
+    assert (got.data, got.max_docs, got.record) == ("other.jsonl", None, None)
+    assert got.describe(2) == "other.jsonl (2 documents)"
     (tmp_path / "own.jsonl").unlink()
     with pytest.raises(ConfigError, match="own.jsonl.*--data"):
-        training_data(Run.open(run), argparse.Namespace(data=None, max_docs=None))
-
-    class Folder:
-        root = tmp_path / "hf"
-
+        training_data("--data", None, source=Run.open(run))
     with pytest.raises(ConfigError, match="--data is needed"):
-        training_data(Folder(), argparse.Namespace(data=None, max_docs=None))
+        training_data("--data", None, source=HFModelDir(tmp_path / "hf"))
+
+
+def test_one_resolver_reads_every_record_in_order(tmp_path, monkeypatch):
+    """``tools.provenance.training_data`` is the one place the training documents are
+    found: an attribution's own --train-data first, else the store it read, whose collect
+    record (in the store folder or its parent) names --data and the seq_len; a given flag
+    keeps that seq_len; nothing recorded names the flag. Breaks if attribute, report and
+    curate resolve them differently again."""
+    import json
+
+    from dattri_ds.tools.provenance import training_data, write_config
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.jsonl").write_text("")
+    (tmp_path / "b.jsonl").write_text("")
+    grads, att = tmp_path / "grads", tmp_path / "att"
+    (grads / "step2").mkdir(parents=True)
+    write_config(grads, "collect", argparse.Namespace(data="a.jsonl", max_docs=7, seq_len=12))
+    for store in (grads, grads / "step2"):  # a folder of stores, or one store in it
+        got = training_data("--pool", None, store=store)
+        assert (got.files, got.max_docs, got.seq_len, got.where) == (
+            (str(tmp_path / "a.jsonl"),), 7, 12, "collect's --data")
+    assert training_data("--train-data", "b.jsonl", store=grads).seq_len == 12
+    write_config(att, "attribute", argparse.Namespace(train_data=None, store=str(grads)))
+    assert training_data("--train-data", None, attribution=att).data == str(tmp_path / "a.jsonl")
+    write_config(att, "attribute", argparse.Namespace(train_data="b.jsonl", store=str(grads)))
+    assert training_data("--train-data", None, attribution=att).data == str(tmp_path / "b.jsonl")
+    (att / "attribute_config.json").write_text(json.dumps({"store": str(tmp_path / "none")}))
+    with pytest.raises(ConfigError, match="--train-data is needed.*attribute_config.json"):
+        training_data("--train-data", None, attribution=att)

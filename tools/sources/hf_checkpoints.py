@@ -24,7 +24,11 @@ from pathlib import Path
 import torch
 
 from dattri_ds.errors import ConfigError
-from dattri_ds.tools.sources import load_hf_model, pick_tags
+from dattri_ds.io.files import model_dir, read_json
+from dattri_ds.tools.sources.base import pick_tags
+from dattri_ds.tools.sources.hf import (
+    HFModelDir, NoRunRecords, hf_tokenizer_dir, load_hf_model,
+)
 
 __all__ = ["HFCheckpoints", "expand_folders", "trainer_state", "natural_key"]
 
@@ -74,8 +78,6 @@ def trainer_state(folder: Path) -> tuple[int | None, float | None]:
     Raises:
         InputFileError: the file is unreadable or not JSON (named).
     """
-    from dattri_ds.io.files import read_json
-
     path = folder / "trainer_state.json"
     if not path.exists() and not path.is_symlink():
         return None, None
@@ -92,11 +94,11 @@ def trainer_state(folder: Path) -> tuple[int | None, float | None]:
 
 
 @dataclass(frozen=True)
-class HFCheckpoints:
+class HFCheckpoints(NoRunRecords):
     """Hugging Face checkpoint folders of one training run, ordered by step, as a tool source.
 
-    It answers what ``tools.common.Run`` answers (tags, trajectory, tokenizer, models), so
-    collect, fit and attribute read it as they read a run folder.
+    A ``Source`` (``tools.sources.base``) as a run folder is, so collect, fit, attribute
+    and curate read it as they read one.
 
     Attributes:
         folders: the checkpoint folders, oldest step first.
@@ -119,9 +121,6 @@ class HFCheckpoints:
                 length than the folders, a step or lr neither file nor flag gives, two
                 folders with one step or one name, or folders of different models.
         """
-        from dattri_ds.io.files import model_dir
-        from dattri_ds.tools.sources import hf_tokenizer_dir
-
         folders = [model_dir(f, "--checkpoints", "give Hugging Face checkpoint folders "
                              "(save_pretrained: config.json + weights), one per checkpoint")
                    for f in expand_folders(values)]
@@ -164,6 +163,10 @@ class HFCheckpoints:
         """The model's context (``--seq-len`` overrides it in the tools)."""
         return self._single().seq_len
 
+    @property
+    def vocab_size(self) -> int | None:
+        return self._single().vocab_size
+
     def tokenizer(self):
         return self._single().tokenizer()
 
@@ -195,10 +198,9 @@ class HFCheckpoints:
         """``all``/None -> every listed checkpoint, ``last`` -> the newest, else a comma list."""
         return pick_tags([e["tag"] for e in self.entries], wanted, self._index)
 
-    @property
-    def run_id(self) -> None:
-        """No launch/train.py run: stores record no run id."""
-        return None
+    def default_tags(self, tool_default: str) -> str:
+        """``all``: the folders listed are the checkpoints the user chose."""
+        return "all"
 
     def fingerprint(self) -> str:
         """The model family (config + tokenizer), as ``--model`` on one of the folders."""
@@ -208,9 +210,7 @@ class HFCheckpoints:
         """The model saved in checkpoint ``tag``'s folder, fp32, eval mode (dropout off)."""
         return load_hf_model(self.folder(tag), device)
 
-    def _single(self):
-        from dattri_ds.tools.sources import HFModelDir
-
+    def _single(self) -> HFModelDir:
         return HFModelDir(self.root, self.tokenizer_path)
 
     def _index(self, tag: str) -> int:
@@ -241,8 +241,6 @@ def _check_unique(folders: list[Path], entries: list[dict]) -> None:
 def _check_same_model(folders: list[Path]) -> None:
     """Every folder holds the same architecture (``config.json`` equal but for
     :data:`_VOLATILE` keys)."""
-    from dattri_ds.io.files import read_json
-
     def arch(f: Path) -> dict:
         cfg = read_json(f / "config.json", "model config")
         return {k: v for k, v in cfg.items() if k not in _VOLATILE}

@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dattri_ds.selection.offline.budget import Budget, choose, resolve_budget
-from dattri_ds.selection.offline.config import CurateConfig
-from dattri_ds.selection.offline.methods import get_method
-from dattri_ds.selection.offline.pool import Pool, Tokenize
-from dattri_ds.selection.offline.scoring import Scored, score_pool
+from dattri_ds.selection.curate.budget import Budget, choose, resolve_budget
+from dattri_ds.selection.curate.config import CurateConfig
+from dattri_ds.selection.curate.methods import get_method
+from dattri_ds.selection.curate.pool import Pool, Tokenize
+from dattri_ds.selection.curate.scoring import Scored, score_pool
 from dattri_ds.store.reader import GradientStore
 
 __all__ = ["CurateResult", "curate"]
@@ -73,7 +73,7 @@ def curate(config: CurateConfig, stores: Mapping[str, GradientStore], pool: Pool
                     config=config)
     summary = None
     if out is not None and rank == 0:
-        from dattri_ds.selection.offline.writer import write_outputs
+        from dattri_ds.selection.curate.writer import write_outputs
 
         info = {"config": config.to_dict(), "budget": {"kind": budget.kind,
                                                        "amount": budget.amount},

@@ -1,4 +1,4 @@
-"""CurateConfig: what ``dattri-ds select`` does (method, budget, diversity), one frozen record;
+"""CurateConfig: what ``dattri-ds curate`` does (method, budget, diversity), one frozen record;
 the flags of ``tools/curate.py`` are generated from its fields."""
 
 from __future__ import annotations
@@ -72,13 +72,13 @@ class CurateConfig:
     baseline."""
 
     def __post_init__(self) -> None:
-        from dattri_ds.selection.offline.methods import get_method
+        from dattri_ds.selection.curate.methods import get_method
 
-        schema.check(self, "select")  # types and the declared bounds
+        schema.check(self, "curate")  # types and the declared bounds
         get_method(self.method)
         given = [n for n in ("fraction", "examples", "tokens") if getattr(self, n) is not None]
         if len(given) != 1:
-            raise ConfigError(f"select needs exactly one budget of --fraction, --examples and "
+            raise ConfigError(f"curate needs exactly one budget of --fraction, --examples and "
                               f"--tokens; got {given or 'none'}")
         if self.aggregate not in AGGREGATES:
             raise ConfigError(f"--aggregate {self.aggregate!r}: choose one of {AGGREGATES}")

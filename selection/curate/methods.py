@@ -15,7 +15,7 @@ import torch
 from dattri_ds.registry import Registry
 
 if TYPE_CHECKING:
-    from dattri_ds.selection.offline.config import CurateConfig
+    from dattri_ds.selection.curate.config import CurateConfig
 
 __all__ = ["CurationMethod", "METHODS", "get_method", "cosine_scores", "zscore"]
 

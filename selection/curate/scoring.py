@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dattri_ds.selection.offline.methods import CurationMethod
-from dattri_ds.selection.offline.pool import (
+from dattri_ds.selection.curate.methods import CurationMethod
+from dattri_ds.selection.curate.pool import (
     Pool, Tokenize, content_log_ratio, iter_pool_docs, minhash_signatures, ngram_counts,
 )
 from dattri_ds.errors import ConfigError
@@ -30,7 +30,7 @@ STORE_ROW_BYTES = 200
 
 def memory_bound(rows: int, width: int, *, block_rows: int = 1024, checkpoints: int = 1,
                  targets: int = 64) -> int:
-    """Bytes a select run holds per rank (formula: docs/curation.md, "Streaming and memory")."""
+    """Bytes a curate run holds per rank (formula: docs/curation.md, "Streaming and memory")."""
     return (checkpoints * block_rows * width * 4 + block_rows * width * 8
             + checkpoints * targets * width * 8 + rows * (ROW_BYTES + STORE_ROW_BYTES * checkpoints))
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from dattri_ds.sample_id import SampleId
-from dattri_ds.selection.offline.pool import Pool, iter_pool_docs
+from dattri_ds.selection.curate.pool import Pool, iter_pool_docs
 
 __all__ = ["OUTPUTS", "write_outputs"]
 

@@ -1,4 +1,4 @@
-"""Where the offline tools get a model, its tokenizer and their data: any causal LM folder.
+"""Hugging Face model folders as a tool source: ``HFModelDir`` and its tokenizer.
 
 * ``HFModelDir``: a ``save_pretrained`` folder (``config.json`` + ``model.safetensors`` or
   ``pytorch_model.bin``), loaded with ``AutoModelForCausalLM.from_pretrained`` (tied
@@ -6,8 +6,6 @@
   tagged with the folder's name; ``seq_len`` is the model's context.
 * ``HFTokenizer``: an ``AutoTokenizer`` from a local folder behind the interface
   ``tokenize_documents`` needs (``encode_batch``, special ids, ``fingerprint``).
-* token-id jsonl (``{"id": ..., "input_ids": [...]}`` per line): data that needs no
-  tokenizer at all (``load_token_ids``).
 
 Errors name the folder, the file that is missing and the flag that fixes it.
 """
@@ -22,12 +20,13 @@ from pathlib import Path
 import torch
 
 from dattri_ds.io import files
-from dattri_ds.errors import ConfigError, InputFileError
+from dattri_ds.errors import ConfigError
 from dattri_ds.io.files import HF_WEIGHTS
+from dattri_ds.tools.provenance import DataOrigin
+from dattri_ds.tools.sources.base import config_vocab_size, pick_tags, required_context
 
-__all__ = ["HFModelDir", "HFTokenizer", "is_hf_model_dir", "hf_tokenizer_dir", "load_token_ids",
-           "is_token_file", "model_context", "required_context", "vocab_size_of", "pick_tags",
-           "load_hf_model", "HF_WEIGHTS", "HF_TOKENIZER_FILES"]
+__all__ = ["HFModelDir", "HFTokenizer", "NoRunRecords", "is_hf_model_dir", "hf_tokenizer_dir",
+           "load_hf_model", "HF_TOKENIZER_FILES"]
 
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                       "vocab.json")
@@ -44,39 +43,6 @@ def hf_tokenizer_dir(*candidates: Path | None) -> Path | None:
         if c is not None and any((c / f).exists() for f in HF_TOKENIZER_FILES[:2]):
             return c
     return None
-
-
-def model_context(config_json: Path) -> int | None:
-    """The context length in a model config (``n_positions`` / ``max_position_embeddings``)."""
-    cfg = files.read_json(config_json, "model config")
-    if not isinstance(cfg, dict):
-        raise InputFileError(f"model config '{config_json}' is a JSON {type(cfg).__name__}, "
-                             f"expected an object. Fix: save the model with save_pretrained")
-    got = cfg.get("n_positions") or cfg.get("max_position_embeddings") or cfg.get("n_ctx")
-    return int(got) if got else None
-
-
-def required_context(config_json: Path) -> int:
-    """``model_context``, or a ConfigError naming the file and ``--seq-len``."""
-    ctx = model_context(config_json)
-    if ctx is None:
-        raise ConfigError(f"{config_json} names no context length "
-                          f"(n_positions / max_position_embeddings): pass --seq-len")
-    return ctx
-
-
-def pick_tags(tags: list[str], wanted: str | None, check) -> list[str]:
-    """The checkpoint tags ``wanted`` names among ``tags`` (oldest first): ``all``/None ->
-    every one, ``last`` -> the newest, else a comma list, each passed to ``check`` (which
-    raises ConfigError for a tag that is not there)."""
-    if wanted in (None, "all"):
-        return tags
-    if wanted == "last":
-        return tags[-1:]
-    chosen = [t.strip() for t in wanted.split(",") if t.strip()]
-    for t in chosen:
-        check(t)
-    return chosen
 
 
 def _hash_files(files: list[Path]) -> str:
@@ -127,8 +93,20 @@ class HFTokenizer:
         return self._tok.decode(list(ids))
 
 
+class NoRunRecords:
+    """What Hugging Face folders do not record (no launch/train.py run): a run id for the
+    stores, the training documents (``Source.training_record``)."""
+
+    @property
+    def run_id(self) -> None:
+        return None
+
+    def training_record(self) -> DataOrigin | None:
+        return None
+
+
 @dataclass(frozen=True)
-class HFModelDir:
+class HFModelDir(NoRunRecords):
     """A Hugging Face causal LM folder used as a one-checkpoint "run" by the tools.
 
     Attributes:
@@ -159,6 +137,10 @@ class HFModelDir:
     def seq_len(self) -> int:
         """The model's context (``--seq-len`` overrides it in the tools)."""
         return self.context
+
+    @property
+    def vocab_size(self) -> int | None:
+        return config_vocab_size(self.root / "config.json")
 
     def tokenizer(self) -> HFTokenizer:
         if self.tokenizer_path is None:
@@ -195,10 +177,13 @@ class HFModelDir:
     def tags(self, wanted: str | None) -> list[str]:
         return pick_tags([self.tag], wanted, self._check_tag)
 
-    @property
-    def run_id(self) -> None:
-        """No training run: stores record no run id."""
-        return None
+    def default_tags(self, tool_default: str) -> str:
+        return tool_default
+
+    def folder(self, tag: str) -> Path:
+        """The model folder itself (it is its one checkpoint)."""
+        self._check_tag(tag)
+        return self.root
 
     def fingerprint(self) -> str:
         found = [self.root / "config.json"]
@@ -219,85 +204,3 @@ def load_hf_model(folder: Path, device: torch.device | str = "cpu"):
 
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     return model.to(device).eval()
-
-
-_TOKEN_EXPECTED = 'one {"id"?, "input_ids": [int, ...]} object per line'
-_TOKEN_FIX = 'write one {"id": ..., "input_ids": [token ids]} object per line'
-
-
-def is_token_file(path: str | os.PathLike) -> bool:
-    """Whether a jsonl file holds token ids (its first record has ``input_ids``); read
-    through :mod:`dattri_ds.io.files`, so a file that is not JSON lines is an InputFileError
-    naming the file and line."""
-    first = files.first_json_line(path, "data file", "one JSON object per line (documents "
-                                  "with 'text', or token ids with 'input_ids')",
-                                  "give a jsonl file of documents or of token ids")
-    return isinstance(first, dict) and "input_ids" in first
-
-
-def vocab_size_of(source) -> int | None:
-    """``vocab_size`` in the model config of a Run or HFModelDir (or of its bound
-    ``tokenizer`` method, which the tools pass around); None when unknown."""
-    owner = getattr(source, "__self__", source)
-    if type(getattr(owner, "vocab_size", None)) is int:  # a tokenizer
-        return owner.vocab_size
-    root = getattr(owner, "root", None)
-    if root is None:
-        return None
-    for cfg_path in (Path(root) / "config.json", Path(root) / "model/config.json"):
-        if cfg_path.is_file():
-            cfg = files.read_json(cfg_path, "model config")
-            got = cfg.get("vocab_size") if isinstance(cfg, dict) else None
-            return got if type(got) is int and got > 0 else None
-    return None
-
-
-def _token_row(rec, p: Path, n: int, vocab_size: int | None) -> list[int]:
-    ids = rec.get("input_ids") if isinstance(rec, dict) else None
-    if not isinstance(ids, list) or not ids or not all(type(i) is int for i in ids):
-        raise InputFileError(f"token-id file {p}:{n}: expected \"input_ids\": a non-empty list "
-                             f"of integer token ids, got {str(ids)[:60]}. Fix: {_TOKEN_FIX}")
-    high = vocab_size if vocab_size is not None else float("inf")
-    bad = next(((j, i) for j, i in enumerate(ids) if i < 0 or i >= high), None)
-    if bad is not None:
-        rng = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
-        raise InputFileError(
-            f"token-id file {p}:{n}: token id {bad[1]} at position {bad[0]} is out of range "
-            f"(expected {rng}{', the model vocab_size' if vocab_size is not None else ''}). "
-            f"Fix: tokenize with the model's own tokenizer")
-    return ids
-
-
-def load_token_ids(path: str | os.PathLike, seq_len: int, max_docs: int | None = None,
-                   vocab_size: int | None = None):
-    """TokenizedDocuments from token-id jsonl: ``{"id"?, "input_ids": [int, ...]}`` per line.
-
-    Rows longer than ``seq_len`` are truncated (``truncated`` is set); shorter ones are
-    right-padded with 0 (masked). Ids default to ``tokens-<line>``.
-
-    Raises:
-        InputFileError: the file is unreadable or not JSON lines, a line without an
-            ``input_ids`` list of ints, an id outside ``[0, vocab_size)`` (``>= 0`` when the
-            vocabulary size is unknown), or no rows.
-    """
-    from dattri_ds.data import Document, TokenizedDocuments
-
-    p = Path(path)
-    rows, docs = [], []
-    for n, rec in files.iter_json_lines(p, "token-id file", _TOKEN_EXPECTED, _TOKEN_FIX):
-        rows.append(_token_row(rec, p, n, vocab_size))
-        docs.append(Document(str(rec.get("id", f"tokens-{n - 1}")), str(rec.get("source", "")),
-                             str(rec.get("title", "")), str(rec.get("text", ""))))
-        if max_docs and len(rows) >= max_docs:
-            break
-    if not rows:
-        raise InputFileError(f"token-id file '{p}' holds no token rows (it is empty or blank). "
-                             f"Fix: {_TOKEN_FIX}")
-    input_ids = torch.zeros(len(rows), seq_len, dtype=torch.long)
-    mask = torch.zeros_like(input_ids)
-    truncated = torch.tensor([len(r) > seq_len for r in rows])
-    for i, r in enumerate(rows):
-        x = torch.tensor(r[:seq_len])
-        input_ids[i, :len(x)], mask[i, :len(x)] = x, 1
-    return TokenizedDocuments(input_ids, mask, input_ids.masked_fill(mask == 0, -100),
-                              tuple(docs), truncated, "token-ids")

@@ -58,7 +58,7 @@ def capture_of(spec: StoreSpec, *, exact: bool):
 
 
 class SavedAdamMoments:
-    """``SecondMoments`` (``selection.offline.precondition``) of an ``AdamState`` read from a
+    """``SecondMoments`` (``selection.curate.precondition``) of an ``AdamState`` read from a
     checkpoint's optimizer files: the full ``v`` of each of ``model``'s parameters."""
 
     partitioned = False
@@ -94,7 +94,7 @@ def load_adam_moments(model: torch.nn.Module, checkpoint: Path):
             parameters do not match the model.
     """
     from dattri_ds.integrations.optim_state import has_adam_state, read_adam_state
-    from dattri_ds.selection.offline.precondition import TorchAdamMoments
+    from dattri_ds.selection.curate.precondition import TorchAdamMoments
 
     if has_adam_state(checkpoint):
         return SavedAdamMoments(model, read_adam_state(checkpoint, model))
@@ -125,7 +125,7 @@ def adam_precondition(exact: GradBatch, layers: dict, moments) -> GradBatch:
     """``D g_q`` per target row of an exact batch, dense and unprojected (``layers``: name
     -> (module, LayerKind) of a capture on the same model)."""
     from dattri_ds.ops.inner import materialize
-    from dattri_ds.selection.offline.precondition import precondition_target
+    from dattri_ds.selection.curate.precondition import precondition_target
 
     dense = GradBatch(step=exact.step, sample_ids=exact.sample_ids, token_counts=exact.token_counts,
                       layers={n: lg.replace(data=Dense(materialize(lg).reshape(
