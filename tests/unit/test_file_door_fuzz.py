@@ -243,7 +243,7 @@ def door_target_data(env: Env, case: str, tmp: Path):
     from launch.evaluate import tokenized_texts
     path = tmp / "target.jsonl"
     CASES[case](path, DOCS)
-    return path, lambda: tokenized_texts(str(path), env.tok, 16, 0, None)
+    return path, lambda: tokenized_texts(str(path), env.tok, 16)
 
 
 def _report(env: Env, case: str, tmp: Path, name: str, valid: bytes | None):
