@@ -278,6 +278,13 @@ class PackedDataset:
         self._labels = [n if names.count(n) == 1 else str(c.paths.prefix)
                         for n, c in zip(names, self.corpora)]
 
+    @classmethod
+    def of_record(cls, record: dict[str, Any]) -> PackedDataset:
+        """The examples a data record names (``data_path``, ``seq_len``, ``packing``,
+        ``seed``: a run's ``data.json`` ``record``, a store's ``StoreSpec.data``)."""
+        return cls(record["data_path"], record["seq_len"], packing=record["packing"],
+                   seed=record["seed"])
+
     # -- construction --
 
     def _check_tokenizers(self) -> None:

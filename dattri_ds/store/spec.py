@@ -297,8 +297,10 @@ class StoreSpec:
                    whitened_by=d.get("whitened_by"), data=d.get("data"))
 
     def digest(self, dtype: str) -> str:
-        """blake2b of the canonical JSON of (spec, dtype): equal digests = same row layout."""
-        text = json.dumps({"spec": self.to_json(), "dtype": dtype}, sort_keys=True)
+        """blake2b of the canonical JSON of (spec, dtype): equal digests = same row layout
+        (the data record, which says what the rows' ids refer to, is not part of it)."""
+        spec = {k: v for k, v in self.to_json().items() if k != "data"}
+        text = json.dumps({"spec": spec, "dtype": dtype}, sort_keys=True)
         return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
