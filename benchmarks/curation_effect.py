@@ -209,8 +209,7 @@ def run_group(args, seed: int, specs: list[str], log, done: set) -> None:
     root = Path(args.work_dir) if args.work_dir else Path(args.results_dir) / args.name / "work"
     work = root / f"{key[0].replace(':', '-')}-noise{key[1]}-s{seed}"
     work.mkdir(parents=True, exist_ok=True)
-    pool = _interleave(setup.pool.docs)[:args.pool_docs] if args.pool_docs else \
-        list(setup.pool.docs)
+    pool = _interleave(setup.docs)[:args.pool_docs] if args.pool_docs else list(setup.docs)
     if key[1]:
         pool = _noisy(pool, key[1], seed)
     pool_file = _write(work / "pool.jsonl", pool)
@@ -239,7 +238,7 @@ def run_group(args, seed: int, specs: list[str], log, done: set) -> None:
     t0 = time.perf_counter()
     if not (warm / "trajectory.json").exists():
         _train(setups, pool, seed, args.warmup_steps, args, warm, save=True)
-        setup.tok.save(warm / "tokenizer.model")
+        setup.tok.save(warm)  # warm/tokenizer.model
     grads = work / "grads"
     if not (grads / "collect_config.json").exists():
         _tool(collect, ["--run-dir", str(warm), "--data", str(pool_file), "--checkpoints",

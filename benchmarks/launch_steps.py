@@ -96,7 +96,7 @@ def _bare(ds_path: str, argv: list[str], marks: _Marks, out: Path) -> dict:
     from dattri_ds.models.causal_lm import build_model
     from dattri_ds.launch.args import load_run_config, parse_args
     from dattri_ds.launch.loop import micro_batch_indices
-    from dattri_ds.launch.train import prepare_data
+    from dattri_ds.launch.data import training_data
 
     from dattri_ds.launch.deepspeed_backend import setup_distributed
 
@@ -105,7 +105,7 @@ def _bare(ds_path: str, argv: list[str], marks: _Marks, out: Path) -> dict:
     args = parse_args(["--deepspeed_config", ds_path, *argv])
     ds_config, cfg = load_run_config(ds_path, args.overrides)
     out.mkdir(parents=True, exist_ok=True)
-    _, tok, data = prepare_data(cfg, out, 0)
+    data, tok = training_data(cfg, out, 0)  # launch's own examples (prepared into out)
     model = build_model(cfg.train.model_config, tokenizer=tok, seed=cfg.train.seed)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
                                       config=ds_config)

@@ -13,8 +13,12 @@ the selector of launch/train.py, forward reuse as configured): tiny GPT-2
 (configs/model_gpt2_tiny.json), the optimizer, lr schedule and clipping of
 configs/zero3_cpu.json (AdamW lr 2e-3, DeepSpeed WarmupCosineLR: 20 log-warmup steps then
 cosine to 0.1 at step 300, then flat; gradient clipping 1.0), micro-batch 8 x 2
-accumulation = 16 trained examples per step, seq_len 64. Every variant of a seed starts
-from the same initialization and sees the same candidate stream.
+accumulation = 16 trained examples per step, seq_len 64. The pool is prepared as launch
+prepares ``--train-data`` (``dattri-ds prepare`` with the shipped SentencePiece BPE 1024,
+cached under runs/cache/pools/) and trained on as ``PackedDataset`` windows of seq_len
+tokens over the packed documents; the scoring, evaluation and general sets stay one
+example per document (what the launch's target and evaluator read). Every variant of a
+seed starts from the same initialization and sees the same candidate stream.
 
 Targets: ``hamlet``, ``trivia``, ``code`` (data/target/*.jsonl: first half = the scoring
 set selection sees, second half = the held-out evaluation set) or ``carve:SOURCE`` (one
@@ -102,8 +106,29 @@ def parse_variant(spec: str) -> tuple[str, dict]:
     return name, over
 
 
+def prepared_pool(docs: list, tokenizer_model: Path, seq_len: int):
+    """The pool as launch trains on it: written as jsonl, prepared once with the shipped
+    tokenizer (cached by content under runs/cache/pools/), opened as ``seq_len`` windows."""
+    import hashlib
+
+    from dattri_ds.data.packed import PackedDataset
+    from dattri_ds.data.prepare import PrepareConfig, prepare
+
+    lines = "".join(json.dumps(d.to_dict()) + "\n" for d in docs)
+    key = hashlib.blake2b(lines.encode(), digest_size=8).hexdigest()
+    folder = ROOT / "runs/cache/pools"
+    folder.mkdir(parents=True, exist_ok=True)
+    src = folder / f"{key}.jsonl"
+    if not src.exists():
+        src.write_text(lines, encoding="utf-8")
+    prepare(PrepareConfig(input=(str(src),), output_prefix=str(folder / key),
+                          tokenizer=str(tokenizer_model), workers=1))
+    return PackedDataset(str(folder / key), seq_len)
+
+
 class Setup:
-    """Tokenized pool, target scoring/eval sets and the general held-out set of one target."""
+    """Prepared pool (windows), target scoring/eval sets and the general held-out set of one
+    target (one example per document)."""
 
     def __init__(self, target: str, seq_len: int, target_docs: int,
                  per_kind: int = noisy.PER_KIND) -> None:
@@ -134,16 +159,20 @@ class Setup:
         if kinds:  # junk made of the scoring + leftover first-half docs, never of evald
             pool += noisy.clean_extra(target, extra) + noisy.build_junk(
                 target, kinds, score + extra, per_kind)
-        self.tok, self.seq_len = tok, seq_len
-        self.pool = tokenize_documents(pool, tok, seq_len)
+        from dattri_ds.data.tokenizers import open_tokenizer
+
+        tok = open_tokenizer(tok.path)  # the corpus tokenizer: documents as prepare stores them
+        self.tok, self.seq_len, self.docs = tok, seq_len, pool
+        self.pool = prepared_pool(pool, tok.source, seq_len)
         self.score = tokenize_documents(score, tok, seq_len)
         self.eval = tokenize_documents(evald, tok, seq_len)
         self.general = tokenize_documents(general, tok, seq_len)
         self.general_by_source = {src: tokenize_documents(docs[-GENERAL_PER_SOURCE:], tok,
                                                           seq_len)
                                   for src, docs in by_src.items()}
-        self.sources = [d.source for d in pool]
-        self.source_of = {d.id: d.source for d in pool}
+        examples = [self.pool.docs[i] for i in range(len(self.pool))]
+        self.sources = [e.source for e in examples]  # a window's: its first document's
+        self.source_of = {e.id: e.source for e in examples}
 
 
 @torch.no_grad()

@@ -23,8 +23,10 @@ import torch
 
 from dattri_ds.errors import ConfigError
 from dattri_ds.io.files import model_dir, read_json
-from dattri_ds.launch.config import BLOCK, RunConfig, TrainConfig
+from dattri_ds.launch.config import BLOCK, RunConfig
 from dattri_ds.launch.engine import BATCH_KEYS, data_parallel_world, resolve_batch
+from dattri_ds.launch.data import check_data, start_vocab
+from dattri_ds.launch.evaluate import text_reads
 from dattri_ds.launch.init_from import check_init_from
 from dattri_ds.io.outputs import check_dir
 
@@ -56,28 +58,21 @@ def check_texts(path: str, flag: str, rows: slice = slice(None)) -> None:
 
 def check_inputs(cfg: RunConfig) -> str | None:
     """The text checks above, the ``--model-path`` folder (``files.model_dir``: its config
-    and weights whole) and the ``--init-from`` run (``load_run_config`` ran
-    ``check_seq_len``); the ``--init-checkpoint`` tag to load (None: none).
+    and weights whole), the ``--init-from`` run (``load_run_config`` ran ``check_seq_len``)
+    and the training data and tokenizer (``check_data``); the ``--init-checkpoint`` tag to
+    load (None: none).
 
     Raises:
         ConfigError: naming the flag, the value and the fix.
     """
-    sc, tc = cfg.selection, cfg.train
-    reads: list[tuple[str, str, slice]] = []  # what make_selector and make_evaluator read
-    if sc.enabled and sc.target_data is not None and not sc.target_store:
-        reads.append((sc.target_data, "--target-data", slice(0, sc.target_max_docs)))
-    if tc.eval_every and tc.eval_data is not None:
-        reads.append((tc.eval_data, "--eval-data", slice(0, tc.eval_max_docs)))
-    elif tc.eval_every and sc.target_data is not None:  # held out from the target file
-        reads.append((sc.target_data, "--target-data",
-                      slice(tc.eval_skip, tc.eval_skip + tc.eval_max_docs)))
-    if tc.eval_every and tc.general_eval_data is not None:
-        reads.append((tc.general_eval_data, "--general-eval-data", slice(0, tc.eval_max_docs)))
-    for path, flag, rows in reads:
+    for path, flag, rows, _ in text_reads(cfg):
         check_texts(path, flag, rows if rows != slice(0, None) else slice(None))
-    if tc.model_path:  # config and weights whole, before a tokenizer is trained into --out
+    tc = cfg.train
+    if tc.model_path:  # config and weights whole, before anything is prepared into --out
         model_dir(tc.model_path, "--model-path")
-    return check_init_from(cfg)
+    tag = check_init_from(cfg)
+    check_data(cfg)
+    return tag
 
 
 #: Config keys holding a model's number of positions, in the order Hugging Face reads them.
@@ -142,7 +137,7 @@ def check_memory(ds: dict[str, Any], cfg: RunConfig) -> None:
     src = Path(tc.model_path) / "config.json" if tc.model_path else Path(tc.model_config)
     try:
         model = ModelShape.from_config(src, vocab_size=None if tc.model_path else
-                                       _init_vocab(tc) or tc.vocab_size)
+                                       start_vocab(tc))
     except (OSError, ValueError, KeyError, TypeError, ConfigError):
         return
     zero = ds.get("zero_optimization") if isinstance(ds.get("zero_optimization"), dict) else {}
@@ -177,7 +172,8 @@ def check_memory(ds: dict[str, Any], cfg: RunConfig) -> None:
         return
     values = {"seq_len": tc.seq_len, "micro_batch": micro,
               "candidate_multiple": sel.candidate_multiple if spec.probes else None,
-              "vocab": None if tc.model_path or tc.init_from else tc.vocab_size,
+              "vocab": None if tc.model_path or tc.init_from or tc.tokenizer or tc.data_path
+              else tc.vocab_size,
               "k": spec.k or None, "model": tc.model_path or tc.model_config}
     knobs = [Knob(f, key, flag, values[f], default)
              for f, (key, flag, default) in _KNOBS.items() if values[f] is not None]
@@ -188,18 +184,6 @@ def check_memory(ds: dict[str, Any], cfg: RunConfig) -> None:
                override=f"--skip-memory-check ({BLOCK}.skip_memory_check)")
 
 
-def _init_vocab(tc: TrainConfig) -> int | None:
-    """The vocabulary of the ``--init-from`` run's model (its tokenizer's), None if unknown."""
-    if not tc.init_from:
-        return None
-    try:
-        d = json.loads((Path(tc.init_from) / "model" / "config.json").read_text("utf-8"))
-    except (OSError, ValueError):
-        return None  # check_init_from names what is wrong with the folder
-    got = d.get("vocab_size") if isinstance(d, dict) else None
-    return got if isinstance(got, int) and not isinstance(got, bool) and got > 0 else None
-
-
 def check_outputs(out: Path, cfg: RunConfig) -> None:
     """The output door of launch (dattri_ds/io/outputs.py), at start: ``--out`` is a folder that
     can be written and holds no earlier run unless resumed or forced; the store path
@@ -208,6 +192,11 @@ def check_outputs(out: Path, cfg: RunConfig) -> None:
     Raises:
         OutputError: naming the path, the flag and the fix.
     """
+    src = cfg.train.init_from
+    if src is not None and Path(src).resolve() == out.resolve():
+        raise ConfigError(f"--out {out} is the --init-from run: this run would write its "
+                          f"files over the run (checkpoints, tokenizer) it starts from. Fix: "
+                          f"pass another --out")
     check_dir(out, flag="--out", force=cfg.force or cfg.train.resume is not None,
               overwrites=("trajectory.json", "summary.json", "checkpoints"),
               what="an earlier run", fix=f"pass --resume latest to continue it, --force "

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from dattri_ds.io import schema
 from dattri_ds.capture.config import CaptureConfig
@@ -37,20 +37,34 @@ class TrainConfig:
     model_path: str | None = None
     """A local Hugging Face model directory to start from (never downloaded)."""
 
-    train_data: tuple[str, ...] = field(default=("data/corpus/train.jsonl",),
-                                        metadata=schema.bounds(min_items=1))
-    """jsonl files with a ``text`` field (one path alone means a list of one)."""
+    train_data: tuple[str, ...] | None = field(default=None, metadata=schema.bounds(min_items=1))
+    """Corpus files, folders or quoted globs (jsonl, .gz, .zst, parquet, Arrow: what
+    ``dattri-ds prepare`` reads), prepared once into ``<out>/data/`` and trained on
+    memory-mapped; null with ``data_path`` unset = data/corpus/train.jsonl."""
+
+    data_path: tuple[str, ...] | None = field(default=None, metadata=schema.bounds(min_items=1))
+    """Prepared corpora (``dattri-ds prepare`` prefixes or Megatron-LM .bin/.idx prefixes),
+    or Megatron's blend form ``0.7 A 0.3 B``, trained on as they are."""
+
+    packing: Literal["windows", "documents"] = "windows"
+    """Examples: ``seq_len`` windows over the packed documents, or each document cut into
+    ``seq_len`` chunks (no token is dropped either way)."""
+
+    tokenizer: str | None = None
+    """A Hugging Face tokenizer folder or a SentencePiece .model (default: the ``model_path``
+    folder's, else the ``init_from`` run's, else one trained once on ``train_data``)."""
 
     max_docs: int | None = field(default=None, metadata=schema.bounds(ge=1, le=10**9))
-    """Use only the first N documents (the corpus order is already mixed); null = all."""
+    """Prepare and train on only the first N documents of ``train_data`` (read no further);
+    null = all."""
 
     seq_len: int = field(default=128, metadata=schema.bounds(ge=2, le=2**20))
-    """Tokens per example (documents are truncated or padded; at most 2^20, and the planner
-    refuses at start what does not fit in memory)."""
+    """Tokens per example (at most 2^20, and the planner refuses at start what does not fit
+    in memory)."""
 
     vocab_size: int = field(default=1024, metadata=schema.bounds(ge=8, le=2**21))
-    """SentencePiece vocabulary trained on the training texts (cached); not used with
-    ``init_from`` (that run's tokenizer has its own)."""
+    """Vocabulary of the SentencePiece model trained on ``train_data`` when no tokenizer is
+    named (``tokenizer``, ``model_path``, ``init_from`` or a prepared ``data_path``)."""
 
     steps: int = field(default=200, metadata=schema.bounds(ge=1, le=10**9))
     """Optimizer steps."""
@@ -76,6 +90,10 @@ class TrainConfig:
     eval_every: int = field(default=0, metadata=schema.bounds(ge=0, le=10**9))
     """Evaluate the held-out loss every N steps (0 = never)."""
 
+    allow_eval_overlap: bool = False
+    """Evaluate on held-out texts even when some are also training documents (same text;
+    refused by default: the loss would measure texts the run trains on)."""
+
     max_nonfinite_steps: int = field(default=3, metadata=schema.bounds(ge=0, le=10**9))
     """Fail the run (non-zero exit, ``summary.json`` says why) after this many consecutive
     optimizer steps with a NaN/inf loss; 0 = never fail (non-finite steps are only counted
@@ -86,10 +104,10 @@ class TrainConfig:
     (``general_loss``): what selection costs on everything else. None = not tracked."""
 
     init_from: str | None = None
-    """Start from an earlier launch/train.py run (its ``--out``): reuse its tokenizer
-    (``tokenizer.model``; none is trained and ``vocab_size`` is not used), so this model
-    reads text exactly as that run's did (e.g. train on a subset ``dattri-ds curate`` chose
-    with that run). Weights: ``init_checkpoint``. null = train a tokenizer on the texts."""
+    """Start from an earlier launch/train.py run (its ``--out``): tokenize with its
+    tokenizer (the copy it keeps: ``tokenizer.model`` or ``model/``), so this model reads
+    text exactly as that run's did (e.g. train on a subset ``dattri-ds curate`` chose with
+    that run). Weights: ``init_checkpoint``. null = as ``tokenizer`` says."""
 
     init_checkpoint: str | None = None
     """With ``init_from``: start from the weights of this checkpoint of that run (a tag such
@@ -104,10 +122,24 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         schema.check(self, f"{BLOCK}.train")
+        if self.train_data is not None and self.data_path is not None:
+            raise ConfigError(f"--train-data {' '.join(self.train_data)} and --data-path "
+                              f"{' '.join(self.data_path)} both name the training data: pass one")
+        if self.data_path is not None and self.max_docs is not None:
+            raise ConfigError(f"--max-docs {self.max_docs} reads the first documents of "
+                              f"--train-data; a prepared --data-path is trained whole. Fix: "
+                              f"prepare the subset (dattri-ds prepare --max-docs "
+                              f"{self.max_docs}), or drop --max-docs")
+        if self.train_data is None and self.data_path is None:
+            object.__setattr__(self, "train_data", ("data/corpus/train.jsonl",))
         if self.init_checkpoint is not None and self.init_from is None:
             raise ConfigError(f"--init-checkpoint {self.init_checkpoint} names a checkpoint of "
                               f"the run given by --init-from, which is not set: pass "
                               f"--init-from RUN_DIR (the --out of that run)")
+        if self.init_from is not None and self.tokenizer is not None:
+            raise ConfigError(f"--init-from {self.init_from} tokenizes with that run's "
+                              f"tokenizer, and --tokenizer {self.tokenizer} names another: "
+                              f"pass one")
         if self.init_from is not None and self.model_path is not None:
             raise ConfigError(f"--init-from {self.init_from} and --model-path "
                               f"{self.model_path} both give the starting model: pass one")

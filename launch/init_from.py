@@ -3,12 +3,14 @@
     python launch/train.py ... --init-from runs/warm                         # tokenizer only
     python launch/train.py ... --init-from runs/warm --init-checkpoint latest  # and weights
 
-``--init-from`` reads ``RUN/tokenizer.model``; ``--init-checkpoint TAG`` (``latest``: the
+``--init-from`` tokenizes with the run's copy of its tokenizer (``tokenizer.model``, or the
+Hugging Face files in ``model/``: launch/data.py); ``--init-checkpoint TAG`` (``latest``: the
 newest complete one) also loads that checkpoint's weights (DeepSpeed and ``--backend torch``
 checkpoints into a ``deepspeed`` or ``torch`` run, Megatron ones into a ``megatron`` run of
 any tensor-parallel size) into a model of the same config. Every check runs in
-``check_init_from`` before any process group starts. What is refused, and the curation
-recipe it serves: docs/training.md ("Starting from another run").
+``check_init_from`` before any process group starts; ``--out`` may not be the run itself
+(``checks.check_outputs``). What is refused, and the curation recipe it serves:
+docs/training.md ("Starting from another run").
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from dattri_ds.errors import ConfigError
 from dattri_ds.launch.config import RunConfig
 from dattri_ds.launch.resume import Checkpoints
 
-__all__ = ["check_init_from", "init_tokenizer", "init_hf_weights", "init_megatron_weights"]
+__all__ = ["check_init_from", "init_hf_weights", "init_megatron_weights"]
 
 logger = logging.getLogger("dattri_ds.launch")
 
@@ -57,25 +59,24 @@ def check_init_from(cfg: RunConfig) -> str | None:
     (None: tokenizer only).
 
     Raises:
-        InputFileError: the folder is missing, or its tokenizer is not a SentencePiece model.
+        InputFileError: the folder is missing.
         ConfigError: the folder is not a launch run, has no tokenizer, no such complete
             checkpoint, or a checkpoint another backend wrote.
     """
-    from dattri_ds.data import Tokenizer
     from dattri_ds.io.files import check_dir
+    from dattri_ds.launch.data import run_tokenizer_path
 
     tc = cfg.train
     if tc.init_from is None:
         return None
     root = check_dir(tc.init_from, "--init-from run folder", _FIX)
-    if not (root / "tokenizer.model").is_file():
+    tok = run_tokenizer_path(root)
+    if not tok.exists():
         what = "a run folder" if (root / "model" / "config.json").exists() else \
             "not a launch/train.py run folder"
-        raise ConfigError(f"--init-from {root}: it has no tokenizer.model ({what}); only a "
-                          f"run's own SentencePiece tokenizer can be shared. Fix: {_FIX} "
-                          f"(each saves tokenizer.model), or drop --init-from to train a "
-                          f"tokenizer on --train-data")
-    Tokenizer.load(root / "tokenizer.model")  # a damaged file is named now
+        raise ConfigError(f"--init-from {root}: it has no tokenizer (tokenizer.model or "
+                          f"tokenizer files in model/; {what}). Fix: {_FIX} (each keeps its "
+                          f"tokenizer), or drop --init-from")
     if tc.init_checkpoint is None:
         return None
     if not (root / "model" / "config.json").exists():
@@ -105,16 +106,6 @@ def _tag(cfg: RunConfig) -> str | None:
     check_checkpoint(root / "checkpoints" / tag, f"--init-checkpoint {tag} checkpoint",
                      f"pass another checkpoint of {root} (--init-checkpoint <tag>)")
     return tag
-
-
-def init_tokenizer(cfg: RunConfig):
-    """The tokenizer of the ``--init-from`` run."""
-    from dattri_ds.data import Tokenizer
-
-    tok = Tokenizer.load(_root(cfg) / "tokenizer.model")
-    logger.info("--init-from %s: its tokenizer (vocab %d, %s)", cfg.train.init_from,
-                tok.vocab_size, tok.fingerprint)
-    return tok
 
 
 def _differences(saved: dict[str, Any], built: dict[str, Any],

@@ -23,6 +23,7 @@ from dattri_ds.distributed import all_reduce_sum
 from dattri_ds.errors import ConfigError
 from dattri_ds.launch.backend import Backend
 from dattri_ds.launch.config import RunConfig
+from dattri_ds.launch.data import data_record
 from dattri_ds.launch.resume import LoopState, run_record, selection_config
 from dattri_ds.launch.runlog import RunLog, make_run_id
 from dattri_ds.launch.save import write_checkpoint
@@ -82,7 +83,8 @@ def train(backend: Backend, cfg: RunConfig, data, out: Path, tok, rank: int,
     tc, ctx, micro, gas = cfg.train, backend.ctx, backend.micro, backend.gas
     start = resumed.step if resumed is not None else 0
     run_id = make_run_id(fingerprint(cfg, tok) + backend.fingerprint_suffix, out)
-    capture = _capture(backend, cfg, out, tok, run_id, start)
+    record = data_record(data, tok)  # the examples' identity (stores, checkpoints)
+    capture = _capture(backend, cfg, out, tok, run_id, start, record)
     n_cand = selector.num_candidates(micro) if selector is not None else micro
     per_step = n_cand * gas * ctx.dp_world  # candidate slots of the stream one step consumes
     origin = resumed.origin_for(per_step) if resumed is not None else (0, 0)
@@ -90,7 +92,7 @@ def train(backend: Backend, cfg: RunConfig, data, out: Path, tok, rank: int,
     log = RunLog(tc, out, rank, evaluator, run_id=run_id,
                  record=resumed.record if resumed is not None else None)
 
-    ran = run_record(cfg, backend.zero_stage)  # what a resume compares (check_resume)
+    ran = run_record(cfg, backend.zero_stage, record)  # what a resume compares
 
     def write(folder: Path, tag: str, step: int, lr: float) -> None:
         backend.save(folder.parent, folder.name, {"tag": tag, "step": step, "lr": lr}, data)
@@ -121,7 +123,8 @@ def train(backend: Backend, cfg: RunConfig, data, out: Path, tok, rank: int,
         for mb in range(gas):
             batch = {k: v.to(backend.device) for k, v in data.batch(idx[mb]).items()}
             doc_ids = [data.docs[i].id for i in idx[mb].tolist()]
-            # stored ids: "<doc id>@<step>[+<repeat>]#<content hash>", one per trained slot
+            # stored ids: "<example id>@<step>[+<repeat>]#<content hash>", one per trained
+            # slot; an example id names its first document (PackedDataset.example_id)
             tags = [SampleId.user_id(d, step, r) for d, r in zip(doc_ids, repeats[mb].tolist())]
             # ---- online selection: candidates -> the chosen micro-batch -----------------
             reused = None
@@ -155,8 +158,10 @@ def train(backend: Backend, cfg: RunConfig, data, out: Path, tok, rank: int,
     return {**summary, **backend.summary()}
 
 
-def _capture(backend: Backend, cfg: RunConfig, out: Path, tok, run_id: str, start: int):
-    """Capture on every rank; one store shard per data-parallel rank (``store_writer``)."""
+def _capture(backend: Backend, cfg: RunConfig, out: Path, tok, run_id: str, start: int,
+             record: dict | None):
+    """Capture on every rank; one store shard per data-parallel rank (``store_writer``), its
+    manifest recording the data (``record``)."""
     if not cfg.capture_enabled:
         return None
     if cfg.capture.projection is None:
@@ -167,7 +172,7 @@ def _capture(backend: Backend, cfg: RunConfig, out: Path, tok, run_id: str, star
         cbs.append(StoreCallback(cfg.store_config(out), projection=cfg.capture.projection,
                                  fingerprint=fingerprint(cfg, tok) + backend.fingerprint_suffix,
                                  rank=ctx.dp_rank, world=ctx.dp_world, capture=cfg.capture,
-                                 run_id=run_id))
+                                 run_id=run_id, data=record))
     return backend.attach_capture(cfg, cbs, start)
 
 

@@ -28,7 +28,8 @@ import torch.distributed as dist
 from dattri_ds.errors import ConfigError
 from dattri_ds.io.files import check_checkpoint, load_torch, read_json
 from dattri_ds.launch.backend import Backend
-from dattri_ds.launch.config import RunConfig
+from dattri_ds.launch.config import RunConfig, TrainConfig
+from dattri_ds.launch.data import SOURCE_FLAGS, data_source
 from dattri_ds.launch.engine import data_parallel_world
 from dattri_ds.launch.runlog import RunRecord, make_run_id
 from dattri_ds.io.outputs import write_atomic
@@ -37,7 +38,7 @@ from dattri_ds.selection.state import SelectionCheckpoint, config_difference, lo
 from dattri_ds.store.shard import rollback_to_step
 
 __all__ = ["LoopState", "Checkpoints", "resume_tag", "check_resume", "resume",
-           "check_shared_out", "selection_config", "run_record", "zero_stage"]
+           "check_shared_out", "selection_config", "run_record", "zero_stage", "check_same_data"]
 
 logger = logging.getLogger("dattri_ds.launch")
 
@@ -78,8 +79,8 @@ class LoopState:
     (its run statistics start at zero, so that none is counted twice)."""
 
     run: dict[str, Any] = field(default_factory=dict)
-    """What trained (``run_record``: backend, ZeRO stage, model); empty in checkpoints of a
-    dattri-ds that did not record it."""
+    """What trained (``run_record``: backend, ZeRO stage, model, data); empty in checkpoints
+    of a dattri-ds that did not record it."""
 
     FILE: ClassVar[str] = "loop_state.rank{rank:05d}.pt"
 
@@ -241,9 +242,11 @@ def check_resume(cfg: RunConfig, out: Path | str, ds_config: dict | None = None)
     """Refuse, before any process starts, what a resume cannot reproduce: no complete
     checkpoint to continue from (``resume_tag``), a file of it cut or damaged (named), one
     written by another backend, on another process layout (but by DeepSpeed, which reshards
-    it), under a ZeRO stage DeepSpeed's universal checkpoint cannot convert from, or for
-    another model (``run_record``); and, with online selection, a selection config other
-    than the checkpoint's (its selector state would not fit or would choose differently).
+    it), under a ZeRO stage DeepSpeed's universal checkpoint cannot convert from, for
+    another model (``run_record``) or for other data (the flags naming it:
+    ``check_same_data``; ``resume`` compares the fingerprints once the data is open); and,
+    with online selection, a selection config other than the checkpoint's (its selector
+    state would not fit or would choose differently).
 
     Raises:
         ConfigError: naming the checkpoint, the difference (both values) and the flag.
@@ -274,10 +277,12 @@ def zero_stage(ds_config: dict) -> int:
     return zero.get("stage", 0) if isinstance(zero, dict) else 0
 
 
-def run_record(cfg: RunConfig, stage: int | None) -> dict[str, Any]:
+def run_record(cfg: RunConfig, stage: int | None, data: dict | None = None) -> dict[str, Any]:
     """What a checkpoint records about the run that wrote it, for ``check_resume``: the
-    backend, the ZeRO stage (DeepSpeed; None otherwise) and the model (the content of its
-    config file, and the tokenizer's source: ``--vocab-size`` or the ``--init-from`` run)."""
+    backend, the ZeRO stage (DeepSpeed; None otherwise), the model (the content of its config
+    file and the ``--init-from`` run) and the data: what the flags named (``data_source``)
+    and the identity of the examples (``data``: ``data_record``; None for examples a caller
+    tokenized itself)."""
     tc = cfg.train
     src = Path(tc.model_path) / "config.json" if tc.model_path else Path(tc.model_config)
     try:
@@ -285,9 +290,34 @@ def run_record(cfg: RunConfig, stage: int | None) -> dict[str, Any]:
     except ConfigError:  # the model's own error follows when it is built
         config = None
     return {"backend": cfg.engine.backend, "zero_stage": stage,
-            "model": {"config": config, "vocab_size": None if tc.model_path or tc.init_from
-                      else tc.vocab_size,
-                      "init_from": str(Path(tc.init_from).resolve()) if tc.init_from else None}}
+            "model": {"config": config,
+                      "init_from": str(Path(tc.init_from).resolve()) if tc.init_from else None},
+            "data": None if data is None else {"source": data_source(tc), "record": data}}
+
+
+def check_same_data(flag: str, was: dict | None, tc: TrainConfig,
+                    record: dict | None = None) -> None:
+    """Refuse to continue a checkpoint on other data: the flags that name it (``record``
+    None: at start) or, once the data is open, its fingerprints (``record``).
+
+    Raises:
+        ConfigError: naming each difference (both sides) and the flags that fix it.
+    """
+    if not was or (record is None and "source" not in was):
+        return
+    if record is None:
+        now, old, keys = data_source(tc), was["source"], SOURCE_FLAGS
+    else:
+        now, old = record, was.get("record") or {}
+        keys = {"fingerprint": "--train-data / --data-path (the data changed)",
+                "tokenizer": SOURCE_FLAGS["tokenizer"]}
+    diffs = [(k, old.get(k), now.get(k)) for k in keys if old.get(k) != now.get(k)]
+    if diffs:
+        shown = "; ".join(f"{k}={a!r} there, {b!r} here" for k, a, b in diffs)
+        flags = ", ".join(dict.fromkeys(keys[k] for k, _, _ in diffs))
+        raise ConfigError(f"{flag}: the checkpoint was trained on other data: {shown}. Fix: "
+                          f"pass the {flags} that run used, or start over (drop --resume, pass "
+                          f"--force)")
 
 
 def _written_by(folder: Path) -> str | None:
@@ -337,9 +367,9 @@ def _check_same_run(out: Path, tag: str, saved: LoopState, cfg: RunConfig, ds: d
     diffs = _differences(was.get("model"), now["model"])
     if diffs:
         raise ConfigError(f"{flag}: the checkpoint was written for another model: "
-                          f"{'; '.join(diffs[:4])}. Fix: pass the --model-config (and "
-                          f"--vocab-size) that run used, or start over (drop --resume, pass "
-                          f"--force)")
+                          f"{'; '.join(diffs[:4])}. Fix: pass the --model-config that run "
+                          f"used, or start over (drop --resume, pass --force)")
+    check_same_data(flag, was.get("data"), cfg.train)
 
 
 def _differences(was: dict | None, now: dict) -> list[str]:
@@ -354,8 +384,10 @@ def _differences(was: dict | None, now: dict) -> list[str]:
             if flat[0].get(k) != flat[1].get(k)]
 
 
-def resume(backend: Backend, cfg: RunConfig, out: Path, rank: int) -> LoopState | None:
-    """With ``train.resume``: check the checkpoint fits this run, load the backend's state
+def resume(backend: Backend, cfg: RunConfig, out: Path, rank: int,
+           data: dict | None = None) -> LoopState | None:
+    """With ``train.resume``: check the checkpoint fits this run (its data: ``data``, the
+    ``data_record`` of this run's examples), load the backend's state
     from it and return the loop's (``train`` restores its RNG right before the first step,
     and the selector's state, with its log lines of the steps before, read here before the
     selector rewrites its log). None for a fresh run. Call before anything is written to
@@ -388,6 +420,7 @@ def resume(backend: Backend, cfg: RunConfig, out: Path, rank: int) -> LoopState 
         state = LoopState.load(folder, 0)  # more ranks than wrote it: an elastic resume
         if rank < state.layout["dp"] * state.layout.get("tp", 1):
             raise
+    check_same_data(f"--resume {tag}", state.run.get("data"), cfg.train, data)
     saved_dp = state.layout["dp"]
     elastic = state.layout != backend.layout()
     restaged = state.run.get("zero_stage", backend.zero_stage) != backend.zero_stage

@@ -10,10 +10,11 @@ The engine is DeepSpeed (the default), Megatron-core or plain torch (``--backend
 
 Our settings live in the ``"dattri_ds"`` block of the DeepSpeed JSON (launch/config.py);
 flags override them (launch/args.py). This file runs the checks at start (launch/checks.py),
-prepares data and selector, and hands them to the loop (launch/loop.py) with a backend
+opens the data (prepared once and memory-mapped: launch/data.py) and the selector, and hands
+them to the loop (launch/loop.py) with a backend
 (launch/backend.py), the evaluator (launch/evaluate.py) and, on ``--resume``, the state
 launch/resume.py restored. ``train_in_process`` runs the loop on the torch backend for
-callers that already hold tokenized data (tools/demo.py, the selection benchmarks). What the
+callers that already hold their examples (tools/demo.py, the selection benchmarks). What the
 output directory receives: docs/training.md.
 """
 
@@ -37,7 +38,9 @@ from dattri_ds.launch.checks import check_inputs, check_outputs  # noqa: E402
 from dattri_ds.launch.config import RunConfig, dump_json  # noqa: E402
 from dattri_ds.launch.engine import resolve_batch  # noqa: E402
 from dattri_ds.launch.evaluate import make_evaluator, tokenized_texts  # noqa: E402
-from dattri_ds.launch.init_from import init_tokenizer  # noqa: E402
+from dattri_ds.launch.data import (  # noqa: E402
+    check_overlap, data_record, data_source, save_run_tokenizer, training_data,
+)
 from dattri_ds.launch.loop import train  # noqa: E402
 from dattri_ds.launch.resume import check_resume, resume  # noqa: E402
 from dattri_ds.launch.runlog import record_failure  # noqa: E402
@@ -49,28 +52,6 @@ from dattri_ds.selection import OnlineSelector, check_target_compatible  # noqa:
 logger = logging.getLogger("dattri_ds.launch")
 # DeepSpeed calls torch collectives that torch 2.13 marks deprecated: noise for our users.
 warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
-
-
-def prepare_data(cfg: RunConfig, out: Path, rank: int):
-    """Documents, tokenizer (the ``--init-from`` run's, else trained by rank 0, cached, then
-    loaded by the others), examples."""
-    from dattri_ds.data import load_documents, tokenize_documents, train_tokenizer
-
-    tc = cfg.train
-    docs = load_documents(list(tc.train_data))
-    if tc.max_docs:
-        docs = docs[:tc.max_docs]
-    texts = [d.text for d in docs]
-    cache = out / "cache"
-    if rank == 0:
-        tok = init_tokenizer(cfg) if tc.init_from else \
-            train_tokenizer(texts, vocab_size=tc.vocab_size, cache_dir=cache)
-        tok.save(out / "tokenizer.model")
-    torch.distributed.barrier()
-    if rank != 0:
-        tok = init_tokenizer(cfg) if tc.init_from else \
-            train_tokenizer(texts, vocab_size=tc.vocab_size, cache_dir=cache)
-    return docs, tok, tokenize_documents(docs, tok, tc.seq_len)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -89,7 +70,8 @@ def main(argv: list[str] | None = None) -> dict:
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
     torch.distributed.barrier()
-    _, tok, data = prepare_data(cfg, out, rank)
+    data, tok = training_data(cfg, out, rank)  # prepared once, memory-mapped
+    check_overlap(cfg, data, rank)
     backend = backend_cls(ds_config, cfg, tok, data)
     try:
         summary = _run(backend, ds_config, cfg, data, tok, out, rank)
@@ -105,11 +87,17 @@ def _run(backend, ds_config: dict, cfg: RunConfig, data, tok, out: Path, rank: i
          target=None, evaluator=None, wrap_selector=None) -> dict:
     """On a built backend: resume (refused before anything is overwritten), the run's files,
     selector and evaluator, ``loop.train``, ``summary.json``; the summary."""
-    resumed = resume(backend, cfg, out, rank)
+    record = data_record(data, tok)
+    resumed = resume(backend, cfg, out, rank, record)
     if rank == 0:
         backend.write_model_config(out)
         dump_json(out / "resolved_deepspeed_config.json", ds_config)
         dump_json(out / "resolved_dattri_ds_config.json", cfg)
+        if record is not None:  # the data it trains on, and its tokenizer's copy
+            dump_json(out / "data.json", {"record": record, **data.describe(),
+                                          "source": data_source(cfg.train),
+                                          "tokenizer": tok.describe()})
+            save_run_tokenizer(tok, out)
     selector = _selector(backend, cfg, data, tok, out, target=target)
     if selector is not None and wrap_selector is not None:
         selector = wrap_selector(selector, backend)
@@ -176,7 +164,7 @@ def make_selector(model, cfg: RunConfig, data, tok, ctx, device, log_path, targe
             raise ConfigError("--online-selection needs the target texts: pass --target-data "
                               "FILE.jsonl (e.g. a validation set of the task you care about) "
                               "or --selection-target-store STORE")
-        tdocs = tokenized_texts(sc.target_data, tok, data.seq_len, 0, sc.target_max_docs)
+        tdocs = tokenized_texts(sc.target_data, tok, data.seq_len, slice(0, sc.target_max_docs))
         check_target_compatible(data, tdocs)
         tdata = tdocs.batch(slice(None))
     return OnlineSelector.for_target_data(model, sc, tdata, capture=cfg.capture, ctx=ctx,

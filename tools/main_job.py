@@ -2,8 +2,10 @@
 
     python tools/main_job.py [--out runs/main] [--steps 150] [--world 2] [--quick]
 
-Its four steps (README.md, "The main job"): DeepSpeed ZeRO-3 training with the default
-online selection and gradient capture; the same candidate stream chosen uniformly at random;
+Its four steps (README.md, "The main job"), after the corpus is prepared once (``dattri-ds
+prepare``: tokenized into ``<out>/data/``, which both runs read memory-mapped with
+``--data-path``): DeepSpeed ZeRO-3 training with the default online selection and gradient
+capture; the same candidate stream chosen uniformly at random;
 held-out target and general-corpus losses of both (``target_loss.png``, ``report.md``); the
 offline attribution of held-out Hamlet passages from the saved checkpoints (``RECIPE``:
 fit, collect, attribute, report). Data choices are ``DemoData``. Every phase prints its wall
@@ -75,6 +77,19 @@ class DemoData:
 DEMO = DemoData()
 
 
+def prepare_corpus(out: Path, max_docs: int) -> Path:
+    """The training corpus's first ``max_docs`` documents, prepared once (``dattri-ds
+    prepare``: SentencePiece BPE 1024 trained on them) at ``<out>/data/corpus-<max_docs>``
+    (a rerun finds it done)."""
+    from dattri_ds.tools import prepare
+
+    prefix = out / "data" / f"corpus-{max_docs}"
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    prepare.main(["--input", str(ROOT / DEMO.corpus), "--max-docs", str(max_docs),
+                  "--output-prefix", str(prefix)])
+    return prefix
+
+
 def run_training(out: Path, args, extra: list[str]) -> dict:
     """One ``deepspeed`` launch of launch/train.py; returns its summary.json. Its step and
     evaluation lines are printed as they come (the whole output goes to ``train.log``)."""
@@ -84,7 +99,7 @@ def run_training(out: Path, args, extra: list[str]) -> dict:
         launcher = [sys.executable]
     cmd = [*launcher, str(ROOT / "launch/train.py"), "--deepspeed_config",
            str(ROOT / args.config), "--out", str(out), "--steps", str(args.steps),
-           "--max-docs", str(args.max_docs), "--seq-len", str(args.seq_len),
+           "--data-path", str(args.data_path), "--seq-len", str(args.seq_len),
            "--eval-every", str(args.eval_every), "--log-every", str(args.log_every),
            "--save-every", str(args.save_every), "--candidate-multiple",
            str(args.candidate_multiple), "--force", *extra]
@@ -123,11 +138,18 @@ def corpus_sources() -> dict[str, str]:
 
 
 def chosen_sources(run: Path) -> Counter:
-    """Which corpus sources the selector trained on (from selection.jsonl)."""
-    source = corpus_sources()
-    return Counter(source.get(SampleId.parse(sid).doc, "?")
-                   for record in read_selection_log(run / "selection.jsonl")
-                   for sid in record["chosen"])
+    """Which corpus sources the selector trained on, in tokens (selection.jsonl: each chosen
+    window counts for the documents it covers, found from its id in the run's data)."""
+    from dattri_ds.data.packed import PackedDataset
+
+    data = PackedDataset.of_record(json.loads((run / "data.json").read_text())["record"])
+    tokens: Counter = Counter()
+    for record in read_selection_log(run / "selection.jsonl"):
+        for sid in record["chosen"]:
+            for sp in data.spans_of(SampleId.parse(sid).doc):
+                tokens[data.corpora[sp.corpus].document(sp.document)["source"]] += \
+                    sp.end - sp.start
+    return tokens
 
 
 def plot(curves: dict[str, list[dict]], path: Path) -> None:
@@ -249,6 +271,9 @@ def main() -> None:
     out = ROOT / args.out
     data = DEMO.write(out)
     args.max_docs = min(args.max_docs, data["max_docs"])
+    print("== 0/4 the corpus, prepared once (tokenized into memory-mapped files)", flush=True)
+    with phase("prepare", f"the first {args.max_docs} documents of {DEMO.corpus}"):
+        args.data_path = prepare_corpus(out, args.max_docs)
     common = ["--target-data", str(data["score"]), "--eval-data", str(data["eval"]),
               "--general-eval-data", str(data["general"])]
     print("== 1/4 DeepSpeed ZeRO-3 training WITH online selection (+ gradient capture)",
@@ -276,7 +301,7 @@ def main() -> None:
             "| step | examples | target loss, selection | target loss, random | target gain | "
             "general loss, selection | general loss, random |",
             "|---:|---:|---:|---:|---:|---:|---:|", *report_rows(sel["eval"], base["eval"]), "",
-            "Sources of the examples selection trained on:", "",
+            "Sources of the tokens selection trained on:", "",
             *[f"- {s}: {c} ({100 * c / total:.1f}%)" for s, c in srcs.most_common()], "",
             f"Selection: {json.dumps(sel.get('selection', {}))}", "",
             "![target and general loss](target_loss.png)", ""])

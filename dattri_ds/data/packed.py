@@ -59,7 +59,7 @@ from dattri_ds.data.prepared import PreparedCorpus, fingerprint_of, open_prepare
 from dattri_ds.errors import ConfigError, InputFileError
 
 __all__ = ["PackedDataset", "Span", "Example", "PACKINGS", "INDEX_VERSION", "parse_blend",
-           "window_indices", "document_indices"]
+           "window_indices", "document_indices", "dataset_fingerprint"]
 
 PACKINGS = ("windows", "documents")
 #: Bump when the indices' construction changes (the cache key includes it).
@@ -128,6 +128,14 @@ def document_indices(lengths: np.ndarray, seq_len: int, seed: int) -> dict[str, 
 
 
 _BUILDERS = {"windows": window_indices, "documents": document_indices}
+
+
+def dataset_fingerprint(corpora: Sequence[str], weights: Sequence[float] | None, seq_len: int,
+                        packing: str, seed: int) -> str:
+    """:attr:`PackedDataset.fingerprint` from its parts (known before the indices are built:
+    the corpora's fingerprints are in their manifests)."""
+    return fingerprint_of({"corpora": list(corpora), "weights": weights, "seq_len": seq_len,
+                           "packing": packing, "seed": seed, "index_version": INDEX_VERSION})
 
 
 def _rank() -> tuple[bool, bool]:
@@ -261,9 +269,21 @@ class PackedDataset:
         self._idx = [self._indices(c) for c in self.corpora]
         self._sizes = [len(ix["shuffle_index"]) for ix in self._idx]
         self._blend = None if len(self.corpora) == 1 else self._blend_indices()
+        full = [os.path.abspath(c.paths.prefix) for c in self.corpora]
+        self.data_path: list[str] = full if self.weights is None else \
+            [x for w, p in zip(self.weights, full) for x in (repr(w), p)]
+        """The prefixes as absolute paths (with the normalized weights, in the blend form):
+        ``PackedDataset(data_path, seq_len, ...)`` opens the same examples again."""
         names = [c.name for c in self.corpora]  # the prefix's path where file names repeat
         self._labels = [n if names.count(n) == 1 else str(c.paths.prefix)
                         for n, c in zip(names, self.corpora)]
+
+    @classmethod
+    def of_record(cls, record: dict[str, Any]) -> PackedDataset:
+        """The examples a data record names (``data_path``, ``seq_len``, ``packing``,
+        ``seed``: a run's ``data.json`` ``record``, a store's ``StoreSpec.data``)."""
+        return cls(record["data_path"], record["seq_len"], packing=record["packing"],
+                   seed=record["seed"])
 
     # -- construction --
 
@@ -315,6 +335,9 @@ class PackedDataset:
     def spans(self, i: int) -> list[Span]:
         """The document spans example ``i`` covers, in order (empty spans left out)."""
         c, s, _ = self._locate(int(i))
+        return self._spans(c, s)
+
+    def _spans(self, c: int, s: int) -> list[Span]:
         ix, lengths = self._idx[c], self.corpora[c].lengths
         if self.packing == "documents":
             doc, start = (int(x) for x in ix["sample_index"][s])
@@ -327,6 +350,46 @@ class PackedDataset:
             if end > start:
                 out.append(Span(c, doc, start, end))
         return out
+
+    def spans_of(self, example_id: str) -> list[Span]:
+        """The spans of the example named ``example_id`` (:meth:`example_id`'s inverse: every
+        document a window covers, for reports; a repeat ``~k`` has its original's spans).
+
+        Raises:
+            KeyError: no example of this dataset has that id.
+        """
+        c, name = 0, example_id
+        if len(self.corpora) > 1:
+            c = next((k for k, lab in enumerate(self._labels)
+                      if name.startswith(lab + "/")), -1)
+            name = name[len(self._labels[c]) + 1:] if c >= 0 else ""
+        head, tilde, rep = name.rpartition("~")
+        name = head if tilde and rep.isdigit() else name
+        doc_id, plus, start = name.rpartition("+")
+        d = self.corpora[c].find(doc_id) if plus and start.isdigit() and c >= 0 else None
+        s = None if d is None else self._sample_at(c, d, int(start))
+        if s is None:
+            raise KeyError(f"no example of {self.describe()['corpora'][max(c, 0)]['prefix']} "
+                           f"is named {example_id!r}")
+        return self._spans(c, s)
+
+    def _sample_at(self, c: int, d: int, start: int) -> int | None:
+        """The sample of corpus ``c`` whose first span starts at token ``start`` of document
+        ``d`` (a window starting at a document's first token is recorded at the end of the
+        one before it), or None."""
+        si = np.asarray(self._idx[c]["sample_index"])
+        if self.packing == "documents":
+            lo, hi = np.searchsorted(si[:, 0], [d, d + 1])
+            hit = lo + np.flatnonzero(si[lo:hi, 1] == start)
+        else:
+            order = np.asarray(self._idx[c]["document_index"])
+            p = int(np.flatnonzero(order == d)[0])
+            before = int(self.corpora[c].lengths[order[p - 1]]) if p else -1
+            lo, hi = np.searchsorted(si[:-1, 0], [max(p - 1, 0), p + 1])
+            rows = si[lo:hi]
+            hit = lo + np.flatnonzero(((rows[:, 0] == p) & (rows[:, 1] == start)) | (
+                (start == 0) & (rows[:, 0] == p - 1) & (rows[:, 1] == before)))
+        return int(hit[0]) if len(hit) else None
 
     def tokens(self, i: int) -> np.ndarray:
         """The real tokens of example ``i`` (at most ``seq_len``; int64)."""
@@ -409,16 +472,22 @@ class PackedDataset:
 
     @property
     def fingerprint(self) -> str:
-        """What determines the examples: the corpora, weights, ``seq_len``, packing, seed."""
-        return fingerprint_of({"corpora": [c.fingerprint for c in self.corpora],
-                               "weights": self.weights, "seq_len": self.seq_len,
-                               "packing": self.packing, "seed": self.seed,
-                               "index_version": INDEX_VERSION})
+        """What determines the examples: the corpora, weights, ``seq_len``, packing, seed
+        (:func:`dataset_fingerprint`)."""
+        return dataset_fingerprint([c.fingerprint for c in self.corpora], self.weights,
+                                   self.seq_len, self.packing, self.seed)
+
+    @property
+    def tokenizer_fingerprint(self) -> str:
+        """The corpora's tokenizer (equal for every corpus: checked at open); "" for
+        Megatron-LM prefixes, which record none."""
+        return next((c.manifest["tokenizer"]["fingerprint"] for c in self.corpora
+                     if c.manifest is not None), "")
 
     def describe(self) -> dict[str, Any]:
         """A summary for logs and run records."""
-        return {"examples": len(self), "seq_len": self.seq_len, "packing": self.packing,
-                "seed": self.seed, "tokens": self.n_tokens,
+        return {"data_path": self.data_path, "examples": len(self), "seq_len": self.seq_len,
+                "packing": self.packing, "seed": self.seed, "tokens": self.n_tokens,
                 "padding_share": round(self.padding_share, 6), "fingerprint": self.fingerprint,
                 "corpora": [{"prefix": str(c.paths.prefix), "documents": len(c),
                              "tokens": c.n_tokens, "fingerprint": c.fingerprint}

@@ -27,6 +27,7 @@ prepare with the same request does nothing; another request is refused unless
 from __future__ import annotations
 
 import gc
+import hashlib
 import logging
 import os
 import shutil
@@ -104,6 +105,10 @@ class PrepareConfig:
 
     overwrite: bool = False
     """Replace a prepared corpus (or an unfinished prepare) of other inputs or settings."""
+
+    max_docs: int | None = field(default=None, metadata=bounds(ge=1))
+    """Prepare only the first N documents (reading stops there: the inputs are not hashed
+    whole, the fingerprint hashes the documents read); null = all."""
 
     @property
     def fields(self) -> FieldMap:
@@ -188,7 +193,8 @@ def _request(cfg: PrepareConfig, inputs: list[dict], tok: CorpusTokenizer | None
                  {"train": {"vocab_size": cfg.vocab_size, "model_type": cfg.tokenizer_type,
                             "sample_docs": cfg.tokenizer_sample, "seed": cfg.seed}})
     return {"format_version": FORMAT_VERSION, "fields": asdict(cfg.fields),
-            "inputs": [{k: f[k] for k in ("name", "size", "blake2b")} for f in inputs],
+            "inputs": [{k: f[k] for k in ("name", "size", "blake2b", "mtime_ns") if k in f}
+                       for f in inputs], "max_docs": cfg.max_docs,
             "tokenizer": tokenizer, "document_rule": DOCUMENT_RULE}
 
 
@@ -240,13 +246,14 @@ def _open_work(paths: PreparedPaths, request: str, cfg: PrepareConfig) -> _Work:
 
 # ---- the tokenizer ------------------------------------------------------------------------
 
-def _sample_texts(files, fields: FieldMap, n: int, seed: int) -> tuple[list[str], int]:
-    """A uniform sample of ``n`` texts (reservoir sampling, one pass), in corpus order, and
-    the number of documents seen."""
+def _sample_texts(files, fields: FieldMap, n: int, seed: int, limit: int | None = None
+                  ) -> tuple[list[str], int]:
+    """A uniform sample of ``n`` texts of the first ``limit`` documents (reservoir sampling,
+    one pass), in corpus order, and the number of documents seen."""
     rng = np.random.default_rng(seed)
     slots: list[tuple[int, str]] = []
     seen = 0
-    for batch in iter_batches(files, fields):
+    for batch in iter_batches(files, fields, limit=limit):
         texts = batch.column("text")
         m = batch.num_rows
         fill = min(max(n - seen, 0), m)
@@ -266,7 +273,8 @@ def _trained(cfg: PrepareConfig, files, work: _Work) -> CorpusTokenizer:
     if saved:
         return load_saved(work.folder / "tokenizer", saved)
     t0 = time.perf_counter()
-    texts, seen = _sample_texts(files, cfg.fields, cfg.tokenizer_sample, cfg.seed)
+    texts, seen = _sample_texts(files, cfg.fields, cfg.tokenizer_sample, cfg.seed,
+                                cfg.max_docs)
     if seen == 0:
         raise InputFileError(f"the corpus {list(cfg.input)} holds no document. Fix: pass "
                              f"files with at least one row")
@@ -347,24 +355,31 @@ def _write_chunk(folder: str, k: int, batch: Any) -> dict:
 
 
 class _Runner:
-    """Chunks to workers (a fork pool, or this process for one worker), results in order."""
+    """Chunks to workers (a fork pool, or this process for one worker), results in order.
+    The pool starts with the second chunk: a corpus of one chunk is tokenized here."""
 
     def __init__(self, tok: CorpusTokenizer, dtype: Any, workers: int) -> None:
-        self.pool = None
+        self.pool, self.tok, self.dtype, self.workers = None, tok, dtype, workers
         self._env = os.environ.get("TOKENIZERS_PARALLELISM")  # restored by close()
-        if workers > 1:
-            import multiprocessing as mp
-
-            os.environ["TOKENIZERS_PARALLELISM"] = "false"  # before the fork
-            self.pool = mp.get_context("fork").Pool(workers, _init_worker, (tok, dtype))
-        else:
-            _init_worker(tok, dtype, pool=False)
+        self.held: tuple | None = None  # the first chunk, until a second one comes
         self.ahead = 2 * workers
         self.pending: deque = deque()
 
     def submit(self, folder: str, k: int, batch: Any) -> Iterator[dict]:
         """Queue chunk ``k``; yields the results that are due, in order."""
+        if self.workers > 1 and self.pool is None:
+            if self.held is None:
+                self.held = (folder, k, batch)
+                return
+            import multiprocessing as mp
+
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"  # before the fork
+            self.pool = mp.get_context("fork").Pool(self.workers, _init_worker,
+                                                    (self.tok, self.dtype))
+            self.pending.append(self.pool.apply_async(_write_chunk, self.held))
+            self.held = None
         if self.pool is None:
+            _init_worker(self.tok, self.dtype, pool=False)
             yield _write_chunk(folder, k, batch)
             return
         self.pending.append(self.pool.apply_async(_write_chunk, (folder, k, batch)))
@@ -372,6 +387,10 @@ class _Runner:
             yield self.pending.popleft().get()
 
     def drain(self) -> Iterator[dict]:
+        if self.held is not None:  # the only chunk
+            _init_worker(self.tok, self.dtype, pool=False)
+            yield _write_chunk(*self.held)
+            self.held = None
         while self.pending:
             yield self.pending.popleft().get()
 
@@ -403,7 +422,7 @@ def _tokenize(cfg: PrepareConfig, files, tok: CorpusTokenizer, work: _Work, dtyp
             logger.info("prepare: %d documents, %d tokens, %d chunks committed (%.0f docs/s)",
                         work.documents, work.tokens, len(work.parts), rate)
 
-    chunks = _chunks(iter_batches(files, cfg.fields, skip=work.documents),
+    chunks = _chunks(iter_batches(files, cfg.fields, skip=work.documents, limit=cfg.max_docs),
                      work.state["chunk_docs"])
     runner = _Runner(tok, dtype, cfg.n_workers())
     try:
@@ -457,11 +476,24 @@ def _refuse_duplicate_ids(folder: Path, cfg: PrepareConfig) -> None:
                              f"column that is absent so ids are <file>:<row>")
 
 
+def _read_rows(docs: Path, max_docs: int) -> dict:
+    """What a prepare of the first ``max_docs`` rows read: the digest of its documents' id
+    and text hashes (the inputs were not hashed whole)."""
+    from dattri_ds.data.doctable import DocumentTable
+
+    table, h = DocumentTable(docs), hashlib.blake2b(digest_size=16)
+    for arr in (table.id_hash, table.text_hash):
+        h.update(np.ascontiguousarray(arr).tobytes())
+    return {"max_docs": max_docs, "documents": h.hexdigest()}
+
+
 def _manifest(cfg: PrepareConfig, inputs: list[dict], tok: CorpusTokenizer, request: str,
-              work: _Work, dtype: Any, paths: PreparedPaths) -> dict:
+              work: _Work, dtype: Any, paths: PreparedPaths, docs: Path) -> dict:
     ids_from = (f"<file>:<row> (the inputs have no '{cfg.id_field}' field)"
                 if work.state.get("ids_generated") else f"field '{cfg.id_field}'")
-    data = [{k: f[k] for k in ("name", "size", "blake2b")} for f in inputs]
+    data: Any = [{k: f[k] for k in ("name", "size", "blake2b")} for f in inputs]
+    if cfg.max_docs is not None:
+        data = {"files": data, "rows": _read_rows(docs, cfg.max_docs)}
     return {
         "format": FORMAT, "format_version": FORMAT_VERSION,
         "fingerprint": fingerprint_of({"data": data, "fields": asdict(cfg.fields),
@@ -488,7 +520,7 @@ def _finish(cfg: PrepareConfig, paths: PreparedPaths, work: _Work, tok: CorpusTo
             shutil.rmtree(final)
         os.replace(tmp[k], final)
     fsync_dir(paths.prefix.parent)
-    manifest = _manifest(cfg, inputs, tok, request, work, dtype, paths)
+    manifest = _manifest(cfg, inputs, tok, request, work, dtype, paths, paths.docs)
     write_json_atomic(paths.manifest, manifest)  # last: from here the corpus reads as complete
     shutil.rmtree(paths.work)
     return manifest
@@ -517,7 +549,7 @@ def prepare(cfg: PrepareConfig, *,
     files = resolve_inputs(cfg.input)
     plans = check_shards(files, cfg.fields)
     given = open_tokenizer(cfg.tokenizer) if cfg.tokenizer is not None else None
-    inputs = describe_inputs(files)
+    inputs = describe_inputs(files, whole=cfg.max_docs is None)
     request = fingerprint_of(_request(cfg, inputs, given))
     done = _finished(paths, request, cfg.overwrite)
     if done is not None:

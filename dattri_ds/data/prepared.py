@@ -174,6 +174,19 @@ class PreparedCorpus:
         return f"{self.name}:doc-{d}" if end - first == 1 else \
             f"{self.name}:doc-{d}/seq-{int(doc) - first}"
 
+    def find(self, doc_id: str) -> int | None:
+        """The document (sequence) named ``doc_id`` (:meth:`doc_id`'s inverse), or None."""
+        if self.table is not None:
+            return self.table.find(doc_id)
+        name, _, rest = doc_id.rpartition(":doc-")
+        d, _, seq = rest.partition("/seq-")
+        if name != self.name or not d.isdigit() or (seq and not seq.isdigit()):
+            return None
+        seqs, d = self.dataset.document_indices, int(d)  # [D + 1]: first sequence of each
+        at = d if len(seqs) == len(self) + 1 else \
+            int(seqs[d]) + int(seq or 0) if d < len(seqs) - 1 else len(self)
+        return at if at < len(self) and self.doc_id(at) == doc_id else None
+
     def document(self, doc: int) -> dict[str, Any]:
         """``{"id", "source", "title", "tokens"}`` of document ``doc``."""
         t = self.table

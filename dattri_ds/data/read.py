@@ -515,19 +515,26 @@ def _normalize(batch, f: InputFile, fields: FieldMap, row0: int):
 
 
 def iter_batches(files: Sequence[InputFile], fields: FieldMap = FieldMap(), *,
-                 skip: int = 0) -> Iterator[object]:
+                 skip: int = 0, limit: int | None = None) -> Iterator[object]:
     """Record batches of ``DOC_SCHEMA`` over every file in order, the first ``skip`` rows
-    left out (a resumed prepare); memory: one batch.
+    left out (a resumed prepare), none from row ``limit`` on (counted from the first row,
+    skipped ones included; None: every row; reading stops there); memory: one batch.
 
     Raises:
         InputFileError: see the module docstring.
     """
     plans = check_shards(files, fields)
+    left = limit  # rows still to read, skipped ones included
     for f, plan in zip(files, plans):
         if plan is None:
             continue
         row = 0
         for batch in FORMATS.lookup(f.format).batches(f, plan):
+            if left is not None:
+                if left <= 0:
+                    return
+                batch = batch.slice(0, left) if batch.num_rows > left else batch
+                left -= batch.num_rows
             n = batch.num_rows
             if skip >= n:
                 skip -= n
@@ -548,7 +555,11 @@ def hash_file(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
-def describe_inputs(files: Sequence[InputFile]) -> list[dict[str, object]]:
-    """``{"name", "path", "format", "size", "blake2b"}`` per file: the data's fingerprint."""
+def describe_inputs(files: Sequence[InputFile], whole: bool = True
+                    ) -> list[dict[str, object]]:
+    """``{"name", "path", "format", "size", "blake2b"}`` per file: the data's fingerprint;
+    ``whole=False`` (only the first rows are read) hashes nothing: ``blake2b`` is None and
+    ``mtime_ns`` tells a changed file."""
     return [{"name": f.name, "path": str(f.path.resolve()), "format": f.format, "size": f.size,
-             "blake2b": hash_file(f.path)} for f in files]
+             **({"blake2b": hash_file(f.path)} if whole else
+                {"blake2b": None, "mtime_ns": f.path.stat().st_mtime_ns})} for f in files]

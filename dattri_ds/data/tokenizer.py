@@ -299,7 +299,10 @@ def tokenize_documents(docs: Sequence[Document | str], tokenizer: Tokenizer, seq
 
     Row ``n`` is ``x = ([bos] + encode(text_n) + [eos])[:T]`` followed by ``T - len(x)``
     pads; ``attention_mask = 1`` and ``labels = x`` on the first ``len(x)`` positions,
-    ``0`` and ``-100`` after. Deterministic: it depends only on the texts and the tokenizer.
+    ``0`` and ``-100`` after. A prepared corpus's tokenizer (``CorpusTokenizer``, which has
+    ``encode_documents``) gives ``x = encode_documents([text_n])[0][:T]`` instead: a
+    document as the corpus stores it (``add_bos`` / ``add_eos`` do not apply).
+    Deterministic: it depends only on the texts and the tokenizer.
 
     Args:
         docs: documents (plain strings become ``Document("text-<n>", "", "", s)``).
@@ -320,14 +323,15 @@ def tokenize_documents(docs: Sequence[Document | str], tokenizer: Tokenizer, seq
         raise ConfigError("tokenize_documents got no documents")
     doc_list = tuple(d if isinstance(d, Document) else Document(f"text-{i}", "", "", d)
                      for i, d in enumerate(docs))
-    encoded = tokenizer.encode_batch([d.text for d in doc_list])
+    texts = [d.text for d in doc_list]
+    head, tail = [tokenizer.bos_id] * add_bos, [tokenizer.eos_id] * add_eos
+    encoded = tokenizer.encode_documents(texts) if hasattr(tokenizer, "encode_documents") \
+        else [head + ids + tail for ids in tokenizer.encode_batch(texts)]
     n = len(doc_list)
     input_ids = torch.full((n, seq_len), tokenizer.pad_id, dtype=torch.long)
     mask = torch.zeros((n, seq_len), dtype=torch.long)
     truncated = torch.zeros(n, dtype=torch.bool)
-    head, tail = [tokenizer.bos_id] * add_bos, [tokenizer.eos_id] * add_eos
-    for i, ids in enumerate(encoded):
-        x = head + ids + tail
+    for i, x in enumerate(encoded):
         truncated[i] = len(x) > seq_len
         x = x[:seq_len]
         input_ids[i, : len(x)] = torch.tensor(x, dtype=torch.long)

@@ -317,7 +317,7 @@ def parse_text(hint: Any, text: str | list[str], path: str, meta: Any = None) ->
     """A flag's text (a list for ``tuple`` fields) parsed by the same rules as JSON: ``true``
     / ``false`` for bools, integer digits for ints, ``null`` for None."""
     members, optional = _split_optional(hint)
-    if optional and text == "null":
+    if optional and text in ("null", ["null"]):  # a list: a tuple field's flag
         return None
     if isinstance(text, list):
         return parse_value(hint, list(text), path, meta)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from dattri_ds.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
+from dattri_ds.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from dattri_ds.errors import ConfigError
 from dattri_ds.io.files import read_json
 
@@ -92,19 +92,20 @@ def _check_keys(d: Mapping[str, Any], cfg_cls: type, arch: str) -> None:
 
 
 def build_model(config: str | os.PathLike | Mapping[str, Any], *,
-                tokenizer: Tokenizer | None = None, vocab_size: int | None = None,
+                tokenizer: Any = None, vocab_size: int | None = None,
                 seed: int | None = 0) -> torch.nn.Module:
     """A randomly initialized ``AutoModelForCausalLM`` of the config's ``model_type``.
 
     The vocabulary size is, in order of precedence, ``tokenizer.vocab_size``, ``vocab_size``
-    or the config's own; ``bos_token_id``, ``eos_token_id`` and ``pad_token_id`` are set to
-    the tokenizer's (2, 3, 0) and must lie inside the vocabulary. With a tokenizer, its
+    or the config's own; ``bos_token_id``, ``eos_token_id`` and ``pad_token_id`` are the
+    tokenizer's ``bos_id`` / ``eos_id`` / ``pad_id`` (without a tokenizer: 2, 3, 0, a
+    trained SentencePiece model's) and must lie inside the vocabulary. With a tokenizer, its
     fingerprint is stored as ``model.config.tokenizer_fingerprint`` (saved with the model).
 
     Args:
         config: path of a JSON model config (ours or a Hugging Face ``config.json``), or the
             mapping itself.
-        tokenizer: the tokenizer the model will read.
+        tokenizer: the tokenizer the model will read (a ``CorpusTokenizer`` or ``Tokenizer``).
         vocab_size: vocabulary size when no tokenizer is given.
         seed: seed of the weight initialization (global RNG state is left untouched);
             None uses the global RNG.
@@ -131,10 +132,13 @@ def build_model(config: str | os.PathLike | Mapping[str, Any], *,
         warnings.warn(f"Model config vocab_size={kwargs['vocab_size']} is replaced by the "
                       f"tokenizer's {size}", stacklevel=2)
     size = size if size is not None else kwargs.get("vocab_size")
-    if size is None or size <= max(BOS_ID, EOS_ID, PAD_ID):
-        raise ConfigError(f"build_model needs a vocabulary size above {max(BOS_ID, EOS_ID)} "
-                          f"(got {size}); pass tokenizer= or vocab_size=")
-    kwargs.update(vocab_size=size, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+    special = {f"{k}_token_id": getattr(tokenizer, f"{k}_id", default) for k, default in
+               (("bos", BOS_ID), ("eos", EOS_ID), ("pad", PAD_ID))}
+    top = max((i for i in special.values() if i is not None), default=0)
+    if size is None or size <= top:
+        raise ConfigError(f"build_model needs a vocabulary size above {top} (the tokenizer's "
+                          f"special ids {special}; got {size}); pass tokenizer= or vocab_size=")
+    kwargs.update(vocab_size=size, **special)
     cfg = AutoConfig.for_model(arch, **kwargs)
     if tokenizer is not None:
         cfg.tokenizer_fingerprint = tokenizer.fingerprint

@@ -19,7 +19,8 @@ from typing import Any, Literal
 from dattri_ds.errors import ConfigError, StoreMismatchError
 from dattri_ds.ops.projection import ProjectionConfig
 from dattri_ds.store.reader import GradientStore
-from dattri_ds.store.spec import ORIGIN_FIELDS, StoreSpec, _projection_dict, load_manifest
+from dattri_ds.store.spec import DATA_KEYS, ORIGIN_FIELDS, StoreSpec, _projection_dict, \
+    load_manifest
 
 __all__ = ["StoreRequest", "attach", "check", "manifest", "model_layers", "capture_layers",
            "Difference", "compare", "checked_target_store"]
@@ -66,6 +67,10 @@ class StoreRequest:
     None)`` = plain projected gradients. The fingerprint is not compared with stores that
     record none."""
 
+    data: Mapping[str, Any] | None = None
+    """The data record of the examples the consumer reads (``StoreSpec.data``): its
+    ``fingerprint`` and ``tokenizer`` are compared with a store that records one."""
+
     origin: Mapping[str, str | None] = field(default_factory=dict)
     """Provenance (``fingerprint``, ``run_id``, ``checkpoint``, ``weights_hash``) the rows
     must have; None values are not compared."""
@@ -104,6 +109,8 @@ _DEFAULT_FIX = {
     "run_id": "use the run the store was collected from",
     "checkpoint": "use the checkpoint the store was collected at",
     "weights_hash": "use the checkpoint weights the store was collected with",
+    "data": "read the data the store was made from (--data-path {stored}), or write a new "
+            "store",
 }
 
 
@@ -203,6 +210,14 @@ def _origin(spec: StoreSpec, dtype: str, req: StoreRequest) -> list[Difference]:
             for k, v in req.origin.items() if v is not None and getattr(spec, k) != v]
 
 
+def _data(spec: StoreSpec, dtype: str, req: StoreRequest) -> list[Difference]:
+    if req.data is None or spec.data is None:
+        return []
+    return [Difference(f"data.{k}", repr(spec.data.get(k)), repr(req.data.get(k)),
+                       spec.data.get("data_path")) for k in DATA_KEYS
+            if spec.data.get(k) != req.data.get(k)]
+
+
 def _projection(spec: StoreSpec, dtype: str, req: StoreRequest) -> list[Difference]:
     if req.projection is None:
         return []
@@ -271,7 +286,7 @@ def _short(names: list[str], k: int = 3) -> str:
 
 
 _CHECKS: tuple[Callable[[StoreSpec, str, StoreRequest], list[Difference]], ...] = (
-    _origin, _projection, _dtype, _whitening, _semantics, _layers)
+    _origin, _data, _projection, _dtype, _whitening, _semantics, _layers)
 
 
 # ---- the layers a consumer captures, before any gradient ---------------------------------

@@ -26,7 +26,8 @@ class StoreCallback(TrainingCallback):
     def __init__(self, config: StoreConfig, *, projection: ProjectionConfig, fingerprint: str,
                  rank: int = 0, world: int = 1, spec: StoreSpec | None = None,
                  capture: Any = None, run_id: str | None = None,
-                 checkpoint: str | None = None, weights_hash: str | None = None) -> None:
+                 checkpoint: str | None = None, weights_hash: str | None = None,
+                 data: dict | None = None) -> None:
         """
         Args:
             config: where and how to write.
@@ -40,10 +41,11 @@ class StoreCallback(TrainingCallback):
                 recorded in the manifest).
             run_id, checkpoint, weights_hash: provenance recorded in the manifest (see
                 StoreSpec); None = not recorded (e.g. rows captured over many steps).
+            data: the data record of the examples (``StoreSpec.data``); None = not recorded.
         """
         self.config, self.projection, self.fingerprint = config, projection, fingerprint
         self._origin = {"capture": capture, "run_id": run_id, "checkpoint": checkpoint,
-                        "weights_hash": weights_hash}
+                        "weights_hash": weights_hash, "data": data}
         self.rank, self.world = rank, world
         self.writer: GradientStoreWriter | None = None
         if spec is not None:

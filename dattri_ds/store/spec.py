@@ -1,4 +1,5 @@
-"""StoreSpec: what a gradient store holds (layers, projection, model), and how specs are compared.
+"""StoreSpec: what a gradient store holds (layers, projection, model, data), and how specs are
+compared.
 
 A row is the concatenation, in ``StoreSpec.layers`` order, of one example's projected Dense
 vectors (width ``P = sum_l P_l``). Rows are comparable only when the projection, layers,
@@ -20,7 +21,7 @@ from dattri_ds.store.config import STORE_DTYPES
 from dattri_ds.store.format import INFO_NAME, StoreCorruptError, load_info
 
 __all__ = ["LayerSpec", "StoreSpec", "mismatch_error", "check_stored", "load_manifest",
-           "capture_semantics", "ORIGIN_FIELDS", "weights_hash"]
+           "capture_semantics", "ORIGIN_FIELDS", "weights_hash", "data_diff", "DATA_KEYS"]
 
 #: Provenance fields of a StoreSpec a reader can require (``GradientStore.open(origin=...)``).
 ORIGIN_FIELDS = ("fingerprint", "run_id", "checkpoint", "weights_hash")
@@ -42,6 +43,8 @@ _FIX_PROJECTION = ("use the ProjectionConfig the store was written with (capture
                    "kind/distribution/dim/seed), or point store.path at a new directory")
 _FIX_FINGERPRINT = ("the store belongs to another model or checkpoint: point store.path at a "
                     "new directory for this one")
+_FIX_DATA = ("the store holds rows of other examples: use the data it was made from "
+             "(--data-path {}), or point store.path at a new directory")
 _FIX_LAYERS = ("capture the same layers as the store (capture.include / capture.exclude and "
                "capture.projection.dim), or point store.path at a new directory")
 
@@ -146,6 +149,12 @@ class StoreSpec:
     damping and power included): scoring needs the query whitened by the same factors.
     None: not whitened, or not recorded."""
 
+    data: dict[str, Any] | None = None
+    """The data record of the examples the rows were computed on (``data_record`` of
+    launch/data.py: ``fingerprint`` of the examples, ``tokenizer``, and ``data_path``,
+    ``seq_len``, ``packing``, ``seed`` to open them again); rows of other data are never
+    mixed in (``fingerprint`` and ``tokenizer`` compared). None: not recorded."""
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
         if not self.layers:
@@ -158,12 +167,13 @@ class StoreSpec:
     def from_batch(cls, batch: GradBatch, *, projection: ProjectionConfig, fingerprint: str,
                    capture: Any = None, run_id: str | None = None,
                    checkpoint: str | None = None, weights_hash: str | None = None,
-                   whitened_by: str | None = None) -> StoreSpec:
+                   whitened_by: str | None = None, data: dict | None = None) -> StoreSpec:
         """The spec of a projected batch (layer order = the batch's layer order).
 
         ``capture`` (the CaptureConfig that produced the batch), ``run_id``, ``checkpoint``,
-        ``weights_hash`` and ``whitened_by`` (the whitening factors' fingerprint) are
-        recorded in the manifest and checked by readers that ask.
+        ``weights_hash``, ``whitened_by`` (the whitening factors' fingerprint) and ``data``
+        (the examples' data record) are recorded in the manifest and checked by readers
+        that ask.
 
         Raises:
             ConfigError: a layer is factorized, unprojected, TP-sharded or projected with
@@ -183,7 +193,7 @@ class StoreSpec:
                    fingerprint=fingerprint, projection_config=_projection_dict(projection),
                    semantics=None if capture is None else capture_semantics(capture),
                    run_id=run_id, checkpoint=checkpoint, weights_hash=weights_hash,
-                   whitened=whitened, whitened_by=whitened_by)
+                   whitened=whitened, whitened_by=whitened_by, data=data)
 
     def origin(self) -> dict[str, str | None]:
         """The provenance fields (``ORIGIN_FIELDS``) of this spec."""
@@ -251,6 +261,7 @@ class StoreSpec:
         if requested.semantics is not None and self.semantics != requested.semantics:
             lines.append(f"capture semantics: stored {self.semantics}, requested "
                          f"{requested.semantics}; fix: {_FIX_SEMANTICS}")
+        lines += data_diff(self.data, requested.data)
         lines += self.origin_diff({k: v for k, v in requested.origin().items()
                                    if k != "fingerprint"})
         lines += _layer_diff(self.layers, requested.layers, compare_projection=same_projection)
@@ -273,6 +284,7 @@ class StoreSpec:
                 "weights_hash": self.weights_hash,
                 **({} if self.whitened is None else {"whitened": self.whitened}),
                 **({} if self.whitened_by is None else {"whitened_by": self.whitened_by}),
+                **({} if self.data is None else {"data": self.data}),
                 "layers": [ls.to_json() for ls in self.layers]}
 
     @classmethod
@@ -282,12 +294,29 @@ class StoreSpec:
                    projection_config=d.get("projection_config"), semantics=d.get("semantics"),
                    run_id=d.get("run_id"), checkpoint=d.get("checkpoint"),
                    weights_hash=d.get("weights_hash"), whitened=d.get("whitened"),
-                   whitened_by=d.get("whitened_by"))
+                   whitened_by=d.get("whitened_by"), data=d.get("data"))
 
     def digest(self, dtype: str) -> str:
-        """blake2b of the canonical JSON of (spec, dtype): equal digests = same row layout."""
-        text = json.dumps({"spec": self.to_json(), "dtype": dtype}, sort_keys=True)
+        """blake2b of the canonical JSON of (spec, dtype): equal digests = same row layout
+        (the data record, which says what the rows' ids refer to, is not part of it)."""
+        spec = {k: v for k, v in self.to_json().items() if k != "data"}
+        text = json.dumps({"spec": spec, "dtype": dtype}, sort_keys=True)
         return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+#: The keys of a data record that decide whether rows are comparable.
+DATA_KEYS = ("fingerprint", "tokenizer")
+
+
+def data_diff(stored: dict | None, requested: dict | None) -> list[str]:
+    """One line when both records exist and their ``DATA_KEYS`` differ (both sides, the
+    stored data's path and the fix)."""
+    if not stored or not requested:
+        return []
+    diffs = [f"{k} {stored.get(k)!r} stored, {requested.get(k)!r} requested" for k in DATA_KEYS
+             if stored.get(k) != requested.get(k)]
+    return [f"data: {'; '.join(diffs)}; fix: {_FIX_DATA.format(stored.get('data_path'))}"
+            ] if diffs else []
 
 
 def _layer_diff(stored: tuple[LayerSpec, ...], requested: tuple[LayerSpec, ...], *,

@@ -130,7 +130,7 @@ def test_elastic_resume_with_selection_keeps_the_invariants(tmp_path, before, af
     every 3 steps) saved on ``before`` ranks at step 2 and resumed on ``after`` ranks to
     step 4: the invariants of the module docstring."""
     require("deepspeed", "deepspeed")
-    from dattri_ds.data import load_documents
+    from dattri_ds.data.packed import PackedDataset
 
     batch = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2}
     sel = ("--online-selection", "--target-data", str(ROOT / "data/tiny/target.jsonl"),
@@ -159,9 +159,9 @@ def test_elastic_resume_with_selection_keeps_the_invariants(tmp_path, before, af
     assert per_step == [2 * before] * HALF + [2 * after] * (STEPS - HALF)
     n_cand = len(records[0]["candidate_scores"])
     slots = 2 * n_cand * (HALF * before + (STEPS - HALF) * after)
-    docs = load_documents(str(ROOT / "data/tiny/train.jsonl"))[:96]
+    data = PackedDataset.of_record(json.loads((part / "data.json").read_text())["record"])
     seed = json.loads((part / "resolved_dattri_ds_config.json").read_text())["train"]["seed"]
-    drawn = {docs[i].id for i in _stream(len(docs), seed, slots)}
+    drawn = {data.example_id(i) for i in _stream(len(data), seed, slots)}
     chosen = [c.split("#")[0] for r in records for c in r["chosen"]]
     assert len(chosen) == len(set(chosen)) == sums[0]["examples"]  # none repeated
     assert set(chosen) <= drawn, sorted(set(chosen) - drawn)  # none from past the stream

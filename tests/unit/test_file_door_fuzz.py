@@ -21,7 +21,10 @@ Doors (what a user hands the system, and the code path that reads it):
   ``mp_rank_*`` model states and ``*_optim_states.pt``, ``training_state.pt``, the loop's
   state, the weights);
 * ``deepspeed-keys``: launch's DeepSpeed JSON with one key DeepSpeed asserts on (batch
-  keys, ZeRO keys, fp16/bf16, gradient clipping, optimizer and scheduler params).
+  keys, ZeRO keys, fp16/bf16, gradient clipping, optimizer and scheduler params);
+* ``train-data``: launch's ``--train-data`` (checked at start, then prepared into the run);
+* ``data-path-idx`` / ``-bin`` / ``-manifest``: launch's ``--data-path PREFIX`` with one
+  file of the prepared corpus damaged (an ``.idx`` without its ``.bin`` included).
 
 Cases: garbage bytes, a truncated file, latin-1 bytes, a UTF-8 BOM (accepted: the run goes on),
 CSV, an empty file, a directory, a symlink loop, a dangling symlink, a line over the line cap,
@@ -243,7 +246,7 @@ def door_target_data(env: Env, case: str, tmp: Path):
     from launch.evaluate import tokenized_texts
     path = tmp / "target.jsonl"
     CASES[case](path, DOCS)
-    return path, lambda: tokenized_texts(str(path), env.tok, 16, 0, None)
+    return path, lambda: tokenized_texts(str(path), env.tok, 16)
 
 
 def _report(env: Env, case: str, tmp: Path, name: str, valid: bytes | None):
@@ -517,6 +520,50 @@ def door_tokenizer(env: Env, case: str, tmp: Path):
     return path, lambda: Tokenizer.load(path)
 
 
+def door_train_data(env: Env, case: str, tmp: Path):
+    """launch's ``--train-data`` (``check_inputs`` at start, then ``training_data`` prepares
+    it into the run's ``data/``)."""
+    from dattri_ds.launch.checks import check_inputs
+    from dattri_ds.launch.config import RunConfig
+    from dattri_ds.launch.data import training_data
+
+    path = tmp / "train.jsonl"
+    CASES[case](path, DOCS)
+    cfg = RunConfig.from_dict({"train": {"train_data": [str(path)], "seq_len": 16,
+                                         "tokenizer": str(env.tok.path)}})
+    return path, lambda: (check_inputs(cfg), training_data(cfg, tmp / "run", 0))
+
+
+def _data_path(env: Env, case: str, tmp: Path, suffix: str):
+    """launch's ``--data-path PREFIX`` (``check_inputs``) with ``PREFIX<suffix>`` damaged."""
+    from dattri_ds.data.prepare import PrepareConfig, prepare
+    from dattri_ds.launch.checks import check_inputs
+    from dattri_ds.launch.config import RunConfig
+
+    (tmp / "docs.jsonl").write_bytes(DOCS)
+    prefix = tmp / "corpus"
+    prepare(PrepareConfig(input=(str(tmp / "docs.jsonl"),), output_prefix=str(prefix),
+                          tokenizer=str(env.tok.path), workers=1))
+    path = Path(f"{prefix}{suffix}")
+    valid = path.read_bytes()
+    path.unlink()
+    CASES[case](path, valid)
+    cfg = RunConfig.from_dict({"train": {"data_path": [str(prefix)]}})
+    return path, lambda: check_inputs(cfg)
+
+
+def door_data_path_idx(env, case, tmp):
+    return _data_path(env, case, tmp, ".idx")
+
+
+def door_data_path_bin(env, case, tmp):
+    return _data_path(env, case, tmp, ".bin")
+
+
+def door_data_path_manifest(env, case, tmp):
+    return _data_path(env, case, tmp, ".manifest.json")
+
+
 RUN_CONFIG = (b'{"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2, '
               b'"dattri_ds": {"train": {"model_config": "configs/' + MARK + b'.json"}}}\n')
 MODEL_CONFIG = (b'{"model_type": "gpt2", "n_embd": 16, "n_layer": 1, "n_head": 2, '
@@ -579,6 +626,12 @@ DOORS = {
     "init-checkpoint": (door_init_checkpoint, [c for c in CHECKPOINT_DAMAGE
                                                if c != "cut-loop-state"] + list(WEIGHT_DAMAGE)),
     "deepspeed-keys": (door_deepspeed_keys, list(DS_KEY_CASES)),
+    "train-data": (door_train_data, TEXT + ["huge-line"]),
+    "data-path-idx": (door_data_path_idx, FILE),
+    # any bytes of the right length are tokens: a .bin is checked by its size only
+    "data-path-bin": (door_data_path_bin, [c for c in FILE if c != "garbage"]),
+    # without a manifest a prefix is a Megatron-LM one: "missing" is another door's case
+    "data-path-manifest": (door_data_path_manifest, [c for c in TEXT if c != "missing"]),
 }
 PAIRS = [(d, c) for d, (_, cases) in DOORS.items() for c in cases]
 #: A UTF-8 BOM is stripped: the input is valid (not in a Hugging Face config.json, which

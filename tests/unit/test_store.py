@@ -444,3 +444,37 @@ def test_attach_compares_every_requested_field_in_one_line(tmp_path):
         assert part in text, (part, text)
     assert text.count("the model of the store") == 1  # a shared fix is said once
     assert "seed" not in text  # equal fields are not listed
+
+
+def test_data_record_is_kept_and_compared(tmp_path):
+    """A store written with a data record keeps it in its manifest; a writer with another
+    record's fingerprint or tokenizer, and an ``attach`` request naming one, are refused
+    with both values and the stored data path; a store without a record, or a request
+    without one, is not compared. Breaks if rows of other examples could be appended."""
+    import dataclasses
+
+    from dattri_ds.store import StoreRequest, attach, seal_store
+
+    data = {"fingerprint": "f1", "tokenizer": "spm-1", "data_path": ["/d/corpus"],
+            "seq_len": 8, "packing": "windows", "seed": 1234}
+    spec = dataclasses.replace(make_spec(), data=data)
+    with GradientStoreWriter(StoreConfig(path=str(tmp_path / "s")), spec) as w:
+        w.append(make_batch(ids_range(0, 2)))
+    seal_store(tmp_path / "s")
+    with GradientStore.open(tmp_path / "s") as store:
+        assert store.spec.data == data
+    other = dataclasses.replace(spec, data={**data, "fingerprint": "f2", "tokenizer": "hf-2"})
+    with pytest.raises(StoreMismatchError) as err:
+        GradientStoreWriter(StoreConfig(path=str(tmp_path / "s")), other)
+    text = str(err.value)
+    assert "fingerprint 'f1' stored, 'f2' requested" in text and "'/d/corpus'" in text, text
+    assert "tokenizer 'spm-1' stored, 'hf-2' requested" in text
+    GradientStoreWriter(StoreConfig(path=str(tmp_path / "s")), make_spec()).close()
+    with pytest.raises(StoreMismatchError, match=r"data.fingerprint: stored 'f1', requested "
+                                                 r"'f2' \(fix: .*--data-path \['/d/corpus'\]"):
+        attach(tmp_path / "s", StoreRequest(consumer="collect", data=other.data), mode="read")
+    with attach(tmp_path / "s", StoreRequest(consumer="collect", data=data), mode="read"):
+        pass
+    write(tmp_path / "plain", [ids_range(0, 2)])
+    with attach(tmp_path / "plain", StoreRequest(consumer="c", data=data), mode="read"):
+        pass
