@@ -146,6 +146,13 @@ class StoreSpec:
     damping and power included): scoring needs the query whitened by the same factors.
     None: not whitened, or not recorded."""
 
+    data: dict[str, Any] | None = None
+    """The data the rows were computed on, ``{"fingerprint", "paths", "seq_len",
+    "packing"}``: the dataset's fingerprint (``PackedDataset.fingerprint`` for prepared
+    data), its data path as given (prefixes absolute; the blend form keeps its weights),
+    tokens per example and packing. None: not recorded. Compared by fingerprint (``diff``);
+    left out of ``digest`` (the row layout does not depend on it)."""
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
         if not self.layers:
@@ -158,12 +165,13 @@ class StoreSpec:
     def from_batch(cls, batch: GradBatch, *, projection: ProjectionConfig, fingerprint: str,
                    capture: Any = None, run_id: str | None = None,
                    checkpoint: str | None = None, weights_hash: str | None = None,
-                   whitened_by: str | None = None) -> StoreSpec:
+                   whitened_by: str | None = None, data: dict[str, Any] | None = None
+                   ) -> StoreSpec:
         """The spec of a projected batch (layer order = the batch's layer order).
 
         ``capture`` (the CaptureConfig that produced the batch), ``run_id``, ``checkpoint``,
-        ``weights_hash`` and ``whitened_by`` (the whitening factors' fingerprint) are
-        recorded in the manifest and checked by readers that ask.
+        ``weights_hash``, ``whitened_by`` (the whitening factors' fingerprint) and ``data``
+        (the data record) are recorded in the manifest and checked by readers that ask.
 
         Raises:
             ConfigError: a layer is factorized, unprojected, TP-sharded or projected with
@@ -183,7 +191,7 @@ class StoreSpec:
                    fingerprint=fingerprint, projection_config=_projection_dict(projection),
                    semantics=None if capture is None else capture_semantics(capture),
                    run_id=run_id, checkpoint=checkpoint, weights_hash=weights_hash,
-                   whitened=whitened, whitened_by=whitened_by)
+                   whitened=whitened, whitened_by=whitened_by, data=data)
 
     def origin(self) -> dict[str, str | None]:
         """The provenance fields (``ORIGIN_FIELDS``) of this spec."""
@@ -248,6 +256,12 @@ class StoreSpec:
             lines.append(f"whitened_by: stored factors {self.whitened_by!r}, requested "
                          f"{requested.whitened_by!r}; fix: collect with the factors the store "
                          f"was whitened by, or point store.path at a new directory")
+        theirs, ours = (d.get("fingerprint") if d else None for d in (self.data, requested.data))
+        if theirs is not None and ours is not None and theirs != ours:
+            lines.append(f"data: stored fingerprint {theirs} ({self.data.get('paths')}), "
+                         f"requested {ours} ({requested.data.get('paths')}); fix: read the "
+                         f"data the store was written from, or point store.path at a new "
+                         f"directory")
         if requested.semantics is not None and self.semantics != requested.semantics:
             lines.append(f"capture semantics: stored {self.semantics}, requested "
                          f"{requested.semantics}; fix: {_FIX_SEMANTICS}")
@@ -273,6 +287,7 @@ class StoreSpec:
                 "weights_hash": self.weights_hash,
                 **({} if self.whitened is None else {"whitened": self.whitened}),
                 **({} if self.whitened_by is None else {"whitened_by": self.whitened_by}),
+                **({} if self.data is None else {"data": self.data}),
                 "layers": [ls.to_json() for ls in self.layers]}
 
     @classmethod
@@ -282,11 +297,13 @@ class StoreSpec:
                    projection_config=d.get("projection_config"), semantics=d.get("semantics"),
                    run_id=d.get("run_id"), checkpoint=d.get("checkpoint"),
                    weights_hash=d.get("weights_hash"), whitened=d.get("whitened"),
-                   whitened_by=d.get("whitened_by"))
+                   whitened_by=d.get("whitened_by"), data=d.get("data"))
 
     def digest(self, dtype: str) -> str:
-        """blake2b of the canonical JSON of (spec, dtype): equal digests = same row layout."""
-        text = json.dumps({"spec": self.to_json(), "dtype": dtype}, sort_keys=True)
+        """blake2b of the canonical JSON of (spec, dtype) without ``data``: equal digests =
+        same row layout."""
+        spec = {k: v for k, v in self.to_json().items() if k != "data"}
+        text = json.dumps({"spec": spec, "dtype": dtype}, sort_keys=True)
         return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
