@@ -32,8 +32,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from dattri_ds import (  # noqa: E402
-    CaptureConfig, Checkpoint, GradBatch, KFACFactors, Projector, cli,
+    CaptureConfig, Checkpoint, GradBatch, KFACFactors, Projector,
 )
+from dattri_ds.cli import exits as cli  # noqa: E402
 from dattri_ds.errors import ConfigError, DoesNotFitError, StoreCorruptError  # noqa: E402
 from dattri_ds.eval import tfidf_scores, with_text_prior  # noqa: E402
 from dattri_ds.methods import get_attributor  # noqa: E402
@@ -46,7 +47,7 @@ from dattri_ds.methods.recipe import Recipe  # noqa: E402
 from dattri_ds.store import StoreRequest, attach  # noqa: E402
 from dattri_ds.store.attach import check, manifest, model_layers  # noqa: E402
 from dattri_ds.tools.configs import ATTRIBUTE, DATA, DEFAULT_METHOD, add_flags  # noqa: E402
-from dattri_ds.tools.datasets import ToolData, open_data  # noqa: E402
+from dattri_ds.tools.datasets import ToolData, source_data  # noqa: E402
 from dattri_ds.tools.gradients import gradients  # noqa: E402
 from dattri_ds.tools.progress import bar  # noqa: E402
 from dattri_ds.tools.provenance import (  # noqa: E402
@@ -406,9 +407,7 @@ def training_texts(args, run: Source, stores: dict[str, Path]):
                                                  TRUNCATED):
             raise
         return None, str(e)
-    data = open_data(origin, args.seq_len or origin.seq_len or run.seq_len,
-                     source_tokenizer=run.tokenizer, vocab_size=run.vocab_size,
-                     model=source_flags(args))
+    data = source_data(origin, run, args)
     check_data(stores, data, "attribute", "--store the stores collected from "
                f"{' '.join(data.origin.files)}")
     args.train_data, args.data_path = recorded_data(data.origin)  # recorded: what was read

@@ -48,7 +48,7 @@ from dattri_ds.store.attach import check, model_layers  # noqa: E402
 from dattri_ds.store.format import store_files  # noqa: E402
 from dattri_ds.store.spec import capture_semantics  # noqa: E402
 from dattri_ds.tools.configs import COLLECT, DATA, add_flags, values  # noqa: E402
-from dattri_ds.tools.datasets import open_data  # noqa: E402
+from dattri_ds.tools.datasets import source_data  # noqa: E402
 from dattri_ds.tools.gradients import example_ids, gradients  # noqa: E402
 from dattri_ds.tools.provenance import (  # noqa: E402
     recorded_data, training_data, write_config,
@@ -57,7 +57,7 @@ from dattri_ds.tools.runtime import (  # noqa: E402
     announce, init_distributed, logger, setup_logging,
 )
 from dattri_ds.tools.sources import (  # noqa: E402
-    Source, add_checkpoint_args, add_source_args, open_source, source_flags, source_tags,
+    Source, add_checkpoint_args, add_source_args, open_source, source_tags,
 )
 from dattri_ds.tools.stores import (  # noqa: E402
     check_data, check_factors, factors_path, store_origin,
@@ -294,9 +294,7 @@ def _data(args, run: Source):
     resolved values written back into ``args`` (recorded: what was read)."""
     origin = training_data("--data", args.data, data_path=args.data_path, packing=args.packing,
                            max_docs=args.max_docs, source=run)
-    data = open_data(origin, args.seq_len or origin.seq_len or run.seq_len,
-                     source_tokenizer=run.tokenizer, vocab_size=run.vocab_size,
-                     model=source_flags(args))
+    data = source_data(origin, run, args)
     args.data, args.data_path = recorded_data(data.origin)
     args.packing, args.max_docs, args.seq_len = data.origin.packing, data.origin.max_docs, \
         data.seq_len

@@ -47,12 +47,12 @@ from dattri_ds.selection.curate.targets import (  # noqa: E402
 from dattri_ds.selection.curate.writer import OUTPUTS  # noqa: E402
 from dattri_ds.store import StoreRequest, attach  # noqa: E402
 from dattri_ds.tools.configs import CURATE, DATA, add_flags  # noqa: E402
-from dattri_ds.tools.datasets import ToolData, open_data  # noqa: E402
+from dattri_ds.tools.datasets import ToolData, source_data  # noqa: E402
 from dattri_ds.tools.gradients import gradients  # noqa: E402
 from dattri_ds.tools.provenance import training_data  # noqa: E402
 from dattri_ds.tools.runtime import init_distributed, logger, setup_logging  # noqa: E402
 from dattri_ds.tools.sources import (  # noqa: E402
-    Source, add_checkpoint_args, add_source_args, open_source, source_flags, tag_choice,
+    Source, add_checkpoint_args, add_source_args, open_source, tag_choice,
 )
 from dattri_ds.tools.stores import check_data, store_paths  # noqa: E402
 from dattri_ds.tools.subset import SUBSET_FILES  # noqa: E402
@@ -127,9 +127,7 @@ def _pool_data(args, source: Source, stores) -> ToolData:
     """
     origin = training_data("--pool", args.pool, data_path=args.data_path, packing=args.packing,
                            store=args.store)
-    data = open_data(origin, args.seq_len or origin.seq_len or source.seq_len,
-                     source_tokenizer=source.tokenizer, vocab_size=source.vocab_size,
-                     model=source_flags(args))
+    data = source_data(origin, source, args)
     check_data({t: s.path for t, s in stores.items()}, data, "curate",
                f"--store the pool stores collected from {' '.join(data.origin.files)}")
     return data

@@ -38,10 +38,11 @@ from dattri_ds.io import files
 from dattri_ds.sample_id import SampleId
 from dattri_ds.selection.curate.pool import JsonlTexts
 from dattri_ds.tools.provenance import JSONL, PREPARED, TRUNCATED, DataOrigin
+from dattri_ds.tools.sources import Source, source_flags
 from dattri_ds.tools.subset import write_subset
 from dattri_ds.tools.texts import is_token_file, load_texts, row_texts
 
-__all__ = ["ToolData", "JsonlData", "PreparedData", "DocumentRule", "open_data"]
+__all__ = ["ToolData", "JsonlData", "PreparedData", "DocumentRule", "open_data", "source_data"]
 
 
 class ToolData(Protocol):
@@ -437,6 +438,14 @@ def open_data(origin: DataOrigin, seq_len: int | None, *, source_tokenizer=None,
     tokenizer, for jsonl texts and Megatron-LM prefixes; ``vocab_size``: the model's)."""
     return KINDS[origin.kind].open(origin, seq_len, source_tokenizer=source_tokenizer,
                                    vocab_size=vocab_size, model=model)
+
+
+def source_data(origin: DataOrigin, source: Source, args) -> ToolData:
+    """``open_data`` for a tool reading ``source``: tokens per example ``--seq-len``, else the
+    record's, else the source's; the source's tokenizer and vocabulary size."""
+    return open_data(origin, args.seq_len or origin.seq_len or source.seq_len,
+                     source_tokenizer=source.tokenizer, vocab_size=source.vocab_size,
+                     model=source_flags(args))
 
 
 #: ``DataOrigin.kind`` -> the class that reads it.

@@ -29,8 +29,9 @@ if __package__ in (None, ""):
 import torch  # noqa: E402
 
 from dattri_ds import (  # noqa: E402
-    CaptureConfig, KFACConfig, ProjectionConfig, Projector, cli, fit_factors,
+    CaptureConfig, KFACConfig, ProjectionConfig, Projector, fit_factors,
 )
+from dattri_ds.cli import exits as cli  # noqa: E402
 from dattri_ds.distributed import ParallelContext  # noqa: E402
 from dattri_ds.errors import ConfigError  # noqa: E402
 from dattri_ds.io.outputs import check_dir, check_file, writing  # noqa: E402
@@ -38,7 +39,7 @@ from dattri_ds.plan import check_tool  # noqa: E402
 from dattri_ds.store import StoreRequest, attach  # noqa: E402
 from dattri_ds.store.attach import model_layers  # noqa: E402
 from dattri_ds.tools.configs import DATA, FIT, add_flags, values  # noqa: E402
-from dattri_ds.tools.datasets import open_data  # noqa: E402
+from dattri_ds.tools.datasets import source_data  # noqa: E402
 from dattri_ds.tools.gradients import gradients  # noqa: E402
 from dattri_ds.tools.provenance import (  # noqa: E402
     recorded_data, training_data, write_config,
@@ -47,7 +48,7 @@ from dattri_ds.tools.runtime import (  # noqa: E402
     announce, init_distributed, logger, setup_logging,
 )
 from dattri_ds.tools.sources import (  # noqa: E402
-    add_checkpoint_args, add_source_args, open_source, source_flags, source_tags, tag_choice,
+    add_checkpoint_args, add_source_args, open_source, source_tags, tag_choice,
 )
 from dattri_ds.tools.stores import store_of, store_origin  # noqa: E402
 
@@ -142,9 +143,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
                        chosen=args.checkpoint)
     origin = training_data("--data", args.data, data_path=args.data_path, packing=args.packing,
                            max_docs=args.max_docs, source=run)
-    data = open_data(origin, args.seq_len or origin.seq_len or run.seq_len,
-                     source_tokenizer=run.tokenizer, vocab_size=run.vocab_size,
-                     model=source_flags(args))
+    data = source_data(origin, run, args)
     args.data, args.data_path = recorded_data(data.origin)  # recorded: what was read
     args.max_docs, args.seq_len, args.packing = origin.max_docs, data.seq_len, \
         data.origin.packing
