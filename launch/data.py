@@ -232,9 +232,7 @@ def data_record(data: Any, tok: Any) -> dict[str, Any] | None:
     ``seed``). None for examples a caller tokenized itself (``train_in_process``)."""
     if not isinstance(data, PackedDataset):
         return None
-    return {"fingerprint": data.fingerprint, "tokenizer": tok.fingerprint,
-            "data_path": data.data_path, "seq_len": data.seq_len, "packing": data.packing,
-            "seed": data.seed}
+    return data.record(tok.fingerprint)
 
 
 def data_source(tc: TrainConfig) -> dict[str, Any]:

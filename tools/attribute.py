@@ -32,11 +32,11 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from dattri_ds import (  # noqa: E402
-    CaptureConfig, Checkpoint, GradBatch, KFACFactors, Projector, cli,
+    CaptureConfig, Checkpoint, GradBatch, KFACFactors, Projector,
 )
+from dattri_ds.cli import exits as cli  # noqa: E402
 from dattri_ds.errors import ConfigError, DoesNotFitError, StoreCorruptError  # noqa: E402
 from dattri_ds.eval import tfidf_scores, with_text_prior  # noqa: E402
-from dattri_ds.io.files import check_file, first_json_line  # noqa: E402
 from dattri_ds.methods import get_attributor  # noqa: E402
 from dattri_ds.io.outputs import check_dir, writing  # noqa: E402
 from dattri_ds.methods.per_token import (  # noqa: E402
@@ -44,21 +44,23 @@ from dattri_ds.methods.per_token import (  # noqa: E402
 )
 from dattri_ds.plan import available_memory, check_tool  # noqa: E402
 from dattri_ds.methods.recipe import Recipe  # noqa: E402
-from dattri_ds.sample_id import SampleId  # noqa: E402
 from dattri_ds.store import StoreRequest, attach  # noqa: E402
 from dattri_ds.store.attach import check, manifest, model_layers  # noqa: E402
-from dattri_ds.tools.configs import ATTRIBUTE, DEFAULT_METHOD, add_flags  # noqa: E402
+from dattri_ds.tools.configs import ATTRIBUTE, DATA, DEFAULT_METHOD, add_flags  # noqa: E402
+from dattri_ds.tools.datasets import ToolData, source_data  # noqa: E402
 from dattri_ds.tools.gradients import gradients  # noqa: E402
 from dattri_ds.tools.progress import bar  # noqa: E402
-from dattri_ds.tools.provenance import training_data, write_config  # noqa: E402
+from dattri_ds.tools.provenance import (  # noqa: E402
+    TRUNCATED, recorded_data, training_data, write_config,
+)
 from dattri_ds.tools.runtime import announce, logger, setup_logging  # noqa: E402
 from dattri_ds.tools.sources import (  # noqa: E402
     Source, add_checkpoint_args, add_source_args, open_source, source_flags, tag_choice,
 )
 from dattri_ds.tools.stores import (  # noqa: E402
-    check_factors, factors_path, store_origin, store_paths,
+    check_data, check_factors, factors_path, store_origin, store_paths,
 )
-from dattri_ds.tools.texts import is_token_file, load_texts, row_texts  # noqa: E402
+from dattri_ds.tools.texts import load_texts, row_texts  # noqa: E402
 
 __all__ = ["build_parser", "main", "DEFAULT_METHOD"]
 
@@ -74,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--factors", help="curvature methods: factors file from tools/fit.py, or "
                    "a folder of <tag>.pt (tools/fit.py --checkpoint all) for trajectories")
     add_flags(p, ATTRIBUTE)  # Recipe.method (the attributor registry), weighting, options
+    add_flags(p, DATA)  # --data-path (prepared training data) and --packing
     p.add_argument("--out", required=True)
     p.add_argument("--force", action="store_true", help="replace an earlier attribution in --out")
     return p
@@ -344,7 +347,9 @@ def main(argv: list[str] | None = None) -> dict:
     run = open_source(args)
     available = store_paths(Path(args.store))
     tags = _choose_tags(args, run, available)
-    queries = load_texts(args.queries, run.tokenizer, run.context, args.query_max_docs,
+    data, why = training_texts(args, run, {t: available[t] for t in tags})
+    tokenizer = data.tokenizer if data is not None else run.tokenizer
+    queries = load_texts(args.queries, tokenizer, run.context, args.query_max_docs,
                          context=run.context, truncate=args.truncate, queries=True,
                          vocab_size=run.vocab_size)
     _announce(args, available, tags, queries)
@@ -356,7 +361,7 @@ def main(argv: list[str] | None = None) -> dict:
     proj, whitened, requests = store_requests(args, run, available, tags, models)
     recipe = Recipe(method=args.method, projection=proj, whitened=whitened is not None,
                     weighting=args.weighting)
-    prior = text_prior(args, recipe, queries)  # its texts are checked before any scoring
+    prior = text_prior(args, recipe, queries, data, why)  # checked before any scoring
     tokens = None
     if tokens_plan is not None:
         tokens = TokenScores(args, recipe, queries, tokens_plan,
@@ -371,32 +376,60 @@ def main(argv: list[str] | None = None) -> dict:
         if tokens.ids != ids:
             raise RuntimeError("per-token scores read the store's rows in another order")
         per_token = scatter_tokens(tokens.values, tokens.where, len(queries), queries.seq_len)
-        write_per_token(Path(args.out), run, queries, per_token)
+        write_per_token(Path(args.out), tokenizer, queries, per_token)
     model_total = total
     if prior.weight > 0:
-        prior = with_overlap(prior, run, queries, ids)
+        prior = with_overlap(prior, queries, ids, tokenizer)
         total = with_text_prior(total, prior.overlap.to(total.dtype), prior.weight)
     with writing(args.out):
         return write_outputs(Path(args.out), args, run, tags, queries, ids, total, per_ckpt,
                              seconds, prior, model_total)
 
 
+def training_texts(args, run: Source, stores: dict[str, Path]):
+    """``(data, why)``: the training data of the stores (``--train-data`` / ``--data-path``,
+    else recorded), opened (queries are then read with its tokenizer) and compared with
+    every store's data record; ``(None, why not)`` when nothing names it or a recorded file
+    is gone (the text prior is then off), unless the stores were collected on prepared data,
+    whose tokenizer the queries need.
+
+    Raises:
+        ConfigError: given data that cannot be read; prepared data recorded and not found.
+        StoreMismatchError: a store records other data (both sides named).
+    """
+    try:
+        origin = training_data("--train-data", args.train_data, data_path=args.data_path,
+                               packing=args.packing, store=args.store)
+    except ConfigError as e:
+        found = manifest(next(iter(stores.values())))
+        recorded = found[0].data if found else None
+        if args.train_data or args.data_path or (recorded and recorded.get("packing") !=
+                                                 TRUNCATED):
+            raise
+        return None, str(e)
+    data = source_data(origin, run, args)
+    check_data(stores, data, "attribute", "--store the stores collected from "
+               f"{' '.join(data.origin.files)}")
+    args.train_data, args.data_path = recorded_data(data.origin)  # recorded: what was read
+    args.seq_len, args.packing = data.seq_len, data.origin.packing
+    return data, ""
+
+
 @dataclass(frozen=True)
 class TextPrior:
-    """The text-overlap prior an attribution runs with: its weight (0: off), why, where the
-    training texts are (``path``, read at ``seq_len``; None: the run's) and, once computed,
-    the ``[N, Q]`` TF-IDF overlap of the training rows' and the queries' texts."""
+    """The text-overlap prior an attribution runs with: its weight (0: off), why, the
+    training data whose row texts it reads and, once computed, the ``[N, Q]`` TF-IDF
+    overlap of the training rows' and the queries' texts."""
 
     weight: float
     reason: str
-    path: str | None = None
-    seq_len: int | None = None
+    data: ToolData | None = None
     overlap: torch.Tensor | None = None
 
 
-def text_prior(args, recipe: Recipe, queries) -> TextPrior:
-    """Resolve ``--text-weight`` (default: ``Recipe.text_weight``) and find the training
-    texts, before any scoring.
+def text_prior(args, recipe: Recipe, queries, data: ToolData | None, why: str) -> TextPrior:
+    """Resolve ``--text-weight`` (default: ``Recipe.text_weight``) and check the training
+    texts are there, before any scoring.
 
     Raises:
         ConfigError: ``--text-weight`` > 0 was asked for and the texts are not there (the
@@ -408,35 +441,27 @@ def text_prior(args, recipe: Recipe, queries) -> TextPrior:
         return TextPrior(0.0, "--text-weight 0" if asked is not None else
                          f"--method {args.method} has no measured text weight")
     try:
-        origin = training_data("--train-data", args.train_data, store=args.store)
-        path, seq_len = origin.data, origin.seq_len
-        _check_texts(path, queries)
+        if data is None:
+            raise ConfigError(why)
+        data.check_texts()
+        _check_query_texts(queries)
     except ConfigError as e:
         if asked is not None:
             raise ConfigError(f"--text-weight {asked:g} needs the training texts: {e}. Fix: "
-                              f"--train-data the jsonl the store was collected from, or "
-                              f"--text-weight 0") from None
+                              f"--train-data (or --data-path) the data the store was "
+                              f"collected from, or --text-weight 0") from None
         logger.warning("text prior off (%s)", e)
         return TextPrior(0.0, f"off: {e}")
-    return TextPrior(float(weight), f"TF-IDF overlap of the row texts of '{path}'", path,
-                     seq_len)
+    return TextPrior(float(weight), f"TF-IDF overlap of the row texts of "
+                     f"'{' '.join(data.origin.files)}'", data)
 
 
-def _check_texts(path, queries) -> None:
-    """The prior's texts are there: the training file(s) exist and hold text (token-id
-    rows a ``text`` field too), and every query has text (token-id rows: ``text``).
+def _check_query_texts(queries) -> None:
+    """Every query has text (token-id rows: a ``text`` field).
 
     Raises:
-        ConfigError: naming what lacks text and how to give it.
+        ConfigError: naming the queries and how to give their text.
     """
-    for f in [path] if isinstance(path, str) else path:
-        check_file(f, "training data file", "pass an existing jsonl file of documents")
-        if is_token_file(f):
-            first = first_json_line(f, "training data file", "JSON lines", "--train-data")
-            if not (isinstance(first, dict) and isinstance(first.get("text"), str)):
-                raise ConfigError(f"the training rows of '{f}' are token ids without a 'text' "
-                                  f"field; pass --train-data a file whose rows carry their "
-                                  f"text")
     if queries.tokenizer_fingerprint == "token-ids" and \
             not all(d.text.strip() for d in queries.docs):
         raise ConfigError(f"--queries {queries.docs[0].id}...: token-id query rows without a "
@@ -444,35 +469,24 @@ def _check_texts(path, queries) -> None:
                           f"queries as text)")
 
 
-def with_overlap(prior: TextPrior, run, queries, train_ids) -> TextPrior:
-    """``prior`` with its overlap: each training row's document, tokenized and truncated
-    as collect read it and decoded (the text the model read), against the queries' rows.
+def with_overlap(prior: TextPrior, queries, train_ids, tokenizer) -> TextPrior:
+    """``prior`` with its overlap: each training row's text as collect read it (decoded),
+    against the queries' rows.
 
     Raises:
-        ConfigError: a store row has no document in the training texts.
+        ConfigError: a store row has no example in the training data.
     """
-    tok = run.tokenizer
-    rows = load_texts(prior.path, tok, prior.seq_len or queries.seq_len, truncate=True,
-                      vocab_size=run.vocab_size)
-    by_id = {d.id: i for i, d in enumerate(rows.docs)}
-    missing = [i for i in train_ids if SampleId.parse(i).doc not in by_id]
-    if missing:
-        raise ConfigError(f"{len(missing)} store rows have no document in '{prior.path}' (e.g. "
-                          f"'{missing[0]}'). Fix: --train-data the jsonl the store was "
-                          f"collected from, or --text-weight 0")
-    train = row_texts(rows.subset([by_id[SampleId.parse(i).doc] for i in train_ids]), tok)
-    return replace(prior, overlap=tfidf_scores(train, row_texts(queries, tok)))
+    train = prior.data.texts_of(train_ids)
+    return replace(prior, overlap=tfidf_scores(train, row_texts(queries, tokenizer)))
 
 
-def write_per_token(out: Path, run, queries, per_token: torch.Tensor) -> None:
+def write_per_token(out: Path, tokenizer, queries, per_token: torch.Tensor) -> None:
     """``per_token.npy`` ``[N, Q, T]`` and ``query_tokens.json``: per query, its tokens
     ``{"t", "id", "text"}`` up to its last real one (``text`` decoded when a tokenizer is
     known, else the id)."""
     out.mkdir(parents=True, exist_ok=True)
     np.save(out / "per_token.npy", per_token.numpy())
-    tokenizer = None
-    if queries.tokenizer_fingerprint != "token-ids":
-        tokenizer = run.tokenizer()
+    tokenizer = None if queries.tokenizer_fingerprint == "token-ids" else tokenizer()
     rows = []
     for i in range(len(queries)):
         n = int(queries.attention_mask[i].sum())

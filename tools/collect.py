@@ -7,6 +7,8 @@
     python tools/collect.py --model hf_folder --data tokens.jsonl --out grads  # any causal LM
     python tools/collect.py --checkpoints 'hf_out/checkpoint-*' --data ... --out grads
         # Hugging Face checkpoint folders read as a run (docs/offline_tools.md)
+    python tools/collect.py --model hf_folder --data-path runs/data/corpus --out grads
+        # prepared data: the examples and ids a training run on it has (docs/data.md)
 
 Rows are projected per layer (``--projection``, default ``ProjectionConfig()``). For the
 curvature methods fit the factors first and collect whitened rows (``--whiten ekfac
@@ -45,17 +47,21 @@ from dattri_ds.store import (  # noqa: E402
 from dattri_ds.store.attach import check, model_layers  # noqa: E402
 from dattri_ds.store.format import store_files  # noqa: E402
 from dattri_ds.store.spec import capture_semantics  # noqa: E402
-from dattri_ds.tools.configs import COLLECT, add_flags, values  # noqa: E402
+from dattri_ds.tools.configs import COLLECT, DATA, add_flags, values  # noqa: E402
+from dattri_ds.tools.datasets import source_data  # noqa: E402
 from dattri_ds.tools.gradients import example_ids, gradients  # noqa: E402
-from dattri_ds.tools.provenance import training_data, write_config  # noqa: E402
+from dattri_ds.tools.provenance import (  # noqa: E402
+    recorded_data, training_data, write_config,
+)
 from dattri_ds.tools.runtime import (  # noqa: E402
     announce, init_distributed, logger, setup_logging,
 )
 from dattri_ds.tools.sources import (  # noqa: E402
-    Source, add_checkpoint_args, add_source_args, open_source, seq_len_of, source_tags,
+    Source, add_checkpoint_args, add_source_args, open_source, source_tags,
 )
-from dattri_ds.tools.stores import check_factors, factors_path, store_origin  # noqa: E402
-from dattri_ds.tools.texts import load_texts  # noqa: E402
+from dattri_ds.tools.stores import (  # noqa: E402
+    check_data, check_factors, factors_path, store_origin,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_source_args(p)
     p.add_argument("--data", default=None, help="jsonl of documents or token ids to collect "
                    "(default: with --run-dir, the run's own training data and --max-docs)")
+    add_flags(p, DATA)  # --data-path (prepared data) and --packing
     add_checkpoint_args(p, "checkpoints to collect (default all)")
     p.add_argument("--out", required=True, help="store root (one store per checkpoint)")
     p.add_argument("--factors", default=None,
@@ -86,26 +93,34 @@ def prepare(run: Source, tag: str, args):
     return model, capture, factors, origin, _request(args, model, capture, origin, whitened_by)
 
 
-def check_stores(run: Source, tags: list[str], args) -> None:
+def check_stores(run: Source, tags: list[str], args, data=None) -> None:
     """Compare every existing store under ``--out`` with this collect before any gradient
-    is computed (a mismatch at the last checkpoint must not come after hours on the first).
+    is computed (a mismatch at the last checkpoint must not come after hours on the first):
+    every store there must hold rows of ``data`` (they share one collect record), the
+    checkpoints' stores also this model, projection and capture.
 
     Raises:
         StoreMismatchError: one line per store, every differing field with both values.
         StoreCorruptError: a damaged manifest (named).
     """
+    out = Path(args.out)
+    if data is not None and out.is_dir():
+        check_data({p.name: p for p in sorted(out.iterdir()) if store_files(p)}, data,
+                   "this collect", f"collect into another --out (not {args.out})")
     for tag in tags:
         path = Path(args.out) / tag
         if store_files(path):  # a new store needs no model loaded twice
             check(path, prepare(run, tag, args)[-1])
 
 
-def collect_checkpoint(run: Source, tag: str, data, args, rank: int, world: int) -> int:
+def collect_checkpoint(run: Source, tag: str, data, args, rank: int, world: int,
+                       data_record: dict | None = None) -> int:
     """Write the store of one checkpoint; return how many rows this rank added.
 
     An existing store is attached first (``dattri_ds.store.attach``): a store collected with
     another projection, dtype, whitening, layer set, capture semantics or checkpoint is
-    refused before any gradient is computed; its intact rows are kept and skipped.
+    refused before any gradient is computed; its intact rows are kept and skipped. The
+    store records ``data_record`` (the data's ``data`` record).
     """
     model, capture, factors, origin, request = prepare(run, tag, args)
     proj, path = capture.projection, Path(args.out) / tag
@@ -126,7 +141,7 @@ def collect_checkpoint(run: Source, tag: str, data, args, rank: int, world: int)
                                batch_size=args.batch_size, progress=f"collect {tag}"):
             if writer is None:
                 spec = StoreSpec.from_batch(batch, projection=proj, capture=capture, **origin,
-                                            whitened_by=whitened_by)
+                                            whitened_by=whitened_by, data=data_record)
                 if rank == 0 and proj.kind == "auto":
                     _log_projection(spec, proj, args.verbose)
                 writer = GradientStoreWriter(cfg, spec, rank=rank, world=world)
@@ -245,16 +260,13 @@ def main(argv: list[str] | None = None) -> dict:
     run = open_source(args)
     tags = source_tags(run, args, "all")
     check_dir(args.out, flag="--out", folders=tags)  # the output door, before any work
-    origin = training_data("--data", args.data, max_docs=args.max_docs, source=run)
-    args.data, args.max_docs = origin.data, origin.max_docs  # recorded: what was read
-    data = load_texts(origin.data, run.tokenizer, seq_len_of(run, args), origin.max_docs,
-                      vocab_size=run.vocab_size)
+    data = _data(args, run)
     proj = ProjectionConfig(**values(args, COLLECT, ProjectionConfig))
-    announce("collect", data=origin.describe(len(data)), checkpoints=",".join(tags),
+    announce("collect", data=data.origin.describe(len(data)), checkpoints=",".join(tags),
              projection=f"{proj.kind} k={proj.dim} seed {proj.seed}",
              rows=f"whitened by {args.whiten} factors {args.factors}" if args.whiten
              else "plain (not whitened)", out=args.out)
-    check_stores(run, tags, args)
+    check_stores(run, tags, args, data)
     check_tool(run.root, args, seq_len=data.seq_len, examples=len(data))  # the size door
     if rank == 0:
         write_config(Path(args.out), "collect", args)
@@ -263,7 +275,7 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         for tag in tags:
             t0 = time.perf_counter()
-            added = collect_checkpoint(run, tag, data, args, rank, world)
+            added = collect_checkpoint(run, tag, data, args, rank, world, data.record())
             _seal(Path(args.out) / tag, rank, world)
             summary[tag] = added
             logger.info("%s: stored %d examples in %.1f s (rank %d/%d)", tag, added,
@@ -275,6 +287,18 @@ def main(argv: list[str] | None = None) -> dict:
                          f"resume\n")
         raise SystemExit(130) from None
     return summary
+
+
+def _data(args, run: Source):
+    """The data collect reads (``--data``, ``--data-path``, else the run's own), its
+    resolved values written back into ``args`` (recorded: what was read)."""
+    origin = training_data("--data", args.data, data_path=args.data_path, packing=args.packing,
+                           max_docs=args.max_docs, source=run)
+    data = source_data(origin, run, args)
+    args.data, args.data_path = recorded_data(data.origin)
+    args.packing, args.max_docs, args.seq_len = data.origin.packing, data.origin.max_docs, \
+        data.seq_len
+    return data
 
 
 @contextmanager

@@ -28,8 +28,9 @@ from dattri_ds.methods.recipe import Recipe
 from dattri_ds.io.schema import bounds, field_docs, field_flag
 from dattri_ds.store import StoreConfig
 
-__all__ = ["Flag", "add_flags", "values", "CollectOptions", "FitOptions",
-           "AttributeOptions", "COLLECT", "FIT", "ATTRIBUTE", "DEFAULT_METHOD"]
+__all__ = ["Flag", "add_flags", "values", "DataOptions", "CollectOptions", "FitOptions",
+           "AttributeOptions", "CurateOptions", "DATA", "COLLECT", "FIT", "ATTRIBUTE",
+           "CURATE", "DEFAULT_METHOD"]
 
 #: attribute's default method: the most faithful at its cost in ``benchmarks/lds.py``
 #: (docs/attribution_fidelity.md).
@@ -108,6 +109,8 @@ def add_flags(p: argparse.ArgumentParser, flags: Sequence[Flag]) -> None:
         if base is bool:
             p.add_argument(spec.name, dest=spec.dest, action="store_true", default=default,
                            help=text)
+        elif typing.get_origin(base) is tuple:
+            p.add_argument(spec.name, dest=spec.dest, nargs="+", default=default, help=text)
         elif typing.get_origin(base) is Literal or spec.choices is not None:
             choices = list(spec.choices()) if spec.choices else list(typing.get_args(base))
             p.add_argument(spec.name, dest=spec.dest, choices=choices, default=default,
@@ -139,11 +142,24 @@ def option_flags(cls: type) -> list[Flag]:
 # ---- the tools' own options ------------------------------------------------------------
 
 @dataclass(frozen=True, kw_only=True)
+class DataOptions:
+    """Prepared data a tool reads (``dattri-ds prepare``; docs/data.md), instead of jsonl."""
+
+    data_path: tuple[str, ...] | None = None
+    """Prepared data: PREFIX [PREFIX ...] or the blend form W1 PREFIX1 W2 PREFIX2 (examples and
+    ids as a training run on it; default: the data the store or run records)."""
+
+    packing: Literal["windows", "documents"] | None = None
+    """--data-path examples: seq_len windows over the packed documents, or each document cut
+    into chunks (default: as recorded, else windows)."""
+
+@dataclass(frozen=True, kw_only=True)
 class CollectOptions:
     """What ``collect`` does besides the library configs it sets."""
 
     max_docs: int | None = field(default=None, metadata=bounds(ge=1))
-    """Collect the first N documents of --data (default: every one)."""
+    """Collect the first N documents of --data, or examples of --data-path (default: every
+    one)."""
 
     batch_size: int = field(default=8, metadata=bounds(ge=1))
     """Examples per probe pass."""
@@ -154,7 +170,8 @@ class FitOptions:
     """What ``fit`` does besides the ``KFACConfig`` and projection it sets."""
 
     max_docs: int | None = field(default=None, metadata=bounds(ge=1))
-    """Fit on the first N documents of --data (default: every one)."""
+    """Fit on the first N documents of --data, or examples of --data-path (default: every
+    one)."""
 
     batch_size: int = field(default=8, metadata=bounds(ge=1))
     """Examples per probe pass."""
@@ -203,7 +220,23 @@ class AttributeOptions:
 
     train_data: str | None = None
     """The jsonl of training documents the store was collected from, for the text prior
-    (default: the --data collect recorded in the store folder's collect_config.json)."""
+    (default: the --data or --data-path collect recorded in the store folder's
+    collect_config.json, else the data the store records)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CurateOptions:
+    """What ``curate`` does besides the ``CurateConfig`` it runs."""
+
+    target_max_docs: int | None = field(default=None, metadata=bounds(ge=1))
+    """Read the first N documents of --target (default: every one)."""
+
+    with_text: bool = False
+    """Write the documents into subset.jsonl (trainable by launch/)."""
+
+    allow_target_overlap: bool = False
+    """Curate against a --target that shares documents with the pool (counted by text hash;
+    default: refused, since the target then measures documents the subset may train on)."""
 
 
 # ---- which library fields each tool exposes, under the names its flags always had -------
@@ -261,3 +294,7 @@ COLLECT: list[Flag] = _COLLECT + option_flags(CollectOptions)
 FIT: list[Flag] = _FIT + option_flags(FitOptions)
 #: attribute's flags: the Recipe's method and weighting, then its own options.
 ATTRIBUTE: list[Flag] = _ATTRIBUTE + option_flags(AttributeOptions)
+#: --data-path and --packing: every tool that reads training data.
+DATA: list[Flag] = option_flags(DataOptions)
+#: curate's own options (its CurateConfig flags are generated in tools/curate.py).
+CURATE: list[Flag] = option_flags(CurateOptions)

@@ -17,24 +17,25 @@ docs/curation.md.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from dataclasses import fields
-from functools import cache
 from pathlib import Path
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from dattri_ds import GradBatch  # noqa: E402
 
 from dattri_ds.cli import exits as cli  # noqa: E402
 from dattri_ds.capture.hooks import GradientCapture  # noqa: E402
-from dattri_ds.data import tokenize_documents  # noqa: E402
+from dattri_ds.data.doctable import hash64  # noqa: E402
 from dattri_ds.errors import ConfigError  # noqa: E402
 from dattri_ds.io.outputs import check_dir  # noqa: E402
-from dattri_ds.io.schema import add_flag, field_docs, field_flag  # noqa: E402
+from dattri_ds.io.schema import field_docs, field_flag  # noqa: E402
 from dattri_ds.selection.curate import (  # noqa: E402
     METHODS, CurateConfig, Pool, curate, resolve_budget,
 )
@@ -45,13 +46,16 @@ from dattri_ds.selection.curate.targets import (  # noqa: E402
 )
 from dattri_ds.selection.curate.writer import OUTPUTS  # noqa: E402
 from dattri_ds.store import StoreRequest, attach  # noqa: E402
+from dattri_ds.tools.configs import CURATE, DATA, add_flags  # noqa: E402
+from dattri_ds.tools.datasets import ToolData, source_data  # noqa: E402
 from dattri_ds.tools.gradients import gradients  # noqa: E402
 from dattri_ds.tools.provenance import training_data  # noqa: E402
 from dattri_ds.tools.runtime import init_distributed, logger, setup_logging  # noqa: E402
 from dattri_ds.tools.sources import (  # noqa: E402
     Source, add_checkpoint_args, add_source_args, open_source, tag_choice,
 )
-from dattri_ds.tools.stores import store_paths  # noqa: E402
+from dattri_ds.tools.stores import check_data, store_paths  # noqa: E402
+from dattri_ds.tools.subset import SUBSET_FILES  # noqa: E402
 from dattri_ds.tools.texts import load_texts  # noqa: E402
 
 _CHOICES = {"method": METHODS.names(), "aggregate": list(AGGREGATES),
@@ -67,15 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the pool's gradient store, or a folder of per-checkpoint stores")
     p.add_argument("--pool", nargs="+", default=None,
                    help="jsonl file(s) of the pool documents (default: collect's --data)")
+    add_flags(p, DATA)  # --data-path (a prepared pool) and --packing
     p.add_argument("--target", default=None, help="jsonl of target documents")
     p.add_argument("--target-store", default=None,
                    help="a target store (or folder of per-checkpoint ones) instead of --target "
                         "gradients")
-    add_flag(p, "--target-max-docs", int, ge=1, default=None)
     add_checkpoint_args(p, "stored checkpoints to read (default every one; non-trajectory "
                            "methods use the newest of them)")
-    p.add_argument("--with-text", action="store_true",
-                   help="write the documents into subset.jsonl (trainable by launch/)")
+    add_flags(p, CURATE)  # --target-max-docs, --with-text, --allow-target-overlap
     p.add_argument("--out", required=True)
     p.add_argument("--force", action="store_true", help="replace an earlier selection in --out")
     defaults = CurateConfig(examples=1)
@@ -115,9 +118,41 @@ def _tags(args, source: Source, available: dict[str, Path]) -> list[str]:
     return tags
 
 
-def _pool_paths(args) -> list[str]:
-    """``--pool``, else the documents the pool store was collected from."""
-    return list(training_data("--pool", args.pool, store=args.store).files)
+def _pool_data(args, source: Source, stores) -> ToolData:
+    """The pool's documents: ``--pool`` (jsonl) or ``--data-path``, else the data the pool
+    store records, compared with every pool store's data record.
+
+    Raises:
+        StoreMismatchError: a store was collected from other data (both sides named).
+    """
+    origin = training_data("--pool", args.pool, data_path=args.data_path, packing=args.packing,
+                           store=args.store)
+    data = source_data(origin, source, args)
+    check_data({t: s.path for t, s in stores.items()}, data, "curate",
+               f"--store the pool stores collected from {' '.join(data.origin.files)}")
+    return data
+
+
+def target_overlap(docs, data: ToolData, target: str, allow: bool) -> int:
+    """How many ``--target`` documents are also in the pool data (by text hash, docs/data.md);
+    refused unless ``allow``: the target would then measure documents the subset may train
+    on.
+
+    Raises:
+        ConfigError: an overlap without ``--allow-target-overlap`` (the count and an id named).
+    """
+    hashes = np.array([hash64(d.text.encode("utf-8")) for d in docs.docs], dtype=np.uint64)
+    shared = [d.id for d, hit in zip(docs.docs, np.isin(hashes, data.text_hashes())) if hit
+              and d.text]
+    pool = " ".join(data.origin.files)
+    if shared and not allow:
+        raise ConfigError(f"--target {target}: {len(shared)} of {len(docs)} documents are also "
+                          f"in the pool {pool} (same text, e.g. '{shared[0]}'): the target "
+                          f"would measure documents the subset may train on. Fix: remove them "
+                          f"from the target or the pool, or pass --allow-target-overlap")
+    logger.log(logging.WARNING if shared else logging.INFO, "target overlap: %d of %d target "
+               "documents are in the pool %s", len(shared), len(docs), pool)
+    return len(shared)
 
 
 def _attach_pool(source: Source, available, tags):
@@ -222,23 +257,28 @@ def main(argv: list[str] | None = None) -> dict:
     first = _tags(args, source, available)[-1] if not tags else tags[0]
     stores = _attach_pool(source, available, tags or [first])
     base = stores[tags[0] if tags else first]
-    pool = Pool.build(base.ids, base.token_counts, _pool_paths(args))
+    data = _pool_data(args, source, stores)
+    pool = Pool.build(base.ids, base.token_counts, data.pool_texts(base.ids))
     resolve_budget(config, len(pool), pool.tokens)
+    docs = overlap = None
+    if args.target is not None:
+        docs = load_texts(args.target, data.tokenizer, data.seq_len, args.target_max_docs,
+                          context=source.context, truncate=True, vocab_size=source.vocab_size)
+        overlap = target_overlap(docs, data, args.target, args.allow_target_overlap)
     targets = None  # a target store is compared (and read) before anything is written
     if args.target_store and METHODS.lookup(config.method).gradient:
         targets = _target_store_rows(args, stores, tags)
     if rank == 0:
-        check_dir(args.out, flag="--out", force=args.force, overwrites=OUTPUTS[:5])
-    return _run(args, config, source, stores, tags, pool, targets, rank, world)
+        check_dir(args.out, flag="--out", force=args.force,
+                  overwrites=OUTPUTS[:5] + SUBSET_FILES)
+    inputs = {"run": args.run, "model": args.model, "store": args.store,
+              "pool": list(pool.paths), "target": args.target,
+              "target_store": args.target_store, "target_overlap": overlap,
+              "seq_len": data.seq_len, "with_text": args.with_text, "world": world}
+    return _run(args, config, source, stores, tags, pool, docs, targets, inputs, rank, world)
 
 
-def _run(args, config, source: Source, stores, tags, pool, targets, rank, world):
-    tokenizer = cache(source.tokenizer)  # loaded only when texts are tokenized
-    seq_len = args.seq_len or source.seq_len
-    docs = None
-    if args.target is not None:
-        docs = load_texts(args.target, tokenizer, seq_len, args.target_max_docs,
-                          context=source.context, truncate=True, vocab_size=source.vocab_size)
+def _run(args, config, source: Source, stores, tags, pool, docs, targets, inputs, rank, world):
     method = METHODS.lookup(config.method)
     if method.gradient and targets is None:
         targets = _target_rows(args, source, stores, tags, config, docs)
@@ -246,24 +286,11 @@ def _run(args, config, source: Source, stores, tags, pool, targets, rank, world)
     if method(config).content:
         b = docs.batch(torch.arange(len(docs)))
         target_counts = ngram_counts(b["input_ids"], b["attention_mask"]).sum(0)
-
-    def tokenize(texts):
-        tok = tokenizer()
-        d = tokenize_documents(list(texts), tok, seq_len,
-                               add_bos=getattr(tok, "bos_id", None) is not None,
-                               add_eos=getattr(tok, "eos_id", None) is not None)
-        b = d.batch(torch.arange(len(d)))
-        return b["input_ids"], b["attention_mask"]
-
     weights = {t: float(source.checkpoint(t)["lr"]) for t in tags}
-    resolved = {"inputs": {"run": args.run, "model": args.model, "store": args.store,
-                           "pool": list(pool.paths), "target": args.target,
-                           "target_store": args.target_store, "seq_len": seq_len,
-                           "with_text": args.with_text, "world": world},
-                "lr_weights": weights}
-    result = curate(config, stores, pool, targets=targets, weights=weights, tokenize=tokenize,
+    result = curate(config, stores, pool, targets=targets, weights=weights,
                     target_counts=target_counts, out=args.out if rank == 0 else None,
-                    with_text=args.with_text, resolved=resolved, rank=rank, world=world)
+                    with_text=args.with_text, resolved={"inputs": inputs, "lr_weights": weights},
+                    rank=rank, world=world)
     for s in stores.values():
         s.close()
     if rank == 0:

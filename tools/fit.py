@@ -29,25 +29,28 @@ if __package__ in (None, ""):
 import torch  # noqa: E402
 
 from dattri_ds import (  # noqa: E402
-    CaptureConfig, KFACConfig, ProjectionConfig, Projector, cli, fit_factors,
+    CaptureConfig, KFACConfig, ProjectionConfig, Projector, fit_factors,
 )
+from dattri_ds.cli import exits as cli  # noqa: E402
 from dattri_ds.distributed import ParallelContext  # noqa: E402
 from dattri_ds.errors import ConfigError  # noqa: E402
 from dattri_ds.io.outputs import check_dir, check_file, writing  # noqa: E402
 from dattri_ds.plan import check_tool  # noqa: E402
 from dattri_ds.store import StoreRequest, attach  # noqa: E402
 from dattri_ds.store.attach import model_layers  # noqa: E402
-from dattri_ds.tools.configs import FIT, add_flags, values  # noqa: E402
+from dattri_ds.tools.configs import DATA, FIT, add_flags, values  # noqa: E402
+from dattri_ds.tools.datasets import source_data  # noqa: E402
 from dattri_ds.tools.gradients import gradients  # noqa: E402
-from dattri_ds.tools.provenance import training_data, write_config  # noqa: E402
+from dattri_ds.tools.provenance import (  # noqa: E402
+    recorded_data, training_data, write_config,
+)
 from dattri_ds.tools.runtime import (  # noqa: E402
     announce, init_distributed, logger, setup_logging,
 )
 from dattri_ds.tools.sources import (  # noqa: E402
-    add_checkpoint_args, add_source_args, open_source, seq_len_of, source_tags, tag_choice,
+    add_checkpoint_args, add_source_args, open_source, source_tags, tag_choice,
 )
 from dattri_ds.tools.stores import store_of, store_origin  # noqa: E402
-from dattri_ds.tools.texts import load_texts  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_checkpoint_args(p, "checkpoints to fit, as --checkpoint")
     p.add_argument("--data", default=None, help="jsonl of documents or token ids to fit on "
                    "(default: with --run-dir, the run's own training data and --max-docs)")
+    add_flags(p, DATA)  # --data-path (prepared data) and --packing
     p.add_argument("--store", help="fit in this store's space if it is Kronecker-projected "
                    "(LoGra; a folder of per-checkpoint stores for several checkpoints); "
                    "exact factors for other projections")
@@ -137,13 +141,15 @@ def main(argv: list[str] | None = None) -> list[Path]:
                           f"{' '.join(args.checkpoints)}: both choose the checkpoints to fit")
     tags = source_tags(run, args, "last", "--checkpoint" if args.checkpoint else "--checkpoints",
                        chosen=args.checkpoint)
-    origin = training_data("--data", args.data, max_docs=args.max_docs, source=run)
-    args.data, args.max_docs = origin.data, origin.max_docs  # recorded: what was read
-    data = load_texts(origin.data, run.tokenizer, seq_len_of(run, args), origin.max_docs,
-                      vocab_size=run.vocab_size)
+    origin = training_data("--data", args.data, data_path=args.data_path, packing=args.packing,
+                           max_docs=args.max_docs, source=run)
+    data = source_data(origin, run, args)
+    args.data, args.data_path = recorded_data(data.origin)  # recorded: what was read
+    args.max_docs, args.seq_len, args.packing = origin.max_docs, data.seq_len, \
+        data.origin.packing
     rows = torch.arange(rank, len(data), world)
     given = values(args, FIT, ProjectionConfig)
-    announce("fit", data=origin.describe(len(data)), checkpoints=",".join(tags),
+    announce("fit", data=data.origin.describe(len(data)), checkpoints=",".join(tags),
              method="kfac" if args.kfac_only else "ekfac",
              projection=f"the store {args.store}'s (LoGra if Kronecker)" if args.store else
              f"kronecker k={given['dim']} (LoGra)" if "dim" in given else "none (exact factors)",

@@ -6,14 +6,18 @@ Every tool writes its resolved arguments next to its output as ``<tool>_config.j
 the one place that answers "which documents were the training data": the flag when given,
 else the first record that names them, in this order:
 
-1. the attribution's own record (``attribute_config.json``: its ``--train-data``, else the
-   store it read);
+1. the attribution's own record (``attribute_config.json``: its ``--train-data`` or
+   ``--data-path``, else the store it read);
 2. the store's collect record (``collect_config.json`` in the store folder or its parent:
-   collect's ``--data``, ``--max-docs``, ``--seq-len``);
-3. the source's own record (a launch/train.py run's ``train.train_data`` and ``max_docs``).
+   collect's ``--data`` or ``--data-path``, ``--max-docs``, ``--seq-len``, ``--packing``),
+   else the ``data`` record in the store's manifest (a store written during training);
+3. the source's own record (a launch/train.py run's ``train.data_path`` or
+   ``train.train_data``, and ``max_docs``).
 
-A recorded file is found from the current folder or the project's and recorded as an
-absolute path (found from any folder later); a flag's value is used as given.
+The data is jsonl files (``--data``) or prepared data (``--data-path``: prefixes of
+``dattri-ds prepare``, the blend form ``W1 A W2 B`` included). A recorded file or prefix is
+found from the current folder or the project's and recorded as an absolute path (found from
+any folder later); a flag's value is used as given.
 """
 
 from __future__ import annotations
@@ -24,14 +28,17 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dattri_ds.data.prepared import PreparedPaths
 from dattri_ds.errors import ConfigError
 from dattri_ds.io.files import read_json
+from dattri_ds.store.attach import manifest
+from dattri_ds.store.format import INFO_NAME, store_files
 
 if TYPE_CHECKING:
     from dattri_ds.tools.sources.base import Source
 
-__all__ = ["write_config", "recorded_config", "DataOrigin", "training_data", "as_files",
-           "positive_int"]
+__all__ = ["write_config", "recorded_config", "DataOrigin", "training_data", "recorded_origin",
+           "recorded_data", "as_files", "positive_int", "JSONL", "PREPARED", "TRUNCATED"]
 
 #: The project folder: a recorded relative data path is also looked up from here.
 PROJECT = Path(__file__).resolve().parents[1]
@@ -68,16 +75,26 @@ def positive_int(value) -> int | None:
     return value if type(value) is int and value > 0 else None
 
 
+#: ``DataOrigin.kind`` of jsonl documents (or token ids) and of prepared data.
+JSONL, PREPARED = "jsonl", "prepared"
+#: The packing a data record names for jsonl rows: one example per document, its first
+#: ``seq_len`` tokens.
+TRUNCATED = "truncated"
+
+
 @dataclass(frozen=True)
 class DataOrigin:
-    """Training documents and where they were named: by a flag, or in a record.
+    """Training data and where it was named: by a flag, or in a record.
 
     Attributes:
-        files: the jsonl files, in order.
-        max_docs: documents to read (None: every one).
+        files: the jsonl files, in order; for prepared data its data path (prefixes, the
+            blend form with its weights).
+        max_docs: documents (prepared data: examples) to read (None: every one).
         seq_len: the sequence length a record says they were read at (None: unknown).
         where: the flag that gave them, or who recorded them ("the run's training data").
         record: the record file and the key holding them there (None: given by the flag).
+        kind: ``jsonl`` or ``prepared`` (``tools.datasets.open_data`` reads each).
+        packing: prepared data's packing as given or recorded (None: the default).
     """
 
     files: tuple[str, ...]
@@ -85,36 +102,53 @@ class DataOrigin:
     seq_len: int | None = None
     where: str = ""
     record: tuple[Path, str] | None = None
+    kind: str = JSONL
+    packing: str | None = None
 
     @property
     def data(self) -> str | list[str]:
         """One file as a string, several as a list (as the tools record ``--data``)."""
         return self.files[0] if len(self.files) == 1 else list(self.files)
 
+    @property
+    def flag(self) -> str:
+        """The flag that names data of this kind."""
+        return "--data-path" if self.kind == PREPARED else "--data"
+
     def describe(self, n: int) -> str:
         """``FILE (N documents, the run's training data)`` for a tool's first line."""
-        files = ", ".join(self.files)
-        return f"{files} ({n} documents)" if self.record is None else \
-            f"{files} ({n} documents, {self.where})"
+        files = " ".join(self.files)
+        unit = "examples" if self.kind == PREPARED else "documents"
+        return f"{files} ({n} {unit})" if self.record is None else \
+            f"{files} ({n} {unit}, {self.where})"
 
 
 def training_data(flag: str, given: str | list[str] | None = None, *,
+                  data_path: list[str] | None = None, packing: str | None = None,
                   max_docs: int | None = None, source: Source | None = None,
                   store: str | os.PathLike | None = None,
                   attribution: str | os.PathLike | None = None) -> DataOrigin:
-    """The training documents a tool reads: ``given`` (the value of ``flag``), else the
-    first record naming them (module docstring: the order). ``max_docs`` (a flag's) wins
-    over a recorded cap; ``seq_len`` is the store's collect record's when there is one.
+    """The training data a tool reads: ``given`` (the value of ``flag``: jsonl) or
+    ``data_path`` (``--data-path``: prepared), else the first record naming them (module
+    docstring: the order). ``max_docs`` and ``packing`` (flags) win over recorded ones;
+    ``seq_len`` is the store's record's when there is one.
 
     Raises:
-        ConfigError: no ``given`` and no record names them (``flag`` and every place looked
-            in named), or a recorded file is found neither from the current folder nor the
-            project's (the record and ``flag`` named).
+        ConfigError: both ``given`` and ``data_path``; none and no record names the data
+            (``flag`` and every place looked in named); a recorded file is found neither
+            from the current folder nor the project's (the record and ``flag`` named).
     """
-    if given:
-        files = (given,) if isinstance(given, str) else tuple(given)
+    if given and data_path:
+        raise ConfigError(f"Give one of {flag} (jsonl) and --data-path (prepared data), not "
+                          f"both")
+    if given or data_path:
         rec = _store_record(store) if store is not None else None
-        return DataOrigin(files, max_docs, rec.seq_len if rec else None, flag)
+        files = tuple(data_path) if data_path else (given,) if isinstance(given, str) \
+            else tuple(given)
+        return DataOrigin(files, max_docs, rec.seq_len if rec else None,
+                          "--data-path" if data_path else flag,
+                          kind=PREPARED if data_path else JSONL,
+                          packing=packing or (rec.packing if rec else None))
     looked: list[str] = []
     found = None
     if attribution is not None:
@@ -124,7 +158,8 @@ def training_data(flag: str, given: str | list[str] | None = None, *,
                       f"--train-data)")
     if found is None and store is not None:
         found = _store_record(store)
-        looked.append(f"collect_config.json next to the store {store} (collect's --data)")
+        looked.append(f"collect_config.json next to the store {store} (collect's --data), "
+                      f"the store's data record")
     if found is None and source is not None:
         found = source.training_record()
         looked.append(f"{source.root} (only a launch/train.py run records its training data, "
@@ -132,40 +167,94 @@ def training_data(flag: str, given: str | list[str] | None = None, *,
     if found is None:
         raise ConfigError(f"{flag} is needed: no record names the training data "
                           f"({'; '.join(looked)}). Fix: pass {flag} the jsonl of the training "
-                          f"documents (or token ids)")
+                          f"documents (or token ids), or --data-path the prepared data")
     return replace(found, files=tuple(_find(f, found, flag) for f in found.files),
-                   max_docs=max_docs if max_docs is not None else found.max_docs)
+                   max_docs=max_docs if max_docs is not None else found.max_docs,
+                   packing=packing or found.packing)
+
+
+def recorded_data(origin: DataOrigin) -> tuple[str | list[str] | None, list[str] | None]:
+    """``(--data, --data-path)`` as a tool records what it read (the other one None)."""
+    return (None, list(origin.files)) if origin.kind == PREPARED else (origin.data, None)
+
+
+def recorded_origin(rec: dict, record: Path, where: str, *, jsonl_key: str = "data",
+                    path_key: str = "data_path", prefix: str = "") -> DataOrigin | None:
+    """The data a tool or run record names: ``path_key`` (prepared data) or ``jsonl_key``
+    (jsonl files), with its ``max_docs``, ``seq_len`` and ``packing``; None when it names
+    neither. ``prefix`` is how the keys are shown (``train.``)."""
+    prepared, files = as_files(rec.get(path_key)), as_files(rec.get(jsonl_key))
+    if not (prepared or files):
+        return None
+    packing = rec.get("packing") if isinstance(rec.get("packing"), str) else None
+    return DataOrigin(tuple(prepared or files), positive_int(rec.get("max_docs")),
+                      positive_int(rec.get("seq_len")), where,
+                      (record, prefix + (path_key if prepared else jsonl_key)),
+                      PREPARED if prepared else JSONL, packing)
 
 
 def _attribution_record(att: Path) -> tuple[DataOrigin | None, str | None]:
-    """Attribute's recorded ``--train-data`` (None when it had none) and its ``--store``."""
+    """Attribute's recorded ``--train-data`` / ``--data-path`` (None when it had none) and
+    its ``--store``."""
     rec = recorded_config(att, "attribute")
-    files = as_files(rec.get("train_data"))
     store = rec.get("store") if isinstance(rec.get("store"), str) else None
-    found = DataOrigin(tuple(files), where="attribute's --train-data", record=(
-        att / "attribute_config.json", "train_data")) if files else None
-    return found, store
+    found = recorded_origin(rec, att / "attribute_config.json", "attribute's --train-data",
+                            jsonl_key="train_data")
+    return (replace(found, max_docs=None) if found else None), store
 
 
 def _store_record(store: str | os.PathLike) -> DataOrigin | None:
-    """Collect's recorded ``--data`` of a store: in the store folder, else its parent (the
-    folder of per-checkpoint stores collect wrote)."""
+    """Collect's recorded ``--data`` / ``--data-path`` of a store: in the store folder, else
+    its parent (the folder of per-checkpoint stores collect wrote); else the data record of
+    the store's manifest (a store written during training)."""
     for folder in (Path(store), Path(store).parent):
-        rec = recorded_config(folder, "collect")
-        files = as_files(rec.get("data"))
-        if files:
-            return DataOrigin(tuple(files), positive_int(rec.get("max_docs")),
-                              positive_int(rec.get("seq_len")), "collect's --data",
-                              (folder / "collect_config.json", "data"))
+        found = recorded_origin(recorded_config(folder, "collect"),
+                                folder / "collect_config.json", "collect's --data")
+        if found is not None:
+            return found
+    return _manifest_record(Path(store))
+
+
+def _manifest_record(root: Path) -> DataOrigin | None:
+    """The ``data`` record of the store at ``root`` (or of the first store below it)."""
+    folders = [root] + (sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir()
+                        else [])
+    for folder in folders:
+        found = manifest(folder) if store_files(folder) else None
+        data = found[0].data if found else None
+        if isinstance(data, dict) and as_files(data.get("data_path")):
+            kind = JSONL if data.get("packing") == TRUNCATED else PREPARED
+            return DataOrigin(tuple(data["data_path"]), None, positive_int(data.get("seq_len")),
+                              "the store's data record", (folder / INFO_NAME, "spec.data"),
+                              kind, None if kind == JSONL else data.get("packing"))
     return None
 
 
 def _find(f: str, rec: DataOrigin, flag: str) -> str:
-    """A recorded file found from the current folder or the project's, made absolute."""
-    path = next((p for p in (Path(f), PROJECT / f) if p.is_file()), None)
+    """A recorded file (or prepared prefix; a blend weight is kept) found from the current
+    folder or the project's, made absolute."""
+    exists = (lambda p: p.is_file()) if rec.kind == JSONL else _is_prefix
+    if rec.kind == PREPARED and _weight(f):
+        return f
+    path = next((p for p in (Path(f), PROJECT / f) if exists(p)), None)
     if path is None:
         path_, key = rec.record or ("", "")
         raise ConfigError(f"{rec.where[0].upper()}{rec.where[1:]} '{f}' ({path_}: {key}) "
-                          f"is not found from {Path.cwd()} nor {PROJECT}. Fix: pass {flag} "
-                          f"the jsonl of those documents")
+                          f"is not found from {Path.cwd()} nor {PROJECT}. Fix: pass "
+                          f"{rec.flag if rec.kind == PREPARED else flag} the "
+                          f"{'prepared data' if rec.kind == PREPARED else 'jsonl'} of those "
+                          f"documents")
     return str(path.resolve())
+
+
+def _is_prefix(p: Path) -> bool:
+    paths = PreparedPaths.of(p)
+    return paths.manifest.is_file() or paths.idx.is_file()
+
+
+def _weight(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True

@@ -5,7 +5,8 @@
 Writes ``report.md`` and ``report.html`` next to the attribution, plus ``scores_hist.png``
 (score distribution per query) and, for trajectories (TracIn, the EK-FAC trajectory),
 ``tracin_checkpoints.png`` (titled by the method; each checkpoint's weighted contribution
-to the top proponents' scores). Without ``--train-data`` the training texts are the file
+to the top proponents' scores). Without ``--train-data`` (jsonl) or ``--data-path``
+(prepared data: a row's text is its window's tokens decoded) the training texts are the data
 attribute or collect recorded.
 """
 
@@ -24,6 +25,8 @@ import numpy as np  # noqa: E402
 from dattri_ds.cli import exits as cli  # noqa: E402
 from dattri_ds.io import files  # noqa: E402
 from dattri_ds.errors import InputFileError  # noqa: E402
+from dattri_ds.tools.configs import DATA, add_flags  # noqa: E402
+from dattri_ds.tools.datasets import open_data  # noqa: E402
 from dattri_ds.io.outputs import check_dir, writing  # noqa: E402
 from dattri_ds.sample_id import SampleId  # noqa: E402
 from dattri_ds.io.schema import add_flag  # noqa: E402
@@ -37,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-data", default=None,
                    help="jsonl holding the training texts (ids before '#' in store ids; "
                         "default: the file attribute or collect read, as they recorded it)")
+    add_flags(p, DATA)  # --data-path (prepared training data) and --packing
+    add_flag(p, "--seq-len", int, ge=2, default=None,
+             help="--data-path: tokens per example (default: as recorded)")
     add_flag(p, "--top-k", int, ge=1, default=5)
     add_flag(p, "--chars", int, ge=1,
              default=300, help="characters of text shown")
@@ -53,23 +59,6 @@ def _prior_note(summary: dict) -> str:
         return ""
     return (f" (scores include the text-overlap prior at weight {w:g}: + {w:g} x std x "
             f"z(TF-IDF overlap) per query; the method's own scores are model_scores.npy)")
-
-
-def _docs(path: str | list[str]) -> dict[str, dict]:
-    """``--train-data`` documents by id (any JSON object with an ``id`` per line)."""
-    out = {}
-    fix = "pass --train-data the jsonl of documents the store was collected from"
-    for one in [path] if isinstance(path, str) else path:
-        for n, d in files.iter_json_lines(one, "--train-data file",
-                                          "one JSON object with an 'id' per line", fix):
-            if not isinstance(d, dict) or not isinstance(d.get("id"), str):
-                raise InputFileError(f"--train-data file {one}:{n}: expected a JSON object "
-                                     f"with a string 'id', got {str(d)[:60]}. Fix: {fix}")
-            out[d["id"]] = d
-    if not out:
-        raise InputFileError(f"--train-data file '{path}' holds no documents (it is empty or "
-                             f"blank). Fix: {fix}")
-    return out
 
 
 def _json(att: Path, name: str, ok, expected: str):
@@ -162,9 +151,8 @@ def _entry(e: dict, docs: dict[str, dict], chars: int) -> tuple[str, str, str, f
     doc_id = SampleId.parse(e["id"]).doc
     d = docs.get(doc_id)
     if d is None:
-        return doc_id, "?", "(not in --train-data)", e["score"]
-    text = d.get("text") or ("(token ids, no text)" if "input_ids" in d else "(no text)")
-    return doc_id, d.get("source", ""), " ".join(text.split())[:chars], e["score"]
+        return doc_id, "?", "(not in the training data)", e["score"]
+    return doc_id, d["source"], " ".join(d["text"].split())[:chars], e["score"]
 
 
 def _token_view(att: Path, train_ids: list[str]):
@@ -198,10 +186,12 @@ def main(argv: list[str] | None = None) -> Path:
     att = Path(args.attribution)
     summary, queries, top, train_ids, scores = read_attribution(att)
     check_dir(att, flag="--attribution", force=True, overwrites=("report.md", "report.html"))
-    data = training_data("--train-data", args.train_data, attribution=att).data
-    announce("report", attribution=att, training_texts=data if isinstance(data, str)
-             else ", ".join(data))
-    docs = _docs(data)
+    origin = training_data("--train-data", args.train_data, data_path=args.data_path,
+                           packing=args.packing, attribution=att)
+    announce("report", attribution=att, training_texts=" ".join(origin.files))
+    data = open_data(origin, args.seq_len or origin.seq_len)
+    docs = data.documents_of([e["id"] for t in top for k in ("proponents", "opponents")
+                              for e in t[k][:args.top_k]])
     with writing(att):  # a full disk: one line naming the folder
         plots = _plots(att, scores, queries, top, train_ids)
     md = [f"# Attribution report ({summary['method']})", "",

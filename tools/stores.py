@@ -5,14 +5,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dattri_ds.errors import ConfigError
+from dattri_ds.errors import ConfigError, StoreMismatchError
 from dattri_ds.store import weights_hash
 from dattri_ds.store.attach import manifest, model_layers
 from dattri_ds.store.format import store_files
 from dattri_ds.tools.sources.base import Source
 from dattri_ds.tools.sources.flags import source_flags
 
-__all__ = ["store_paths", "store_of", "store_origin", "factors_path", "check_factors"]
+__all__ = ["store_paths", "store_of", "store_origin", "factors_path", "check_factors",
+           "check_data", "data_flags"]
 
 
 def store_paths(root: Path) -> dict[str, Path]:
@@ -85,3 +86,40 @@ def check_factors(factors, path, model, args) -> None:
             f"and {ours} in {source} ({len(diff)} layer(s) differ). Fix: fit factors on this "
             f"model (tools/fit.py {source} --out <file or dir>), or pass the model the factors "
             f"were fitted on")
+
+
+def data_flags(record: dict) -> str:
+    """The flags that read the data of a ``data`` record (a fix repeats them)."""
+    paths = " ".join(record.get("data_path") or [])
+    if record.get("packing") == "truncated":
+        return f"--data {paths} --seq-len {record.get('seq_len')}"
+    return (f"--data-path {paths} --seq-len {record.get('seq_len')} --packing "
+            f"{record.get('packing')}")
+
+
+def _describe(record: dict) -> str:
+    return (f"fingerprint {record.get('fingerprint')} ({' '.join(record.get('data_path') or [])}, "
+            f"seq_len {record.get('seq_len')}, packing {record.get('packing')})")
+
+
+def check_data(stores: dict[str, Path], data, consumer: str, fix: str) -> None:
+    """Refuse stores computed on other data than ``data`` (a ``ToolData``: its ``record()``
+    is read only when a store records data to compare it with), before anything is read or
+    written; a store that records no data (written by the library without one, or before
+    stores recorded it) is not compared.
+
+    Raises:
+        StoreMismatchError: one line naming the store, both data records and the fix: the
+            flags that read the store's data, or ``fix``.
+    """
+    for path in stores.values():
+        found = manifest(path)
+        stored = found[0].data if found else None
+        if stored is None:
+            continue
+        record = data.record()
+        if stored.get("fingerprint") != record["fingerprint"]:
+            raise StoreMismatchError(
+                f"Gradient store '{path}' was computed on other data than {consumer} reads: "
+                f"stored {_describe(stored)}, requested {_describe(record)}. Fix: pass "
+                f"{data_flags(stored)} (the store's data), or {fix}")

@@ -484,6 +484,15 @@ class PackedDataset:
         return next((c.manifest["tokenizer"]["fingerprint"] for c in self.corpora
                      if c.manifest is not None), "")
 
+    def record(self, tokenizer: str) -> dict[str, Any]:
+        """The data record of these examples read with ``tokenizer`` (its fingerprint): what
+        checkpoints, stores (``StoreSpec.data``) and a run's ``data.json`` keep.
+        ``fingerprint`` and ``tokenizer`` say which examples the ids name; ``data_path``,
+        ``seq_len``, ``packing`` and ``seed`` open them again (``of_record``)."""
+        return {"fingerprint": self.fingerprint, "tokenizer": tokenizer,
+                "data_path": self.data_path, "seq_len": self.seq_len, "packing": self.packing,
+                "seed": self.seed}
+
     def describe(self) -> dict[str, Any]:
         """A summary for logs and run records."""
         return {"data_path": self.data_path, "examples": len(self), "seq_len": self.seq_len,

@@ -1,5 +1,6 @@
 """Pool: the documents behind a store's rows (``<doc id>#<content hash>`` sample ids), streamed:
-per-row metadata only (source, content hash, token count); texts are read in chunks.
+per-row metadata only (source, content hash, token count); texts are read in chunks through
+the pool's ``PoolTexts`` (jsonl documents here, prepared data in the tools).
 
 Near-duplicate clusters: a row's signature is a 2-function MinHash of its hashed token
 trigrams; two rows share a cluster iff both minima agree (probability ``J^2`` for trigram
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -19,8 +22,8 @@ from dattri_ds.data.corpus import Document, iter_jsonl
 from dattri_ds.errors import ConfigError
 from dattri_ds.sample_id import SampleId
 
-__all__ = ["Pool", "Tokenize", "minhash_signatures", "ngram_counts", "content_log_ratio",
-           "iter_pool_docs"]
+__all__ = ["Pool", "PoolTexts", "JsonlTexts", "Tokenize", "minhash_signatures", "ngram_counts",
+           "content_log_ratio"]
 
 #: ``texts -> (input_ids [C, T], attention_mask [C, T])``.
 Tokenize = Callable[[Sequence[str]], tuple[torch.Tensor, torch.Tensor]]
@@ -28,6 +31,90 @@ Tokenize = Callable[[Sequence[str]], tuple[torch.Tensor, torch.Tensor]]
 _M = (1 << 31) - 1
 _P = (1_000_003, 998_244_353, 1_000_000_007)
 _AB = ((1_103_515_245, 12_345), (214_013, 2_531_011))
+
+
+class PoolTexts(Protocol):
+    """The documents behind a pool's rows (store rows, in store order): each row's source,
+    its tokens in chunks (content prior, near-duplicate signatures), its text for the report
+    and the subset, and a subset in the pool data's own format. ``JsonlTexts`` reads jsonl
+    documents; the tools' ``PreparedData`` reads prepared data (``tools/datasets.py``)."""
+
+    paths: tuple[str, ...]
+    """The pool data (jsonl files, or a prepared data path), recorded in config.json."""
+    sources: tuple[str, ...]
+    """``[N]`` each row's source."""
+
+    def token_chunks(self, rows: Sequence[int]
+                     ) -> Iterator[tuple[np.ndarray, torch.Tensor, torch.Tensor]]:
+        """``(rows [C], input_ids [C, T], attention_mask [C, T])`` chunks covering ``rows``."""
+
+    def documents(self, rows: Sequence[int]) -> dict[int, dict]:
+        """``{row: {"id", "source", "title", "text"}}`` of ``rows``."""
+
+    def write_subset(self, out: Path, rows: np.ndarray) -> list[str]:
+        """Write ``rows`` (rank order) in the pool data's own format into ``out``; returns the
+        names written (none for jsonl: ``subset.jsonl`` is its subset)."""
+
+
+@dataclass(frozen=True)
+class JsonlTexts:
+    """The jsonl documents of a pool's rows (the sample id's document part names each),
+    streamed from ``paths`` and tokenized by ``tokenize`` in chunks."""
+
+    paths: tuple[str, ...]
+    ids: tuple[str, ...]
+    sources: tuple[str, ...]
+    tokenize: Tokenize
+
+    @staticmethod
+    def open(paths: Sequence[str], ids: Sequence[str], tokenize: Tokenize) -> JsonlTexts:
+        """Stream ``paths`` once and give every store row its document's source.
+
+        Raises:
+            ConfigError: a row's document is in none of ``paths`` (the first ids named).
+        """
+        row_of = {SampleId.parse(s).doc: i for i, s in enumerate(ids)}
+        src: list[str | None] = [None] * len(ids)
+        for path in paths:
+            for doc in iter_jsonl(path, "pool file"):
+                i = row_of.get(doc.id)
+                if i is not None and src[i] is None:
+                    src[i] = doc.source
+        missing = [ids[i] for i, s in enumerate(src) if s is None]
+        if missing:
+            raise ConfigError(f"{len(missing)} store row(s) have no document in --pool "
+                              f"{list(paths)} (e.g. {missing[:3]}): pass the jsonl the store "
+                              f"was collected from (tools/collect.py --data)")
+        return JsonlTexts(tuple(map(str, paths)), tuple(ids), tuple(src), tokenize)
+
+    def _docs(self, rows: Sequence[int], chunk: int = 256
+              ) -> Iterator[list[tuple[int, Document]]]:
+        """Chunks of ``(row, Document)`` for ``rows`` (any order), in file order."""
+        want = {SampleId.parse(self.ids[r]).doc: int(r) for r in rows}
+        out: list[tuple[int, Document]] = []
+        for path in self.paths:
+            for doc in iter_jsonl(path, "pool file"):
+                r = want.pop(doc.id, None)
+                if r is None:
+                    continue
+                out.append((r, doc))
+                if len(out) >= chunk:
+                    yield out
+                    out = []
+        if out:
+            yield out
+
+    def token_chunks(self, rows: Sequence[int]
+                     ) -> Iterator[tuple[np.ndarray, torch.Tensor, torch.Tensor]]:
+        for chunk in self._docs(rows):
+            ids, mask = self.tokenize([d.text for _, d in chunk])
+            yield np.asarray([r for r, _ in chunk]), ids, mask
+
+    def documents(self, rows: Sequence[int]) -> dict[int, dict]:
+        return {r: d.to_dict() for chunk in self._docs(rows) for r, d in chunk}
+
+    def write_subset(self, out: Path, rows: np.ndarray) -> list[str]:
+        return []
 
 
 @dataclass(frozen=True)
@@ -39,64 +126,35 @@ class Pool:
         sources: ``[N]`` int32 index into ``source_names``.
         source_names: the sources, sorted.
         tokens: ``[N]`` int64 loss-bearing tokens per row (the store's counts).
-        paths: the pool jsonl files.
+        texts: the rows' documents (``PoolTexts``).
     """
 
     ids: tuple[str, ...]
     sources: np.ndarray
     source_names: tuple[str, ...]
     tokens: np.ndarray
-    paths: tuple[str, ...]
+    texts: PoolTexts
 
     @staticmethod
-    def build(ids: Sequence[str], tokens: np.ndarray, paths: Sequence[str]) -> Pool:
-        """Stream ``paths`` once and give every store row its document's source.
-
-        Raises:
-            ConfigError: a row's document is in none of ``paths`` (the first ids named).
-        """
-        row_of = {SampleId.parse(s).doc: i for i, s in enumerate(ids)}
-        src = np.full(len(ids), -1, dtype=np.int64)
-        names: dict[str, int] = {}
-        for path in paths:
-            for doc in iter_jsonl(path, "pool file"):
-                i = row_of.get(doc.id)
-                if i is not None and src[i] < 0:
-                    src[i] = names.setdefault(doc.source, len(names))
-        missing = [ids[i] for i in np.flatnonzero(src < 0)[:3]]
-        if missing:
-            raise ConfigError(f"{int((src < 0).sum())} store row(s) have no document in --pool "
-                              f"{list(paths)} (e.g. {missing}): pass the jsonl the store was "
-                              f"collected from (tools/collect.py --data)")
-        order = sorted(names)
-        remap = np.array([order.index(n) for n in names], dtype=np.int32)
-        return Pool(tuple(ids), remap[src] if len(ids) else src.astype(np.int32),
-                    tuple(order), np.asarray(tokens, dtype=np.int64), tuple(map(str, paths)))
+    def build(ids: Sequence[str], tokens: np.ndarray, texts: PoolTexts) -> Pool:
+        """The pool of the store rows ``ids`` whose documents ``texts`` reads."""
+        order = sorted(set(texts.sources))
+        code = {n: i for i, n in enumerate(order)}
+        sources = np.fromiter((code[s] for s in texts.sources), dtype=np.int32,
+                              count=len(ids))
+        return Pool(tuple(ids), sources, tuple(order), np.asarray(tokens, dtype=np.int64),
+                    texts)
 
     def __len__(self) -> int:
         return len(self.ids)
 
     @property
+    def paths(self) -> tuple[str, ...]:
+        return self.texts.paths
+
+    @property
     def hashes(self) -> list[str]:
         return [SampleId.parse(s).digest for s in self.ids]
-
-
-def iter_pool_docs(paths: Sequence[str], ids: Sequence[str], rows: Sequence[int],
-                   chunk: int = 256) -> Iterator[list[tuple[int, Document]]]:
-    """Chunks of ``(row, Document)`` for ``rows`` (any order), in file order."""
-    want = {SampleId.parse(ids[r]).doc: int(r) for r in rows}
-    out: list[tuple[int, Document]] = []
-    for path in paths:
-        for doc in iter_jsonl(path, "pool file"):
-            r = want.pop(doc.id, None)
-            if r is None:
-                continue
-            out.append((r, doc))
-            if len(out) >= chunk:
-                yield out
-                out = []
-    if out:
-        yield out
 
 
 def minhash_signatures(input_ids: torch.Tensor, valid: torch.Tensor) -> np.ndarray:

@@ -16,7 +16,7 @@ import torch
 from dattri_ds.selection.curate.budget import Budget, choose, resolve_budget
 from dattri_ds.selection.curate.config import CurateConfig
 from dattri_ds.selection.curate.methods import get_method
-from dattri_ds.selection.curate.pool import Pool, Tokenize
+from dattri_ds.selection.curate.pool import Pool
 from dattri_ds.selection.curate.scoring import Scored, score_pool
 from dattri_ds.store.reader import GradientStore
 
@@ -39,7 +39,7 @@ class CurateResult:
 
 def curate(config: CurateConfig, stores: Mapping[str, GradientStore], pool: Pool, *,
            targets: Mapping[str, torch.Tensor] | None = None,
-           weights: Mapping[str, float] | None = None, tokenize: Tokenize | None = None,
+           weights: Mapping[str, float] | None = None,
            target_counts: torch.Tensor | None = None, out: str | Path | None = None,
            with_text: bool = False, resolved: dict | None = None, rank: int = 0,
            world: int = 1) -> CurateResult:
@@ -49,11 +49,11 @@ def curate(config: CurateConfig, stores: Mapping[str, GradientStore], pool: Pool
         config: method, budget, diversity.
         stores: checkpoint tag -> the pool's store, oldest first (every store holds the
             same rows; the first one's order is the pool's).
-        pool: the rows' documents (``Pool.build``).
+        pool: the rows' documents (``Pool.build``; their tokens feed the content prior and
+            the near-duplicate clusters).
         targets: tag -> ``[Q, P]`` target rows in that store's space (gradient methods;
             Adam-preconditioned for ``adam`` methods: ``targets.adam_target``).
         weights: tag -> learning rate (``trajectory``).
-        tokenize: texts -> model inputs (content prior, near-duplicate clusters).
         target_counts: the target documents' n-gram counts (content prior).
         out: the folder rank 0 writes (None: nothing written).
         with_text: subset.jsonl carries the documents (trainable by launch/).
@@ -66,7 +66,7 @@ def curate(config: CurateConfig, stores: Mapping[str, GradientStore], pool: Pool
     budget = resolve_budget(config, len(pool), pool.tokens)
     method = get_method(config.method)(config)
     scored = score_pool(method, stores, pool, targets=targets, weights=weights,
-                        tokenize=tokenize, target_counts=target_counts,
+                        target_counts=target_counts,
                         clusters=config.max_per_cluster is not None, rank=rank, world=world)
     chosen = choose(scored.scores, budget, tokens=pool.tokens, sources=pool.sources,
                     clusters=scored.clusters, hashes=pool.hashes if config.dedupe else None,

@@ -1,6 +1,6 @@
 """Streamed scoring of a pool: rank ``r`` of ``R`` reads rows ``[r N / R, (r + 1) N / R)`` of
 the store block by block (one read per checkpoint the method uses), scores them with the
-method's ``block`` and, for content methods or a cluster cap, tokenizes their documents.
+method's ``block`` and, for content methods or a cluster cap, reads their documents' tokens.
 Only per-row numbers are kept and all-gathered; the content prior's pool-wide counts are
 all-reduced between its two passes. Memory per rank: ``memory_bound`` (docs/curation.md,
 "Streaming and memory")."""
@@ -15,7 +15,7 @@ import torch
 
 from dattri_ds.selection.curate.methods import CurationMethod
 from dattri_ds.selection.curate.pool import (
-    Pool, Tokenize, content_log_ratio, iter_pool_docs, minhash_signatures, ngram_counts,
+    Pool, content_log_ratio, minhash_signatures, ngram_counts,
 )
 from dattri_ds.errors import ConfigError
 from dattri_ds.store.reader import GradientStore
@@ -87,36 +87,32 @@ def _gradient_column(method: CurationMethod, stores, targets, weights, lo: int, 
     return out
 
 
-def _text_columns(pool: Pool, lo: int, hi: int, tokenize: Tokenize
-                  ) -> tuple[np.ndarray, torch.Tensor | None]:
+def _text_columns(pool: Pool, lo: int, hi: int) -> tuple[np.ndarray, torch.Tensor | None]:
     """Pass 1 over the slice's documents: signatures ``[hi - lo]`` and summed n-gram counts."""
     sig = np.full(hi - lo, -1, dtype=np.int64)
     total = None
-    for chunk in iter_pool_docs(pool.paths, pool.ids, range(lo, hi)):
-        rows = np.asarray([r for r, _ in chunk]) - lo
-        ids, mask = tokenize([d.text for _, d in chunk])
+    for rows, ids, mask in pool.texts.token_chunks(range(lo, hi)):
+        rows = rows - lo
         sig[rows] = minhash_signatures(ids, mask)
         c = ngram_counts(ids, mask).sum(0)
         total = c if total is None else total + c
     return sig, total
 
 
-def _content_column(pool: Pool, lo: int, hi: int, tokenize: Tokenize,
-                    target_counts: torch.Tensor, pool_counts: torch.Tensor) -> np.ndarray:
+def _content_column(pool: Pool, lo: int, hi: int, target_counts: torch.Tensor,
+                    pool_counts: torch.Tensor) -> np.ndarray:
     """Pass 2: each row's log-ratio against the pool-wide counts (texts read again: no
     per-row counts are kept)."""
     out = np.zeros(hi - lo, dtype=np.float64)
-    for chunk in iter_pool_docs(pool.paths, pool.ids, range(lo, hi)):
-        rows = np.asarray([r for r, _ in chunk]) - lo
-        ids, mask = tokenize([d.text for _, d in chunk])
-        out[rows] = content_log_ratio(ngram_counts(ids, mask), target_counts,
-                                      pool_counts).numpy()
+    for rows, ids, mask in pool.texts.token_chunks(range(lo, hi)):
+        out[rows - lo] = content_log_ratio(ngram_counts(ids, mask), target_counts,
+                                           pool_counts).numpy()
     return out
 
 
 def score_pool(method: CurationMethod, stores: Mapping[str, GradientStore], pool: Pool, *,
                targets: Mapping[str, torch.Tensor] | None = None,
-               weights: Mapping[str, float] | None = None, tokenize: Tokenize | None = None,
+               weights: Mapping[str, float] | None = None,
                target_counts: torch.Tensor | None = None, clusters: bool = False,
                rank: int = 0, world: int = 1) -> Scored:
     """Score every row of the pool (this rank its slice), gathered on every rank.
@@ -124,10 +120,9 @@ def score_pool(method: CurationMethod, stores: Mapping[str, GradientStore], pool
     Args:
         method: the curation method (its config gives ``block_rows`` and ``aggregate``).
         stores: checkpoint tag -> the pool's store (oldest first).
-        pool: the rows' documents.
+        pool: the rows' documents (their tokens: content methods and cluster caps).
         targets: tag -> target rows ``[Q, P]`` in that store's space (gradient methods).
         weights: tag -> learning rate (trajectory).
-        tokenize: texts -> model inputs (content methods and cluster caps).
         target_counts: ``[dim]`` the target documents' n-gram counts (content methods).
         clusters: compute near-duplicate signatures.
         rank, world: this process's place among the scoring ranks.
@@ -140,17 +135,14 @@ def score_pool(method: CurationMethod, stores: Mapping[str, GradientStore], pool
                                 method.config.block_rows)
     sig = content = None
     if method.content or clusters:
-        if tokenize is None:
-            raise ConfigError(f"--method {method.name} / --max-per-cluster need the pool's "
-                              f"texts tokenized: pass --pool and the run's tokenizer")
-        sig, total = _text_columns(pool, lo, hi, tokenize)
+        sig, total = _text_columns(pool, lo, hi)
         if method.content:
             if target_counts is None:
                 raise ConfigError(f"--method {method.name} needs target documents (--target) "
                                   f"for the content prior's target counts")
             zero = torch.zeros(target_counts.numel(), dtype=torch.float64)
             total = _all_reduce(zero if total is None else total.double(), world)
-            content = _content_column(pool, lo, hi, tokenize, target_counts, total)
+            content = _content_column(pool, lo, hi, target_counts, total)
     grad, content, sig = (_gather(x, world) for x in (grad, content, sig))
     return Scored(method.finalize(grad, content), grad, content, sig if clusters else None)
 

@@ -1,5 +1,6 @@
 """Writer: a curation's output folder (``OUTPUTS``: subset.jsonl, scores.npy, ids.json,
-config.json, report.md / .html; formats: docs/curation.md, "Outputs")."""
+config.json, report.md / .html; the subset in the pool data's own format too: a prepared
+prefix ``subset`` for prepared data; formats: docs/curation.md, "Outputs")."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from dattri_ds.sample_id import SampleId
-from dattri_ds.selection.curate.pool import Pool, iter_pool_docs
+from dattri_ds.selection.curate.pool import Pool
 
 __all__ = ["OUTPUTS", "write_outputs"]
 
@@ -20,18 +21,13 @@ OUTPUTS = ("subset.jsonl", "scores.npy", "ids.json", "config.json", "report.md",
            "report.html", "score_hist.png")
 
 
-def _docs_of(pool: Pool, rows) -> dict[int, dict]:
-    return {r: d.to_dict() for chunk in iter_pool_docs(pool.paths, pool.ids, rows)
-            for r, d in chunk}
-
-
 def write_outputs(out: Path, *, pool: Pool, scores: np.ndarray, chosen: np.ndarray,
                   resolved: dict, with_text: bool, examples_shown: int = 5) -> dict:
     """Write the folder (module docstring); returns the summary recorded in config.json."""
     out.mkdir(parents=True, exist_ok=True)
     shown = list(chosen[:examples_shown]) + _bottom(scores, examples_shown)
     rows = (set(chosen.tolist()) if with_text else set()) | {int(x) for x in shown}
-    docs = _docs_of(pool, sorted(rows))
+    docs = pool.texts.documents(sorted(rows))
     with open(out / "subset.jsonl", "w", encoding="utf-8") as f:
         for k, r in enumerate(chosen.tolist()):
             line = {"id": SampleId.parse(pool.ids[r]).doc, "sample_id": pool.ids[r],
@@ -43,6 +39,7 @@ def write_outputs(out: Path, *, pool: Pool, scores: np.ndarray, chosen: np.ndarr
     np.save(out / "scores.npy", np.asarray(scores, dtype=np.float64))
     (out / "ids.json").write_text(json.dumps(list(pool.ids)) + "\n")
     summary = _summary(pool, scores, chosen)
+    summary["subset_files"] = pool.texts.write_subset(out, chosen)
     (out / "config.json").write_text(json.dumps({**resolved, "result": summary}, indent=1,
                                                 default=str) + "\n")
     plot = _plot(out, scores, chosen)

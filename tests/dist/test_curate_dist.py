@@ -25,17 +25,18 @@ def _select(rank, world, store, pool_file, q_rows, tc, out, method):
     import torch.distributed as dist
 
     from dattri_ds.selection.curate import CurateConfig, Pool, curate
+    from dattri_ds.selection.curate.pool import JsonlTexts
     from dattri_ds.store import GradientStore
     from test_curate import tokenize
 
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world)
     s = GradientStore.open(store, require_complete=True)
-    pool = Pool.build(s.ids, s.token_counts, [pool_file])
+    pool = Pool.build(s.ids, s.token_counts, JsonlTexts.open([pool_file], s.ids, tokenize))
     cfg = CurateConfig(method=method, fraction=0.25, block_rows=3, max_per_cluster=1,
                        max_source_share=0.5)
     r = curate(cfg, {"step1": s}, pool, targets={"step1": q_rows}, weights={"step1": 1e-3},
-               tokenize=tokenize, target_counts=tc, out=out, rank=rank, world=world)
+               target_counts=tc, out=out, rank=rank, world=world)
     s.close()
     return {"scores": r.scores, "chosen": r.chosen}
 

@@ -22,6 +22,7 @@ import torch
 import dattri_ds
 from dattri_ds import CaptureConfig, GradBatch, ProjectionConfig
 from dattri_ds.selection.curate import CurateConfig, Pool, choose, curate, get_method, resolve_budget
+from dattri_ds.selection.curate.pool import JsonlTexts
 from dattri_ds.selection.curate.scoring import score_pool
 from dattri_ds.errors import ConfigError
 from dattri_ds.ops.inner import cross_gram, materialize, sq_norms
@@ -93,7 +94,8 @@ def setup(tmp_path_factory):
     target = _docs(3, seed=7)
     train = _grads(model, docs, PROJ)
     store = GradientStore.open(_write_store(tmp / "store", train), require_complete=True)
-    pool = Pool.build(store.ids, store.token_counts, [str(pool_file)])
+    pool = Pool.build(store.ids, store.token_counts,
+                      JsonlTexts.open([str(pool_file)], store.ids, tokenize))
     q = _grads(model, target, PROJ)
     return {"tmp": tmp, "model": model, "docs": docs, "pool_file": pool_file, "target": target,
             "train": train, "store": store, "pool": pool, "q": q,
@@ -292,7 +294,7 @@ def test_streaming_equals_in_memory(setup):
             cfg = CurateConfig(method=method, fraction=0.25, block_rows=block,
                                max_per_cluster=1)
             r = curate(cfg, {"step1": setup["store"]}, setup["pool"],
-                       targets={"step1": setup["q_rows"]}, tokenize=tokenize, target_counts=tc)
+                       targets={"step1": setup["q_rows"]}, target_counts=tc)
             outs.append(r)
         np.testing.assert_array_equal(outs[0].scores, outs[1].scores)
         assert outs[0].chosen.tolist() == outs[1].chosen.tolist()
@@ -312,7 +314,7 @@ def test_content_prior_is_dsir_log_ratio(setup):
     lt = torch.log((tc + 1) / (tc.sum() + dim))
     ls = torch.log((pc.sum(0) + 1) / (pc.sum() + dim))
     want = (pc @ (lt - ls)) / pc.sum(1)
-    got = _score(setup, CurateConfig(method="content", examples=1), tokenize=tokenize,
+    got = _score(setup, CurateConfig(method="content", examples=1),
                  target_counts=tc.float()).scores
     order = [setup["pool"].ids.index(i) for i in setup["store"].ids]
     np.testing.assert_allclose(got[order], want.numpy(), rtol=1e-6)

@@ -21,7 +21,7 @@ from dattri_ds.tools.sources.hf_checkpoints import HFCheckpoints, natural_key
 from dattri_ds.tools.sources.run import Run
 
 __all__ = ["add_source_args", "add_checkpoint_args", "open_source", "folder_list",
-           "tag_choice", "source_tags", "checkpoint_tags", "source_flags", "seq_len_of"]
+           "tag_choice", "source_tags", "checkpoint_tags", "source_flags"]
 
 
 def add_source_args(p) -> None:
@@ -180,8 +180,3 @@ def source_flags(args) -> str:
     DIR ...``), for a fix that repeats them."""
     return (f"--run-dir {args.run}" if args.run else f"--model {args.model}" if args.model
             else f"--checkpoints {' '.join(args.checkpoints or [])}")
-
-
-def seq_len_of(source: Source, args) -> int:
-    """``--seq-len``, else the source's own."""
-    return args.seq_len or source.seq_len

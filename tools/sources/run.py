@@ -22,7 +22,7 @@ from dattri_ds.errors import ConfigError
 from dattri_ds.io.files import check_dir, model_dir, read_json
 from dattri_ds.integrations.checkpoints import load_state_dict
 from dattri_ds.integrations.megatron_checkpoint import is_consolidated
-from dattri_ds.tools.provenance import DataOrigin, as_files, positive_int
+from dattri_ds.tools.provenance import DataOrigin, recorded_origin
 from dattri_ds.tools.runtime import quiet_stdout
 from dattri_ds.tools.sources.base import config_vocab_size, pick_tags, required_context
 from dattri_ds.tools.sources.hf import HFTokenizer, hf_tokenizer_dir, is_hf_model_dir, load_hf_model
@@ -93,16 +93,13 @@ class Run:
         return config_vocab_size(self.root / "model/config.json")
 
     def training_record(self) -> DataOrigin | None:
-        """The run's own training data: ``train.train_data`` and ``train.max_docs`` of
+        """The run's own training data: ``train.data_path`` (prepared data, with
+        ``train.packing``) or ``train.train_data``, and ``train.max_docs``, of
         ``resolved_dattri_ds_config.json`` as written there (None when it names none;
         ``tools.provenance.training_data`` finds the files)."""
         cfg, train = self._train_record()
-        files = as_files(train.get("train_data"))
-        if files is None:
-            return None
-        return DataOrigin(tuple(files), positive_int(train.get("max_docs")),
-                          positive_int(train.get("seq_len")), "the run's training data",
-                          (cfg, "train.train_data"))
+        return recorded_origin(train, cfg, "the run's training data", jsonl_key="train_data",
+                               prefix="train.")
 
     def tokenizer(self):
         """SentencePiece ``tokenizer.model``, else the Hugging Face tokenizer found at open."""
