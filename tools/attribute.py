@@ -53,7 +53,8 @@ from dattri_ds.tools.progress import bar  # noqa: E402
 from dattri_ds.tools.provenance import training_data, write_config  # noqa: E402
 from dattri_ds.tools.runtime import announce, logger, setup_logging  # noqa: E402
 from dattri_ds.tools.sources import (  # noqa: E402
-    Source, add_checkpoint_args, add_source_args, open_source, source_flags, tag_choice,
+    Source, add_checkpoint_args, add_source_args, check_checkpoints, open_source, source_flags,
+    tag_choice,
 )
 from dattri_ds.tools.stores import (  # noqa: E402
     check_factors, factors_path, store_origin, store_paths,
@@ -344,6 +345,7 @@ def main(argv: list[str] | None = None) -> dict:
     run = open_source(args)
     available = store_paths(Path(args.store))
     tags = _choose_tags(args, run, available)
+    check_checkpoints(run, tags)  # their files whole, before anything is written
     queries = load_texts(args.queries, run.tokenizer, run.context, args.query_max_docs,
                          context=run.context, truncate=args.truncate, queries=True,
                          vocab_size=run.vocab_size)

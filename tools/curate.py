@@ -49,7 +49,7 @@ from dattri_ds.tools.gradients import gradients  # noqa: E402
 from dattri_ds.tools.provenance import training_data  # noqa: E402
 from dattri_ds.tools.runtime import init_distributed, logger, setup_logging  # noqa: E402
 from dattri_ds.tools.sources import (  # noqa: E402
-    Source, add_checkpoint_args, add_source_args, open_source, tag_choice,
+    Source, add_checkpoint_args, add_source_args, check_checkpoints, open_source, tag_choice,
 )
 from dattri_ds.tools.stores import store_paths  # noqa: E402
 from dattri_ds.tools.texts import load_texts  # noqa: E402
@@ -227,6 +227,8 @@ def main(argv: list[str] | None = None) -> dict:
     targets = None  # a target store is compared (and read) before anything is written
     if args.target_store and METHODS.lookup(config.method).gradient:
         targets = _target_store_rows(args, stores, tags)
+    elif METHODS.lookup(config.method).gradient:  # the targets' gradients (and Adam moments)
+        check_checkpoints(source, tags)  # are read from these: their files whole first
     if rank == 0:
         check_dir(args.out, flag="--out", force=args.force, overwrites=OUTPUTS[:5])
     return _run(args, config, source, stores, tags, pool, targets, rank, world)
