@@ -189,8 +189,13 @@ class HFModelDir(NoRunRecords):
 
 
 def load_hf_model(folder: Path, device: torch.device | str = "cpu"):
-    """The causal LM of a ``save_pretrained`` folder, fp32, eval mode (dropout off)."""
+    """The causal LM of a ``save_pretrained`` folder (checked by ``files.model_dir`` when
+    its source was opened), fp32, eval mode (dropout off); what transformers raises on whole
+    files it cannot use (e.g. weights of other shapes than the config's) names the folder.
+    """
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    with files.read_by("transformers' AutoModelForCausalLM", folder, "model folder",
+                       "pass a folder written by model.save_pretrained(path)"):
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     return model.to(device).eval()
