@@ -172,7 +172,7 @@ def details(runs: dict[str, list[dict]], name: str) -> str:
     share, rshare = mean_share(runs[name]), mean_share(runs["random"])
     top = sorted((k for k in share if not k.startswith(noisy.JUNK_PREFIX)),
                  key=lambda k: share[k] - rshare.get(k, 0.0), reverse=True)[:2]
-    parts = [f"most enriched: " + ", ".join(f"{k} {share[k]:.0%} (random {rshare.get(k, 0):.0%})"
+    parts = ["most enriched: " + ", ".join(f"{k} {share[k]:.0%} (random {rshare.get(k, 0):.0%})"
                                             for k in top)]
     junk, rjunk = noisy.junk_shares(share), noisy.junk_shares(rshare)
     for label, kinds in (("junk", [k for k in junk if k not in noisy.HELDOUT_KINDS]),

@@ -47,7 +47,6 @@ import math
 import os
 import random
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path

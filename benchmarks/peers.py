@@ -130,7 +130,6 @@ def run_one(lib: str, task: str, width: int, threads: int, folder: Path, n_train
 
 # ---- driver -------------------------------------------------------------------------------
 def pearson(x, y) -> float:
-    import torch
 
     x, y = x.flatten().double(), y.flatten().double()
     x, y = x - x.mean(), y - y.mean()

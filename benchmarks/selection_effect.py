@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 import time
@@ -79,7 +78,7 @@ from benchmarks import _noisy_pools as noisy  # noqa: E402
 from benchmarks._common import loop_configs  # noqa: E402
 from benchmarks._compute import compare, details, fmt, summarize, truncate  # noqa: E402
 from dattri_ds.data import load_documents, tokenize_documents, train_tokenizer  # noqa: E402
-from dattri_ds.selection import OnlineSelector, SelectionConfig  # noqa: E402
+from dattri_ds.selection import SelectionConfig  # noqa: E402
 from dattri_ds.selection.policy import fill_uniform  # noqa: E402
 from dattri_ds.selection.content import ContentPrior  # noqa: E402
 

@@ -110,7 +110,12 @@ class Backend(ABC):
     @abstractmethod
     def save(self, ckpt_dir: Path, tag: str, meta: dict, data) -> None:
         """Write checkpoint ``ckpt_dir/tag`` (collective; ``tag`` is the temporary name of
-        launch/save.py, renamed once every rank is done); ``meta`` has tag, step and lr."""
+        launch/save.py, renamed once every rank is done); ``meta`` has tag, step and lr.
+
+        A file this rank fails to write is raised only after the save's own collectives
+        (``launch.save.held_write_failures``, or an agreement in their place, as the
+        Megatron save does), so no peer is left waiting in one; launch/save.py then tells
+        every rank."""
 
     @abstractmethod
     def load(self, ckpt_dir: Path, tag: str) -> None:

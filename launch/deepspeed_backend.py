@@ -21,6 +21,7 @@ from dattri_ds.distributed import ParallelContext
 from dattri_ds.errors import ConfigError
 from dattri_ds.launch.config import RunConfig
 from dattri_ds.launch.backend import Backend
+from dattri_ds.launch.save import held_write_failures
 
 __all__ = ["DeepSpeedBackend", "setup_distributed", "build", "to_universal"]
 
@@ -127,9 +128,11 @@ class DeepSpeedBackend(Backend):
         check_engine_supported(self.engine)
 
     def save(self, ckpt_dir: Path, tag: str, meta: dict, data) -> None:
-        # ``latest`` is written by launch/save.py once the folder is complete and renamed
-        self.engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=dict(meta),
-                                    save_latest=False)
+        # ``latest`` is written by launch/save.py once the folder is complete and renamed;
+        # a file this rank fails to write is raised after DeepSpeed's closing barrier
+        with held_write_failures(self.engine.checkpoint_engine):
+            self.engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=dict(meta),
+                                        save_latest=False)
 
     def load_resharded(self, ckpt_dir: Path, tag: str, saved: dict[str, int]) -> None:
         """Elastic resume (or ZeRO stage 1 <-> 2): ``checkpoints/<tag>`` (written on

@@ -261,12 +261,14 @@ class MegatronBackend(TorchOptimized):
             self.adapter.step_done()
 
     def attach_capture(self, cfg: RunConfig, callbacks: list, start_step: int):
-        """Capture on every rank (projections all-reduce over TP)."""
+        """Capture on every rank (projections all-reduce over TP); a rank that writes no
+        store shard (TP rank > 0: TP rank 0 stores the same rows) drops its batches."""
+        from dattri_ds.capture.callbacks import DropBatches
         from dattri_ds.integrations.megatron import MegatronAdapter, megatron_capture
 
         self.adapter = MegatronAdapter(self.model, backward_scale=1.0 / self.gas,
                                        start_step=start_step)
-        return megatron_capture(self.model, cfg.capture, callbacks=callbacks,
+        return megatron_capture(self.model, cfg.capture, callbacks=callbacks or [DropBatches()],
                                 adapter=self.adapter).attach()
 
     def selection_log(self, out: Path) -> Path | None:

@@ -55,7 +55,8 @@ from dattri_ds.tools.provenance import (  # noqa: E402
 )
 from dattri_ds.tools.runtime import announce, logger, setup_logging  # noqa: E402
 from dattri_ds.tools.sources import (  # noqa: E402
-    Source, add_checkpoint_args, add_source_args, open_source, source_flags, tag_choice,
+    Source, add_checkpoint_args, add_source_args, check_checkpoints, open_source, source_flags,
+    tag_choice,
 )
 from dattri_ds.tools.stores import (  # noqa: E402
     check_data, check_factors, factors_path, store_origin, store_paths,
@@ -347,6 +348,7 @@ def main(argv: list[str] | None = None) -> dict:
     run = open_source(args)
     available = store_paths(Path(args.store))
     tags = _choose_tags(args, run, available)
+    check_checkpoints(run, tags)  # their files whole, before anything is written
     data, why = training_texts(args, run, {t: available[t] for t in tags})
     tokenizer = data.tokenizer if data is not None else run.tokenizer
     queries = load_texts(args.queries, tokenizer, run.context, args.query_max_docs,

@@ -52,7 +52,7 @@ from dattri_ds.tools.gradients import gradients  # noqa: E402
 from dattri_ds.tools.provenance import training_data  # noqa: E402
 from dattri_ds.tools.runtime import init_distributed, logger, setup_logging  # noqa: E402
 from dattri_ds.tools.sources import (  # noqa: E402
-    Source, add_checkpoint_args, add_source_args, open_source, tag_choice,
+    Source, add_checkpoint_args, add_source_args, check_checkpoints, open_source, tag_choice,
 )
 from dattri_ds.tools.stores import check_data, store_paths  # noqa: E402
 from dattri_ds.tools.subset import SUBSET_FILES  # noqa: E402
@@ -268,6 +268,8 @@ def main(argv: list[str] | None = None) -> dict:
     targets = None  # a target store is compared (and read) before anything is written
     if args.target_store and METHODS.lookup(config.method).gradient:
         targets = _target_store_rows(args, stores, tags)
+    elif METHODS.lookup(config.method).gradient:  # the targets' gradients (and Adam moments)
+        check_checkpoints(source, tags)  # are read from these: their files whole first
     if rank == 0:
         check_dir(args.out, flag="--out", force=args.force,
                   overwrites=OUTPUTS[:5] + SUBSET_FILES)

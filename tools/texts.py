@@ -1,6 +1,7 @@
 """The tools' documents: jsonl texts or token ids, tokenized into rows, and rows back to text.
 
-* text jsonl (``{"id", "source", "title", "text"}`` per line; a query needs only ``text``),
+* text jsonl (``{"id", "source", "title", "text"}`` per line; a query needs only ``id`` and
+  a non-empty ``text``),
   tokenized by the source's tokenizer;
 * token-id jsonl (``{"id"?, "input_ids": [...]}`` per line): data that needs no tokenizer
   at all (``load_token_ids``).
@@ -10,6 +11,7 @@ Errors name the file, the line and the fix.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -28,8 +30,8 @@ def load_texts(path: str | list[str], tokenizer, seq_len: int, max_docs: int | N
     """Tokenized documents of a jsonl file of texts or of token ids (``is_token_file``).
 
     ``tokenizer`` is a Tokenizer, a callable returning one (called only for text files),
-    or None for token-id files. ``queries``: a text line needs only ``text`` (``id``
-    defaults to ``q<line>``, ``source`` and ``title`` to empty). Token ids are checked to
+    or None for token-id files. ``queries``: every line needs an ``id`` and (a text line)
+    a non-empty ``text``; ``source`` and ``title`` default to empty. Token ids are checked to
     lie below ``vocab_size`` (default: the tokenizer's, when it is one). Errors name the
     file and the fix.
     """
@@ -46,6 +48,8 @@ def load_texts(path: str | list[str], tokenizer, seq_len: int, max_docs: int | N
     if one and is_token_file(p):
         vocab = vocab_size if vocab_size is not None else getattr(tokenizer, "vocab_size", None)
         data = load_token_ids(p, seq_len, max_docs, vocab if type(vocab) is int else None)
+        if queries:
+            _query_token_ids(p, max_docs)
         _check_truncation(data, p, seq_len, context, truncate)
         return data
     if callable(tokenizer) and not hasattr(tokenizer, "encode_batch"):
@@ -64,27 +68,59 @@ def load_texts(path: str | list[str], tokenizer, seq_len: int, max_docs: int | N
 
 
 def _query_documents(p: Path) -> list:
-    """Query documents: every line a JSON object with a string ``text``; ``id``, ``source``
-    and ``title`` optional (a query needs no metadata).
+    """Query documents: every line a JSON object with an ``id`` and a non-empty string
+    ``text``; ``source`` and ``title`` optional (a query needs no other metadata).
 
     Raises:
-        InputFileError: a line without a string ``text`` (file and line named), a repeated id.
+        InputFileError: a line without a string ``text``, with an empty ``text``, without
+            an ``id`` or with one repeated (file and line named).
     """
-    fix = 'write one {"id": ..., "text": ...} object per line'
     docs, seen = [], set()
-    for n, d in files.iter_json_lines(p, "--queries file", 'one {"id"?, "text"} object per line',
-                                fix):
+    for n, d in files.iter_json_lines(p, "--queries file", 'one {"id", "text"} object per line',
+                                      _QUERY_FIX):
         if not isinstance(d, dict) or not isinstance(d.get("text"), str):
             raise InputFileError(f"--queries file {p}:{n}: expected a JSON object with a string "
-                                 f"'text', got {str(d)[:60]}. Fix: {fix}")
-        doc_id = str(d.get("id", f"q{n}"))
-        if doc_id in seen:
-            raise InputFileError(f"--queries file {p}:{n}: id '{doc_id}' repeats an earlier "
-                                 f"line. Fix: give every query its own id")
-        seen.add(doc_id)
-        docs.append(Document(doc_id, str(d.get("source", "")), str(d.get("title", "")),
-                             d["text"]))
+                                 f"'text', got {str(d)[:60]}. Fix: {_QUERY_FIX}")
+        if not d["text"].strip():
+            state = "only whitespace" if d["text"] else "empty"
+            raise InputFileError(f"--queries file {p}:{n}: the query's 'text' is {state}: there "
+                                 f"is nothing to score. Fix: give the query its text, or "
+                                 f"remove the line")
+        docs.append(Document(_query_id(d, p, n, seen), str(d.get("source", "")),
+                             str(d.get("title", "")), d["text"]))
     return docs
+
+
+_QUERY_FIX = 'write one {"id": ..., "text": ...} object per line'
+
+
+def _query_id(d: dict, p: Path, n: int, seen: set[str]) -> str:
+    """The ``id`` of query line ``n`` (a non-empty string or an integer, not seen before).
+
+    Raises:
+        InputFileError: no id, an empty or non-scalar one, or one an earlier line has.
+    """
+    doc_id = d.get("id")
+    if type(doc_id) not in (str, int) or not str(doc_id).strip():
+        got = "no 'id'" if "id" not in d else f"the id {json.dumps(doc_id)[:40]}"
+        raise InputFileError(f"--queries file {p}:{n}: the query has {got}; every query needs "
+                             f"its own id (the scores, top-k and reports name queries by it). "
+                             f"Fix: add \"id\": \"...\" (a non-empty string) to the line")
+    doc_id = str(doc_id)
+    if doc_id in seen:
+        raise InputFileError(f"--queries file {p}:{n}: id '{doc_id}' repeats an earlier "
+                             f"line. Fix: give every query its own id")
+    seen.add(doc_id)
+    return doc_id
+
+
+def _query_token_ids(p: Path, max_docs: int | None) -> None:
+    """Every token-id query line (up to ``max_docs``) has its own ``id`` (``_query_id``)."""
+    seen: set[str] = set()
+    for n, rec in files.iter_json_lines(p, "--queries file", _TOKEN_EXPECTED, _TOKEN_FIX):
+        _query_id(rec, p, n, seen)
+        if max_docs and len(seen) >= max_docs:
+            return
 
 
 def row_texts(data, tokenizer) -> list[str] | None:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from dattri_ds.gradient import GradBatch
 
-__all__ = ["TrainingCallback"]
+__all__ = ["TrainingCallback", "DropBatches"]
 
 
 class TrainingCallback:
@@ -31,3 +31,16 @@ class TrainingCallback:
 
     def on_close(self) -> None:
         """The capture detached; flush and release resources."""
+
+
+class DropBatches(TrainingCallback):
+    """Consumes and drops every batch: for a rank that must capture but keeps no rows.
+
+    A tensor-parallel rank other than 0 holds the same examples as TP rank 0, which stores
+    them; it still captures, because the projections of sharded layers all-reduce over the
+    TP group. Without a callback its batches would wait in ``GradientCapture``'s queue for a
+    ``pop()`` that never comes (memory growing by one batch per micro-batch).
+    """
+
+    def on_batch(self, batch: GradBatch) -> None:
+        """Nothing: another rank keeps these rows."""

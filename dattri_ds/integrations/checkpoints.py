@@ -17,6 +17,7 @@ from dattri_ds.errors import ConfigError
 __all__ = ["load_state_dict", "checkpoint_tags"]
 
 _HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+_FIX = "pass the checkpoints/ folder of a launch/train.py run, or copy the checkpoint again"
 
 
 def checkpoint_tags(root: str | Path) -> list[str]:
@@ -74,9 +75,10 @@ def load_state_dict(path: str | Path, tag: str | None = None) -> dict[str, torch
     if not folder.is_dir():
         raise ConfigError(f"Checkpoint tag '{tag}' not found in '{p}'; available tags: "
                           f"{checkpoint_tags(p)}")
+    files.check_checkpoint(folder, "DeepSpeed checkpoint", _FIX,  # cut files named first
+                           only=("*_model_states.pt", "*_optim_states.pt"))
     if any(folder.glob("zero_pp_rank_*_optim_states.pt")):  # ZeRO-1/2/3: partitioned fp32
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-        state = get_fp32_state_dict_from_zero_checkpoint(str(p), tag=tag)
+        state = _zero_to_fp32(p, tag)
     else:  # ZeRO-0: the full module state sits in the model-states file
         states = sorted(folder.glob("mp_rank_*_model_states.pt"))
         if not states:
@@ -90,3 +92,18 @@ def load_state_dict(path: str | Path, tag: str | None = None) -> dict[str, torch
                               f"folder of a launch/train.py run")
         state = state["module"]
     return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+
+
+def _zero_to_fp32(root: Path, tag: str) -> dict[str, torch.Tensor]:
+    """DeepSpeed's consolidation of a ZeRO-1/2/3 tag folder (its files checked whole
+    before); what DeepSpeed's reader raises on files that are whole but not what it expects
+    (a missing rank's file, another layout) is one line naming the folder.
+
+    Raises:
+        InputFileError: DeepSpeed cannot consolidate the folder.
+    """
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    with files.read_by("DeepSpeed's zero_to_fp32 (a rank's file missing, or not a ZeRO "
+                       "state)", root / tag, "DeepSpeed checkpoint", _FIX):
+        return get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)

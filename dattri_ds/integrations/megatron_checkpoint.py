@@ -13,8 +13,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from dattri_ds.distributed import all_gather_object
 from dattri_ds.errors import CheckpointMismatchError, ConfigError
-from dattri_ds.io.files import load_torch
+from dattri_ds.io.files import load_torch, read_json
+from dattri_ds.io.outputs import write_failure
 
 __all__ = ["CONSOLIDATED", "CONSOLIDATED_META", "FORMAT", "is_consolidated",
            "consolidated_state", "load_consolidated", "read_consolidated", "read_meta",
@@ -106,8 +108,10 @@ def read_consolidated(folder: str | Path) -> dict[str, torch.Tensor]:
 
 
 def read_meta(folder: str | Path) -> dict:
-    """The ``megatron_consolidated.json`` of checkpoint ``folder``."""
-    return json.loads((Path(folder) / CONSOLIDATED_META).read_text())
+    """The ``megatron_consolidated.json`` of checkpoint ``folder`` (read through the file
+    door: a damaged file is named)."""
+    return read_json(Path(folder) / CONSOLIDATED_META, "Megatron checkpoint record",
+                     fix="pass another checkpoint of the run (an earlier tag)")
 
 
 def _check_losses(lm: nn.Module, batch_fn: Callable[[list[int]], dict], rows: list[int]
@@ -141,11 +145,23 @@ def save_checkpoint(lm: nn.Module, path: Path, meta: dict, data, verify: bool) -
     rows = list(range(min(CHECK_EXAMPLES, len(data))))
     meta = {**meta, "format": FORMAT, "format_version": FORMAT_VERSION,
             "check": {"rows": rows, "example_loss": _check_losses(lm, data.batch, rows)}}
+    failed = None
     if dist.get_rank() == 0:  # into a folder launch/save.py renames once it is complete
-        path.mkdir(parents=True, exist_ok=True)
-        torch.save(state, path / CONSOLIDATED)
-        (path / CONSOLIDATED_META).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-    dist.barrier()
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            torch.save(state, path / CONSOLIDATED)
+            (path / CONSOLIDATED_META).write_text(json.dumps(meta, indent=2, sort_keys=True)
+                                                  + "\n")
+        except Exception as err:  # noqa: BLE001 - a failed write is shared below
+            cause = write_failure(err, path / CONSOLIDATED)
+            if cause is None:
+                raise
+            failed = (cause.errno, cause.strerror, str(cause.filename or path / CONSOLIDATED))
+    # in place of a barrier: every rank learns whether rank 0's write failed (and raises it,
+    # so no rank waits for one that has given up)
+    failed = all_gather_object(failed, world=dist.get_world_size())[0]
+    if failed is not None:
+        raise OSError(*failed)
     if verify:
         _verify(lm.model, read_consolidated(path), path)
 

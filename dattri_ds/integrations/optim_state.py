@@ -15,10 +15,14 @@ import torch
 from torch import nn
 
 from dattri_ds.errors import ConfigError
+from dattri_ds.io.files import check_checkpoint, load_torch, read_by
 
 __all__ = ["AdamState", "read_adam_state", "read_deepspeed_adam", "read_megatron_adam",
            "has_adam_state"]
 
+_FIX = "pass a checkpoint of a complete run, or copy the checkpoint again"
+#: The files read here: DeepSpeed's model and optimizer states, Megatron's optimizer states.
+_STATE_FILES = ("*_model_states.pt", "*_optim_states.pt", "megatron_optimizer.rank*.pt")
 _NO_ADAM = ("the optimizer keeps no Adam second moments (exp_avg_sq); use --method cosine, "
             "or a checkpoint trained with Adam/AdamW")
 
@@ -62,7 +66,7 @@ def read_adam_state(folder: str | Path, model: nn.Module | None = None) -> AdamS
     Raises:
         ConfigError: no optimizer files there, no Adam moments, or a layout mismatch.
     """
-    f = Path(folder)
+    f = check_checkpoint(folder, "checkpoint", _FIX, only=_STATE_FILES)  # cut files named
     if any(f.glob("*_optim_states.pt")):
         return read_deepspeed_adam(f)
     if any(f.glob("megatron_optimizer.rank*.pt")):
@@ -86,11 +90,10 @@ def _hyper(inner: dict, path: Path) -> tuple[float, float, int]:
 
 
 def _load(path: Path):
-    try:
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-    except (RuntimeError, EOFError, OSError, ValueError) as e:
-        raise ConfigError(f"{path}: not a readable optimizer state file "
-                          f"({' '.join(str(e).split())[:80]})") from None
+    """A checkpoint's optimizer (or model) state file, through the file door (a cut or
+    damaged file is named); DeepSpeed's and Megatron's states hold Python objects."""
+    return load_torch(path, "optimizer state", fix=_FIX, trusted="a checkpoint tag folder",
+                      mmap=True)
 
 
 # ---- DeepSpeed ZeRO ----
@@ -111,7 +114,8 @@ def read_deepspeed_adam(folder: str | Path) -> AdamState:
     import contextlib
     import io
 
-    with contextlib.redirect_stdout(io.StringIO()):
+    with contextlib.redirect_stdout(io.StringIO()), read_by(
+            "DeepSpeed's zero_to_fp32", folder, "DeepSpeed checkpoint", _FIX):
         model_states = z.parse_model_states(model_files)
     moments, stage, world, hyper, paddings = [], None, None, None, None
     for path in optim_files:
@@ -145,7 +149,9 @@ def read_deepspeed_adam(folder: str | Path) -> AdamState:
     if stage == 3:
         v = _zero3_merge(moments, model_states[0].param_shapes, world, folder)
     else:
-        v = _zero2_merge(z, moments, model_states, world, paddings)
+        with read_by("DeepSpeed's zero_to_fp32 (the partitions do not match the model "
+                     "states)", folder, "DeepSpeed checkpoint", _FIX):
+            v = _zero2_merge(z, moments, model_states, world, paddings)
     for alias, name in model_states[0].shared_params:
         if name in v:
             v[alias] = v[name]

@@ -9,6 +9,7 @@ folders): docs/input_files.md.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import errno
 import functools
@@ -19,12 +20,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from dattri_ds.errors import InputFileError
+from dattri_ds.errors import DattriDSError, InputFileError
 
 __all__ = ["MAX_LINE_ENV", "max_line_bytes", "check_file", "check_dir", "iter_lines",
            "iter_json_lines", "first_json_line", "read_json", "read_text", "load_array",
            "load_torch", "load_safetensors", "model_dir", "HF_WEIGHTS", "check_torch_file",
-           "check_safetensors", "check_checkpoint"]
+           "check_safetensors", "check_checkpoint", "read_by"]
 
 #: Environment variable capping the bytes of one text line (and of one JSON file).
 MAX_LINE_ENV = "DATTRI_DS_MAX_LINE_BYTES"
@@ -340,12 +341,16 @@ def check_torch_file(path: str | os.PathLike, what: str = "torch file",
 
 def load_torch(path: str | os.PathLike, what: str = "torch file", *,
                fix: str = "pass a file written by dattri-ds", map_location: Any = "cpu",
-               trusted: str | None = None) -> Any:
+               trusted: str | None = None, mmap: bool = False) -> Any:
     """A ``torch.save`` file: tensors and plain containers only (``weights_only=True``).
+
+    A zip archive (what torch writes since 1.6) is checked whole first
+    (:func:`check_torch_file`), so a cut file is named as cut, not by torch's reader.
 
     Args:
         trusted: the manifest that marks this file as written by us or our training run (e.g.
             ``"DeepSpeed checkpoint tag folder"``); only then are pickled objects loaded.
+        mmap: map the tensors' storage from the file instead of reading it.
 
     Raises:
         InputFileError: a path problem, an empty, truncated or damaged file, or (untrusted)
@@ -358,8 +363,13 @@ def load_torch(path: str | os.PathLike, what: str = "torch file", *,
     p = check_file(path, what, fix)
     if p.stat().st_size == 0:
         raise _fail(what, p, "is empty", fix)
+    with _open(p, what, fix) as fh:
+        zipped = fh.read(4) == b"PK\x03\x04"
+    if zipped:
+        check_torch_file(p, what, fix)
     try:
-        return torch.load(p, map_location=map_location, weights_only=trusted is None)
+        return torch.load(p, map_location=map_location, weights_only=trusted is None,
+                          mmap=mmap)
     except pickle.UnpicklingError:
         raise _fail(what, p, "holds pickled Python objects that are not tensors (refused: "
                     "only files dattri-ds wrote are read)", fix) from None
@@ -446,11 +456,15 @@ _CHECKPOINT_FILES = {".pt": check_torch_file, ".bin": check_torch_file,
 
 
 def check_checkpoint(folder: str | os.PathLike, what: str = "checkpoint",
-                     fix: str = "resume from another checkpoint") -> Path:
+                     fix: str = "resume from another checkpoint",
+                     only: tuple[str, ...] | None = None) -> Path:
     """``folder`` if every weight and state file directly in it (``*.pt``, ``*.bin``,
     ``*.safetensors``: DeepSpeed's ``mp_rank_*`` and ``*_optim_states.pt``, a
     ``save_pretrained`` folder's weights, the loop's and the optimizer's states) is whole,
     read without loading a tensor, so that a cut file is named before anything is built.
+
+    Args:
+        only: glob patterns: check only the files matching one (default: every such file).
 
     Raises:
         InputFileError: the folder is missing, or a file in it is empty, cut or damaged.
@@ -458,9 +472,34 @@ def check_checkpoint(folder: str | os.PathLike, what: str = "checkpoint",
     p = check_dir(folder, f"{what} folder", fix)
     for f in sorted(p.iterdir()):
         check = _CHECKPOINT_FILES.get(f.suffix)
-        if check is not None and f.is_file():
+        if check is None or (only is not None and not any(f.match(g) for g in only)):
+            continue
+        if f.is_file() or f.is_symlink():  # a dangling link is named by the check
             check(f, f"{what} file", fix)
     return p
+
+
+#: What third-party readers raise on a whole file they do not understand.
+_READER_ERRORS = (AssertionError, KeyError, ValueError, IndexError, TypeError, AttributeError,
+                  RuntimeError, EOFError, OSError)
+
+
+@contextlib.contextmanager
+def read_by(reader: str, path: str | os.PathLike, what: str, fix: str) -> Iterator[None]:
+    """Errors that ``reader`` (a third-party loader: DeepSpeed's ``zero_to_fp32``,
+    transformers) raises in the block, on files checked whole before, become one line
+    naming ``path``, the reader and ``fix``; dattri-ds errors pass through.
+
+    Raises:
+        InputFileError: the reader failed.
+    """
+    try:
+        yield
+    except DattriDSError:
+        raise
+    except _READER_ERRORS as e:
+        first = " ".join(str(e).split())[:120] or "no detail"
+        raise _fail(what, Path(path), f"cannot be read by {reader} ({first})", fix) from None
 
 
 def read_text(path: str | os.PathLike, what: str = "text file",

@@ -11,6 +11,7 @@ import torch
 
 from dattri_ds.errors import ConfigError
 from dattri_ds.gradient import Dense, GradBatch
+from dattri_ds.io.files import load_torch
 from dattri_ds.store.spec import StoreSpec
 
 __all__ = ["target_rows", "store_target_rows", "load_adam_moments", "SavedAdamMoments",
@@ -105,7 +106,12 @@ def load_adam_moments(model: torch.nn.Module, checkpoint: Path):
                           f"--backend torch, DeepSpeed *_optim_states.pt or Megatron "
                           f"megatron_optimizer.rank*.pt; a Hugging Face model folder has "
                           f"none); use --method cosine")
-    saved = torch.load(path, map_location="cpu", weights_only=False)["optimizer"]
+    state = load_torch(path, "training state", fix="pass a checkpoint of a complete run, or "
+                       "copy the checkpoint again", trusted="a --backend torch checkpoint")
+    saved = state.get("optimizer") if isinstance(state, dict) else None
+    if not isinstance(saved, dict):
+        raise ConfigError(f"{path}: holds no optimizer state (not written by launch/train.py "
+                          f"--backend torch): use --method cosine")
     groups = saved.get("param_groups", [])
     if not groups or "betas" not in groups[0]:
         raise ConfigError(f"{path}: the optimizer keeps no Adam second moments (no betas): "

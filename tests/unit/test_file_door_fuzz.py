@@ -24,17 +24,26 @@ Doors (what a user hands the system, and the code path that reads it):
   keys, ZeRO keys, fp16/bf16, gradient clipping, optimizer and scheduler params);
 * ``train-data``: launch's ``--train-data`` (checked at start, then prepared into the run);
 * ``data-path-idx`` / ``-bin`` / ``-manifest``: launch's ``--data-path PREFIX`` with one
-  file of the prepared corpus damaged (an ``.idx`` without its ``.bin`` included).
+  file of the prepared corpus damaged (an ``.idx`` without its ``.bin`` included);
+* ``collect-run-checkpoint`` / ``curate-adam``: ``dattri-ds collect --run RUN`` and
+  ``dattri-ds curate --run RUN --method adam-cosine`` on a real DeepSpeed ZeRO-2 run whose
+  ``mp_rank_00_model_states.pt`` or optimizer state is cut, emptied or garbage;
+* ``hf-tokenizer``: ``dattri-ds collect --model DIR`` with the folder's tokenizer damaged
+  (``tokenizer.json`` cut, ``tokenizer_config.json`` not JSON, a vocabulary file missing, a
+  SentencePiece ``tokenizer.model`` missing, cut between two pieces or garbage).
 
 Cases: garbage bytes, a truncated file, latin-1 bytes, a UTF-8 BOM (accepted: the run goes on),
 CSV, an empty file, a directory, a symlink loop, a dangling symlink, a line over the line cap,
 token ids out of range / negative, an unknown ``model_type``, a missing file or folder; a
 ``model.safetensors`` cut after its header, with its header broken or its offsets wrong; a
-checkpoint file cut, emptied or garbage; a DeepSpeed key DeepSpeed asserts on.
+checkpoint file cut, emptied or garbage; a DeepSpeed key DeepSpeed asserts on; a SentencePiece
+model cut between two pieces (which sentencepiece loads as a smaller vocabulary); query rows
+with an empty text or without an id.
 
 Invariant: with the debug switch off, every case exits 2 (or 1) with exactly one
 ``dattri-ds: error:`` line that names the file, and the line holds no exception class name
-from outside dattri_ds (``JSONDecodeError``, ``UnicodeDecodeError``, ...). BOM cases exit 0.
+from outside dattri_ds (``JSONDecodeError``, ``UnicodeDecodeError``, ...); nothing has been
+written to the command's ``--out`` by then. BOM cases exit 0.
 
 ``python tests/unit/test_file_door_fuzz.py`` prints the count: cases, clear, raw, unclear
 (one line, but the file is not named), silent (exit 0 on a broken input).
@@ -67,6 +76,8 @@ require("tokenizers", "hf")
 import dattri_ds.errors as dd_errors  # noqa: E402
 from dattri_ds.cli.exits import DEBUG_ENV, run  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[2]
+TRAIN = str(ROOT / "data/tiny/train.jsonl")
 MARK = b"w9"            # a word of the tiny tokenizer's vocabulary, inside a JSON string
 LATIN1 = b"caf\xe9"     # latin-1 bytes where UTF-8 is expected
 BOM = b"\xef\xbb\xbf"
@@ -120,6 +131,30 @@ def fake_run(run: Path, model: Path, tokenizer: Path) -> Path:
     shutil.copytree(model, run / "checkpoints/step1",
                     ignore=shutil.ignore_patterns("tokenizer*", "special_tokens_map.json"))
     return run
+
+
+def deepspeed_run(root: Path) -> tuple[Path, Path]:
+    """launch/train.py (ZeRO-2, AdamW) for 2 steps with a checkpoint at step 2, then
+    tools/collect.py of 8 documents, each in a subprocess (no process group here)."""
+    from _doors import subprocess_cli
+
+    ds = json.loads((ROOT / "configs/zero2_cpu.json").read_text())
+    ds.update(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=1)
+    root.mkdir()
+    (root / "ds.json").write_text(json.dumps(ds))
+    (root / "model.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 1,
+                                                 "n_head": 2, "n_embd": 16,
+                                                 "n_positions": 32}))
+    run, store = root / "run", root / "store"
+    for argv in (["launch/train.py", "--deepspeed_config", str(root / "ds.json"),
+                  "--model-config", str(root / "model.json"), "--out", str(run), "--steps", "2",
+                  "--save-every", "2", "--train-data", TRAIN, "--max-docs", "16", "--seq-len",
+                  "16", "--vocab-size", "128"],
+                 ["tools/collect.py", "--run", str(run), "--data", TRAIN, "--max-docs", "8",
+                  "--out", str(store), "--projection-dim", "8"]):
+        code, err = subprocess_cli(argv, timeout=600)
+        assert code == 0, err[-3000:]
+    return run, store
 
 
 def factors_bytes() -> bytes:
@@ -203,6 +238,15 @@ class Env:
         self.factors = factors_bytes()
         self.run = fake_run(root / "run", self.model, self.tok.path)
         self.n = 0
+        self._ds: tuple[Path, Path] | None = None
+
+    @property
+    def ds_run(self) -> tuple[Path, Path]:
+        """(run, store): a real 2-step DeepSpeed ZeRO-2 AdamW run of a tiny GPT-2 with its
+        checkpoint ``step2``, and a store collected from it (built once, on first use)."""
+        if self._ds is None:
+            self._ds = deepspeed_run(self.root / "ds")
+        return self._ds
 
     def fresh(self) -> Path:
         self.n += 1
@@ -237,8 +281,20 @@ def door_queries(env: Env, case: str, tmp: Path):
     CASES[case](path, TOKENS if case.startswith("token") else DOCS)
     src = HFModelDir.open(env.model)
     return path, lambda: load_texts(str(path), src.tokenizer, src.context, None,
-                                    context=src.context, truncate=False,
+                                    context=src.context, truncate=False, queries=True,
                                     vocab_size=src.vocab_size)
+
+
+#: Query rows attribute once refused and then scored with exit 0 (a row without text or id).
+QUERY_ROWS = {
+    "query-empty-text": b'{"id": "q0", "text": "w4 w5"}\n{"id": "q1", "text": ""}\n',
+    "query-blank-text": b'{"id": "q0", "text": " \\t "}\n',
+    "query-no-id": b'{"id": "q0", "text": "w4 w5"}\n{"text": "w6 w7"}\n',
+    "query-null-id": b'{"id": null, "text": "w4 w5"}\n',
+    "token-query-no-id": b'{"id": "t0", "input_ids": [4, 5]}\n{"input_ids": [6, 7]}\n',
+}
+for _name, _rows in QUERY_ROWS.items():
+    CASES[_name] = lambda p, v, rows=_rows: p.write_bytes(rows)
 
 
 def door_target_data(env: Env, case: str, tmp: Path):
@@ -564,6 +620,109 @@ def door_data_path_manifest(env, case, tmp):
     return _data_path(env, case, tmp, ".manifest.json")
 
 
+def _varint(raw: bytes, i: int) -> tuple[int, int]:
+    value, shift = 0, 0
+    while raw[i] & 0x80:
+        value |= (raw[i] & 0x7F) << shift
+        i, shift = i + 1, shift + 7
+    return value | raw[i] << shift, i + 1
+
+
+def _cut_at_piece(raw: bytes) -> bytes:
+    """A SentencePiece model (every top-level record length-delimited) cut after half its
+    pieces (field 1): a valid protobuf message, which sentencepiece loads as a smaller
+    vocabulary."""
+    i, ends = 0, []
+    while i < len(raw):
+        key, i = _varint(raw, i)
+        n, i = _varint(raw, i)
+        i += n
+        if key >> 3 == 1:
+            ends.append(i)
+    return raw[:ends[len(ends) // 2]]
+
+
+CASES["cut-at-piece"] = lambda p, v: p.write_bytes(_cut_at_piece(v))
+
+
+# ---- the offline tools on a real DeepSpeed run: collect --run, curate --method adam-cosine ---
+#: Damage to the DeepSpeed files of the run's ``step2`` (CHECKPOINT_DAMAGE's cases).
+DS_DAMAGE = ["cut-model-states", "cut-optimizer-states", "empty-optimizer-states",
+             "garbage-model-states"]
+
+
+def _ds_damaged(env: Env, case: str, tmp: Path) -> tuple[Path, Path, Path]:
+    """(run copy, store, damaged file): the DeepSpeed run with one file of step2 damaged."""
+    run, store = env.ds_run
+    shutil.copytree(run, tmp / "run")
+    name, damage = CHECKPOINT_DAMAGE[case]
+    path = tmp / "run/checkpoints/step2" / name
+    path.write_bytes(damage(path.read_bytes()))
+    return tmp / "run", store, path
+
+
+def door_collect_run_checkpoint(env: Env, case: str, tmp: Path):
+    """``dattri-ds collect --run RUN`` (DeepSpeed's zero_to_fp32 reads the checkpoint)."""
+    from dattri_ds.tools import collect
+    run, _, path = _ds_damaged(env, case, tmp)
+    return path, lambda: collect.main(["--run", str(run), "--data", TRAIN, "--max-docs", "4",
+                                       "--out", str(tmp / "out"), "--projection-dim", "8"])
+
+
+def door_curate_adam(env: Env, case: str, tmp: Path):
+    """``dattri-ds curate --method adam-cosine`` (the model and the Adam moments of step2)."""
+    from dattri_ds.tools import curate
+    run, store, path = _ds_damaged(env, case, tmp)
+    return path, lambda: curate.main(["--run", str(run), "--store", str(store), "--target",
+                                      str(ROOT / "data/tiny/target.jsonl"), "--method",
+                                      "adam-cosine", "--examples", "2", "--out",
+                                      str(tmp / "out")])
+
+
+# ---- Hugging Face tokenizer folders under collect --model ----------------------------------
+def _slow_folder(folder: Path, cls: str, spm: bytes | None) -> None:
+    """The model folder's tokenizer replaced by a slow-format one of class ``cls`` (no
+    tokenizer.json): GPT-2's vocab.json (merges.txt left out), or Llama's tokenizer.model."""
+    for f in folder.glob("tokenizer*"):
+        f.unlink()
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": cls}))
+    if cls == "GPT2Tokenizer":
+        (folder / "vocab.json").write_text(json.dumps({f"w{i}": i for i in range(VOCAB)}))
+    elif spm is not None:
+        (folder / "tokenizer.model").write_bytes(spm)
+
+
+#: case -> (the damaged file, relative to the model folder; how the folder is damaged).
+TOKENIZER_DAMAGE = {
+    "cut-tokenizer-json": ("tokenizer.json", lambda f, spm: (f / "tokenizer.json").write_bytes(
+        (f / "tokenizer.json").read_bytes()[:200])),
+    "tokenizer-config-not-json": ("tokenizer_config.json", lambda f, spm: (
+        f / "tokenizer_config.json").write_text("tokenizer_class = GPT2Tokenizer\n")),
+    "missing-merges": (".", lambda f, spm: _slow_folder(f, "GPT2Tokenizer", None)),
+    "missing-spm-model": (".", lambda f, spm: _slow_folder(f, "LlamaTokenizer", None)),
+    "cut-spm-model": ("tokenizer.model", lambda f, spm: _slow_folder(
+        f, "LlamaTokenizer", _cut_at_piece(spm))),
+    "garbage-spm-model": ("tokenizer.model", lambda f, spm: _slow_folder(
+        f, "LlamaTokenizer", b"\x00\x9c garbage" * 10)),
+}
+for _name in TOKENIZER_DAMAGE:
+    CASES[_name] = lambda p, v: None
+
+
+def door_hf_tokenizer(env: Env, case: str, tmp: Path):
+    """``dattri-ds collect --model DIR`` with the folder's tokenizer damaged."""
+    from dattri_ds.tools import collect
+    folder = tmp / "model"
+    shutil.copytree(env.model, folder)
+    name, damage = TOKENIZER_DAMAGE[case]
+    damage(folder, env.tok.path.read_bytes())
+    data = tmp / "data.jsonl"
+    data.write_bytes(DOCS)
+    return (folder / name).resolve(), lambda: collect.main([
+        "--model", str(folder), "--data", str(data), "--out", str(tmp / "out"),
+        "--projection-dim", "8"])
+
+
 RUN_CONFIG = (b'{"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2, '
               b'"dattri_ds": {"train": {"model_config": "configs/' + MARK + b'.json"}}}\n')
 MODEL_CONFIG = (b'{"model_type": "gpt2", "n_embd": 16, "n_layer": 1, "n_head": 2, '
@@ -603,7 +762,8 @@ DOORS = {
     "collect-tokens": (door_collect_tokens, ["garbage", "truncated", "latin1", "bom", "csv",
                                              "huge-line", "token-out-of-range",
                                              "token-negative"]),
-    "queries": (door_queries, TEXT + ["huge-line", "token-out-of-range", "token-negative"]),
+    "queries": (door_queries, TEXT + ["huge-line", "token-out-of-range", "token-negative",
+                                      *QUERY_ROWS]),
     "target-data": (door_target_data, TEXT + ["huge-line"]),
     "report-summary": (door_report_summary, TEXT),
     "report-scores": (door_report_scores, FILE + ["pickled-object"]),
@@ -618,7 +778,7 @@ DOORS = {
                                      "empty-folder", "not-a-folder"]),
     "run-trajectory": (door_run_trajectory, TEXT),
     "run-resolved-config": (door_run_resolved, TEXT),
-    "run-tokenizer": (door_run_tokenizer, FILE),
+    "run-tokenizer": (door_run_tokenizer, FILE + ["cut-at-piece"]),
     "run-config": (door_run_config, TEXT),
     "model-config": (door_model_config, TEXT + ["unknown-model-type"]),
     "plan-model": (door_plan_model, TEXT),
@@ -632,6 +792,9 @@ DOORS = {
     "data-path-bin": (door_data_path_bin, [c for c in FILE if c != "garbage"]),
     # without a manifest a prefix is a Megatron-LM one: "missing" is another door's case
     "data-path-manifest": (door_data_path_manifest, [c for c in TEXT if c != "missing"]),
+    "collect-run-checkpoint": (door_collect_run_checkpoint, DS_DAMAGE),
+    "curate-adam": (door_curate_adam, DS_DAMAGE),
+    "hf-tokenizer": (door_hf_tokenizer, list(TOKENIZER_DAMAGE)),
 }
 PAIRS = [(d, c) for d, (_, cases) in DOORS.items() for c in cases]
 #: A UTF-8 BOM is stripped: the input is valid (not in a Hugging Face config.json, which
@@ -677,7 +840,9 @@ def _environment():
 
 
 def run_case(env: Env, door: str, case: str) -> tuple[str, str, Path]:
-    """Build the damaged input, run the door through the CLI's error path (debug off)."""
+    """Build the damaged input, run the door through the CLI's error path (debug off); a
+    clear line after which the command's ``--out`` (``tmp/out``) holds a file is
+    ``wrote``."""
     tmp = env.fresh()
     path, call = DOORS[door][0](env, case, tmp)
     err = io.StringIO()
@@ -689,6 +854,9 @@ def run_case(env: Env, door: str, case: str) -> tuple[str, str, Path]:
         finally:
             logging.disable(logging.NOTSET)
     outcome, text = classify(rc, err.getvalue(), path)
+    written = sorted(str(f.relative_to(tmp)) for f in (tmp / "out").rglob("*") if f.is_file())
+    if outcome == "clear" and written:  # a refusal comes before anything is written
+        outcome, text = "wrote", f"{text} (but wrote {written[:3]})"
     return outcome, text, path
 
 

@@ -11,7 +11,7 @@ into one (``open_source``) and chooses its checkpoints (``source_tags``).
 
 from __future__ import annotations
 
-from dattri_ds.tools.sources.base import Source
+from dattri_ds.tools.sources.base import Source, check_checkpoints
 from dattri_ds.tools.sources.flags import (
     add_checkpoint_args, add_source_args, checkpoint_tags, open_source, source_flags,
     source_tags, tag_choice,
@@ -22,4 +22,4 @@ from dattri_ds.tools.sources.run import Run
 
 __all__ = ["Source", "Run", "HFModelDir", "HFCheckpoints", "HFTokenizer", "open_source",
            "add_source_args", "add_checkpoint_args", "source_tags", "checkpoint_tags",
-           "tag_choice", "source_flags"]
+           "tag_choice", "source_flags", "check_checkpoints"]

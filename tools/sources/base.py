@@ -15,10 +15,17 @@ from typing import Protocol
 import torch
 
 from dattri_ds.errors import ConfigError, InputFileError
-from dattri_ds.io.files import read_json
+from dattri_ds.io.files import check_checkpoint, read_json
 from dattri_ds.tools.provenance import DataOrigin
 
-__all__ = ["Source", "pick_tags", "model_context", "required_context", "config_vocab_size"]
+__all__ = ["Source", "pick_tags", "model_context", "required_context", "config_vocab_size",
+           "check_checkpoints", "CHECKPOINT_FILES"]
+
+#: The files of a checkpoint folder the tools load: weights (safetensors, ``pytorch_model``
+#: bins and shards), DeepSpeed's model and optimizer states, Megatron's consolidated weights
+#: and optimizer states, ``--backend torch``'s training state.
+CHECKPOINT_FILES = ("*.safetensors", "pytorch_model*.bin", "*_model_states.pt",
+                    "*_optim_states.pt", "megatron_*.pt", "training_state.pt")
 
 
 class Source(Protocol):
@@ -121,3 +128,18 @@ def config_vocab_size(config_json: Path) -> int | None:
     cfg = read_json(config_json, "model config")
     got = cfg.get("vocab_size") if isinstance(cfg, dict) else None
     return got if type(got) is int and got > 0 else None
+
+
+def check_checkpoints(source: Source, tags: list[str]) -> None:
+    """Every file the tools load from checkpoints ``tags`` (:data:`CHECKPOINT_FILES`) is
+    whole, read without loading a tensor: a tool calls this before it writes anything, so a
+    cut weights or optimizer file is one line naming it, not a loader's error later.
+
+    Raises:
+        InputFileError: a checkpoint folder is missing, or one of its files is empty, cut
+            or damaged (named).
+    """
+    for tag in tags:
+        check_checkpoint(source.folder(tag), f"checkpoint '{tag}'",
+                         "copy the checkpoint again, or choose other checkpoints with "
+                         "--checkpoints", only=CHECKPOINT_FILES)

@@ -15,7 +15,7 @@ from pathlib import Path
 from dattri_ds.errors import ConfigError
 from dattri_ds.io.files import check_dir
 from dattri_ds.io.schema import add_flag, flag_type
-from dattri_ds.tools.sources.base import Source
+from dattri_ds.tools.sources.base import Source, check_checkpoints
 from dattri_ds.tools.sources.hf import HFModelDir, is_hf_model_dir
 from dattri_ds.tools.sources.hf_checkpoints import HFCheckpoints, natural_key
 from dattri_ds.tools.sources.run import Run
@@ -157,10 +157,17 @@ def source_tags(source: Source, args, default: str, flag: str = "--checkpoints",
                 chosen: str | None = None) -> list[str]:
     """The checkpoints a tool reads: ``chosen`` (a tool's own tag flag) or the tag choice of
     ``--checkpoints``, else the source's default for the tool's ``default``
-    (``Source.default_tags``: every folder of a ``--checkpoints`` folder list)."""
+    (``Source.default_tags``: every folder of a ``--checkpoints`` folder list); their files
+    are checked whole (``check_checkpoints``).
+
+    Raises:
+        ConfigError: no such checkpoint; InputFileError: one of its files is cut or damaged.
+    """
     wanted = chosen if chosen is not None else tag_choice(args)
-    return checkpoint_tags(source, source.default_tags(default) if wanted is None else wanted,
+    tags = checkpoint_tags(source, source.default_tags(default) if wanted is None else wanted,
                            flag)
+    check_checkpoints(source, tags)  # their files whole, before the tool writes anything
+    return tags
 
 
 def checkpoint_tags(source: Source, wanted: str | None, flag: str) -> list[str]:

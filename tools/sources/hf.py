@@ -22,6 +22,7 @@ import torch
 from dattri_ds.io import files
 from dattri_ds.errors import ConfigError
 from dattri_ds.io.files import HF_WEIGHTS
+from dattri_ds.io.tokenizer_files import load_hf_tokenizer
 from dattri_ds.tools.provenance import DataOrigin
 from dattri_ds.tools.sources.base import config_vocab_size, pick_tags, required_context
 
@@ -61,21 +62,10 @@ class HFTokenizer:
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
-        from transformers import AutoTokenizer
-
-        self.path = files.check_dir(path, "--tokenizer folder", "pass a folder holding "
-                                    "tokenizer.json (or tokenizer_config.json + vocab files)")
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                     "vocab.json"):  # read through the door first: a damaged file is named
-            if (self.path / name).exists() or (self.path / name).is_symlink():
-                files.read_json(self.path / name, "tokenizer file",
-                                fix="save the tokenizer again with save_pretrained(path)")
-        try:
-            self._tok = AutoTokenizer.from_pretrained(str(self.path))
-        except Exception as exc:  # transformers raises OSError/ValueError/... by backend
-            raise ConfigError(f"Could not load a Hugging Face tokenizer from '{self.path}': "
-                              f"{exc}. Pass --tokenizer with a folder holding tokenizer.json "
-                              f"(or tokenizer_config.json + vocab files)") from exc
+        self._tok = load_hf_tokenizer(path, "tokenizer folder", "pass a folder holding "
+                                      "tokenizer.json (or tokenizer_config.json + vocab "
+                                      "files), e.g. saved with tokenizer.save_pretrained(path)")
+        self.path = Path(path)
         tok = self._tok
         self.bos_id = tok.bos_token_id
         self.eos_id = tok.eos_token_id
@@ -199,8 +189,13 @@ class HFModelDir(NoRunRecords):
 
 
 def load_hf_model(folder: Path, device: torch.device | str = "cpu"):
-    """The causal LM of a ``save_pretrained`` folder, fp32, eval mode (dropout off)."""
+    """The causal LM of a ``save_pretrained`` folder (checked by ``files.model_dir`` when
+    its source was opened), fp32, eval mode (dropout off); what transformers raises on whole
+    files it cannot use (e.g. weights of other shapes than the config's) names the folder.
+    """
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    with files.read_by("transformers' AutoModelForCausalLM", folder, "model folder",
+                       "pass a folder written by model.save_pretrained(path)"):
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     return model.to(device).eval()

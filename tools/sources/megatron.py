@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dattri_ds.errors import ConfigError
-from dattri_ds.io.files import read_json
+from dattri_ds.errors import ConfigError, InputFileError
+from dattri_ds.io.files import read_by, read_json
 from dattri_ds.integrations.megatron import prepare_model
 from dattri_ds.integrations.megatron_checkpoint import load_consolidated, read_consolidated
 from dattri_ds.models.megatron_gpt import MegatronLM, build_gpt, cpu_workarounds
@@ -36,14 +36,22 @@ def megatron_single_process() -> None:
 
 def megatron_model(root: Path, tag: str) -> torch.nn.Module:
     """The TP=1 GPTModel of a Megatron run's consolidated checkpoint, prepared for capture."""
-    cfg = read_json(root / "model/config.json", "--run")
-    if cfg.get("backend") != "megatron":
+    path = root / "model/config.json"
+    fix = "pass the --out folder of a launch/train.py --backend megatron run"
+    cfg = read_json(path, "--run model config", fix=fix)
+    if not isinstance(cfg, dict) or cfg.get("backend") != "megatron":
         raise ConfigError(f"{root / 'checkpoints' / tag} holds a Megatron checkpoint but "
-                          f"{root / 'model/config.json'} is not a Megatron model config")
+                          f"{path} is not a Megatron model config")
+    bad = [k for k, t in (("transformer_config", dict), ("vocab_size", int),
+                          ("max_position_embeddings", int)) if not isinstance(cfg.get(k), t)]
+    if bad:
+        raise InputFileError(f"--run model config '{path}' lacks {bad[0]} (or it has the wrong "
+                             f"type), which a Megatron model is built from. Fix: {fix}")
     megatron_single_process()
     kw = {**cfg["transformer_config"], "tensor_model_parallel_size": 1,
           "sequence_parallel": False}
-    gpt = build_gpt(kw, cfg["vocab_size"], cfg["max_position_embeddings"], seed=0)
+    with read_by("megatron-core", path, "--run model config", fix):
+        gpt = build_gpt(kw, cfg["vocab_size"], cfg["max_position_embeddings"], seed=0)
     try:
         load_consolidated(gpt, read_consolidated(root / "checkpoints" / tag))
     except ConfigError as e:

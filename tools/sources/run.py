@@ -20,6 +20,7 @@ import torch
 from dattri_ds.data import Tokenizer
 from dattri_ds.errors import ConfigError
 from dattri_ds.io.files import check_dir, model_dir, read_json
+from dattri_ds.io.tokenizer_files import check_sentencepiece
 from dattri_ds.integrations.checkpoints import load_state_dict
 from dattri_ds.integrations.megatron_checkpoint import is_consolidated
 from dattri_ds.tools.provenance import DataOrigin, recorded_origin
@@ -29,6 +30,9 @@ from dattri_ds.tools.sources.hf import HFTokenizer, hf_tokenizer_dir, is_hf_mode
 from dattri_ds.tools.sources.megatron import megatron_model
 
 __all__ = ["Run"]
+
+_SPM_FIX = ("copy the run's tokenizer.model again, or pass --tokenizer with a Hugging Face "
+            "tokenizer folder")
 
 
 @dataclass(frozen=True)
@@ -107,7 +111,7 @@ class Run:
             return HFTokenizer(self.tokenizer_path)
         spm = self.root / "tokenizer.model"
         if spm.exists() or spm.is_symlink():  # a broken link is named by the reader
-            return Tokenizer.load(spm)
+            return Tokenizer.load(check_sentencepiece(spm, "--run tokenizer", _SPM_FIX))
         raise ConfigError(f"Run '{self.root}' has no tokenizer ({spm} or Hugging Face "
                           f"tokenizer files): pass --tokenizer FOLDER, or give token-id jsonl")
 
