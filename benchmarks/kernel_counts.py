@@ -1,7 +1,11 @@
 """Kernel launches and host syncs per path, per model family: what a GPU step would wait on.
 
-    python benchmarks/kernels.py [--families gpt2 llama qwen2 olmo2] [--paths ...]
-                                 [--breakdown PATH] [--json FILE]
+    python benchmarks/kernel_counts.py [--families gpt2 llama qwen2 olmo2] [--paths ...]
+                                       [--breakdown] [--json FILE]
+
+(Not ``benchmarks/kernels.py``: with ``benchmarks/`` on ``sys.path`` -- every script in it
+run directly -- a ``kernels`` module shadows the hub's ``kernels`` package, which
+transformers probes for on import, and every model import fails.)
 
 A GPU step at small sizes is bound by fixed per-kernel and per-sync costs, and their number
 does not depend on the device: ``dattri_ds.eval.kernels.KernelCounter`` counts them on the
@@ -15,24 +19,31 @@ embeddings), OLMo-2 4 layers; batches of B=4, T=32 (``input_ids``, ``labels``,
 
 Decisions that depend on the device (ghost or dense routes, where stacking layers of one
 shape pays) are taken with the CUDA roofline (``Roofline.default("cuda")``), as a GPU run
-takes them. Paths (each row: kernels, host syncs, ratio of kernels to ``plain``, extra
-kernels per captured layer over ``plain``, or over ``probe`` for collect):
+takes them. Each row: kernels, host syncs, the ratio of kernels to the path's reference,
+and the extra kernels per captured layer over it (collect: over ``probe``). Paths:
 
 * ``plain``: ``model(**batch).loss.backward()``.
 * ``capture exact|kron|default``: the same inside ``GradientCapture`` (no projection,
-  ``ProjectionConfig(kind="kronecker", dim=256)``, ``ProjectionConfig()``), then ``pop()``.
+  ``ProjectionConfig(kind="kronecker", dim=256)``, ``ProjectionConfig()``), then ``pop()``;
+  against ``plain``.
 * ``probe``: ``torch.autograd.grad`` of the loss to the captured layers' outputs (what
   collect's backward does, no capture): the floor of a collect pass.
 * ``collect exact|kron|default|whitened``: one batch of ``collect(model, batches, config)``
   after its first (whitened: EK-FAC factors fitted once on the batch, ``whiten="ekfac"``,
-  default projection).
-* ``select content|alignment``: one online-selection step (``OnlineSelector.select`` of
-  ``C = 4B`` candidates against a validation target of 8 texts, then forward and backward of
-  the chosen B), against ``plain``.
-* ``launch|bare [+capture]``: one optimizer step of ``launch/loop.py``'s ``train`` with the
-  DeepSpeed backend (ZeRO-3 of configs/zero3_cpu.json, 1 process) against a bare DeepSpeed
-  step (``engine(**batch)``, ``engine.backward``, ``engine.step``) on the same model and
-  config; ``+capture`` with the Kronecker capture (the launch's ``--capture``).
+  default projection); against ``plain`` (extra kernels: over ``probe``).
+* ``bare [+capture]``: one step of a bare DeepSpeed loop (``engine(**batch).loss``,
+  ``engine.backward``, ``engine.step``, the loss read; ``+capture``: inside the launch's
+  ``GradientCapture.for_engine`` with its Kronecker k=256 capture, batches popped), ZeRO-3
+  of configs/zero3_cpu.json with micro-batch B, one process.
+* ``launch [+capture]``: one optimizer step of launch/train.py (``loop.train``, DeepSpeed
+  backend) on the same model, config and data (``--capture``: the store's rows written
+  too); against ``bare [+capture]``.
+* ``select content|alignment``: the same launch step with ``--online-selection`` (the
+  default content score; ``--selection-score alignment``) of 8 target texts; against
+  ``launch``.
+
+The launch paths count step ``WARM_STEPS`` of the loop (the tokenized examples count as host
+memory) in a spawned process.
 """
 
 from __future__ import annotations
@@ -45,13 +56,11 @@ import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-# transformers imports the hub's ``kernels`` package: this file must not shadow it
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
@@ -75,9 +84,9 @@ FAMILIES: dict[str, dict] = {
 }
 CAPTURE_PATHS = ("plain", "capture exact", "capture kron", "capture default", "probe",
                  "collect exact", "collect kron", "collect default", "collect whitened")
-SELECT_PATHS = ("select content", "select alignment")
-LAUNCH_PATHS = ("bare", "launch", "bare +capture", "launch +capture")
-PATHS = CAPTURE_PATHS + SELECT_PATHS + LAUNCH_PATHS
+LAUNCH_PATHS = ("bare", "launch", "bare +capture", "launch +capture", "select content",
+                "select alignment")
+PATHS = CAPTURE_PATHS + LAUNCH_PATHS
 
 
 @dataclass(frozen=True)
@@ -212,18 +221,210 @@ def _whitening(model, b, cfg):
     return replace(cfg, whiten="ekfac"), factors
 
 
+# ---- one step of launch/loop.py against a bare DeepSpeed step --------------------------
+#: launch/train.py flags of each launch path (the selection paths' target: data/tiny).
+LAUNCH_FLAGS = {
+    "launch": [], "launch +capture": ["--capture"],
+    "select content": ["--online-selection", "--target-data",
+                       os.path.join(ROOT, "data/tiny/target.jsonl"), "--target-max-docs", "8"],
+}
+LAUNCH_FLAGS["select alignment"] = [*LAUNCH_FLAGS["select content"],
+                                    "--selection-score", "alignment"]
+#: Optimizer steps run before the counted one (the first builds optimizer state, caches).
+WARM_STEPS = 2
+
+
+def _run_files(family: str, out: str) -> tuple[str, list[str]]:
+    """The DeepSpeed JSON (configs/zero3_cpu.json with micro-batch B, no accumulation) and
+    the launch flags shared by every launch path of ``family``."""
+    with open(os.path.join(ROOT, "configs/zero3_cpu.json")) as f:
+        ds = json.load(f)
+    ds.update(train_micro_batch_size_per_gpu=B, gradient_accumulation_steps=1)
+    os.makedirs(out, exist_ok=True)
+    ds_path, model = os.path.join(out, "ds.json"), os.path.join(out, "model.json")
+    with open(ds_path, "w") as f:
+        json.dump(ds, f)
+    with open(model, "w") as f:
+        json.dump(FAMILIES[family], f)
+    return ds_path, ["--model-config", model, "--train-data",
+                     os.path.join(ROOT, "data/tiny/train.jsonl"), "--max-docs", "64",
+                     "--seq-len", str(T), "--vocab-size", str(VOCAB), "--steps",
+                     str(WARM_STEPS + 1), "--log-every", "1000000", "--save-every", "0",
+                     "--eval-every", "0", "--skip-memory-check"]
+
+
+def _data_tensors(data) -> list[torch.Tensor]:
+    """The tensors of the loop's tokenized examples: host memory in a GPU run."""
+    return [v for v in vars(data).values() if isinstance(v, torch.Tensor)]
+
+
+def _stream(n: int, seed: int) -> list[torch.Tensor]:
+    """The loop's cached permutations of the example stream (``loop._epoch_order``): host
+    tensors made before the counted step."""
+    from dattri_ds.launch.loop import _epoch_order
+
+    return [_epoch_order(n, seed, e) for e in (0, 1)]
+
+
+def _count_launch(ds_path: str, common: list[str], flags: list[str], out: str) -> Count:
+    """Kernels of step ``WARM_STEPS`` of launch/train.py's loop (``RunLog.end_step`` to
+    ``end_step``: batching, selection, forward, backward, optimizer, the loss read)."""
+    import dattri_ds.launch.train as launch
+    from dattri_ds.launch.runlog import RunLog
+
+    end_step, prepare = RunLog.end_step, launch.prepare_data
+    seen: dict = {}
+
+    def prepared(cfg, *a, **k):
+        got = prepare(cfg, *a, **k)
+        seen["host"] = _data_tensors(got[2]) + _stream(len(got[2]), cfg.train.seed)
+        return got
+
+    def counted(self, step, loss, lr, examples, save):
+        end_step(self, step, loss, lr, examples, lambda *a: None)  # no checkpoint
+        if step == WARM_STEPS - 1:
+            seen["kc"] = KernelCounter(seen["host"], where=True).__enter__()
+        elif step == WARM_STEPS:
+            seen["kc"].__exit__(None, None, None)
+
+    RunLog.end_step, launch.prepare_data = counted, prepared
+    try:
+        launch.main(["--deepspeed_config", ds_path, *common, "--out", out, "--force", *flags])
+    finally:
+        RunLog.end_step, launch.prepare_data = end_step, prepare
+    kc = seen["kc"]
+    return Count(kc.kernels, kc.syncs, dict(kc.kernels_by_op), dict(kc.sync_sites))
+
+
+def _count_bare(ds_path: str, common: list[str], capture: bool, out: str) -> Count:
+    """Kernels of one step of a bare DeepSpeed loop on the same model, config and data:
+    ``engine(**batch).loss``, ``engine.backward``, ``engine.step`` (``capture``: inside the
+    launch's ``GradientCapture.for_engine``, batches popped)."""
+    import deepspeed
+
+    from dattri_ds import GradientCapture
+    from dattri_ds.data import build_model
+    from dattri_ds.launch.args import parse_args
+    from dattri_ds.launch.config import load_run_config
+    from dattri_ds.launch.loop import micro_batch_indices
+    from dattri_ds.launch.train import prepare_data
+
+    args = parse_args(["--deepspeed_config", ds_path, *common])
+    ds_config, cfg = load_run_config(ds_path, args.overrides)
+    _, tok, data = prepare_data(cfg, Path(out), 0)
+    model = build_model(cfg.train.model_config, tokenizer=tok, seed=cfg.train.seed)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
+                                      config=ds_config)
+    engine.train()
+    cap = GradientCapture.for_engine(engine, cfg.capture).attach() if capture else None
+
+    def step(i: int) -> None:
+        idx = micro_batch_indices(len(data), i, B, 1, 0, 1, cfg.train.seed)
+        batch = {k: v.to(engine.device) for k, v in data.batch(idx[0]).items()}
+        loss = engine(**batch).loss
+        engine.backward(loss)
+        engine.step()
+        float(loss)  # the loop reads its step's loss too
+        if cap is not None:
+            cap.pop()
+    for i in range(WARM_STEPS):
+        step(i)
+    with KernelCounter(_data_tensors(data) + _stream(len(data), cfg.train.seed),
+                       where=True) as kc:
+        step(WARM_STEPS)
+    if cap is not None:
+        cap.close()
+    return Count(kc.kernels, kc.syncs, dict(kc.kernels_by_op), dict(kc.sync_sites))
+
+
+def _name_the_accelerator() -> None:
+    """DeepSpeed's CPU accelerator calls its device ``"cpu"``, the name code uses for the
+    host: here it is ``"cpu:0"`` (the same device to torch), so its moves to the accelerator
+    read as they do on a GPU (``.to("cuda:0")``: none), not as copies to the host."""
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    acc.device_name = lambda device_index=None: "cpu:0"
+    acc.current_device_name = lambda: "cpu:0"
+
+
+def _launch_worker(port: int, family: str, paths: list[str], out: str, q) -> None:
+    """The launch and bare paths of one family, in this (spawned) process: one rank."""
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
+    log = os.open(os.path.join(out, "launch.log"), os.O_WRONLY | os.O_CREAT)
+    os.dup2(log, 1)  # the runs' own lines (DeepSpeed, the launch log) stay out of the table
+    os.dup2(log, 2)
+    quiet()
+    from dattri_ds.ops import cost as cost_module
+
+    cost_module._DEFAULT_MODELS["cpu"] = gpu_cost()  # the launch's capture decides as on a GPU
+    from dattri_ds.launch.deepspeed_backend import setup_distributed
+
+    try:
+        setup_distributed()
+        _name_the_accelerator()
+        ds_path, common = _run_files(family, out)
+        res = {}
+        for path in paths:
+            folder = os.path.join(out, path.replace(" ", "_").replace("+", ""))
+            if path.startswith("bare"):
+                res[path] = _count_bare(ds_path, common, "capture" in path, folder)
+            else:
+                res[path] = _count_launch(ds_path, common, LAUNCH_FLAGS[path], folder)
+        q.put(res)
+    except BaseException:  # noqa: BLE001 - handed to the parent, which raises it
+        import traceback
+
+        q.put(traceback.format_exc())
+
+
+def launch_paths(family: str, paths: tuple[str, ...]) -> dict[str, Count]:
+    """Counts of the launch, selection and bare DeepSpeed paths of one family (one spawned
+    process: DeepSpeed initializes torch.distributed)."""
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with tempfile.TemporaryDirectory() as out:
+        proc = ctx.Process(target=_launch_worker, args=(port, family, list(paths), out, q))
+        proc.start()
+        try:
+            res = q.get(timeout=1800)
+        finally:
+            proc.join(60)
+    if isinstance(res, str):
+        raise RuntimeError(f"the launch paths of {family} failed:\n{res}")
+    return res
+
+
+#: The path each path's ratio is taken against, and its extra kernels per captured layer
+#: (collect: ratio to plain, extra over probe).
+REFERENCE = {"launch": "bare", "bare +capture": "bare", "launch +capture": "bare +capture",
+             "select content": "launch", "select alignment": "launch"}
+
+
+def reference(path: str, counts: dict[str, Count]) -> tuple[str | None, str | None]:
+    """``(ratio reference, extra-kernels reference)`` of ``path`` among ``counts``."""
+    ref = REFERENCE.get(path, None if path in ("plain", "probe", "bare") else "plain")
+    extra = "probe" if path.startswith("collect") else ref
+    return (ref if ref in counts else None), (extra if extra in counts else None)
+
+
 def ratios(counts: dict[str, Count], layers: int) -> list[list[object]]:
-    """Table rows: path, kernels, syncs, x plain, extra kernels per captured layer."""
-    plain = counts.get("plain")
-    probe = counts.get("probe")
+    """Table rows: path, kernels, syncs, ratio to its reference, extra kernels per layer."""
     rows = []
     for path, c in counts.items():
-        ref = probe if path.startswith("collect") and probe is not None else plain
-        ratio = c.kernels / plain.kernels if plain else float("nan")
-        extra = (c.kernels - ref.kernels) / layers if ref and path not in ("plain", "probe") \
-            else ""
-        rows.append([path, c.kernels, c.syncs, round(ratio, 2),
-                     round(extra, 1) if extra != "" else ""])
+        ref, extra = reference(path, counts)
+        ratio = f"{c.kernels / counts[ref].kernels:.2f} x {ref}" if ref else ""
+        more = f"{(c.kernels - counts[extra].kernels) / layers:.1f}" if extra else ""
+        rows.append([path, c.kernels, c.syncs, ratio, more])
     return rows
 
 
@@ -257,14 +458,18 @@ def main(argv: list[str] | None = None) -> None:
         if "plain" not in paths:
             paths = ("plain",) + paths
         counts = capture_paths(family, tuple(x for x in paths if x in CAPTURE_PATHS))
+        launch = tuple(x for x in paths if x in LAUNCH_PATHS)
+        if launch:
+            need = {REFERENCE.get(x, x) for x in launch} | set(launch)
+            counts.update(launch_paths(family, tuple(x for x in LAUNCH_PATHS if x in need)))
         layers = captured_layers(build(family))
         print(f"\n{family}: {layers} captured layers")
-        print(table(["path", "kernels", "host syncs", "x plain", "extra / layer"],
+        print(table(["path", "kernels", "host syncs", "ratio", "extra / layer"],
                     ratios(counts, layers)))
         if args.breakdown:
             for path, c in counts.items():
-                ref = counts["probe"] if path.startswith("collect") else counts["plain"]
-                print(f"  {path}: {breakdown(ref, c)}")
+                _, extra = reference(path, counts)
+                print(f"  {path}: {breakdown(counts[extra], c) if extra else ''}")
                 for site, n in c.sync_sites.items():
                     print(f"    sync x{n}: {site}")
         record[family] = {k: {"kernels": c.kernels, "syncs": c.syncs}

@@ -13,7 +13,8 @@ autograd and composite decompositions, so backward ops are seen too):
   metadata queries (an op returning no tensor and writing nothing: ``sym_size``,
   ``is_same_size``), ops whose every output has zero elements (CUDA returns early), and
   ``_local_scalar_dense`` (a copy to the host, counted as a sync). A ``_foreach_*`` op counts
-  once (CUDA launches one per chunk of tensors). ``equal`` and ``nonzero`` count as a kernel
+  the launches of CUDA's multi-tensor apply (one per 320 chunks of 64K elements or 110
+  tensors; one per tensor off its fast path). ``equal`` and ``nonzero`` count as a kernel
   and a sync.
 * **host sync**: the host waits for the device. ``_local_scalar_dense`` (``item()``,
   ``bool()``, ``float()``, ``int()``), ops tagged ``data_dependent_output`` (``equal``) or
@@ -29,8 +30,9 @@ device input. Host tensors are those made from Python or NumPy data (``torch.ten
 ``as_tensor``, ``from_numpy``), by a factory called without ``device=`` (or with the string
 ``"cpu"``), by ``.cpu()`` / ``.to("cpu")``, and every output of an op whose inputs are all
 host tensors: such ops are neither kernels nor syncs. On a CPU stand-in run every device is
-``cpu``, so ``.to(torch.device(...))`` and ``device=<a torch.device>`` are read as "the compute
-device" and a string ``"cpu"`` as the host; the host-boundary methods and factories are
+``cpu``, so ``.to(torch.device(...))``, ``device=<a torch.device>`` and a string naming a
+device index (``"cpu:0"``, ``"cuda:0"``) are read as "the compute device" and the string
+``"cpu"`` as the host; the host-boundary methods and factories are
 wrapped (and restored) while the counter is active, because a ``TorchFunctionMode`` does not
 see the code that runs inside ``backward()`` (tensor hooks, queued callbacks).
 
@@ -189,8 +191,9 @@ class KernelCounter(TorchDispatchMode):
         op = _op(func)
         outs = list(_tensors(out))
         if op.kernel and (not outs or any(t.numel() for t in outs)):
-            self.kernels += 1
-            self.kernels_by_op[op.name] += 1
+            n = _foreach_launches(op.name, args) if op.name.startswith("_foreach_") else 1
+            self.kernels += n
+            self.kernels_by_op[op.name] += n
         if op.sync is not None and op.syncs(args, kwargs):
             self._sync(op.name)
         return out
@@ -254,7 +257,7 @@ class KernelCounter(TorchDispatchMode):
         if isinstance(target, torch.Tensor):
             return target in self._host
         if isinstance(target, str):
-            return target.split(":")[0] == "cpu"
+            return target == "cpu"
         return False  # a torch.device object: the compute device (module docstring)
 
     def _mover(self, name: str, to_host):
@@ -283,8 +286,7 @@ class KernelCounter(TorchDispatchMode):
         def make(orig):
             def create(*args, **kwargs):
                 device = kwargs.get("device")
-                host = always_host or device is None or (
-                    isinstance(device, str) and device.split(":")[0] == "cpu")
+                host = always_host or device is None or device == "cpu"
                 with self._host_scope(host):
                     out = orig(*args, **kwargs)
                 if (from_data and not host and isinstance(out, torch.Tensor) and out.numel()
@@ -317,6 +319,26 @@ class KernelCounter(TorchDispatchMode):
         ops = ", ".join(f"{n} {c}" for n, c in self.kernels_by_op.most_common(top))
         syncs = ", ".join(f"{n} {c}" for n, c in self.syncs_by_op.most_common())
         return f"{self.kernels} kernels ({ops}); {self.syncs} host syncs ({syncs or '-'})"
+
+
+#: CUDA's multi_tensor_apply: elements per block, blocks and tensors per launch.
+_CHUNK, _BLOCKS, _TENSORS = 65536, 320, 110
+
+
+def _foreach_launches(name: str, args: tuple) -> int:
+    """Launches of a ``_foreach_*`` op as CUDA issues them: its fast path (contiguous
+    tensors of one dtype) one kernel per ``_BLOCKS`` chunks of ``_CHUNK`` elements or
+    ``_TENSORS`` tensors, whichever fills first (``_foreach_norm`` adds its clean-up kernel);
+    otherwise one kernel per tensor."""
+    ts = [t for t in (args[0] if args and isinstance(args[0], (list, tuple)) else ())
+          if isinstance(t, torch.Tensor)]
+    if not ts:
+        return 1
+    if len({t.dtype for t in ts}) > 1 or not all(t.is_contiguous() for t in ts):
+        return len(ts)
+    chunks = sum(-(-t.numel() // _CHUNK) for t in ts)
+    launches = max(1, -(-chunks // _BLOCKS), -(-len(ts) // _TENSORS))
+    return launches + (1 if name == "_foreach_norm" else 0)
 
 
 def _has_mask(args: tuple, kwargs: dict) -> bool:
