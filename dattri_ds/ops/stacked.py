@@ -52,22 +52,19 @@ def strategy(lg: LayerGrad, projector: Projector, cost) -> str | None:
     data, space, (o, i) = lg.data, lg.space, lg.shape
     if lg.shard is not None:
         return None
-    if isinstance(data, Dense):  # rows (whitened, or a dense-only kind's): sparse products
-        if not (space.canonical or space.awaiting_projection) or o * i <= projector.config.dim \
-                or projector.kind_of(o, i) != "sparse" or not projector.sparse:
-            return None
-        return "sparse"
-    if not space.canonical:
+    dense = isinstance(data, Dense)  # rows (whitened, or a dense-only kind's): sparse only
+    if not (space.canonical or (dense and space.awaiting_projection)):
         return None
     if o * i <= projector.config.dim:
-        return "exact"
+        return None if dense else "exact"
     kind = projector.kind_of(o, i)
-    if kind == "kronecker" and not lg.kind.dense_only:
+    if kind == "kronecker" and not dense and not lg.kind.dense_only:
         return "kron"
-    if kind != "sparse" or not projector.sparse or not lg.kind.output_sliceable:
+    if kind != "sparse" or not projector.sparse or not (dense or lg.kind.output_sliceable):
         return None
     r = cost.roofline
-    whole = 8 * data.g.shape[0] * o * i <= r.launch_s * r.bytes_per_s
+    rows = data.values.shape[0] if dense else data.g.shape[0]
+    whole = 8 * rows * o * i <= r.launch_s * r.bytes_per_s
     return "sparse" if o * i <= _span(i) or whole else None
 
 
