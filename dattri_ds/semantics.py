@@ -34,7 +34,6 @@ already shifted, as padding-free collators pass them) position t is valid when
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 
 import torch
 
