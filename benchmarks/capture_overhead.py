@@ -88,10 +88,10 @@ def breakdown(model, ids, config: CaptureConfig, reps: int) -> list[tuple[str, f
         setattr(obj, attr, timed)
 
     wrap(cap, "_finalize", "finalize (total, inside backward)")
-    wrap(cap, "_build", "  _build: per-layer factors/dense")
-    wrap(cap, "_scaled", "    _scaled: per-example scale copy of g")
-    wrap(capture_mod, "_nonfinite", "    _nonfinite: isfinite(g).all()")
-    wrap(capture_mod, "project_batch", "  project_batch: Kronecker projection")
+    wrap(cap, "_build", "  _build: factors, projection, finiteness")
+    wrap(cap, "_layers", "    _layers: stacked per-layer factors (scaled)")
+    wrap(capture_mod, "project_layers", "    project_layers: Kronecker projection")
+    wrap(cap, "_read", "    _read: finiteness total + ids, one host copy")
     step = make_step(model, ids)
     try:
         with cap:

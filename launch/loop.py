@@ -166,7 +166,7 @@ def _capture(backend: Backend, cfg: RunConfig, out: Path, tok, run_id: str, star
         return None
     if cfg.capture.projection is None:
         raise ConfigError("--capture stores projected gradients: pass --capture-projection-dim "
-                          "256 (or set dattri_ds.capture.hooks.projection in the DeepSpeed JSON)")
+                          "256 (or set dattri_ds.capture.projection in the DeepSpeed JSON)")
     ctx, cbs = backend.ctx, []
     if backend.store_writer():
         cbs.append(StoreCallback(cfg.store_config(out), projection=cfg.capture.projection,

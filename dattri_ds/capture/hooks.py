@@ -25,7 +25,7 @@ import warnings
 import weakref
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -36,9 +36,10 @@ from dattri_ds.errors import CaptureError, ConfigError, UnsupportedLayerError
 from dattri_ds.gradient import Dense, Factorized, GradBatch, LayerGrad, ShardInfo
 from dattri_ds.capture.engine import EngineAdapter, adapter_for
 from dattri_ds.layers import LayerKind, kind_for
-from dattri_ds.ops.cost import CostModel
-from dattri_ds.ops.inner import project_batch
+from dattri_ds.capture.nonfinite import nonfinite_rows, read_with_flag
+from dattri_ds.ops.cost import CostModel, default_cost_model
 from dattri_ds.ops.projection import Projector
+from dattri_ds.ops.space import project_layers
 from dattri_ds.capture.semantics import BatchInfo, batch_info, example_scale
 from dattri_ds.capture.tied import TiedGroup, find_tied, merge_tied
 
@@ -289,7 +290,7 @@ class GradientCapture:
         if norm is not None:
             scale = norm[1]
             if norm[0] is not None and info is not None:
-                info = replace(info, num_items=norm[0])
+                info = info.with_num_items(norm[0])
         step = self.step_fn() if self.step_fn is not None else self.step
         self._current = _Record(self._count, step, info, scale=scale)
         self._count += 1
@@ -307,6 +308,8 @@ class GradientCapture:
         own_output = type(kind).output is not LayerKind.output
         own_activation = type(kind).activation is not LayerKind.activation
 
+        bdim = _bdim(kind, self.layers[name][0])  # read once, not per forward
+
         def hook(module: nn.Module, args: tuple, output) -> None:
             if not torch.is_grad_enabled() or not self._active():
                 return None
@@ -318,23 +321,24 @@ class GradientCapture:
                 return None  # called outside the root model's forward: not a captured example
             a = (kind.activation(module, args) if own_activation else args[0]).detach()
             new_output = None
-            b = len(rec.info.sample_ids) if rec.info is not None else 0
+            b = rec.info.rows if rec.info is not None else 0
             if (out is output and b > 0 and a.dim() == 1 and not a.is_floating_point()
-                    and out.dim() == 2 and _batch_dim(kind, module) == 0):
+                    and out.dim() == 2 and bdim == 0):
                 # Indices without a batch dim (nanoGPT's ``wpe(torch.arange(T))`` -> [T, D]),
                 # broadcast over the batch after this layer: the same as a [1, T, D] output.
                 out = new_output = out.unsqueeze(0)
                 a = a.unsqueeze(0)
             if ((out is output or new_output is not None) and out.dim() >= 2
                     and out.shape[0] == 1 and b > 1
-                    and _batch_dim(kind, module) == 0):
+                    and bdim == 0):
                 # Broadcast over the batch after this layer (e.g. position embeddings [1, T, D]):
                 # hand the model a batch-sized view so every example gets its own output-grad.
                 # The forward value and the summed weight gradient are unchanged.
                 out = new_output = out.expand(b, *out.shape[1:])
                 a = a.expand(b, *a.shape[1:])
             rec.outputs.append(weakref.ref(out))
-            rec.empty.setdefault(name, _empty_factors(a, out, _batch_dim(kind, module)))
+            if name not in rec.empty:
+                rec.empty[name] = _empty_factors(a, out, bdim)
             if self._probing:
                 rec.probe.append((name, a, out))
             else:
@@ -366,8 +370,8 @@ class GradientCapture:
         if batch is not None:
             self._deliver(batch)
 
-    def _info(self, rec: _Record, b: int, t: int) -> BatchInfo:
-        if rec.info is not None and len(rec.info.sample_ids) == b:
+    def _info(self, rec: _Record, b: int, t: int, device: torch.device) -> BatchInfo:
+        if rec.info is not None and rec.info.rows == b:
             return rec.info
         if not self._warned_no_info:
             self._warned_no_info = True
@@ -376,30 +380,63 @@ class GradientCapture:
                 "sample ids fall back to '<micro-batch>:<row>' and every position counts as a "
                 "loss token; pass input_ids/labels/attention_mask for exact semantics",
                 stacklevel=3)
-        counts = torch.full((b,), max(t - self.config.label_shift, 1), dtype=torch.long)
+        counts = torch.full((b,), max(t - self.config.label_shift, 1), dtype=torch.long,
+                            device=device)
         return BatchInfo(tuple(f"{rec.index}:{i}" for i in range(b)), counts)
 
     def _build(self, rec: _Record, scale_c: float | None = None) -> GradBatch | None:
         """The record's GradBatch: per-example scaled, tied layers merged, projected if asked.
 
-        With a projection the per-example scale multiplies the projected rows instead of the
-        output-grads (projection is linear per example, so the result is the same), saving a
-        scaled copy of every output-grad.
+        Launches per group, not per layer (docs/kernels.md): the layers of one kind and shape
+        are built (``LayerKind.build_many``) and projected (``ops.space.project_layers``) as
+        one stacked group. With a projection the per-example scale multiplies the projected
+        rows instead of the output-grads (projection is linear per example, so the result
+        is the same), saving a scaled copy of every output-grad. One number per batch says
+        whether every value is finite (``nonfinite.finite_total``); it is read together
+        with the sample ids' tokens: the batch's one host sync.
         """
         cfg = self.config
         post = self._projector is not None
         first, first_pairs = next(iter(rec.pairs.items()))
-        bdim = _batch_dim(self.layers[first][1], self.layers[first][0])
+        bdim = _bdim(self.layers[first][1], self.layers[first][0])
         some_g = first_pairs[0][1]
         tokens = some_g.shape[1 - bdim] if some_g.dim() > 2 else 1
-        info = self._info(rec, first_pairs[0][0].shape[bdim], tokens)
+        info = self._info(rec, first_pairs[0][0].shape[bdim], tokens, some_g.device)
         if scale_c is None:
             scale_c = (cfg.backward_scale * rec.scale
                        * (self.scale_fn() if self.scale_fn else 1.0))
         scale = example_scale(info.token_counts, loss_reduction=cfg.loss_reduction,
                               per_example_loss=cfg.per_example_loss, backward_scale=scale_c,
                               num_items=info.num_items)
-        layers: dict[str, LayerGrad] = {}
+        scale = scale.to(device=some_g.device, dtype=torch.float32)
+        cost = self.cost or default_cost_model(some_g.device)
+        layers = self._layers(rec, scale, post, cost)
+        merge_tied(layers, self._tied)
+        if post:  # NaN/inf propagate through the projection: check the small projected rows
+            layers = project_layers(layers, self._projector, cost, scale=scale)
+        finite = self._read(info, layers, agree=not post)
+        batch = GradBatch(rec.step, info.sample_ids, layers, rec.index, info.token_counts)
+        self.last_kept = None
+        if finite:
+            return batch
+        bad, layer = nonfinite_rows(batch, agree=not post)
+        if bad is None:  # a norm overflowed; every value is finite
+            return batch
+        keep = torch.nonzero(~bad).flatten().cpu()
+        self.last_kept = keep
+        self._nonfinite(layer, rec, [batch.sample_ids[i] for i in
+                                     torch.nonzero(bad).flatten().tolist()], keep.numel())
+        return batch.index(keep) if keep.numel() else None
+
+    def _layers(self, rec: _Record, scale: torch.Tensor, post: bool,
+                cost: CostModel) -> dict[str, LayerGrad]:
+        """Every captured layer's data, in module order, each kind's layers built together
+        (``LayerKind.build_many``); output-grads scaled first unless a projection scales the
+        rows (dense-only kinds produce rows: always scaled)."""
+        cfg = self.config
+        dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
+        calls: dict[int, list[tuple[str, nn.Module, tuple]]] = defaultdict(list)
+        kinds: dict[int, LayerKind] = {}
         for name, (module, kind) in self.layers.items():
             pairs = rec.pairs.get(name)
             if not pairs:
@@ -411,38 +448,31 @@ class GradientCapture:
                     f"Layer '{name}' ran {len(pairs)} times in one forward pass (weight "
                     f"sharing or a module called twice); set capture.allow_shared=True to sum "
                     f"its gradients over the calls")
-            parts = [kind.build(module, a, g if post else
-                                self._scaled(g, scale, _batch_dim(kind, module)))
-                     for a, g in pairs]
-            shape, shard = self._shapes[name]
-            layers[name] = LayerGrad(name, kind, _merge(parts), shape, shard=shard)
-        merge_tied(layers, self._tied)
-        batch = GradBatch(rec.step, info.sample_ids, layers, rec.index, info.token_counts)
-        if post:  # NaN/inf propagate through the projection: check the small projected rows
-            batch = project_batch(batch, self._projector, self.cost)
-        bad, layer = _nonfinite_rows(batch, agree=not post)
-        self.last_kept = None
-        if bad is not None:
-            keep = torch.nonzero(~bad).flatten().cpu()
-            self.last_kept = keep
-            self._nonfinite(layer, rec, [batch.sample_ids[i] for i in
-                                         torch.nonzero(bad).flatten().tolist()], keep.numel())
-            if keep.numel() == 0:
-                return None
-            batch, scale = batch.index(keep), scale[keep.to(scale.device)]
-        if not post:
-            return batch
-        s = scale.to(torch.float32)
-        return batch.with_layers({
-            n: lg.replace(data=Dense(lg.data.values * s.to(lg.data.values.device)[:, None]))
-            for n, lg in batch.layers.items()})
+            kinds[id(kind)] = kind  # by id: a kind's hash is a Python call
+            calls[id(kind)].extend((name, module, pair) for pair in pairs)
+        parts: dict[str, list[Factorized | Dense]] = defaultdict(list)
+        for key, items in calls.items():
+            kind = kinds[key]
+            own = kind.dense_only or not post
+            built = kind.build_many([m for _, m, _ in items], [p for *_, p in items],
+                                    scale if own else None, dtype if not post else None,
+                                    cost)
+            for (name, _, _), data in zip(items, built):
+                parts[name].append(data)
+        layers: dict[str, LayerGrad] = {}
+        for name in self.layers:
+            if name in parts:
+                shape, shard = self._shapes[name]
+                layers[name] = LayerGrad(name, self.layers[name][1], _merge(parts[name]),
+                                         shape, shard=shard)
+        return layers
 
-    def _scaled(self, g: torch.Tensor, scale: torch.Tensor, bdim: int = 0) -> torch.Tensor:
-        dtype = getattr(torch, self.config.dtype) if self.config.dtype else g.dtype
-        s = scale.to(device=g.device, dtype=torch.float32)
-        shape = [1] * g.dim()
-        shape[bdim] = -1
-        return (g.float() * s.view(shape)).to(dtype)
+    def _read(self, info: BatchInfo, layers: dict[str, LayerGrad], agree: bool) -> bool:
+        """Bring the sample ids' tokens and the finiteness total to the host in one copy
+        (``nonfinite.read_with_flag``); whether every value is finite."""
+        host, finite = read_with_flag(info.host_sources(), layers.values(), agree)
+        info.resolve(host)
+        return finite
 
     def _nonfinite(self, name: str, rec: _Record, bad_ids: list[str], kept: int) -> None:
         """Warn (or raise) about examples with a NaN/inf gradient, naming them by sample id."""
@@ -552,9 +582,8 @@ class GradientCapture:
         self.step += 1
 
 
-def _batch_dim(kind: LayerKind, module: nn.Module) -> int:
-    """Where B sits in the saved input and output-grad: 0, or 1 for sequence-first kinds
-    (Megatron ``[S, B, H]``) that define ``batch_dim(module)``."""
+def _bdim(kind: LayerKind, module: nn.Module) -> int:
+    """``layers.base.batch_dim_of`` read here: where B sits (1 for sequence-first kinds)."""
     fn = getattr(kind, "batch_dim", None)
     return fn(module) if fn is not None else 0
 
@@ -562,7 +591,7 @@ def _batch_dim(kind: LayerKind, module: nn.Module) -> int:
 def _rows(rec: _Record) -> int:
     """Examples of a record's forward call (from its ids, else its zero-token factors)."""
     if rec.info is not None:
-        return len(rec.info.sample_ids)
+        return rec.info.rows
     a0, _ = next(iter(rec.empty.values()))
     return a0.shape[1] if a0.dim() > 1 and a0.shape[0] == 0 else a0.shape[0]
 
@@ -584,45 +613,3 @@ def _merge(parts: list[Factorized | Dense]) -> Factorized | Dense:
     if isinstance(parts[0], Dense):
         return Dense(sum(p.values for p in parts))
     return Factorized(torch.cat([p.a for p in parts], 1), torch.cat([p.g for p in parts], 1))
-
-
-def _bad_rows(data: Factorized | Dense) -> torch.Tensor:
-    """``[B]`` bool: examples with a NaN/inf in their factors (one reduction per tensor: NaN
-    and inf propagate through the per-example sums)."""
-    if isinstance(data, Dense):
-        return ~torch.isfinite(data.values.sum(dim=1, dtype=torch.float32))
-    bad = ~torch.isfinite(data.g.sum(dim=(1, 2), dtype=torch.float32))
-    if data.a.is_floating_point():
-        bad |= ~torch.isfinite(data.a.sum(dim=tuple(range(1, data.a.dim())), dtype=torch.float32))
-    return bad
-
-
-def _nonfinite_rows(batch: GradBatch, agree: bool) -> tuple[torch.Tensor | None, str | None]:
-    """``([B] bool of examples with a NaN/inf gradient in any layer, first such layer)``, or
-    ``(None, None)`` when every example is finite.
-
-    Tensor-parallel ranks must take the same decision per example (a rank dropping an
-    example its peers keep would desynchronize their collectives). Projected batches already
-    agree: sharded layers were all-reduced. With ``agree`` (unprojected factors, each rank
-    checks only its shard) the ``[B]`` mask is max-reduced over each shard group: one
-    B-element reduction per batch. The layer is ``""`` when only a peer's shard was bad.
-    """
-    per_layer = {n: _bad_rows(lg.data) for n, lg in batch.layers.items()}
-    if not per_layer:
-        return None, None
-    bad = None  # OR of every layer's rows on the device: no host sync per layer
-    for rows in per_layer.values():
-        bad = rows if bad is None else bad | rows.to(bad.device)
-    groups = {id(lg.shard.group): lg.shard for lg in batch.layers.values()
-              if lg.shard is not None and lg.shard.world > 1} if agree else {}
-    if groups:
-        import torch.distributed as dist
-
-        flag = bad.to(torch.float32)
-        for shard in groups.values():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=shard.group)
-        bad = flag > 0
-    if not bool(bad.any()):  # the one sync of a finite batch
-        return None, None
-    first = next((n for n, rows in per_layer.items() if bool(rows.any())), "")
-    return bad, first

@@ -34,34 +34,92 @@ already shifted, as padding-free collators pass them) position t is valid when
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 
 import torch
 
 from dattri_ds.errors import ConfigError
 from dattri_ds.sample_id import SampleId
 
-__all__ = ["BatchInfo", "batch_info", "example_scale", "content_id", "LOSS_REDUCTIONS",
-           "PER_EXAMPLE_LOSSES"]
+__all__ = ["BatchInfo", "batch_info", "example_scale", "content_id", "read_once",
+           "LOSS_REDUCTIONS", "PER_EXAMPLE_LOSSES"]
 
 LOSS_REDUCTIONS = ("token_mean", "sum", "example_mean")
 PER_EXAMPLE_LOSSES = ("sum", "mean")
 
 
-@dataclass(frozen=True)
 class BatchInfo:
     """What the root forward call tells about its examples.
 
+    Sample ids are content hashes of the tokens, so they need the tokens on the host. The
+    call's tensors are kept as they are (on the model's device) and hashed when the ids are
+    first read, or when the capture brings them to the host together with its own
+    per-batch flag (``host_sources`` / ``resolve``: one copy, one host sync per batch).
+
     Attributes:
-        sample_ids: stable id per example (content hash, optionally ``user#hash``).
-        token_counts: ``[B]`` valid (loss-bearing) positions ``n_b``.
-        num_items: the call's ``num_items_in_batch`` (the token-mean denominator ``N``), or
-            None when the model divides by its own token count.
+        rows: examples ``B`` (known without reading any tensor).
+        token_counts: ``[B]`` valid (loss-bearing) positions ``n_b``, on the call's device.
+        num_items: the call's ``num_items_in_batch`` (the token-mean denominator ``N``: a
+            float, or a 0-d tensor left on its device), or None when the model divides by
+            its own token count.
     """
 
-    sample_ids: tuple[str, ...]
-    token_counts: torch.Tensor
-    num_items: float | None = None
+    __slots__ = ("rows", "token_counts", "num_items", "_ids", "_sources", "_rule")
+
+    def __init__(self, sample_ids: tuple[str, ...] | None, token_counts: torch.Tensor,
+                 num_items: float | torch.Tensor | None = None, *,
+                 sources: tuple[torch.Tensor | None, ...] | None = None,
+                 rule: tuple | None = None) -> None:
+        self.token_counts = token_counts
+        self.num_items = num_items
+        self._ids = None if sample_ids is None else tuple(sample_ids)
+        self._sources, self._rule = sources, rule
+        self.rows = len(self._ids) if self._ids is not None else int(token_counts.shape[0])
+
+    @property
+    def sample_ids(self) -> tuple[str, ...]:
+        """One content-hash id per example (brings the tokens to the host on first use)."""
+        if self._ids is None:
+            self.resolve(read_once(self.host_sources()))
+        return self._ids
+
+    def host_sources(self) -> list[torch.Tensor]:
+        """The int64 tensors the ids are hashed from, still to be brought to the host (none
+        once the ids are known); ``resolve`` takes their host copies, in this order."""
+        if self._ids is not None:
+            return []
+        return [t for t in self._sources if t is not None]
+
+    def resolve(self, host: list[torch.Tensor | None]) -> None:
+        """Hash the ids from host copies of ``host_sources()`` (``None`` entries keep the
+        order of an absent tensor when given the full source tuple)."""
+        if self._ids is not None:
+            return
+        it = iter(host)
+        parts = [None if t is None else next(it) for t in self._sources] \
+            if len(host) != len(self._sources) else list(host)
+        self._ids = _hash_rows(*parts, *self._rule)
+        self._sources = None
+
+    def with_num_items(self, num_items: float | torch.Tensor | None) -> BatchInfo:
+        """The same call with another token-mean denominator."""
+        out = BatchInfo(self._ids, self.token_counts, num_items, sources=self._sources,
+                        rule=self._rule)
+        return out
+
+
+def read_once(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Host copies of int64 tensors, brought over in one copy (one host sync, none when
+    they are on the host already), in order and shape."""
+    if not tensors:
+        return []
+    flat = torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 \
+        else tensors[0].reshape(-1)
+    host = flat.cpu()
+    out, pos = [], 0
+    for t in tensors:
+        out.append(host[pos:pos + t.numel()].view(t.shape))
+        pos += t.numel()
+    return out
 
 
 def content_id(tokens: torch.Tensor, valid: torch.Tensor | None = None,
@@ -87,30 +145,33 @@ def _find_ids(args: tuple, kwargs: dict) -> torch.Tensor | None:
     return ids
 
 
-def batch_info(args: tuple, kwargs: dict, *, label_shift: int = 1, ignore_index: int = -100,
-               user_ids: list[str] | None = None) -> BatchInfo | None:
-    """Read ids, labels and attention mask from a model call (HF-style keyword names).
-
-    Returns None when the call has no integer ``input_ids`` (first positional or keyword).
-    """
-    ids = _find_ids(args, kwargs)
-    if ids is None or ids.dim() != 2:
-        return None
-    labels, mask = kwargs.get("labels"), kwargs.get("attention_mask")
-    shifted = kwargs.get("shift_labels")
-    b, t = ids.shape
+def _valid(labels: torch.Tensor | None, shifted: torch.Tensor | None,
+           mask: torch.Tensor | None, b: int, t: int, label_shift: int,
+           ignore_index: int) -> torch.Tensor | None:
+    """``[B, T - shift]`` loss-bearing positions (module docstring), None: all of them."""
     if shifted is not None:
-        valid = shifted != ignore_index
-    elif labels is not None:
-        valid = labels[:, label_shift:] != ignore_index
-    elif mask is not None:
-        valid = mask[:, label_shift:] != 0
-    else:
-        valid = torch.ones(b, max(t - label_shift, 0), dtype=torch.bool, device=ids.device)
-    counts = valid.sum(1)
+        return shifted != ignore_index
+    if labels is not None:
+        return labels[:, label_shift:] != ignore_index
+    if mask is not None:
+        return mask[:, label_shift:] != 0
+    return None
+
+
+def _int64(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` as int64 for the host copy (a float mask becomes its ``!= 0`` pattern)."""
+    if t is None or t.dtype == torch.int64:
+        return t
+    return (t != 0).long() if t.is_floating_point() else t.long()
+
+
+def _hash_rows(ids: torch.Tensor, labels: torch.Tensor | None, shifted: torch.Tensor | None,
+               mask: torch.Tensor | None, label_shift: int, ignore_index: int,
+               user_ids: tuple[str, ...] | None) -> tuple[str, ...]:
+    """Content-hash ids of every row, from host tensors (the tokens the mask keeps, and
+    which of them carry a loss)."""
+    b, t = ids.shape
     keep = mask != 0 if mask is not None else torch.ones_like(ids, dtype=torch.bool)
-    if user_ids is not None and len(user_ids) != b:
-        raise ConfigError(f"capture.tag() got {len(user_ids)} user ids for a batch of {b}")
     if labels is not None:
         valid_full = labels != ignore_index
     elif shifted is not None:  # label of position t + shift is shift_labels[t]
@@ -118,23 +179,46 @@ def batch_info(args: tuple, kwargs: dict, *, label_shift: int = 1, ignore_index:
         valid_full[:, label_shift:] = shifted[:, :t - label_shift] != ignore_index
     else:
         valid_full = keep
-    sample_ids = tuple(
-        content_id(ids[i][keep[i]], valid_full[i][keep[i]],
-                   None if user_ids is None else str(user_ids[i]))
-        for i in range(b)
-    )
-    return BatchInfo(sample_ids, counts, _num_items(kwargs.get("num_items_in_batch")))
+    return tuple(content_id(ids[i][keep[i]], valid_full[i][keep[i]],
+                            None if user_ids is None else str(user_ids[i])) for i in range(b))
 
 
-def _num_items(value) -> float | None:
-    """``num_items_in_batch`` of a call as a float (Trainer passes a 0-d tensor or an int)."""
+def batch_info(args: tuple, kwargs: dict, *, label_shift: int = 1, ignore_index: int = -100,
+               user_ids: list[str] | None = None) -> BatchInfo | None:
+    """Read ids, labels and attention mask from a model call (HF-style keyword names).
+
+    Nothing is read back to the host here: the token counts stay on the call's device and
+    the sample ids are hashed later (``BatchInfo``). Returns None when the call has no
+    integer ``input_ids`` (first positional or keyword).
+    """
+    ids = _find_ids(args, kwargs)
+    if ids is None or ids.dim() != 2:
+        return None
+    labels, mask = kwargs.get("labels"), kwargs.get("attention_mask")
+    shifted = kwargs.get("shift_labels")
+    b, t = ids.shape
+    if user_ids is not None and len(user_ids) != b:
+        raise ConfigError(f"capture.tag() got {len(user_ids)} user ids for a batch of {b}")
+    valid = _valid(labels, shifted, mask, b, t, label_shift, ignore_index)
+    counts = (valid.sum(1) if valid is not None else
+              torch.full((b,), max(t - label_shift, 0), dtype=torch.long, device=ids.device))
+    sources = (_int64(ids), _int64(labels), _int64(shifted), _int64(mask))
+    rule = (label_shift, ignore_index, None if user_ids is None else tuple(map(str, user_ids)))
+    return BatchInfo(None, counts, _num_items(kwargs.get("num_items_in_batch")),
+                     sources=sources, rule=rule)
+
+
+def _num_items(value) -> float | torch.Tensor | None:
+    """``num_items_in_batch`` of a call: a float, or a 0-d float tensor left on its device
+    (Trainer passes a tensor; reading it would sync)."""
     if value is None:
         return None
-    return float(value.float().mean()) if torch.is_tensor(value) else float(value)
+    return value.float().mean() if torch.is_tensor(value) else float(value)
 
 
 def example_scale(token_counts: torch.Tensor, *, loss_reduction: str, per_example_loss: str,
-                  backward_scale: float, num_items: float | None = None) -> torch.Tensor:
+                  backward_scale: float,
+                  num_items: float | torch.Tensor | None = None) -> torch.Tensor:
     """``[B]`` factors turning captured output-grads into per-example-loss output-grads.
 
     ``scale_b = 1 / (c * w_b)``, divided by ``n_b`` for the mean loss; 0 where ``n_b = 0``
@@ -146,8 +230,13 @@ def example_scale(token_counts: torch.Tensor, *, loss_reduction: str, per_exampl
     n = token_counts.to(torch.float64)
     b = n.numel()
     if loss_reduction == "token_mean":
-        total = n.sum() if num_items is None else torch.tensor(num_items, dtype=torch.float64)
-        inv_w = total.expand(b).clone()
+        if num_items is None:
+            total = n.sum()
+        elif torch.is_tensor(num_items):
+            total = num_items.to(device=n.device, dtype=torch.float64)
+        else:
+            total = torch.tensor(num_items, dtype=torch.float64)
+        inv_w = total.expand(b)
     elif loss_reduction == "sum":
         inv_w = torch.ones_like(n)
     elif loss_reduction == "example_mean":

@@ -59,7 +59,8 @@ def _as_primary(member: LayerGrad, primary: LayerGrad) -> Factorized:
     a = f.g
     if width == a.shape[-1] + 1:  # the primary's bias column: the embedding adds nothing
         a = torch.cat([a, a.new_zeros(a.shape[:-1] + (1,))], dim=-1)
-    onehot = torch.nn.functional.one_hot(f.a, vocab).to(f.g.dtype)
+    # one_hot(f.a, vocab) without its range check (a read of the indices' max: a host sync)
+    onehot = f.g.new_zeros(f.a.shape + (vocab,)).scatter_(-1, f.a.unsqueeze(-1), 1.0)
     return Factorized(a, onehot)
 
 

@@ -23,7 +23,6 @@ import types
 import typing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal, Union
 
 from dattri_ds.errors import ConfigError

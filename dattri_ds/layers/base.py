@@ -30,13 +30,14 @@ from torch import nn
 
 from dattri_ds.errors import UnsupportedLayerError
 from dattri_ds.gradient import Dense, Factorized, ShardInfo
+from dattri_ds.layers.stacking import scale_examples
 from dattri_ds.registry import Registry
 
 if TYPE_CHECKING:
     from dattri_ds.layers.factor_forms import FactorForm
 
 __all__ = ["LayerDims", "LayerKind", "KINDS", "kind_for", "get_kind", "param_shape",
-           "registered_kinds", "unregister_kind", "COMPUTE_DTYPE"]
+           "registered_kinds", "unregister_kind", "COMPUTE_DTYPE", "batch_dim_of"]
 
 #: Dtype of every inner product and materialized row, whatever the capture dtype.
 COMPUTE_DTYPE = torch.float32
@@ -162,6 +163,30 @@ class LayerKind(ABC):
                 gradient is the gradient of its own loss.
         """
 
+    def build_many(self, modules: list[nn.Module], pairs: list[tuple[torch.Tensor, torch.Tensor]],
+                   scale: torch.Tensor | None = None, dtype: torch.dtype | None = None,
+                   cost=None) -> list[Factorized | Dense]:
+        """``build`` of several layers of this kind from one backward, in order.
+
+        Args:
+            modules: each layer's module (a module may repeat: one entry per call).
+            pairs: each layer's saved input and output-grad, as ``build`` takes them.
+            scale: ``[B]`` float32 per-example factors multiplied into every output-grad
+                first (``layers.stacking.scale_examples``; None: already scaled, or scaled
+                later by the projection).
+            dtype: the dtype of the scaled output-grads (default: their own).
+            cost: the ``CostModel`` that says where stacking pays (``CostModel.stacks``).
+
+        Kinds stack the layers of one shape and do their work once per group
+        (``layers/stacking.py``); the default builds one layer at a time.
+        """
+        out = []
+        for m, (a, g) in zip(modules, pairs):
+            if scale is not None:
+                g = scale_examples(g, scale, batch_dim_of(self, m), dtype)
+            out.append(self.build(m, a, g))
+        return out
+
     # ---- maths on the factorized form -----------------------------------------------
     @abstractmethod
     def materialize(self, f: Factorized, shape: tuple[int, int]) -> torch.Tensor:
@@ -187,6 +212,11 @@ class LayerKind(ABC):
 
         Equals ``materialize(f) @ kron(P_out, P_in)^T`` (row-major vec).
         """
+
+    def stacked_side_in(self, a: torch.Tensor, p_in_t: torch.Tensor, out: torch.Tensor) -> None:
+        """``P_in a_t`` of ``L`` stacked layers into ``out [L, B*T, ki]``: the input side of
+        ``project_kron`` (``a [L, B*T, I']``, ``p_in_t [L, I', ki]``; ``ops/stacked.py``)."""
+        torch.bmm(a, p_in_t, out=out)
 
     # ---- maths on LayerGrad data: both forms side by side ------------------------------
     def factor_form(self, width: int, full_max: int, side_projected: bool = False) -> FactorForm:
@@ -366,6 +396,13 @@ def _form_bytes(form: FactorForm, dims: tuple[int, int], dtype: torch.dtype) -> 
     form.zero_sums(sums, form.cov_keys, dims, dtype, "meta")
     eig = form.decompose(sums, dims, dtype)
     return sum(t.numel() * t.element_size() for t in (*sums.values(), *eig.values()))
+
+
+def batch_dim_of(kind: LayerKind, module: nn.Module) -> int:
+    """Where B sits in the saved input and output-grad: 0, or 1 for sequence-first kinds
+    (Megatron ``[S, B, H]``) that define ``batch_dim(module)``."""
+    fn = getattr(kind, "batch_dim", None)
+    return fn(module) if fn is not None else 0
 
 
 def param_shape(p: torch.Tensor) -> tuple[int, ...]:

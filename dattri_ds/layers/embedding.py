@@ -91,5 +91,10 @@ class EmbeddingKind(LayerKind, name="embedding", modules=(nn.Embedding,)):
         aa = p_in.T[f.a]  # [B, T, ki]
         return torch.bmm(ga.transpose(1, 2), aa.to(ga.dtype)).reshape(f.g.shape[0], -1)
 
+    def stacked_side_in(self, a, p_in_t, out):
+        """The one-hot side: a gather of ``P_in`` columns per layer (``a [L, B*T]``)."""
+        for n in range(a.shape[0]):
+            torch.index_select(p_in_t[n], 0, a[n], out=out[n])
+
     def canonical(self, module, grads):
         return grads["weight"].transpose(-1, -2).flatten(-2)

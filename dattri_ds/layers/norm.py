@@ -15,6 +15,7 @@ from torch.nn import functional as F
 from dattri_ds.errors import UnsupportedLayerError
 from dattri_ds.gradient import Dense
 from dattri_ds.layers.base import LayerKind, param_shape
+from dattri_ds.layers.stacking import grouped, scaled, stack, stack_pays
 
 __all__ = ["DenseKind", "LayerNormKind", "RMSNormKind"]
 
@@ -41,10 +42,43 @@ class DenseKind(LayerKind):
             xhat = xhat.reshape(xhat.shape[0], -1, xhat.shape[-1])
             g, token_dim = g.reshape(g.shape[0], -1, g.shape[-1]), 1
         out_dtype, g = g.dtype, g.to(xhat.dtype)
-        rows = [(g * xhat).sum(token_dim)]
-        if getattr(module, "bias", None) is not None:
-            rows.append(g.sum(token_dim))
-        return Dense(torch.cat(rows, dim=1).to(out_dtype))
+        prod = g * xhat
+        if getattr(module, "bias", None) is None:
+            return Dense(prod.sum(token_dim).to(out_dtype))
+        rows = prod.new_empty(prod.shape[1 - token_dim], 2, prod.shape[-1])
+        torch.sum(prod, token_dim, out=rows[:, 0])  # the two sums straight into [w; b]
+        torch.sum(g, token_dim, out=rows[:, 1])
+        return Dense(rows.view(rows.shape[0], -1).to(out_dtype))
+
+    def stack_key(self, module: nn.Module) -> tuple | None:
+        """What ``normalized`` and ``_dense`` read of a module: modules with one key (and
+        inputs of one shape) are built as one stacked group. None: built on its own."""
+        return None
+
+    def build_many(self, modules, pairs, scale=None, dtype=None, cost=None):
+        """``build`` of many layers, one stacked group per ``stack_key`` and shape where
+        stacking pays: one normalization, one product and one or two sums for the group."""
+        if type(self).build is not DenseKind.build:
+            return super().build_many(modules, pairs, scale, dtype, cost)
+        out: list = [None] * len(pairs)
+        keys = [self.stack_key(m) for m in modules]
+        keys = [None if k is None else (k, a.shape, a.dtype, a.device, g.shape, g.dtype)
+                for k, (a, g) in zip(keys, pairs)]
+        for idx in grouped(keys):
+            if not stack_pays(cost, [pairs[i][0] for i in idx], 6, 2):
+                for i, data in zip(idx, super().build_many(
+                        [modules[i] for i in idx], [pairs[i] for i in idx], scale, dtype)):
+                    out[i] = data
+                continue
+            gs = [pairs[i][1] for i in idx]
+            if scale is not None:
+                gs = scaled(gs, scale, dtype)
+            a, g = stack([pairs[i][0] for i in idx]), stack(gs)
+            m, b = modules[idx[0]], a.shape[1]
+            rows = self.build(m, a.flatten(0, 1), g.flatten(0, 1)).values
+            for n, i in enumerate(idx):
+                out[i] = Dense(rows[n * b:(n + 1) * b])
+        return out
 
     def normalized(self, module: nn.Module, a: torch.Tensor) -> torch.Tensor:
         """``xhat`` (fp32) of the module's input ``a``, any layout with features last."""
@@ -75,6 +109,9 @@ class LayerNormKind(DenseKind, name="layernorm", modules=(nn.LayerNorm,)):
 
     def normalized(self, module, a):
         return F.layer_norm(a.float(), a.shape[-1:], eps=module.eps)
+
+    def stack_key(self, module):
+        return module.eps, module.bias is not None
 
 
 def _rms_eps(module: nn.Module) -> float | None:
@@ -110,3 +147,6 @@ class RMSNormKind(DenseKind, name="rmsnorm"):
         if eps is None:
             eps = torch.finfo(a.dtype).eps
         return F.rms_norm(a.float(), a.shape[-1:], eps=eps)
+
+    def stack_key(self, module):
+        return _rms_eps(module), getattr(module, "bias", None) is not None

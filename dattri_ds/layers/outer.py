@@ -11,8 +11,9 @@ import torch
 
 from dattri_ds.gradient import Factorized
 from dattri_ds.layers.base import LayerKind
+from dattri_ds.layers.stacking import scaled, shape_groups, stack, stack_pays
 
-__all__ = ["OuterProductKind", "row_chunks", "rows_matmul", "with_bias_column"]
+__all__ = ["OuterProductKind", "row_chunks", "rows_matmul", "with_bias_column", "bias_columns"]
 
 #: Upper bound on elements of one ``[c, T, B2, S]`` ghost intermediate (about 64 MB fp32).
 GHOST_CHUNK_ELEMENTS = 1 << 24
@@ -28,6 +29,25 @@ def row_chunks(n_rows: int, row_elems: int, budget: int = GHOST_CHUNK_ELEMENTS):
 def with_bias_column(a: torch.Tensor) -> torch.Tensor:
     """``[..., I] -> [..., I+1]``, appending the constant 1 that multiplies the bias."""
     return torch.cat([a, a.new_ones(a.shape[:-1] + (1,))], dim=-1)
+
+
+def bias_columns(a: list[torch.Tensor], cost=None) -> list[torch.Tensor]:
+    """``with_bias_column`` of every tensor, three kernels per group of one shape where
+    stacking pays (``stacking.stack_pays``): the group is written stacked into one
+    ``[L, ..., I+1]`` tensor (its last column filled with 1s) and returned as views."""
+    out: list[torch.Tensor] = list(a)
+    for idx in shape_groups(a):
+        if not stack_pays(cost, [a[j] for j in idx], 2, 1):
+            for j in idx:
+                out[j] = with_bias_column(a[j])
+            continue
+        first = a[idx[0]]
+        buf = first.new_empty((len(idx),) + tuple(first.shape[:-1]) + (first.shape[-1] + 1,))
+        buf[..., -1].fill_(1)
+        buf[..., :-1].copy_(stack([a[j] for j in idx]))
+        for n, j in enumerate(idx):
+            out[j] = buf[n]
+    return out
 
 
 def rows_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -51,6 +71,24 @@ class OuterProductKind(LayerKind):
         if getattr(module, "bias", None) is not None:
             a3 = with_bias_column(a3)
         return Factorized(a3, g.reshape(g.shape[0], -1, g.shape[-1]))
+
+    def build_many(self, modules, pairs, scale=None, dtype=None, cost=None):
+        """``build`` of many layers: output-grads scaled one stacked group of one shape at a
+        time (``stacking.scaled``), and the bias column added once per distinct input (q, k
+        and v share theirs), one stacked group of one shape at a time (``bias_columns``)."""
+        if type(self).build is not OuterProductKind.build:  # a kind with its own layout
+            return super().build_many(modules, pairs, scale, dtype, cost)
+        gs = [g for _, g in pairs]
+        if scale is not None:
+            gs = scaled(gs, scale, dtype, cost)
+        biased = list({id(a): a for (a, _), m in zip(pairs, modules)  # q, k, v share theirs
+                       if getattr(m, "bias", None) is not None}.values())
+        with_bias = dict(zip(map(id, biased), bias_columns(
+            [a.reshape(a.shape[0], -1, a.shape[-1]) for a in biased], cost))) if biased else {}
+        return [Factorized(with_bias[id(a)] if getattr(m, "bias", None) is not None
+                           else a.reshape(a.shape[0], -1, a.shape[-1]),
+                           g.reshape(g.shape[0], -1, g.shape[-1]))
+                for (a, _), g, m in zip(pairs, gs, modules)]
 
     def materialize(self, f: Factorized, shape: tuple[int, int]) -> torch.Tensor:
         """``einsum('bto,bti->boi')`` flattened: ``[B, O*I]``; cost 2*B*T*O*I flops."""

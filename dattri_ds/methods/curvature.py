@@ -28,7 +28,6 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 
-import torch
 
 from dattri_ds.distributed import ParallelContext
 from dattri_ds.errors import FactorStateError

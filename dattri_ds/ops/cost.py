@@ -69,22 +69,29 @@ class PathCost:
 
 @dataclass(frozen=True)
 class Roofline:
-    """Throughput of a device: sustained matmul flops/s and memory bytes/s.
+    """Throughput of a device: sustained matmul flops/s and memory bytes/s, and the fixed
+    host cost of one eager kernel.
 
     Attributes:
         flops_per_s: sustained fp32 matmul throughput.
         bytes_per_s: sustained memory bandwidth (elementwise copy).
+        launch_s: seconds the host spends issuing one eager op (a GPU kernel launch; on a
+            CPU the dispatcher's overhead). It prices stacking layers of one shape into one
+            kernel (``layers.stacking.stack_pays``).
     """
 
     flops_per_s: float
     bytes_per_s: float
+    launch_s: float = 5e-6
 
     @staticmethod
     def default(device: torch.device | str = "cpu") -> Roofline:
-        """Defaults by device type (no measurement): one modern CPU core / one data-centre GPU."""
+        """Defaults by device type (no measurement): one modern CPU core / one data-centre
+        GPU (its launch cost the H200's calibrated ``kernel_latency_s``,
+        dattri_ds/plan/estimate.py)."""
         if torch.device(device).type == "cuda":
-            return Roofline(flops_per_s=4e13, bytes_per_s=2e12)
-        return Roofline(flops_per_s=1e11, bytes_per_s=2e10)
+            return Roofline(flops_per_s=4e13, bytes_per_s=2e12, launch_s=2e-5)
+        return Roofline(flops_per_s=1e11, bytes_per_s=2e10, launch_s=5e-6)
 
     @staticmethod
     def measure(device: torch.device | str = "cpu", size: int = 512) -> Roofline:

@@ -177,6 +177,8 @@ class KFACFactors:
         self.projector = projector
         self.layers: dict[str, LayerFactors] = {}
         self._reduced: set[str] = set()
+        #: (layer, method, whiten) -> (the factors' tensors, their versions, ``_inverse``)
+        self._inverses: dict[tuple, tuple[tuple, tuple, torch.Tensor]] = {}
         self._dtype = getattr(torch, self.config.dtype)
         self._itemsize = torch.empty((), dtype=self._dtype).element_size()
 
@@ -420,12 +422,7 @@ class KFACFactors:
         lf = self._get(lg.name)
         if not lf.eig:
             raise FactorStateError("KFACFactors.precondition() needs eigendecompose() first")
-        ev = self._eigenvalues(lf, method)
-        mean = ev.mean()
-        lam = self.config.damping * (mean if self.config.damping_mode == "relative" else 1.0)
-        power = self.config.power / 2 if whiten else self.config.power
-        inv = torch.where(ev + lam > 0, (ev + lam).clamp_min(1e-300).pow(-power), 0.0)
-        inv = inv.to(self._dtype)
+        inv = self._inverse(lf, method, whiten)
         x = self._prepare(lf, lg, costs)
         o, i = lf.dims
         b = x.g.shape[0] if isinstance(x, Factorized) else x.shape[0]
@@ -440,6 +437,26 @@ class KFACFactors:
         if not whiten:
             return lg.replace(data=Dense(out), space=lf.space)
         return lg.replace(data=Dense(out), space=lf.space.replace(whitened=method))
+
+    def _inverse(self, lf: LayerFactors, method: str, whiten: bool) -> torch.Tensor:
+        """``(eigenvalues + lambda)^-p`` (``p/2`` to whiten) in ``KFACConfig.dtype``, 0 where
+        not positive: a function of the factors alone, kept until they change (their tensors'
+        versions), so a batch does not recompute it (nor read the EK-FAC count back)."""
+        deps = (*lf.eig.values(), *lf.sums.values())
+        versions = tuple(t._version for t in deps)
+        key = (lf.name, method, whiten)
+        hit = self._inverses.get(key)
+        if hit is not None and hit[1] == versions and len(hit[0]) == len(deps) and all(
+                a is b for a, b in zip(hit[0], deps)):
+            return hit[2]
+        ev = self._eigenvalues(lf, method)
+        mean = ev.mean()
+        lam = self.config.damping * (mean if self.config.damping_mode == "relative" else 1.0)
+        power = self.config.power / 2 if whiten else self.config.power
+        inv = torch.where(ev + lam > 0, (ev + lam).clamp_min(1e-300).pow(-power), 0.0)
+        inv = inv.to(self._dtype)
+        self._inverses[key] = (deps, versions, inv)
+        return inv
 
     def _eigenvalues(self, lf: LayerFactors, method: str) -> torch.Tensor:
         if method == "kfac" or not lf.form.lam_keys:

@@ -475,6 +475,58 @@ class Projector:
             self._cached_bytes += nbytes
         return m
 
+    def _keep(self, key: tuple, m: torch.Tensor) -> torch.Tensor:
+        """Keep a derived device matrix under ``key`` while the budget allows."""
+        nbytes = _nbytes(m)
+        if self._cached_bytes + nbytes <= self.config.cache_bytes:
+            self._cache[key] = m
+            self._cached_bytes += nbytes
+        return m
+
+    def stacked_sides(self, layers: tuple[str, ...], o: int, i: int, device: torch.device,
+                      dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """The Kronecker sides of layers of one shape ``[O, I']``, transposed and stacked:
+        ``(P_out^T [L, O, ko], P_in^T [L, I', ki])`` (each layer's ``kron_sides``), for one
+        batched product per side (``ops/stacked.py``)."""
+        out = []
+        for role, k in (("out", 0), ("in", 1)):
+            key = ("sides", layers, role, o, i, str(device), dtype)
+            hit = self._cache.get(key)
+            if hit is None:
+                hit = self._keep(key, torch.stack(
+                    [self.kron_sides(n, o, i, device, dtype)[k].T for n in layers]))
+            out.append(hit)
+        return out[0], out[1]
+
+    def stacked_csr(self, layers: tuple[str, ...], d: int, rows: int, device: torch.device,
+                    dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, int]:
+        """The sparse matrices of layers of one width ``D`` as one block-diagonal CSR
+        ``[L * nb * rows, L * D]`` and ``nb``, the seeded blocks per layer: row block
+        ``(l, b)`` holds layer l's block b (``sparse_csr``) over its columns
+        ``l * D + b * BLOCK ...``, so one sparse-dense product gives every block's partial
+        projection, summed over b as ``apply_columns`` sums them."""
+        key = ("csr_stack", layers, d, rows, str(device), dtype)
+        nb = -(-d // BLOCK)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit, nb
+        crows, cols, vals, nnz = [torch.zeros(1, dtype=torch.int64)], [], [], 0
+        for li, name in enumerate(layers):
+            for blk in range(nb):
+                width = min(BLOCK, d - blk * BLOCK)
+                m = self.sparse_csr(name, blk, rows, width, torch.device("cpu"), dtype)
+                crows.append(m.crow_indices()[1:].to(torch.int64) + nnz)
+                cols.append(m.col_indices().to(torch.int64) + (li * d + blk * BLOCK))
+                vals.append(m.values())
+                nnz += m.values().numel()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*[Ss]parse CSR tensor support")
+            m = torch.sparse_csr_tensor(torch.cat(crows).to(torch.int32),
+                                        torch.cat(cols).to(torch.int32), torch.cat(vals),
+                                        (len(layers) * nb * rows, len(layers) * d),
+                                        check_invariants=False)
+        return self._keep(key, m.to(device)), nb
+
     def side(self, layer: str, role: str, rows: int, cols: int, device: torch.device,
              dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """One Kronecker side ``[rows, cols]`` for ``role`` in {"out", "in"}."""

@@ -11,6 +11,7 @@ all-gather along the feature dimension.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import lru_cache
 
 import torch
@@ -20,11 +21,13 @@ from dattri_ds.errors import ShapeError, UnsupportedLayerError
 from dattri_ds.gradient import Dense, Factorized, GradBatch, LayerGrad, ShardInfo, Space
 from dattri_ds.ops.cost import CostModel, default_cost_model
 from dattri_ds.ops.projection import Projector
+from dattri_ds.ops.stacked import project_stacked, strategy
 
 #: Projection kinds whose seeded matrices can be sliced to a tensor-parallel shard.
 _SHARDABLE = frozenset({"kronecker", "dense", "sparse"})
 
-__all__ = ["Space", "project", "project_batch", "gather_shards", "unshard", "unshard_batch"]
+__all__ = ["Space", "project", "project_batch", "project_layers", "gather_shards", "unshard",
+           "unshard_batch"]
 
 
 def project(lg: LayerGrad, projector: Projector, cost: CostModel | None = None,
@@ -45,15 +48,23 @@ def project(lg: LayerGrad, projector: Projector, cost: CostModel | None = None,
     if lg.shard is not None:
         return _project_shard(lg, projector, cost, path)
     o, i = lg.shape
+    done = _projected_space(lg, projector)
     if o * i <= projector.config.dim:
-        vals, done = lg.kind.rows(lg.data, lg.shape), projector.exact_space
+        vals = lg.kind.rows(lg.data, lg.shape)
     else:
         vals = projector.kind_for(o, i).project(projector, lg, cost or default_cost_model(
             lg.device), path)
-        done = projector.space
-    if space.whitened is not None:
-        done = _whitened_first(done, space.whitened)
     return lg.replace(data=Dense(vals), space=done)
+
+
+def _projected_space(lg: LayerGrad, projector: Projector) -> Space:
+    """The space ``project`` takes an unsharded layer into: kept exactly when no larger than
+    the projection, whitened-then-projected rows tagged so."""
+    o, i = lg.shape
+    done = projector.exact_space if o * i <= projector.config.dim else projector.space
+    if lg.space.whitened is not None:
+        done = _whitened_first(done, lg.space.whitened)
+    return done
 
 
 @lru_cache(maxsize=None)
@@ -64,25 +75,50 @@ def _whitened_first(projected: Space, method: str) -> Space:
 
 def project_batch(batch: GradBatch, projector: Projector, cost: CostModel | None = None,
                   path: str | None = None) -> GradBatch:
-    """Project every layer of a batch (same ids, step and token counts).
+    """Project every layer of a batch (same ids, step and token counts): ``project_layers``."""
+    return batch.with_layers(project_layers(batch.layers, projector, cost, path))
+
+
+def project_layers(layers: Mapping[str, LayerGrad], projector: Projector,
+                   cost: CostModel | None = None, path: str | None = None,
+                   scale: torch.Tensor | None = None) -> dict[str, LayerGrad]:
+    """Project every layer, in order; layers of one kind, shape and projection kind as one
+    stacked group (``ops/stacked.py``: kernels per group, not per layer).
 
     Sharded layers' partial projections are reduced together: one all-reduce per group.
     The default cost model is resolved once when every layer is on one device type.
+    ``scale`` (``[B]`` float32): multiplied into the rows of every layer given as factors
+    (a capture's per-example scale, cheaper on the projected rows); dense rows are taken as
+    they are.
     """
-    if cost is None and len({lg.device.type for lg in batch.layers.values()}) == 1:
-        cost = default_cost_model(next(iter(batch.layers.values())).device)
-    layers: dict[str, LayerGrad] = {}
+    if cost is None and len({lg.device.type for lg in layers.values()}) == 1:
+        cost = default_cost_model(next(iter(layers.values())).device)
+    cm = cost or default_cost_model(next(iter(layers.values())).device)
+    hows = {n: strategy(lg, projector, cm) for n, lg in layers.items()}
+    stackable = [n for n, how in hows.items() if how is not None]
+    rows = project_stacked([layers[n] for n in stackable], [hows[n] for n in stackable],
+                           projector, cm, scale, path) if stackable else {}
+    out: dict[str, LayerGrad] = {}
     deferred: list[tuple[str, ShardInfo]] = []
-    for n, lg in batch.layers.items():
+    for n, lg in layers.items():
         shard = lg.shard
+        if n in rows:
+            done = _projected_space(lg, projector)
+            out[n] = lg.replace(data=Dense(rows[n]), space=done)
+            continue
         if (shard is not None and lg.space.canonical
                 and shard.full_shape[0] * shard.full_shape[1] > projector.config.dim):
-            layers[n] = _project_shard(lg, projector, cost, path, reduce=False)
+            out[n] = _project_shard(lg, projector, cost, path, reduce=False)
             deferred.append((n, shard))
         else:
-            layers[n] = project(lg, projector, cost, path)
-    _reduce_layers(layers, deferred)
-    return batch.with_layers(layers)
+            out[n] = project(lg, projector, cost, path)
+    _reduce_layers(out, deferred)
+    if scale is not None:  # the layers projected one at a time
+        for n, lg in layers.items():
+            if n not in rows and isinstance(lg.data, Factorized):
+                values = out[n].data.values
+                out[n] = out[n].replace(data=Dense(values * scale.to(values.device)[:, None]))
+    return out
 
 
 def _reduce_shard(t: torch.Tensor, shard: ShardInfo | None) -> torch.Tensor:

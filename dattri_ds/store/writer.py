@@ -170,11 +170,11 @@ class GradientStoreWriter:
                 fresh.add(sid)
         if not keep:
             return 0
-        rows = self._host_rows(batch, keep)
+        rows, counts = self._host_rows(batch, keep)
         meta = np.full((len(keep), META_COLUMNS), -1, dtype=np.int64)
         meta[:, 0] = batch.step
-        if batch.token_counts is not None:
-            meta[:, 1] = batch.token_counts.detach().cpu().to(torch.int64)[keep].numpy()
+        if counts is not None:
+            meta[:, 1] = counts.numpy()
         item: _Rows = (rows, ids, meta)
         if self._bg is not None:
             self._bg.submit(lambda: self._write(item))
@@ -183,18 +183,27 @@ class GradientStoreWriter:
         self._seen.update(ids)
         return len(keep)
 
-    def _host_rows(self, batch: GradBatch, keep: list[int]) -> torch.Tensor:
-        """``[n, P]`` new CPU tensor in the storage dtype (a copy: the caller may reuse buffers)."""
-        parts = []
-        for ls in self.spec.layers:
-            v = batch.layers[ls.name].data.values.detach()
-            if len(keep) < v.shape[0]:
-                v = v[torch.tensor(keep, device=v.device)]
-            parts.append(v.to(device="cpu", dtype=self._tdtype))
-        rows = torch.cat(parts, dim=1)
+    def _host_rows(self, batch: GradBatch,
+                   keep: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``[n, P]`` new CPU tensor in the storage dtype (a copy: the caller may reuse
+        buffers) and the kept examples' int64 token counts (None without counts).
+
+        Every layer's rows and the token counts (as a float32 column: exact below 2^24)
+        come to the host in one copy: one host sync per batch, not one per layer."""
+        parts = [batch.layers[ls.name].data.values.detach() for ls in self.spec.layers]
+        dev = parts[0].device
+        counts = batch.token_counts
+        if counts is not None:
+            parts.append(counts.detach().to(device=dev, dtype=torch.float32)[:, None])
+        host = torch.cat([p.to(device=dev, dtype=torch.float32) for p in parts], dim=1).cpu()
+        if len(keep) < host.shape[0]:
+            host = host[torch.tensor(keep)]
+        if counts is not None:
+            host, counts = host[:, :-1], host[:, -1].to(torch.int64)
+        rows = host.to(self._tdtype)
         if not bool(torch.isfinite(rows).all()):
             self._raise_nonfinite(batch, keep)
-        return rows
+        return rows, counts
 
     def _raise_nonfinite(self, batch: GradBatch, keep: list[int]) -> None:
         for ls in self.spec.layers:

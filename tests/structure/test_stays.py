@@ -17,6 +17,13 @@ projector 210 in 12 files (307 before); collect with the default ``ProjectionCon
 are the dict's own (no Python frame); the default cost model is resolved once per batch;
 whitened rows are projected in one step. A regression that re-resolves names per access,
 or adds a hop per layer, breaks them.
+
+Since the capture builds and projects the layers of one kind and shape as one stacked
+group (``LayerKind.build_many``, ``ops/stacked.py``: launches per group, docs/kernels.md),
+each kind's call adds a few stays and each layer loses some: at this scenario's 10 layers
+``collect`` went 135 -> 149 and whitened 237 -> 259 (the bounds moved with them, ~3%
+above), while a 4-block GPT-2 went 297 -> 241 and 597 -> 535; the projected collect and the
+projected fit stayed at 197 and 210.
 """
 
 from __future__ import annotations
@@ -39,10 +46,10 @@ ROOT = Path(dattri_ds.__file__).resolve().parent
 
 @pytest.mark.parametrize("scenario, during, bound", [
     ("scenario_fit_factors.py", "fit_factors", 89),
-    ("scenario_collect.py", "collect", 139),
+    ("scenario_collect.py", "collect", 154),
     ("scenario_fit_projected.py", "fit_factors", 217),
     ("scenario_collect_projected.py", "collect", 210),
-    ("scenario_collect_whitened.py", "collect", 245),
+    ("scenario_collect_whitened.py", "collect", 267),
 ])
 def test_stays_within_bound(scenario, during, bound):
     """The call stays within ``bound`` file stays (about 4 per layer per pass for the fit)."""
