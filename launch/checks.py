@@ -100,7 +100,12 @@ def model_positions(cfg: RunConfig) -> tuple[int, str, Path] | None:
 
 
 def check_seq_len(cfg: RunConfig) -> None:
-    """Raises: ConfigError: ``--seq-len`` exceeds the model's positions (both named)."""
+    """Raises: ConfigError: ``--seq-len`` exceeds the model's positions (both named), or
+    ``--sequence-parallel`` cannot split it over the tensor-parallel ranks."""
+    tp, seq_len = cfg.engine.tensor_model_parallel_size, cfg.train.seq_len
+    if cfg.engine.sequence_parallel and tp > 1 and seq_len % tp:
+        raise ConfigError(f"--sequence-parallel splits the sequence over the {tp} tensor-"
+                          f"parallel ranks: --seq-len {seq_len} must be divisible by {tp}")
     found = model_positions(cfg)
     if found is None or cfg.train.seq_len <= found[0]:
         return

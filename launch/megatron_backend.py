@@ -196,10 +196,8 @@ class MegatronBackend(TorchOptimized):
             raise ConfigError("--model-path loads a Hugging Face model: --backend megatron "
                               "builds a GPTModel from --model-config; drop --model-path or use "
                               "--backend deepspeed")
-        transformer_kwargs(tc.model_config, tp, ec.sequence_parallel)  # before any
-        if ec.sequence_parallel and tc.seq_len % tp:  # process group: errors at start
-            raise ConfigError(f"--sequence-parallel splits the sequence over the {tp} tensor-"
-                              f"parallel ranks: --seq-len {tc.seq_len} must be divisible by {tp}")
+        transformer_kwargs(tc.model_config, tp, ec.sequence_parallel)  # before any process
+        # group: errors at start (--seq-len vs --sequence-parallel: checks.check_seq_len)
         return setup_parallel(tp, ec.pipeline_model_parallel_size)
 
     def __init__(self, ds_config: dict, cfg: RunConfig, tok, data) -> None:
