@@ -272,12 +272,12 @@ def _count_launch(ds_path: str, common: list[str], flags: list[str], out: str) -
     import dattri_ds.launch.train as launch
     from dattri_ds.launch.runlog import RunLog
 
-    end_step, prepare = RunLog.end_step, launch.prepare_data
+    end_step, prepare = RunLog.end_step, launch.training_data
     seen: dict = {}
 
     def prepared(cfg, *a, **k):
         got = prepare(cfg, *a, **k)
-        seen["host"] = _data_tensors(got[2]) + _stream(len(got[2]), cfg.train.seed)
+        seen["host"] = _data_tensors(got[0]) + _stream(len(got[0]), cfg.train.seed)
         return got
 
     def counted(self, step, loss, lr, examples, save):
@@ -287,11 +287,11 @@ def _count_launch(ds_path: str, common: list[str], flags: list[str], out: str) -
         elif step == WARM_STEPS:
             seen["kc"].__exit__(None, None, None)
 
-    RunLog.end_step, launch.prepare_data = counted, prepared
+    RunLog.end_step, launch.training_data = counted, prepared
     try:
         launch.main(["--deepspeed_config", ds_path, *common, "--out", out, "--force", *flags])
     finally:
-        RunLog.end_step, launch.prepare_data = end_step, prepare
+        RunLog.end_step, launch.training_data = end_step, prepare
     kc = seen["kc"]
     return Count(kc.kernels, kc.syncs, dict(kc.kernels_by_op), dict(kc.sync_sites))
 
@@ -304,14 +304,14 @@ def _count_bare(ds_path: str, common: list[str], capture: bool, out: str) -> Cou
 
     from dattri_ds import GradientCapture
     from dattri_ds.models.causal_lm import build_model
-    from dattri_ds.launch.args import parse_args
-    from dattri_ds.launch.config import load_run_config
+    from dattri_ds.launch.args import load_run_config, parse_args
+    from dattri_ds.launch.data import training_data
     from dattri_ds.launch.loop import micro_batch_indices
-    from dattri_ds.launch.train import prepare_data
 
     args = parse_args(["--deepspeed_config", ds_path, *common])
     ds_config, cfg = load_run_config(ds_path, args.overrides)
-    _, tok, data = prepare_data(cfg, Path(out), 0)
+    Path(out).mkdir(parents=True, exist_ok=True)
+    data, tok = training_data(cfg, Path(out), 0)
     model = build_model(cfg.train.model_config, tokenizer=tok, seed=cfg.train.seed)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
                                       config=ds_config)

@@ -31,7 +31,8 @@ from dattri_ds.sample_id import SampleId
 from dattri_ds.selection.state import SelectionCheckpoint
 from dattri_ds.store import StoreCallback, seal_store
 
-__all__ = ["train", "step_slots", "micro_batch_indices", "fingerprint", "seal_captured_store"]
+__all__ = ["train", "step_slots", "micro_batch_indices", "fingerprint", "seal_captured_store",
+           "to_device"]
 
 
 @functools.lru_cache(maxsize=2)
@@ -121,7 +122,7 @@ def train(backend: Backend, cfg: RunConfig, data, out: Path, tok, rank: int,
         lr = backend.lr()  # the lr this step uses
         step_loss = torch.zeros((), dtype=torch.float64, device=backend.device)
         for mb in range(gas):
-            batch = {k: v.to(backend.device) for k, v in data.batch(idx[mb]).items()}
+            batch = to_device(data.batch(idx[mb]), backend.device)
             doc_ids = [data.docs[i].id for i in idx[mb].tolist()]
             # stored ids: "<example id>@<step>[+<repeat>]#<content hash>", one per trained
             # slot; an example id names its first document (PackedDataset.example_id)
@@ -141,7 +142,7 @@ def train(backend: Backend, cfg: RunConfig, data, out: Path, tok, rank: int,
             step_loss += loss.double() / gas
         backend.optimizer_step()
         all_reduce_sum(step_loss, ctx.dp_group, ctx.dp_world)
-        log.end_step(step, float(step_loss) / ctx.dp_world, lr, micro * gas * ctx.dp_world, save)
+        log.end_step(step, step_loss / ctx.dp_world, lr, micro * gas * ctx.dp_world, save)
     if capture is not None:
         capture.close()
     summary = log.summary(world=dist.get_world_size(), captured=bool(capture))
@@ -156,6 +157,14 @@ def train(backend: Backend, cfg: RunConfig, data, out: Path, tok, rank: int,
     if capture is not None:
         seal_captured_store(cfg.store_config(out).path, rank)
     return {**summary, **backend.summary()}
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """A host batch on the compute device without a host sync: pinned and copied
+    non-blocking to a GPU (a copy from pageable memory waits for the stream)."""
+    pin = torch.device(device).type == "cuda"
+    return {k: (v.pin_memory() if pin else v).to(device, non_blocking=True)
+            for k, v in batch.items()}
 
 
 def _capture(backend: Backend, cfg: RunConfig, out: Path, tok, run_id: str, start: int,

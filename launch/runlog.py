@@ -4,11 +4,17 @@ Per step: the learning rate and loss (``trajectory.json``'s ``lrs``), the log li
 evaluation points, checkpoints (the backend saves; the log records tag, step and lr for
 TracIn and rewrites ``trajectory.json``), the progress bar; at the end, the summary.
 
+A step's loss may stay on the device (a 0-d tensor): it is read, with every step's loss not
+yet read, in one copy when the step's results are needed anyway (its log line every
+``train.log_every`` steps, an evaluation, a checkpoint, the last step, the progress bar), so
+a GPU step waits on the host only there (docs/kernels.md). A float is recorded at once.
+
 Non-finite losses: each is warned about; ``train.max_nonfinite_steps`` consecutive ones fail
 the run with NonFiniteTrainingError, after ``summary.json`` records ``status: failed``, the
-step reached (``steps``; ``steps_requested`` is ``train.steps``), the cause (``diverged``, at
-``diverged_at_step``) and why (every rank sees the same all-reduced loss, so all ranks stop
-at the same step).
+step reached (``steps``: the step at which the losses were read, which with device losses
+is the first step after the divergence that logs, evaluates or checkpoints; never a
+checkpoint of a diverged run is written), the cause (``diverged``, at ``diverged_at_step``)
+and why (every rank sees the same all-reduced loss, so all ranks stop at the same step).
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+import torch
 
 from dattri_ds.errors import DattriDSError
 from dattri_ds.launch.config import TrainConfig, dump_json
@@ -90,6 +98,7 @@ class RunLog:
         self.record = record if record is not None else RunRecord()
         if record is None and evaluator is not None:
             self.record.evals.append({"step": 0, "examples": 0, **_losses(evaluator())})
+        self._pending: list[tuple[int, torch.Tensor | float, float, int]] = []
         self.bar = _progress(tc.steps, rank)
         if self.bar is not None and self.record.lrs:
             self.bar.update(len(self.record.lrs))
@@ -97,19 +106,25 @@ class RunLog:
         self._seen0 = self.record.seen
         _ACTIVE[:] = [weakref.ref(self)]
 
-    def end_step(self, step: int, loss: float, lr: float, examples: int,
+    def end_step(self, step: int, loss: torch.Tensor | float, lr: float, examples: int,
                  save: Callable[[str, int, float], None]) -> None:
         """Record optimizer step ``step`` (0-based); ``save(tag, step + 1, lr)`` checkpoints.
+        ``loss``: a float, or a 0-d tensor read when the step's results are needed (module
+        docstring).
 
         Raises:
-            NonFiniteTrainingError: this is the ``train.max_nonfinite_steps``-th consecutive
-                step with a NaN/inf loss (``summary.json`` is written first).
+            NonFiniteTrainingError: a step read here is the ``train.max_nonfinite_steps``-th
+                consecutive one with a NaN/inf loss (``summary.json`` is written first).
         """
         tc, n, rec = self.tc, step + 1, self.record
-        self._check_finite(n, loss)
-        rec.loss = loss
-        rec.lrs.append({"step": step, "lr": lr, "loss": loss})
-        rec.seen += examples
+        self._pending.append((step, loss, lr, examples))
+        due = (n % tc.log_every == 0 or n == tc.steps or self.bar is not None
+               or (self.evaluator is not None and n % tc.eval_every == 0)
+               or (tc.save_every and n % tc.save_every == 0))
+        if not due and not isinstance(loss, float):
+            return
+        self._read_losses(n)
+        loss = rec.loss
         if n % tc.log_every == 0 or n == tc.steps:
             logger.info("step %d/%d loss %.4f lr %.2e %.1f ex/s", n, tc.steps, loss, lr,
                         (rec.seen - self._seen0) / (time.perf_counter() - self.t0))
@@ -133,7 +148,22 @@ class RunLog:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{loss:.3f}")
 
-    def _check_finite(self, n: int, loss: float) -> None:
+    def _read_losses(self, reached: int) -> None:
+        """Record the pending steps, their device losses read in one copy; ``reached``: the
+        step the run is at (a divergence found here stops it there)."""
+        pending, self._pending = self._pending, []
+        held = [x for _, x, _, _ in pending if not isinstance(x, float)]
+        read = iter(torch.stack([x.detach().reshape(()).double() for x in held]).tolist()
+                    if held else [])
+        rec = self.record
+        for step, x, lr, examples in pending:
+            loss = x if isinstance(x, float) else next(read)
+            self._check_finite(step + 1, loss, reached)
+            rec.loss = loss
+            rec.lrs.append({"step": step, "lr": lr, "loss": loss})
+            rec.seen += examples
+
+    def _check_finite(self, n: int, loss: float, reached: int) -> None:
         rec = self.record
         if math.isfinite(loss):
             rec.nonfinite = 0
@@ -151,7 +181,7 @@ class RunLog:
                   f"--max-nonfinite-steps (now {limit}; 0 = never fail)")
         if self.rank == 0:
             dump_json(self.out / "summary.json",
-                      {**self.summary(steps=n), "status": "failed", "cause": "diverged",
+                      {**self.summary(steps=reached), "status": "failed", "cause": "diverged",
                        "diverged_at_step": n - rec.nonfinite + 1, "error": reason})
         raise NonFiniteTrainingError(reason)
 

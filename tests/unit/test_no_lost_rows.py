@@ -100,6 +100,36 @@ def test_failed_summary_records_step_reached_and_cause(tmp_path):
     assert ok.summary()["steps"] == 2 and ok.summary()["cause"] is None
 
 
+def test_device_losses_are_read_once_when_needed_and_still_stop_a_divergence(tmp_path):
+    """Losses handed over as tensors (launch's loop: no host sync per step) are recorded
+    only at a step that logs (every 4 here), then all of them, in order; a divergence
+    (steps 2 and 3 NaN, limit 2) stops the run at the step that reads them (4), named from
+    its first step (2), and no checkpoint of that step is written."""
+    import torch
+
+    from dattri_ds.launch.config import TrainConfig
+    from dattri_ds.launch.runlog import NonFiniteTrainingError, RunLog
+
+    saved = []
+    log = RunLog(TrainConfig(steps=8, log_every=4, max_nonfinite_steps=2, save_every=0),
+                 tmp_path, 0)
+    for step, x in enumerate([1.0, 0.5, 0.25]):
+        log.end_step(step, torch.tensor(x, dtype=torch.float64), 0.1, 2, saved.append)
+    assert log.record.lrs == [] and log.record.seen == 0
+    log.end_step(3, torch.tensor(0.125), 0.1, 2, saved.append)
+    assert [e["loss"] for e in log.record.lrs] == [1.0, 0.5, 0.25, 0.125]
+    assert log.record.seen == 8 and log.record.loss == 0.125
+    bad = RunLog(TrainConfig(steps=8, log_every=4, max_nonfinite_steps=2, save_every=4),
+                 tmp_path, 0)
+    for step, x in enumerate([1.0, float("nan"), float("nan")]):
+        bad.end_step(step, torch.tensor(x), 0.1, 2, lambda *a: saved.append(a))
+    with pytest.raises(NonFiniteTrainingError, match=r"\(2\.\.3\)"):
+        bad.end_step(3, torch.tensor(1.0), 0.1, 2, lambda *a: saved.append(a))
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert (s["steps"], s["diverged_at_step"], s["nonfinite_steps"]) == (4, 2, 2)
+    assert saved == []
+
+
 def test_collect_on_a_diverged_run_names_the_divergence(tmp_path):
     """collect on a run that diverged before its first checkpoint says the run diverged at
     step N (from summary.json), not that trajectory.json is missing."""
