@@ -34,7 +34,7 @@ import numpy as np
 import torch.distributed as dist
 
 from dattri_ds.data.doctable import hash64
-from dattri_ds.data.packed import PackedDataset, parse_blend
+from dattri_ds.data.packed import PackedDataset, blend_weight, parse_blend
 from dattri_ds.data.prepared import PreparedPaths, fingerprint_of, open_prepared
 from dattri_ds.data.tokenizers import HF_TOKENIZER_FILES, CorpusTokenizer, HFTokenizerFolder, \
     load_saved, open_tokenizer
@@ -239,21 +239,13 @@ def data_source(tc: TrainConfig) -> dict[str, Any]:
     """What the flags name as the run's data (compared at start by ``--resume``; the
     fingerprints of ``data_record`` are compared once the data is open)."""
     def paths(items):
-        return None if items is None else [x if _number(x) else os.path.abspath(x)
+        return None if items is None else [x if blend_weight(x) is not None else os.path.abspath(x)
                                            for x in items]
     named = named_tokenizer(tc)
     return {"train_data": paths(tc.train_data), "max_docs": tc.max_docs,
             "data_path": paths(tc.data_path), "seq_len": tc.seq_len, "packing": tc.packing,
             "tokenizer": os.path.abspath(named[0]) if named else f"trained, vocab "
                                                                  f"{tc.vocab_size}"}
-
-
-def _number(x: str) -> bool:
-    try:
-        float(x)
-    except ValueError:
-        return False
-    return True
 
 
 def check_overlap(cfg: RunConfig, data: PackedDataset, rank: int) -> None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dattri_ds.data.packed import blend_weight
 from dattri_ds.data.prepared import PreparedPaths
 from dattri_ds.errors import ConfigError
 from dattri_ds.io.files import read_json
@@ -234,7 +235,7 @@ def _find(f: str, rec: DataOrigin, flag: str) -> str:
     """A recorded file (or prepared prefix; a blend weight is kept) found from the current
     folder or the project's, made absolute."""
     exists = (lambda p: p.is_file()) if rec.kind == JSONL else _is_prefix
-    if rec.kind == PREPARED and _weight(f):
+    if rec.kind == PREPARED and blend_weight(f) is not None:
         return f
     path = next((p for p in (Path(f), PROJECT / f) if exists(p)), None)
     if path is None:
@@ -250,11 +251,3 @@ def _find(f: str, rec: DataOrigin, flag: str) -> str:
 def _is_prefix(p: Path) -> bool:
     paths = PreparedPaths.of(p)
     return paths.manifest.is_file() or paths.idx.is_file()
-
-
-def _weight(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True

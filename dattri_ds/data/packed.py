@@ -175,6 +175,14 @@ def _cached(folder: Path, key: str, description: dict, build) -> dict[str, np.nd
 
 # ---- the blend form --------------------------------------------------------------------------
 
+def blend_weight(item: str) -> float | None:
+    """The weight a data path item is (a number), or None for a prefix."""
+    try:
+        return float(item)
+    except ValueError:
+        return None
+
+
 def parse_blend(data_path: Sequence[str | os.PathLike] | str | os.PathLike
                 ) -> tuple[list[str], list[float] | None]:
     """Megatron's ``--data-path``: ``PREFIX [PREFIX ...]`` or ``W1 PREFIX1 W2 PREFIX2 ...``.
@@ -191,17 +199,11 @@ def parse_blend(data_path: Sequence[str | os.PathLike] | str | os.PathLike
         raise ConfigError("the data path names no prefix. Fix: pass PREFIX [PREFIX ...] or "
                           "W1 PREFIX1 W2 PREFIX2 ...")
 
-    def number(x: str) -> float | None:
-        try:
-            return float(x)
-        except ValueError:
-            return None
-
-    firsts = [number(x) for x in items[0::2]]
-    if all(w is None for w in firsts) and all(number(x) is None for x in items):
+    firsts = [blend_weight(x) for x in items[0::2]]
+    if all(w is None for w in firsts) and all(blend_weight(x) is None for x in items):
         return items, None
     if len(items) % 2 or any(w is None for w in firsts) or \
-            any(number(x) is not None for x in items[1::2]):
+            any(blend_weight(x) is not None for x in items[1::2]):
         raise ConfigError(f"the data path {items} mixes weights and prefixes. Fix: pass "
                           f"PREFIX [PREFIX ...] or W1 PREFIX1 W2 PREFIX2 ... (e.g. 0.7 A 0.3 B)")
     if any(not (w > 0 and np.isfinite(w)) for w in firsts):

@@ -120,7 +120,8 @@ TOKENIZERS: Registry[type[CorpusTokenizer]] = Registry(
     "tokenizer kind", hint="register one with class X(CorpusTokenizer, name='x')")
 
 
-def _hash_files(paths: Sequence[Path]) -> str:
+def hash_files(paths: Sequence[Path]) -> str:
+    """BLAKE2b (8 bytes) of the files' names and contents, in name order."""
     h = hashlib.blake2b(digest_size=8)
     for p in sorted(paths):
         h.update(p.name.encode())
@@ -134,7 +135,7 @@ class HFTokenizerFolder(CorpusTokenizer, name="hf"):
     def __init__(self, folder: Path, tok: Any) -> None:
         self.source, self._tok = folder, tok
         self.files = [folder / f for f in HF_TOKENIZER_FILES if (folder / f).is_file()]
-        self.fingerprint = "hf-" + _hash_files(self.files)
+        self.fingerprint = "hf-" + hash_files(self.files)
         self.vocab_size = len(tok)
         self.bos_id = tok.bos_token_id
         if tok.eos_token_id is None:

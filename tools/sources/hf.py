@@ -12,13 +12,13 @@ Errors name the folder, the file that is missing and the flag that fixes it.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from dattri_ds.data.tokenizers import hash_files
 from dattri_ds.io import files
 from dattri_ds.errors import ConfigError
 from dattri_ds.io.files import HF_WEIGHTS
@@ -46,14 +46,6 @@ def hf_tokenizer_dir(*candidates: Path | None) -> Path | None:
     return None
 
 
-def _hash_files(files: list[Path]) -> str:
-    h = hashlib.blake2b(digest_size=8)
-    for f in sorted(files):
-        h.update(f.name.encode())
-        h.update(f.read_bytes())
-    return h.hexdigest()
-
-
 class HFTokenizer:
     """A local ``AutoTokenizer`` as the tools' tokenizer (``tokenize_documents`` interface).
 
@@ -74,7 +66,7 @@ class HFTokenizer:
         found = [self.path / f for f in HF_TOKENIZER_FILES + ("special_tokens_map.json",
                                                              "merges.txt")
                  if (self.path / f).exists()]
-        self.fingerprint = "hf-" + _hash_files(found)
+        self.fingerprint = "hf-" + hash_files(found)
 
     def encode_batch(self, texts) -> list[list[int]]:
         return [self._tok(t, add_special_tokens=False)["input_ids"] for t in texts]
@@ -180,7 +172,7 @@ class HFModelDir(NoRunRecords):
         if self.tokenizer_path is not None:
             found += [self.tokenizer_path / f for f in HF_TOKENIZER_FILES
                       if (self.tokenizer_path / f).exists()]
-        return f"model:{_hash_files(found)}"
+        return f"model:{hash_files(found)}"
 
     def model(self, tag: str, device: torch.device | str = "cpu"):
         """The model in fp32, eval mode (dropout off)."""
