@@ -57,9 +57,10 @@ def _launch(tmp: Path, name: str, world: int, tp: int, gas: int, *extra: str):
             "--save-every", str(STEPS), "--online-selection", "--selection-score",
             "alignment", "--target-data",
             str(ROOT / "data/tiny/target.jsonl"), "--target-max-docs", "4",
-            # neighbour smoothing keeps a per-rank memory of earlier candidates, so its choice
-            # depends on how micro-batches are dealt to DP ranks: compared without it
-            "--selection-smooth-neighbors", "null", *extra]
+            # neighbour smoothing and the content prior (its n-gram counts of the candidate
+            # stream) keep a per-rank memory of earlier candidates, so their choice depends on
+            # how micro-batches are dealt to DP ranks: compared without them
+            "--selection-smooth-neighbors", "null", "--selection-content-weight", "0", *extra]
     summaries = run(_train, world, timeout=300, argv=argv)
     return out, summaries
 

@@ -242,14 +242,15 @@ def test_out_not_shared_is_refused_on_every_rank(tmp_path):
 
 @pytest.mark.parametrize("selection", [False, True], ids=["plain", "selection"])
 def test_a_step_past_the_end_of_an_epoch_stores_every_occurrence(tmp_path, selection):
-    """4 ranks x 2 micro-batches x 4 candidates over 48 documents: step 1's 32 slots run past
-    the end of epoch 0, so documents of its tail come back at the head of epoch 1 in the
-    same step, trained by two ranks (or twice by one). Each occurrence is stored under its
+    """4 ranks x 2 micro-batches x 4 candidates over 33-63 windows (10 documents at 64 tokens):
+    step 1's 32 slots run past the end of epoch 0, so windows of its tail come back at the
+    head of epoch 1 in the same step, trained by two ranks (or twice by one). Each occurrence is stored under its
     own id (``<doc>@1+1#<hash>`` for the second, docs/multinode.md), so the store opens
     without duplicates. Without selection it holds all 64 slots of the 2 steps; with it
     (2 of 4 candidates trained) 32 rows, each the id of the candidate slot it was chosen
     from."""
     require("deepspeed", "deepspeed")
+    from dattri_ds.data import PackedDataset
     from dattri_ds.launch.loop import step_slots
     from dattri_ds.sample_id import SampleId
     from dattri_ds.store import GradientStore
@@ -260,14 +261,15 @@ def test_a_step_past_the_end_of_an_epoch_stores_every_occurrence(tmp_path, selec
     sel = ["--online-selection", "--target-data", str(ROOT / "data/tiny/target.jsonl")]
     run(_train, 4, timeout=400, argv=[
         *files, "--out", str(out), "--steps", "2", "--capture", "--train-data", TINY,
-        "--max-docs", "48", "--seq-len", "32", "--vocab-size", "512", *(sel if selection
+        "--max-docs", "10", "--seq-len", "64", "--vocab-size", "512", *(sel if selection
                                                                        else [])])
-    docs = [json.loads(line)["id"] for line in Path(TINY).read_text().splitlines()[:48]]
+    data = PackedDataset.of_record(json.loads((out / "data.json").read_text())["record"])
+    assert 32 < len(data) < 64, len(data)  # step 1 runs past the end of epoch 0
     slots = set()
     for step in (0, 1):
-        index, repeats = step_slots(48, step, 4, 2, 4, seed=0)
-        slots |= {(docs[i], step, r) for i, r in zip(index.flatten().tolist(),
-                                                    repeats.flatten().tolist())}
+        index, repeats = step_slots(len(data), step, 4, 2, 4, seed=0)
+        slots |= {(data.docs[i].id, step, r) for i, r in zip(index.flatten().tolist(),
+                                                             repeats.flatten().tolist())}
     assert any(r for _, _, r in slots)  # the case this test is about: a document twice
     with GradientStore.open(out / "grad_store", require_complete=True) as store:
         ids = [SampleId.parse(i) for i in store.ids]  # duplicates="raise": none
