@@ -19,9 +19,11 @@ that has several.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,18 +97,29 @@ def _megatron_dataset(paths: PreparedPaths):
     if head != b"MMIDIDX\x00\x00":
         raise InputFileError(f"indexed dataset index '{paths.idx}' is not a megatron-core .idx "
                              f"file (no MMIDIDX header). Fix: {fix}")
-    try:
-        ds = IndexedDataset(str(paths.prefix), mmap=True)
-    except (AssertionError, ValueError, OSError) as e:
-        raise InputFileError(f"indexed dataset '{paths.prefix}' (.bin/.idx) is damaged "
-                             f"({' '.join(str(e).split())[:80] or type(e).__name__}). Fix: "
-                             f"{fix}") from None
+    ds = _open_indexed(IndexedDataset, paths, fix)
     lengths, pointers = ds.sequence_lengths, ds.index.sequence_pointers
     if len(lengths) and int(pointers[-1]) + int(lengths[-1]) * ds.index.dtype_size > \
             paths.bin.stat().st_size:
         raise InputFileError(f"indexed dataset data '{paths.bin}' is shorter than its .idx "
                              f"says (cut off?). Fix: {fix}")
     return ds
+
+
+def _open_indexed(cls: Any, paths: PreparedPaths, fix: str) -> Any:
+    """``cls(prefix, mmap=True)``; a pair it cannot read is one line naming both files (a
+    half-built reader's ``__del__`` would print its own AttributeError: silenced)."""
+    hook, sys.unraisablehook = sys.unraisablehook, lambda _: None
+    try:
+        try:
+            return cls(str(paths.prefix), mmap=True)
+        except (AssertionError, ValueError, OSError) as e:
+            why = " ".join(str(e).split())[:80] or type(e).__name__
+        gc.collect()  # the half-built reader, unreferenced once the exception is gone
+    finally:
+        sys.unraisablehook = hook
+    raise InputFileError(f"indexed dataset '{paths.idx}' / '{paths.bin}' is damaged ({why}). "
+                         f"Fix: {fix}")
 
 
 class PreparedCorpus:
@@ -221,6 +234,10 @@ def open_prepared(prefix: str | os.PathLike) -> PreparedCorpus:
     from dattri_ds.data.doctable import DocumentTable
 
     paths = PreparedPaths.of(prefix)
+    if os.path.islink(paths.manifest) and not paths.manifest.is_file():
+        raise InputFileError(f"prepared corpus manifest '{paths.manifest}' is a link to nothing "
+                             f"readable ({os.readlink(paths.manifest)}). Fix: restore the "
+                             f"manifest prepare wrote, or {_RERUN}")
     if not paths.manifest.exists():
         if paths.work.exists():
             raise InputFileError(f"prepared corpus '{paths.prefix}' is not complete: prepare "

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from dattri_ds.errors import InputFileError
+from dattri_ds.io.files import MAX_LINE_ENV, max_line_bytes
 from dattri_ds.io.files import check_dir, check_file, max_line_bytes
 from dattri_ds.registry import Registry
 
@@ -510,8 +511,35 @@ def _normalize(batch, f: InputFile, fields: FieldMap, row0: int):
                                  f"--{field}-field to a string column")
         if col.null_count:
             col = pc.fill_null(col.cast(pa.string()), "")
-        cols[field] = col.cast(pa.string())
+        cols[field] = _checked_text(col.cast(pa.string()), f, name, row0)
     return pa.RecordBatch.from_arrays([cols[k] for k in DOC_FIELDS], schema=doc_schema())
+
+
+def _checked_text(col, f: InputFile, name: str, row0: int):
+    """``col`` if every value is UTF-8 (pyarrow's JSON reader does not check) and no longer
+    than the longest line read (``files.max_line_bytes``).
+
+    Raises:
+        InputFileError: naming the file, the row, the field and the fix.
+    """
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    try:
+        col.validate(full=True)
+    except pa.ArrowInvalid:
+        raise InputFileError(f"corpus file '{f.path}' rows {row0}..{row0 + len(col) - 1}: field "
+                             f"'{name}' is not valid UTF-8. Fix: re-encode the file as UTF-8 "
+                             f"(e.g. iconv -f latin1 -t utf-8)") from None
+    cap = max_line_bytes()
+    size = pc.binary_length(col)
+    if len(col) and pc.max(size).as_py() > cap:
+        i = pc.index(pc.greater(size, cap), True).as_py()
+        raise InputFileError(f"corpus file '{f.path}' row {row0 + i}: field '{name}' is "
+                             f"{size[i].as_py()} bytes, over the longest text read "
+                             f"({MAX_LINE_ENV}={cap}). Fix: split the document, or raise "
+                             f"{MAX_LINE_ENV}")
+    return col
 
 
 def iter_batches(files: Sequence[InputFile], fields: FieldMap = FieldMap(), *,
