@@ -29,8 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from dattri_ds.errors import InputFileError
-from dattri_ds.io.files import MAX_LINE_ENV, max_line_bytes
-from dattri_ds.io.files import check_dir, check_file, max_line_bytes
+from dattri_ds.io.files import MAX_LINE_ENV, check_dir, check_file, max_line_bytes
 from dattri_ds.registry import Registry
 
 __all__ = ["FieldMap", "InputFile", "Format", "FORMATS", "DOC_FIELDS", "doc_schema", "format_of",
