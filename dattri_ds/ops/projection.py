@@ -48,7 +48,7 @@ from typing import ClassVar, Literal
 import torch
 
 from dattri_ds.errors import ConfigError
-from dattri_ds.gradient import Space
+from dattri_ds.gradient import Factorized, Space
 from dattri_ds.registry import Registry
 from dattri_ds.io.schema import bounds, check
 
@@ -81,8 +81,15 @@ class ProjectionKind:
     """
 
     name: ClassVar[str]
-    #: Projects the factors ``(a, g)`` without materializing ``G`` (no ``[B, O*I']``).
+    #: Projects the factors ``(a, g)`` without materializing ``G`` (no ``[B, O*I']``): one
+    #: seeded side per factor, ``side_dims`` and ``Projector.kron_sides`` (curvature factors
+    #: can be fitted in its space: LoGra).
     factorized: ClassVar[bool] = False
+    #: A tensor-parallel shard can be projected alone (``project_shard``), its partial rows
+    #: summed over the shard group.
+    shardable: ClassVar[bool] = False
+    #: Chooses a kind per layer (``resolve``): ``kron_speedup`` is part of its tag.
+    per_layer: ClassVar[bool] = False
 
     def __init_subclass__(cls, *, name: str, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
@@ -98,6 +105,17 @@ class ProjectionKind:
         or dense rows). Default: the layer's kind applies the projector's seeded dense or
         sparse matrix (``LayerKind.project_rows``, routed by the cost model ``cost``)."""
         return lg.kind.project_rows(lg.name, lg.data, lg.shape, projector, cost, path)
+
+    def project_shard(self, projector: Projector, lg, shard, cost, path: str | None = None
+                      ) -> torch.Tensor:
+        """``[B, width]`` partial rows of one tensor-parallel shard ``lg`` (``shardable``
+        kinds): summed over the shard group they are the full layer's ``project``. Default:
+        the materialized local rows times the columns of the seeded matrix they hold (each
+        rank generates the seeded column blocks its entries touch)."""
+        o, i = shard.full_shape
+        x = lg.kind.rows(lg.data, lg.shape)
+        return projector.apply_at(lg.name, x, projector.config.dim,
+                                  shard.flat_index(lg.shape, x.device), o * i)
 
     def matrix_bytes(self, k: int, o: int, i: int) -> int:
         """Bytes of the layer's seeded matrices (fp32 values)."""
@@ -130,28 +148,33 @@ PROJECTION_KINDS: Registry[ProjectionKind] = Registry(
 
 
 class KroneckerKind(ProjectionKind, name="kronecker"):
-    """``P_out (x) P_in`` (LoGra): sides ``[ko, O]`` and ``[ki, I']``, ``ko*ki ~ k``."""
+    """``P_out (x) P_in`` (LoGra): sides ``[ko, O]`` and ``[ki, I']``, ``ko*ki ~ k``
+    (``side_dims``; a subclass with another split is another factorized kind)."""
 
-    factorized = True
+    factorized = shardable = True
+
+    def side_dims(self, k: int, o: int, i: int) -> tuple[int, int]:
+        """``(ko, ki)``: the rows of the two seeded sides (``kron_dims``)."""
+        return kron_dims(k, o, i)
 
     def width(self, k: int, o: int, i: int) -> int:
-        ko, ki = kron_dims(k, o, i)
+        ko, ki = self.side_dims(k, o, i)
         return ko * ki
 
     def matrix_bytes(self, k: int, o: int, i: int) -> int:
-        ko, ki = kron_dims(k, o, i)
+        ko, ki = self.side_dims(k, o, i)
         return 4 * (ko * o + ki * i)
 
     def block_bytes(self, k: int, o: int, i: int) -> int:
-        ko, ki = kron_dims(k, o, i)
+        ko, ki = self.side_dims(k, o, i)
         return 4 * max(ko * o, ki * i)
 
     def flops(self, k: int, o: int, i: int, t: int) -> float:
-        ko, ki = kron_dims(k, o, i)
+        ko, ki = self.side_dims(k, o, i)
         return 2.0 * t * (o * ko + i * ki + ko * ki)
 
     def cost_op(self, k: int, o: int, i: int) -> tuple[str, dict[str, int]]:
-        ko, ki = kron_dims(k, o, i)
+        ko, ki = self.side_dims(k, o, i)
         return "project_kron", {"ko": ko, "ki": ki}
 
     def project(self, projector, lg, cost, path=None):
@@ -162,14 +185,30 @@ class KroneckerKind(ProjectionKind, name="kronecker"):
         p_out, p_in = projector.kron_sides(lg.name, *lg.shape, lg.device)
         return lg.kind.project_factors(lg.name, lg.data, lg.shape, p_out, p_in, cost, path)
 
+    def project_shard(self, projector, lg, shard, cost, path=None):
+        """Factors: ``P vec(G) = sum_r vec(P_out[:, R_r] G_r P_in^T)`` for row blocks ``R_r``
+        (column-parallel), likewise with ``P_in[:, C_r]`` for column blocks (row-parallel);
+        dense rows: the seeded dense matrix's columns."""
+        if not isinstance(lg.data, Factorized):
+            return super().project_shard(projector, lg, shard, cost, path)
+        p_out, p_in = projector.kron_sides(lg.name, *shard.full_shape, lg.device)
+        n = lg.shape[shard.dim]
+        if shard.dim == 0:
+            p_out = p_out.narrow(1, shard.start, n)
+        else:
+            p_in = p_in.narrow(1, shard.start, n)
+        return lg.kind.project_factors(lg.name, lg.data, lg.shape, p_out, p_in, cost, path)
+
     def error(self, k: int, o: int, i: int) -> float:
         """``sqrt(2/ko) + sqrt(2/ki)``: each side is a JL map of its own factor."""
-        ko, ki = kron_dims(k, o, i)
+        ko, ki = self.side_dims(k, o, i)
         return math.sqrt(2.0 / ko) + math.sqrt(2.0 / ki)
 
 
 class DenseKind(ProjectionKind, name="dense"):
     """One Gaussian/Rademacher ``[k, O*I']`` matrix on the materialized gradient."""
+
+    shardable = True
 
     def matrix_bytes(self, k: int, o: int, i: int) -> int:
         return 4 * k * o * i
@@ -180,6 +219,8 @@ class DenseKind(ProjectionKind, name="dense"):
 
 class SparseKind(ProjectionKind, name="sparse"):
     """Sparse JL: ``SPARSE_NNZ`` non-zeros per column on the materialized gradient."""
+
+    shardable = True
 
     def matrix_bytes(self, k: int, o: int, i: int) -> int:
         """The CSR blocks: ``_SPARSE_ENTRY_BYTES`` per non-zero and an int32 row-pointer
@@ -196,6 +237,8 @@ class SparseKind(ProjectionKind, name="sparse"):
 
 class AutoKind(ProjectionKind, name="auto"):
     """Per layer the cheaper-where-it-pays of sparse and Kronecker (``resolve``)."""
+
+    per_layer = True
 
     def resolve(self, config: ProjectionConfig, o: int, i: int) -> ProjectionKind:
         """The kind a layer ``[O, I']`` gets (``choose_projection``)."""
@@ -310,9 +353,14 @@ class ProjectionConfig:
                               f"class X(ProjectionKind, name='x'))")
 
     @property
+    def strategy(self) -> ProjectionKind:
+        """The registered ``ProjectionKind`` named by ``kind``."""
+        return PROJECTION_KINDS.lookup(self.kind)
+
+    @property
     def tag(self) -> str:
         """Identifier stored with projected gradients; equal tags = comparable vectors."""
-        auto = f":x{self.kron_speedup:g}" if self.kind == "auto" else ""
+        auto = f":x{self.kron_speedup:g}" if self.strategy.per_layer else ""
         return f"{self.kind}:{self.distribution}:k{self.dim}:s{self.seed}{auto}"
 
     @classmethod
@@ -447,12 +495,14 @@ class Projector:
         self.exact_space = Space(config.tag, identity=True)
         self._cache: dict[tuple, torch.Tensor] = {}
         self._cached_bytes = 0
+        #: The configured kind (``auto`` unresolved: ``kind_for`` resolves it per layer).
+        self.kind = config.strategy
         #: Matrix (non-Kronecker) layers use the sparse JL matrix (``auto`` falls back to it).
         self.sparse = config.kind in ("sparse", "auto")
 
     def kind_for(self, o: int, i: int) -> ProjectionKind:
         """The ProjectionKind a layer ``[O, I']`` is projected with (``auto`` resolved)."""
-        kind = projection_kind(self.config.kind)
+        kind = self.kind
         if isinstance(kind, AutoKind):
             kind = kind.resolve(self.config, o, i)
         return kind
@@ -540,9 +590,13 @@ class Projector:
         """The Kronecker sides ``(P_out [ko, O], P_in [ki, I'])`` of a layer ``[O, I']``
         (``kron_dims``): the one place they are built (stores, queries, shards and LoGra
         curvature factors share them)."""
-        ko, ki = kron_dims(self.config.dim, o, i)
+        ko, ki = self.side_dims(o, i)
         return (self.side(layer, "out", ko, o, device, dtype),
                 self.side(layer, "in", ki, i, device, dtype))
+
+    def side_dims(self, o: int, i: int) -> tuple[int, int]:
+        """``(ko, ki)`` of a layer ``[O, I']`` under its factorized kind (``side_dims``)."""
+        return self.kind_for(o, i).side_dims(self.config.dim, o, i)
 
     def dense_block(self, layer: str, block: int, rows: int, cols: int, device: torch.device,
                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
