@@ -11,7 +11,7 @@ Three families, all unbiased for inner products (``E[<Px, Py>] = <x, y>``):
   k for spread-out vectors, at ``s / k`` of the dense cost: ``B*D*s`` multiply-adds
   instead of ``2*B*D*k``, and a matrix of ``D*s`` indices instead of ``D*k`` floats;
   generated in the same seeded column blocks, each kept as a CSR tensor and applied to the
-  rows with one sparse-dense product per block (``Projector.apply_at``).
+  rows with one sparse-dense product per block (``SparseKind.apply``).
 * kronecker (LoGra): ``P = P_out (x) P_in`` with ``P_out [ko, O]`` and ``P_in [ki, I']``,
   each of variance ``1/ko`` and ``1/ki``. Then ``P vec(G) = vec(P_out G P_in^T)``, which the
   factorized form computes as ``sum_t (P_out g_t)(P_in a_t)^T`` without building ``G``.
@@ -48,7 +48,8 @@ from typing import ClassVar, Literal
 import torch
 
 from dattri_ds.errors import ConfigError
-from dattri_ds.gradient import Factorized, Space
+from dattri_ds.gradient import Dense, Factorized, Space
+from dattri_ds.layers.base import COMPUTE_DTYPE
 from dattri_ds.registry import Registry
 from dattri_ds.io.schema import bounds, check
 
@@ -90,6 +91,12 @@ class ProjectionKind:
     shardable: ClassVar[bool] = False
     #: Chooses a kind per layer (``resolve``): ``kron_speedup`` is part of its tag.
     per_layer: ClassVar[bool] = False
+    #: The matrix kind (``DenseKind``, ``SparseKind``: ``apply``, ``matrix``,
+    #: ``project_rows``) that projects materialized rows under this kind
+    #: (``Projector.matrix_kind``): a dense-only layer's, or whitened rows.
+    rows_kind: ClassVar[str] = "dense"
+    #: The stacked strategy of its layers (``ops/stacked.py``), None: projected one at a time.
+    stacked: ClassVar[str | None] = None
 
     def __init_subclass__(cls, *, name: str, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
@@ -102,9 +109,13 @@ class ProjectionKind:
 
     def project(self, projector: Projector, lg, cost, path: str | None = None) -> torch.Tensor:
         """``[B, width]`` projected rows of one unsharded, unprojected ``LayerGrad`` (factors
-        or dense rows). Default: the layer's kind applies the projector's seeded dense or
-        sparse matrix (``LayerKind.project_rows``, routed by the cost model ``cost``)."""
-        return lg.kind.project_rows(lg.name, lg.data, lg.shape, projector, cost, path)
+        or dense rows). Default: the projector's matrix kind applies its seeded dense or
+        sparse matrix (``project_rows``, routed by the cost model ``cost``)."""
+        rows = projector.matrix_kind
+        if isinstance(lg.data, Dense):
+            return rows.apply(projector, lg.name, lg.data.values.to(COMPUTE_DTYPE),
+                              projector.config.dim)
+        return rows.project_rows(projector, lg, cost, path)
 
     def project_shard(self, projector: Projector, lg, shard, cost, path: str | None = None
                       ) -> torch.Tensor:
@@ -114,8 +125,8 @@ class ProjectionKind:
         rank generates the seeded column blocks its entries touch)."""
         o, i = shard.full_shape
         x = lg.kind.rows(lg.data, lg.shape)
-        return projector.apply_at(lg.name, x, projector.config.dim,
-                                  shard.flat_index(lg.shape, x.device), o * i)
+        return projector.apply(lg.name, x, projector.config.dim,
+                               shard.flat_index(lg.shape, x.device), o * i)
 
     def matrix_bytes(self, k: int, o: int, i: int) -> int:
         """Bytes of the layer's seeded matrices (fp32 values)."""
@@ -152,6 +163,7 @@ class KroneckerKind(ProjectionKind, name="kronecker"):
     (``side_dims``; a subclass with another split is another factorized kind)."""
 
     factorized = shardable = True
+    stacked = "kron"
 
     def side_dims(self, k: int, o: int, i: int) -> tuple[int, int]:
         """``(ko, ki)``: the rows of the two seeded sides (``kron_dims``)."""
@@ -216,11 +228,56 @@ class DenseKind(ProjectionKind, name="dense"):
     def flops(self, k: int, o: int, i: int, t: int) -> float:
         return 2.0 * t * o * i + 2.0 * k * o * i
 
+    def apply(self, projector: Projector, layer: str, x: torch.Tensor, rows: int,
+              index: torch.Tensor | None = None, d: int | None = None) -> torch.Tensor:
+        """``x [B, n] @ P[:, index]^T`` -> ``[B, rows]``: ``x`` holds columns ``index [n]``
+        of a ``[B, D]`` matrix (None: all of them), streamed over the seeded column blocks
+        they touch, each as built for the full width ``d``: a tensor-parallel shard's
+        partial rows sum to the full row's."""
+        out = x.new_zeros(x.shape[0], rows)
+        if index is None:
+            d = x.shape[1]
+            for blk, start in enumerate(range(0, d, BLOCK)):
+                cols = min(BLOCK, d - start)
+                p = projector.dense_block(layer, blk, rows, cols, x.device, x.dtype)
+                out += x[:, start:start + cols] @ p.T
+            return out
+        index = index.to(x.device)
+        for blk, sel, width in _touched(index, d):
+            p = projector.dense_block(layer, blk, rows, width, x.device, x.dtype)
+            out += x[:, sel] @ p[:, index[sel] - blk * BLOCK].T
+        return out
+
+    def matrix(self, projector: Projector, layer: str, d: int, rows: int) -> torch.Tensor:
+        """The whole ``[rows, D]`` matrix (references, small layers)."""
+        return torch.cat([projector.dense_block(layer, b, rows, min(BLOCK, d - s),
+                                                torch.device("cpu"))
+                          for b, s in enumerate(range(0, d, BLOCK))], dim=1)
+
+    def project_rows(self, projector: Projector, lg, cost, path: str | None = None
+                     ) -> torch.Tensor:
+        """``[B, k]`` of a layer given as factors, routed (op ``project_dense``): the ghost
+        path ``sum_t g_t^T P_p a_t`` only wins when T is 1; an index input materializes."""
+        k, kind, shape = projector.config.dim, lg.kind, lg.shape
+        f = kind.f32(lg.data)
+
+        def dense() -> torch.Tensor:
+            return self.apply(projector, lg.name, kind.materialize(f, shape), k)
+        if kind.index_input:
+            return dense()
+
+        def ghost() -> torch.Tensor:
+            m = self.matrix(projector, lg.name, shape[0] * shape[1], k).to(f.g.device)
+            return kind.cross_dense(f, m, shape)
+        return cost.route("project_dense", lg.name, kind, f, shape,
+                          {"ghost": ghost, "dense": dense}, path=path, P=k)
+
 
 class SparseKind(ProjectionKind, name="sparse"):
     """Sparse JL: ``SPARSE_NNZ`` non-zeros per column on the materialized gradient."""
 
     shardable = True
+    rows_kind = stacked = "sparse"
 
     def matrix_bytes(self, k: int, o: int, i: int) -> int:
         """The CSR blocks: ``_SPARSE_ENTRY_BYTES`` per non-zero and an int32 row-pointer
@@ -234,11 +291,86 @@ class SparseKind(ProjectionKind, name="sparse"):
     def cost_op(self, k: int, o: int, i: int) -> tuple[str, dict[str, int]]:
         return "project_sparse", {"P": k}
 
+    def apply(self, projector: Projector, layer: str, x: torch.Tensor, rows: int,
+              index: torch.Tensor | None = None, d: int | None = None) -> torch.Tensor:
+        """``DenseKind.apply`` with the sparse matrix: one sparse-dense product
+        ``P_blk x_blk^T`` per seeded column block (``BLOCK`` columns, CSR, cached),
+        accumulated into ``[rows, B]``. Every non-zero reads one row of ``x_blk^T`` (the B
+        examples' values of one column, contiguous) and a block's rows fit in cache:
+        ``B*D*s`` multiply-adds at gather speed, no ``[B, D, s]`` intermediate and no
+        scatter. A column subset (a tensor-parallel shard) is zero-padded to the blocks it
+        touches (same blocks, same sums as the whole row: the shards' partials add up to it).
+        """
+        if index is None:  # every column: block by block
+            return self.apply_columns(projector, layer, lambda start, stop: x[:, start:stop],
+                                      x.shape[1] if d is None else d, rows)
+        out = x.new_zeros(rows, x.shape[0])
+        index = index.to(x.device)
+        for blk, sel, width in _touched(index, d):
+            m = projector.sparse_csr(layer, blk, rows, width, x.device, x.dtype)
+            xb = x.new_zeros(width, x.shape[0])
+            xb[index[sel] - blk * BLOCK] = x[:, sel].T
+            out += torch.sparse.mm(m, xb)
+        return out.T
+
+    def apply_columns(self, projector: Projector, layer: str, columns, d: int, rows: int,
+                      span: int = 0) -> torch.Tensor:
+        """``x [B, D] @ P^T`` -> ``[B, rows]``, ``x`` given a few seeded column blocks at a
+        time: ``columns(start, stop)`` -> ``x[:, start:stop]``, asked for at least ``span``
+        columns (whole blocks) per call.
+
+        The rows need never exist whole: a layer's kind materializes a span from its factors
+        while it is in cache (``project_rows``; ``span`` keeps its products large enough to
+        run at matmul speed), and each block's CSR product consumes it.
+        """
+        span = max(1, -(-span // BLOCK)) * BLOCK
+        out = None
+        for c0 in range(0, d, span):
+            xs = columns(c0, min(d, c0 + span))
+            for start in range(c0, min(d, c0 + span), BLOCK):
+                cols = min(BLOCK, d - start)
+                x = xs[:, start - c0:start - c0 + cols]
+                m = projector.sparse_csr(layer, start // BLOCK, rows, cols, x.device, x.dtype)
+                part = torch.sparse.mm(m, x.T.contiguous())  # row-major [cols, B]: fast
+                out = part if out is None else out.add_(part)
+        if out is None:
+            raise ConfigError(f"Layer '{layer}': nothing to project (D = {d} columns)")
+        return out.T
+
+    def matrix(self, projector: Projector, layer: str, d: int, rows: int) -> torch.Tensor:
+        """The whole ``[rows, D]`` matrix, its non-zeros written in (references)."""
+        out = torch.zeros(rows, d)
+        for b, start in enumerate(range(0, d, BLOCK)):
+            cols = min(BLOCK, d - start)
+            idx, val = projector.sparse_block(layer, b, rows, cols, torch.device("cpu"))
+            out[idx, (torch.arange(cols) + start).unsqueeze(1).expand_as(idx)] = val
+        return out
+
+    def project_rows(self, projector: Projector, lg, cost, path: str | None = None
+                     ) -> torch.Tensor:
+        """``[B, k]`` of a layer given as factors: always materialized (the product is
+        ``B*D*s``), a cache-sized span of output rows at a time where the kind can."""
+        k, kind, (o, i) = projector.config.dim, lg.kind, lg.shape
+        f = kind.f32(lg.data)
+        if kind.output_sliceable:  # >= 64 output rows per product
+            return self.apply_columns(projector, lg.name, lambda start, stop: (
+                kind.materialize_columns(f, lg.shape, start, stop)), o * i, k, span=64 * i)
+        return self.apply(projector, lg.name, kind.materialize(f, lg.shape), k)
+
+
+def _touched(index: torch.Tensor, d: int):
+    """``(block, positions in index, block width)`` of each seeded column block of a
+    ``D = d`` wide matrix that the columns ``index`` touch."""
+    blocks = torch.div(index, BLOCK, rounding_mode="floor")
+    for blk in torch.unique(blocks).tolist():
+        yield blk, (blocks == blk).nonzero().squeeze(1), min(BLOCK, d - blk * BLOCK)
+
 
 class AutoKind(ProjectionKind, name="auto"):
     """Per layer the cheaper-where-it-pays of sparse and Kronecker (``resolve``)."""
 
     per_layer = True
+    rows_kind = "sparse"
 
     def resolve(self, config: ProjectionConfig, o: int, i: int) -> ProjectionKind:
         """The kind a layer ``[O, I']`` gets (``choose_projection``)."""
@@ -497,8 +629,8 @@ class Projector:
         self._cached_bytes = 0
         #: The configured kind (``auto`` unresolved: ``kind_for`` resolves it per layer).
         self.kind = config.strategy
-        #: Matrix (non-Kronecker) layers use the sparse JL matrix (``auto`` falls back to it).
-        self.sparse = config.kind in ("sparse", "auto")
+        #: The kind that projects materialized rows (``ProjectionKind.rows_kind``).
+        self.matrix_kind = PROJECTION_KINDS.lookup(self.kind.rows_kind)
 
     def kind_for(self, o: int, i: int) -> ProjectionKind:
         """The ProjectionKind a layer ``[O, I']`` is projected with (``auto`` resolved)."""
@@ -621,40 +753,11 @@ class Projector:
         return (self._get(key + ("index",), lambda: part(0), device, torch.long),
                 self._get(key + ("value",), lambda: part(1), device, dtype))
 
-    def apply(self, layer: str, x: torch.Tensor, rows: int) -> torch.Tensor:
-        """``x [B, D] @ P^T`` -> ``[B, rows]`` for the dense or sparse kind."""
-        if self.sparse:
-            return self.apply_at(layer, x, rows, None, x.shape[1])
-        return self.dense_apply(layer, x, rows)
-
-    def dense_apply(self, layer: str, x: torch.Tensor, rows: int) -> torch.Tensor:
-        """``x [B, D] @ P^T`` -> ``[B, rows]``, streaming over seeded column blocks."""
-        out = x.new_zeros(x.shape[0], rows)
-        d = x.shape[1]
-        for blk, start in enumerate(range(0, d, BLOCK)):
-            cols = min(BLOCK, d - start)
-            p = self.dense_block(layer, blk, rows, cols, x.device, x.dtype)
-            out += x[:, start:start + cols] @ p.T
-        return out
-
-    def dense_apply_at(self, layer: str, x: torch.Tensor, rows: int, index: torch.Tensor,
-                       d: int) -> torch.Tensor:
-        """``x [B, n]`` holds columns ``index [n]`` of a ``[B, D]`` matrix: ``x @ P[:, index]^T``.
-
-        The tensor-parallel form of ``dense_apply``: a shard's partial projection, streamed
-        over the seeded column blocks that ``index`` touches (each block as ``dense_apply``
-        builds it for the full width ``d``), so the shards' partial results sum to the
-        projection of the full row. Returns ``[B, rows]``.
-        """
-        out = x.new_zeros(x.shape[0], rows)
-        index = index.to(x.device)
-        blocks = torch.div(index, BLOCK, rounding_mode="floor")
-        for blk in torch.unique(blocks).tolist():
-            sel = (blocks == blk).nonzero().squeeze(1)
-            width = min(BLOCK, d - blk * BLOCK)
-            p = self.dense_block(layer, blk, rows, width, x.device, x.dtype)
-            out += x[:, sel] @ p[:, index[sel] - blk * BLOCK].T
-        return out
+    def apply(self, layer: str, x: torch.Tensor, rows: int, index: torch.Tensor | None = None,
+              d: int | None = None) -> torch.Tensor:
+        """``x [B, n] @ P[:, index]^T`` -> ``[B, rows]`` with the matrix of materialized rows
+        (``matrix_kind.apply``; ``index=None``: all columns)."""
+        return self.matrix_kind.apply(self, layer, x, rows, index, d)
 
     def sparse_csr(self, layer: str, block: int, rows: int, cols: int, device: torch.device,
                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -666,68 +769,6 @@ class Projector:
                          lambda: sparse_csr(*sparse_columns(rows, cols, seed, cfg.distribution),
                                             rows), device, dtype)
 
-    def apply_at(self, layer: str, x: torch.Tensor, rows: int, index: torch.Tensor | None,
-                 d: int) -> torch.Tensor:
-        """``dense_apply_at`` for both matrix kinds; ``index=None``: all ``d`` columns.
-
-        Sparse: one sparse-dense product ``P_blk x_blk^T`` per seeded column block (``BLOCK``
-        columns, CSR, cached), accumulated into ``[rows, B]``. Every non-zero reads one row of
-        ``x_blk^T`` (the B examples' values of one column, contiguous) and a block's rows fit
-        in cache: ``B*D*s`` multiply-adds at gather speed, no ``[B, D, s]`` intermediate and
-        no scatter. A column subset (a tensor-parallel shard) is zero-padded to the blocks it
-        touches (same blocks, same sums as the whole row: the shards' partials add up to it).
-        """
-        if not self.sparse:
-            if index is None:
-                return self.dense_apply(layer, x, rows)
-            return self.dense_apply_at(layer, x, rows, index, d)
-        if index is None:  # every column: block by block
-            return self.apply_columns(layer, lambda start, stop: x[:, start:stop], d, rows)
-        out = x.new_zeros(rows, x.shape[0])
-        index = index.to(x.device)
-        blocks = torch.div(index, BLOCK, rounding_mode="floor")
-        for blk in torch.unique(blocks).tolist():
-            sel = (blocks == blk).nonzero().squeeze(1)
-            width = min(BLOCK, d - blk * BLOCK)
-            m = self.sparse_csr(layer, blk, rows, width, x.device, x.dtype)
-            xb = x.new_zeros(width, x.shape[0])
-            xb[index[sel] - blk * BLOCK] = x[:, sel].T
-            out += torch.sparse.mm(m, xb)
-        return out.T
-
-    def apply_columns(self, layer: str, columns, d: int, rows: int,
-                      span: int = 0) -> torch.Tensor:
-        """``x [B, D] @ P^T`` -> ``[B, rows]`` for the sparse kind, ``x`` given a few seeded
-        column blocks at a time: ``columns(start, stop)`` -> ``x[:, start:stop]``, asked for
-        at least ``span`` columns (whole blocks) per call.
-
-        The rows need never exist whole: a layer's kind materializes a span from its factors
-        while it is in cache (``LayerKind.project_rows``; ``span`` keeps its products large
-        enough to run at matmul speed), and each block's CSR product consumes it.
-        """
-        span = max(1, -(-span // BLOCK)) * BLOCK
-        out = None
-        for c0 in range(0, d, span):
-            xs = columns(c0, min(d, c0 + span))
-            for start in range(c0, min(d, c0 + span), BLOCK):
-                cols = min(BLOCK, d - start)
-                x = xs[:, start - c0:start - c0 + cols]
-                m = self.sparse_csr(layer, start // BLOCK, rows, cols, x.device, x.dtype)
-                part = torch.sparse.mm(m, x.T.contiguous())  # row-major [cols, B]: fast
-                out = part if out is None else out.add_(part)
-        if out is None:
-            raise ConfigError(f"Layer '{layer}': nothing to project (D = {d} columns)")
-        return out.T
-
     def dense_matrix(self, layer: str, d: int, rows: int) -> torch.Tensor:
-        """The whole ``[rows, D]`` matrix, dense or sparse kind (references, small layers)."""
-        if self.sparse:
-            out = torch.zeros(rows, d)
-            for b, start in enumerate(range(0, d, BLOCK)):
-                cols = min(BLOCK, d - start)
-                idx, val = self.sparse_block(layer, b, rows, cols, torch.device("cpu"))
-                out[idx, (torch.arange(cols) + start).unsqueeze(1).expand_as(idx)] = val
-            return out
-        blocks = [self.dense_block(layer, b, rows, min(BLOCK, d - s), torch.device("cpu"))
-                  for b, s in enumerate(range(0, d, BLOCK))]
-        return torch.cat(blocks, dim=1)
+        """The whole ``[rows, D]`` matrix of ``apply`` (references, small layers)."""
+        return self.matrix_kind.matrix(self, layer, d, rows)

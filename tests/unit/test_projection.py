@@ -106,7 +106,7 @@ def test_invalid_projection_config():
 def test_sparse_projection_is_its_matrix_and_shards_sum():
     """Sparse JL: ``apply`` == ``x @ P^T`` with P of exactly s non-zeros of norm-1 columns,
     factorized layers project like their materialized rows, and column shards'
-    partial projections (``apply_at``) sum to the whole (tensor-parallel invariant)."""
+    partial projections (``apply`` with an index) sum to the whole (tensor-parallel invariant)."""
     from dattri_ds.ops.projection import BLOCK, SPARSE_NNZ
 
     proj = Projector(ProjectionConfig(kind="sparse", dim=64, seed=4, distribution="rademacher"))
@@ -117,10 +117,10 @@ def test_sparse_projection_is_its_matrix_and_shards_sum():
     x = torch.randn(3, d, generator=torch.Generator().manual_seed(5))
     assert torch.allclose(proj.apply("w", x, 64), x @ p.T, rtol=1e-5, atol=1e-4)
     halves = torch.arange(d).chunk(2)
-    parts = sum(proj.apply_at("w", x[:, h], 64, h, d) for h in halves)
+    parts = sum(proj.apply("w", x[:, h], 64, h, d) for h in halves)
     assert torch.allclose(parts, x @ p.T, rtol=1e-5, atol=1e-4)
     # the whole row (no index) is the every-column index's result bit for bit
-    assert torch.equal(proj.apply("w", x, 64), proj.apply_at("w", x, 64, torch.arange(d), d))
+    assert torch.equal(proj.apply("w", x, 64), proj.apply("w", x, 64, torch.arange(d), d))
     gen = torch.Generator().manual_seed(6)
     f = Factorized(torch.randn(3, 5, 20, generator=gen), torch.randn(3, 5, 30, generator=gen))
     lg = LayerGrad("v", get_kind("linear"), f, (30, 20))
@@ -262,7 +262,7 @@ def test_sparse_kernel_is_the_same_map_as_the_column_scatter(distribution, monke
     torch.testing.assert_close(got, _column_scatter(proj, "w", x, k), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got, x @ proj.dense_matrix("w", d, k).T, rtol=1e-5, atol=1e-5)
     cols = torch.randperm(d, generator=torch.Generator().manual_seed(1))[:400]
-    part = proj.apply_at("w", x[:, cols], k, cols, d)
+    part = proj.apply("w", x[:, cols], k, cols, d)
     torch.testing.assert_close(part, x[:, cols] @ proj.dense_matrix("w", d, k)[:, cols].T,
                                rtol=1e-5, atol=1e-5)
 
