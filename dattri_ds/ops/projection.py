@@ -496,15 +496,25 @@ class ProjectionConfig:
         return f"{self.kind}:{self.distribution}:k{self.dim}:s{self.seed}{auto}"
 
     @classmethod
-    def of_space(cls, space: Space) -> ProjectionConfig:
-        """The config whose ``tag`` is ``space.projection``.
+    def from_tag(cls, tag: str | None) -> ProjectionConfig:
+        """The config whose ``tag`` is ``tag`` (inverse of ``tag``; a ``Space``'s
+        ``projection``).
 
         Raises:
-            ConfigError: the space's tag is not a config's (``Space.kind`` says so).
+            ConfigError: ``tag`` is not a config's ``<kind>:<distribution>:k<dim>:s<seed>
+                [:x<speedup>]``, or names an unregistered kind.
         """
-        extra = {} if space.kron_speedup is None else {"kron_speedup": space.kron_speedup}
-        return cls(kind=space.kind, distribution=space.distribution, dim=space.k,
-                   seed=space.seed, **extra)
+        parts = (tag or "").split(":")
+        try:
+            if len(parts) not in (4, 5) or parts[2][0] != "k" or parts[3][0] != "s" or (
+                    len(parts) == 5 and parts[4][0] != "x"):
+                raise ValueError
+            extra = {"kron_speedup": float(parts[4][1:])} if len(parts) == 5 else {}
+            return cls(kind=parts[0], distribution=parts[1], dim=int(parts[2][1:]),
+                       seed=int(parts[3][1:]), **extra)
+        except (ValueError, IndexError):
+            raise ConfigError(f"projection tag {tag!r} is not a ProjectionConfig tag "
+                              f"'<kind>:<distribution>:k<dim>:s<seed>[:x<speedup>]'") from None
 
 
 def stable_seed(*parts: object) -> int:

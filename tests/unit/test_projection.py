@@ -189,7 +189,9 @@ def test_space_tags_round_trip():
         assert Space.parse(tag).tag == tag
     sp = Space.parse(f"identity:{cfg.tag}+whitened:ekfac")
     assert sp.identity and sp.whitened == "ekfac" and sp.whitened_first
-    assert (sp.kind, sp.k, sp.seed) == ("kronecker", 64, 3) and ProjectionConfig.of_space(sp) == cfg
+    assert ProjectionConfig.from_tag(sp.projection) == cfg
+    auto = ProjectionConfig(kind="auto", kron_speedup=2.5, distribution="rademacher")
+    assert ProjectionConfig.from_tag(auto.tag) == auto and auto.tag.endswith(":x2.5")
     assert Space.parse(f"whitened:ekfac:{cfg.tag}").replace(whitened=None).tag == cfg.tag
 
 
@@ -210,7 +212,7 @@ def test_layer_grad_holds_a_typed_space():
     typed = LayerGrad("w", get_kind("linear"), rows, (3, 5), space=Projector(cfg).space)
     assert by_kw.space == by_pos.space == typed.space == Space.parse(cfg.tag)
     assert isinstance(by_kw.space, Space) and by_kw.projection == cfg.tag
-    assert (by_kw.space.kind, by_kw.space.k, by_kw.space.seed) == ("kronecker", 4, 2)
+    assert ProjectionConfig.from_tag(by_kw.space.projection) == cfg
     assert len({by_kw.space, by_pos.space, Space(cfg.tag)}) == 1
     assert by_kw.replace(projection=f"identity:{cfg.tag}").space.identity
     canonical = LayerGrad("w", get_kind("linear"), Dense(torch.randn(2, 15)), (3, 5))
@@ -221,8 +223,11 @@ def test_layer_grad_holds_a_typed_space():
     assert back.layers["w"].space == by_kw.space and back.layers["w"].projection == cfg.tag
     with pytest.raises(TypeError, match="once"):
         LayerGrad("w", get_kind("linear"), rows, (3, 5), cfg.tag, projection=cfg.tag)
-    with pytest.raises(ConfigError, match="not a ProjectionConfig tag"):
-        Space.parse("opaque").k  # an opaque tag is kept as a name; its fields raise
+    assert Space.parse("opaque").projection == "opaque"  # kept as a name
+    for bad in ("opaque", "kronecker:gaussian:64:s0", "kronecker:gaussian:k64:s0:8", "a:b:k:s",
+                None):
+        with pytest.raises(ConfigError, match="not a ProjectionConfig tag"):
+            ProjectionConfig.from_tag(bad)
 
 
 def _column_scatter(proj: Projector, layer: str, x: torch.Tensor, rows: int) -> torch.Tensor:
