@@ -259,8 +259,7 @@ class LayerGrad:
         data: the factorized or dense form.
         shape: canonical ``(O, I')`` shape of this layer's (local) parameter gradient.
         space: the ``Space`` of ``data`` (canonical, projected, kept exactly, whitened); a
-            tag string is accepted and parsed once here. Given as ``projection=<tag>`` too
-            (the keyword of the tag-string era); ``projection`` reads the tag back.
+            tag string is accepted and parsed once here; ``projection`` reads the tag back.
         shard: tensor-parallel shard description (None = the layer is not sharded).
         device: where the gradient tensors live (read from ``data`` once, at construction).
     """
@@ -274,15 +273,13 @@ class LayerGrad:
 
     def __init__(self, name: str, kind: Kind, data: Factorized | Dense,
                  shape: tuple[int, int], space: Space | str | None = None,
-                 shard: ShardInfo | None = None, *, projection: Space | str | None = None):
-        if space is not None and projection is not None:
-            raise TypeError("LayerGrad: give the space once, as space= or projection=")
+                 shard: ShardInfo | None = None):
         set_ = object.__setattr__
         set_(self, "name", name)
         set_(self, "kind", kind)
         set_(self, "data", data)
         set_(self, "shape", shape)
-        set_(self, "space", projection if space is None else space)
+        set_(self, "space", space)
         set_(self, "shard", shard)
         self.__post_init__()
         set_(self, "device", data.g.device if isinstance(data, Factorized) else data.values.device)
@@ -328,9 +325,7 @@ class LayerGrad:
         return isinstance(self.data, Factorized)
 
     def replace(self, **changes) -> LayerGrad:
-        """A copy with ``changes`` applied (``space=`` or, as a tag, ``projection=``)."""
-        if "projection" in changes:
-            changes["space"] = changes.pop("projection")
+        """A copy with ``changes`` applied (``space=`` a ``Space`` or its tag)."""
         fields = dict(name=self.name, kind=self.kind, data=self.data, shape=self.shape,
                       space=self.space, shard=self.shard)
         fields.update(changes)

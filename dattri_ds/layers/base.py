@@ -103,15 +103,6 @@ class LayerKind(ABC):
     def __reduce__(self):  # pickles / deep copies resolve to the registered instance
         return get_kind, (self.name,)
 
-    def __eq__(self, other: object) -> bool:
-        """A kind is itself, and equals its registered name (code that held names)."""
-        if isinstance(other, str):
-            return other == self.name
-        return self is other
-
-    def __hash__(self) -> int:
-        return hash(self.name)
-
     def __str__(self) -> str:
         return self.name
 

@@ -175,7 +175,7 @@ def test_mismatched_shards_are_refused():
     with pytest.raises(ShapeError, match="'fc'.*same rank"):
         layer_cross_gram(s0, s1)
     projected = LayerGrad("fc", get_kind("linear"), Dense(torch.zeros(B, 12)), (O, I + 1),
-                          projection="x")
+                          space="x")
     with pytest.raises(ShapeError, match="'fc'"):
         layer_cross_gram(s0, projected)
 
@@ -245,7 +245,7 @@ def test_sequence_first_kind_scales_along_its_batch_axis():
                                               loss_reduction="example_mean")) as cap:
         (model(ids, labels=labels).sum(1) / n).mean().backward()
         batch = cap.pop()
-    assert batch.layers["norm"].kind == "megatron_norm"
+    assert batch.layers["norm"].kind_name == "megatron_norm"
     for name in ("emb", "norm", "head"):
         mod = dict(model.named_modules())[name]
         want = []
