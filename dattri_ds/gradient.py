@@ -347,6 +347,9 @@ class GradBatch:
         layers: layer name -> LayerGrad, in module order.
         micro_batch: running index of the micro-batch within the capture.
         token_counts: ``[B]`` number of loss-bearing tokens of each example.
+        kept: ``[B]`` positions of these examples among those of the forward that captured
+            them, when the capture dropped some (non-finite gradients); None: all of them.
+            Kept by ``with_layers``; ``index`` and ``cat`` make other batches (None).
     """
 
     step: int
@@ -354,6 +357,7 @@ class GradBatch:
     layers: Mapping[str, LayerGrad]
     micro_batch: int = 0
     token_counts: torch.Tensor | None = field(default=None, compare=False)
+    kept: torch.Tensor | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         b = len(self.sample_ids)
@@ -369,8 +373,9 @@ class GradBatch:
         return len(self.sample_ids)
 
     def with_layers(self, layers: Mapping[str, LayerGrad]) -> GradBatch:
-        """The same examples (step, ids, micro-batch, token counts) holding ``layers``."""
-        return GradBatch(self.step, self.sample_ids, layers, self.micro_batch, self.token_counts)
+        """The same examples (step, ids, micro-batch, token counts, kept) holding ``layers``."""
+        return GradBatch(self.step, self.sample_ids, layers, self.micro_batch, self.token_counts,
+                         self.kept)
 
     @staticmethod
     def cat(batches: Sequence[GradBatch]) -> GradBatch:

@@ -25,7 +25,7 @@ import warnings
 import weakref
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -119,9 +119,6 @@ class GradientCapture:
         self.step = 0
         self.skipped = 0  # micro-batches dropped whole (every example non-finite)
         self.skipped_examples = 0
-        #: Rows of the last built micro-batch that were kept (``[K]`` positions in the
-        #: forward's batch) when some were dropped as non-finite; None when all were kept.
-        self.last_kept: torch.Tensor | None = None
         self.layers: dict[str, tuple[nn.Module, LayerKind]] = {}
         #: name -> the layer's canonical ``(O, I')`` and shard, read from the module once
         self._shapes: dict[str, tuple[tuple[int, int], ShardInfo | None]] = {}
@@ -416,17 +413,15 @@ class GradientCapture:
             layers = project_layers(layers, self._projector, cost, scale=scale)
         finite = self._read(info, layers, agree=not post)
         batch = GradBatch(rec.step, info.sample_ids, layers, rec.index, info.token_counts)
-        self.last_kept = None
         if finite:
             return batch
         bad, layer = nonfinite_rows(batch, agree=not post)
         if bad is None:  # a norm overflowed; every value is finite
             return batch
         keep = torch.nonzero(~bad).flatten().cpu()
-        self.last_kept = keep
         self._nonfinite(layer, rec, [batch.sample_ids[i] for i in
                                      torch.nonzero(bad).flatten().tolist()], keep.numel())
-        return batch.index(keep) if keep.numel() else None
+        return replace(batch.index(keep), kept=keep) if keep.numel() else None
 
     def _layers(self, rec: _Record, scale: torch.Tensor, post: bool,
                 cost: CostModel) -> dict[str, LayerGrad]:
@@ -515,7 +510,7 @@ class GradientCapture:
         ``retain_graph=True`` keeps the forward graphs, so the caller may back-propagate
         (some of) the calls' losses again afterwards.
         The batch is returned (and projected if configured), not delivered to callbacks;
-        ``last_kept`` holds the positions of the kept examples over all calls (None: all).
+        Its ``kept`` holds the positions of the kept examples over all calls (None: all).
         Cost: one forward and one backward without weight-gradient matmuls, which stops
         at the lowest captured layer.
         """
@@ -541,7 +536,7 @@ class GradientCapture:
         return self._build_probed(recs)
 
     def _build_probed(self, recs: list[_Record]) -> GradBatch | None:
-        """The probed records' batches, concatenated; ``last_kept`` over all of them."""
+        """The probed records' batches, concatenated; ``kept`` over all of them."""
         batches, kept, offset, dropped = [], [], 0, False
         for r in recs:
             r.done = True
@@ -551,14 +546,14 @@ class GradientCapture:
             r.pairs.clear()
             if batch is not None:
                 batches.append(batch)
-                local = self.last_kept if self.last_kept is not None else torch.arange(rows)
-                kept.append(local + offset)
-            dropped |= batch is None or self.last_kept is not None
+                kept.append((batch.kept if batch.kept is not None else torch.arange(rows))
+                            + offset)
+            dropped |= batch is None or batch.kept is not None
             offset += rows
-        self.last_kept = torch.cat(kept) if dropped and kept else None
         if not batches:
             return None
-        return batches[0] if len(batches) == 1 else GradBatch.cat(batches)
+        out = batches[0] if len(batches) == 1 else GradBatch.cat(batches)
+        return replace(out, kept=torch.cat(kept)) if dropped else out
 
     # ---- consumer API ---------------------------------------------------------------
     def pop(self) -> GradBatch | None:
