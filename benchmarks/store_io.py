@@ -25,9 +25,10 @@ from benchmarks._common import base_parser, environment, median, setup_torch, ta
 
 def _batch(b: int, layers: int, k: int, start: int, proj_tag: str):
     from dattri_ds import Dense, GradBatch, LayerGrad
+    from dattri_ds.layers import get_kind
     gen = torch.Generator().manual_seed(start)
     lg = {f"l{i}": LayerGrad(f"l{i}", get_kind("linear"), Dense(torch.randn(b, k, generator=gen)),
-                             (64, 64), projection=proj_tag) for i in range(layers)}
+                             (64, 64), space=proj_tag) for i in range(layers)}
     return GradBatch(0, tuple(f"ex{start + j}" for j in range(b)), lg)
 
 

@@ -167,11 +167,8 @@ class Space:
     ``identity:<projection>`` (small enough to be kept exactly under that projection),
     ``whitened:<method>[:<projection>]`` (curvature-whitened rows, of an already projected
     space if given) and ``<projection>+whitened:<method>`` (whitened, then projected), where
-    ``<projection>`` is a ``ProjectionConfig.tag``
-    ``<kind>:<distribution>:k<dim>:s<seed>[:x<speedup>]``. The projection's fields are read
-    once, when the space is made (``kind``, ``distribution``, ``k``, ``seed``,
-    ``kron_speedup``); a tag that is not a ``ProjectionConfig`` tag is kept as an opaque
-    name, and asking for its fields raises.
+    ``<projection>`` is a ``ProjectionConfig.tag``, kept here as an opaque name (its grammar
+    and fields are ``ProjectionConfig``'s: ``ProjectionConfig.from_tag``).
 
     Attributes:
         projection: the projection tag (``ProjectionConfig.tag``), or None (not projected).
@@ -186,10 +183,6 @@ class Space:
     whitened: str | None = None
     whitened_first: bool = False
     # Derived once from the four fields above (not compared, not given):
-    #: ``(kind, distribution, k, seed, kron_speedup)`` of ``projection``; None when it is
-    #: not a ``ProjectionConfig`` tag.
-    projection_fields: tuple[str, str, int, int, float | None] | None = field(
-        default=None, init=False, compare=False, repr=False)
     #: The rows were randomly projected (or kept exactly by a projection).
     projected: bool = field(default=False, init=False, compare=False, repr=False)
     #: The canonical ``[O, I']`` layout: neither projected nor whitened.
@@ -204,7 +197,6 @@ class Space:
                               f"got {self.projection!r}")
         projected = self.projection is not None
         set_ = object.__setattr__
-        set_(self, "projection_fields", _projection_fields(self.projection))
         set_(self, "projected", projected)
         set_(self, "canonical", not projected and self.whitened is None)
         set_(self, "awaiting_projection", self.whitened is not None and not self.whitened_first
@@ -247,54 +239,9 @@ class Space:
             tag = tag[len("identity:"):]
         return cls(tag, identity, whitened, first)
 
-    def _config_fields(self) -> tuple[str, str, int, int, float | None]:
-        if self.projection_fields is None:
-            raise ConfigError(f"projection tag {self.projection!r} is not a ProjectionConfig "
-                              f"tag '<kind>:<distribution>:k<dim>:s<seed>[:x<speedup>]'")
-        return self.projection_fields
-
-    @property
-    def kind(self) -> str:
-        """The projection kind (``kronecker``, ``sparse``, ``auto``, ...)."""
-        return self._config_fields()[0]
-
-    @property
-    def distribution(self) -> str:
-        """The projection's random distribution."""
-        return self._config_fields()[1]
-
-    @property
-    def k(self) -> int:
-        """The projection size ``ProjectionConfig.dim``."""
-        return self._config_fields()[2]
-
-    @property
-    def seed(self) -> int:
-        """The projection seed."""
-        return self._config_fields()[3]
-
-    @property
-    def kron_speedup(self) -> float | None:
-        """``ProjectionConfig.kron_speedup`` when the tag records it, else None."""
-        return self._config_fields()[4]
-
     def replace(self, **changes) -> Space:
         """A copy with ``changes`` applied (e.g. ``whitened="ekfac"``)."""
         return dataclasses.replace(self, **changes)
-
-
-def _projection_fields(tag: str | None) -> tuple[str, str, int, int, float | None] | None:
-    """``(kind, distribution, k, seed, kron_speedup)`` of a ``ProjectionConfig`` tag, or
-    None for None or an opaque tag."""
-    parts = (tag or "").split(":")
-    if len(parts) not in (4, 5) or not parts[2].startswith("k") or \
-            not parts[3].startswith("s") or (len(parts) == 5 and not parts[4].startswith("x")):
-        return None
-    try:
-        speedup = float(parts[4][1:]) if len(parts) == 5 else None
-        return parts[0], parts[1], int(parts[2][1:]), int(parts[3][1:]), speedup
-    except ValueError:
-        return None
 
 
 #: The canonical space (not projected, not whitened).
@@ -312,8 +259,7 @@ class LayerGrad:
         data: the factorized or dense form.
         shape: canonical ``(O, I')`` shape of this layer's (local) parameter gradient.
         space: the ``Space`` of ``data`` (canonical, projected, kept exactly, whitened); a
-            tag string is accepted and parsed once here. Given as ``projection=<tag>`` too
-            (the keyword of the tag-string era); ``projection`` reads the tag back.
+            tag string is accepted and parsed once here; ``projection`` reads the tag back.
         shard: tensor-parallel shard description (None = the layer is not sharded).
         device: where the gradient tensors live (read from ``data`` once, at construction).
     """
@@ -327,15 +273,13 @@ class LayerGrad:
 
     def __init__(self, name: str, kind: Kind, data: Factorized | Dense,
                  shape: tuple[int, int], space: Space | str | None = None,
-                 shard: ShardInfo | None = None, *, projection: Space | str | None = None):
-        if space is not None and projection is not None:
-            raise TypeError("LayerGrad: give the space once, as space= or projection=")
+                 shard: ShardInfo | None = None):
         set_ = object.__setattr__
         set_(self, "name", name)
         set_(self, "kind", kind)
         set_(self, "data", data)
         set_(self, "shape", shape)
-        set_(self, "space", projection if space is None else space)
+        set_(self, "space", space)
         set_(self, "shard", shard)
         self.__post_init__()
         set_(self, "device", data.g.device if isinstance(data, Factorized) else data.values.device)
@@ -381,9 +325,7 @@ class LayerGrad:
         return isinstance(self.data, Factorized)
 
     def replace(self, **changes) -> LayerGrad:
-        """A copy with ``changes`` applied (``space=`` or, as a tag, ``projection=``)."""
-        if "projection" in changes:
-            changes["space"] = changes.pop("projection")
+        """A copy with ``changes`` applied (``space=`` a ``Space`` or its tag)."""
         fields = dict(name=self.name, kind=self.kind, data=self.data, shape=self.shape,
                       space=self.space, shard=self.shard)
         fields.update(changes)
@@ -405,6 +347,9 @@ class GradBatch:
         layers: layer name -> LayerGrad, in module order.
         micro_batch: running index of the micro-batch within the capture.
         token_counts: ``[B]`` number of loss-bearing tokens of each example.
+        kept: ``[B]`` positions of these examples among those of the forward that captured
+            them, when the capture dropped some (non-finite gradients); None: all of them.
+            Kept by ``with_layers``; ``index`` and ``cat`` make other batches (None).
     """
 
     step: int
@@ -412,6 +357,7 @@ class GradBatch:
     layers: Mapping[str, LayerGrad]
     micro_batch: int = 0
     token_counts: torch.Tensor | None = field(default=None, compare=False)
+    kept: torch.Tensor | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         b = len(self.sample_ids)
@@ -427,8 +373,9 @@ class GradBatch:
         return len(self.sample_ids)
 
     def with_layers(self, layers: Mapping[str, LayerGrad]) -> GradBatch:
-        """The same examples (step, ids, micro-batch, token counts) holding ``layers``."""
-        return GradBatch(self.step, self.sample_ids, layers, self.micro_batch, self.token_counts)
+        """The same examples (step, ids, micro-batch, token counts, kept) holding ``layers``."""
+        return GradBatch(self.step, self.sample_ids, layers, self.micro_batch, self.token_counts,
+                         self.kept)
 
     @staticmethod
     def cat(batches: Sequence[GradBatch]) -> GradBatch:

@@ -244,7 +244,7 @@ class Probe:
                     f"nothing can be selected. Lower the learning rate or check the data")
             raise ConfigError("The probe pass captured nothing: the model's loss does not "
                               "depend on any captured layer")
-        kept = self.probe.last_kept
+        kept = grads.kept
         scores = self.rule(grads, rows, text=s.text)
         finite = torch.isfinite(scores)
         if not bool(finite.all()):

@@ -355,8 +355,9 @@ def main(argv: list[str] | None = None) -> dict:
                          context=run.context, truncate=args.truncate, queries=True,
                          vocab_size=run.vocab_size)
     _announce(args, available, tags, queries)
+    asked = Recipe(method=args.method)
     check_tool(run.root, args, seq_len=queries.seq_len, examples=len(queries),  # the size door
-               method=next((m for m in ("ekfac", "kfac") if m in args.method), "graddot"))
+               method=asked.inner if asked.curvature else "graddot")
     tokens_plan = _token_plan(args, available[tags[0]], queries) if args.per_token else None
     t0 = time.perf_counter()
     models = _Models(run)

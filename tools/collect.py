@@ -142,7 +142,7 @@ def collect_checkpoint(run: Source, tag: str, data, args, rank: int, world: int,
             if writer is None:
                 spec = StoreSpec.from_batch(batch, projection=proj, capture=capture, **origin,
                                             whitened_by=whitened_by, data=data_record)
-                if rank == 0 and proj.kind == "auto":
+                if rank == 0 and proj.strategy.per_layer:
                     _log_projection(spec, proj, args.verbose)
                 writer = GradientStoreWriter(cfg, spec, rank=rank, world=world)
             added += writer.append(batch)

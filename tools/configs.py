@@ -212,7 +212,7 @@ class AttributeOptions:
     text_weight: float | None = field(default=None, metadata=bounds(ge=0))
     """Weight w of the text-overlap prior added to the method's scores (per query: score +
     w * std(score) * z(TF-IDF overlap of the rows' and the queries' texts)); default: the
-    method's measured weight (dattri_ds.methods.recipe.TEXT_WEIGHTS; 0 for a method not measured
+    method's measured weight (Attributor.text_weight; 0 for a method not measured
     with it), on when the training texts are found; 0: the method's own scores. The
     training texts are --train-data, else collect's recorded --data; when the default is on
     and they are not found, the prior is off and the summary says so (the weights' choice:

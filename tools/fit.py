@@ -120,7 +120,7 @@ def store_space(args, run, tag: str, model):
     path = store_of(Path(args.store), tag)
     with attach(path, store_request(args, run, tag, model), mode="read") as store:
         proj, semantics = store.spec.projection_cfg(), store.spec.semantics or {}
-    if proj.kind == "kronecker":
+    if proj.strategy.factorized:
         return proj, CaptureConfig(**semantics)
     logger.info("store %s is %s-projected (no Kronecker structure): fitting exact factors; "
                 "attribute preconditions the query exactly and projects it", path, proj.kind)

@@ -31,6 +31,7 @@ if __package__ in (None, ""):  # run as a script: make `dattri_ds.tools` importa
     sys.path.insert(0, str(ROOT))
 
 from dattri_ds import ProjectionConfig  # noqa: E402
+from dattri_ds.methods.recipe import Recipe  # noqa: E402
 from dattri_ds.sample_id import SampleId  # noqa: E402
 from dattri_ds.selection import read_selection_log  # noqa: E402
 from dattri_ds.tools import attribute, collect, fit, report  # noqa: E402
@@ -222,7 +223,7 @@ def attribute_offline(run: Path, out: Path, args) -> list[Path]:
     reports = []
     for method, store in zip(RECIPE["methods"], (plain, white)):
         dest = out / f"attribution-{method}"
-        curvature = ["--factors", str(factors)] if method != "tracin" else []
+        curvature = ["--factors", str(factors)] if Recipe(method=method).curvature else []
         with phase(f"attribute {method}", f"{DEMO.queries} queries x {args.attr_docs} "
                                           f"documents x {len(tags)} checkpoints"):
             attribute.main(["--run", str(run), "--store", str(store), "--queries",

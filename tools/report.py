@@ -25,6 +25,7 @@ import numpy as np  # noqa: E402
 from dattri_ds.cli import exits as cli  # noqa: E402
 from dattri_ds.io import files  # noqa: E402
 from dattri_ds.errors import InputFileError  # noqa: E402
+from dattri_ds.methods import get_attributor  # noqa: E402
 from dattri_ds.tools.configs import DATA, add_flags  # noqa: E402
 from dattri_ds.tools.datasets import open_data  # noqa: E402
 from dattri_ds.io.outputs import check_dir, writing  # noqa: E402
@@ -134,8 +135,8 @@ def _plots(att: Path, scores: np.ndarray, queries: list[dict], top: list[dict],
             bottom += vals
         ax.set_xticks(range(len(rows)), [SampleId.parse(train_ids[r]).doc for r in rows],
                       rotation=20, fontsize=7)
-        weighting = summary.get("weighting") or ("lr" if summary["method"] == "tracin"
-                                                 else "normalized")
+        weighting = summary.get("weighting") or get_attributor(
+            summary["method"]).default_weighting
         ax.set_ylabel(f"{weighting}-weighted contribution")
         ax.set_title(f"{summary['method']}: top proponents of {queries[0]['id']} by checkpoint",
                      fontsize=9)

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hybrid import read  # noqa: E402  (the NAME=summary.json reader)
 
 #: The two EK-FAC methods alone, and with the text prior at the weights ``attribute`` ships
-#: (dattri_ds.methods.recipe.TEXT_WEIGHTS: z(m) + w z(tfidf), 0.25 trajectory, 0.5 single checkpoint).
+#: (Attributor.text_weight: z(m) + w z(tfidf), 0.25 trajectory, 0.5 single checkpoint).
 METHODS = ("ekfac-trajectory", "ekfac", "ekfac-trajectory+0.25*tfidf", "ekfac+0.5*tfidf")
 DEFAULT = 0.003
 PROJECTED = "whitened-sparse:4096"

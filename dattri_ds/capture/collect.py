@@ -8,7 +8,6 @@ being trained (DDP, FSDP2, ZeRO-3) can be probed between steps.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -17,11 +16,9 @@ from torch import nn
 
 from dattri_ds.capture.hooks import GradientCapture
 from dattri_ds.capture.config import CaptureConfig
-from dattri_ds.errors import CaptureError, ConfigError
+from dattri_ds.errors import CaptureError
 from dattri_ds.gradient import GradBatch
 from dattri_ds.ops.cost import CostModel
-from dattri_ds.ops.inner import project_batch
-from dattri_ds.ops.projection import Projector
 
 if TYPE_CHECKING:
     from dattri_ds.ops.kronecker import KFACFactors
@@ -43,9 +40,8 @@ def collect(model: nn.Module, batches: Iterable[Batch], config: CaptureConfig | 
             factors: KFACFactors | None = None) -> Iterator[GradBatch]:
     """Yield the per-example gradients of every batch, in order (projected if configured).
 
-    With ``config.whiten`` every batch is captured exactly, whitened by ``factors``
-    (``KFACFactors.whiten``, method ``config.whiten``) and then projected with
-    ``config.projection``: the rows of a whitened store (layer tags
+    With ``config.whiten`` the capture whitens every batch by ``factors`` and then projects
+    it (``GradientCapture(factors=)``): the rows of a whitened store (layer tags
     ``<projection tag>+whitened:<method>``).
 
     Args:
@@ -69,17 +65,7 @@ def collect(model: nn.Module, batches: Iterable[Batch], config: CaptureConfig | 
         >>> grads = dattri_ds.GradBatch.cat(list(dattri_ds.collect(model, loader, cfg)))
     """
     ids_iter = iter(user_ids) if user_ids is not None else None
-    whiten = config.whiten if config is not None else None
-    if (whiten is None) != (factors is None):
-        raise ConfigError(f"collect: capture.whiten={whiten!r} with factors "
-                          f"{'given' if factors is not None else 'missing'}: whitened rows "
-                          f"need both (fit the factors first: dattri_ds.fit_factors), plain "
-                          f"rows neither")
-    projector = None
-    if whiten is not None:  # capture exactly; whiten, then project, here
-        projector = Projector(config.projection)
-        config = dataclasses.replace(config, whiten=None, projection=None)
-    with GradientCapture(model, config, probe_only=True, cost=cost) as cap:
+    with GradientCapture(model, config, probe_only=True, cost=cost, factors=factors) as cap:
         for i, batch in enumerate(batches):
             if device is not None:
                 batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
@@ -91,6 +77,4 @@ def collect(model: nn.Module, batches: Iterable[Batch], config: CaptureConfig | 
                     f"Batch {i} produced no per-example gradient: its loss does not depend on "
                     f"any captured layer (include={list(cap.config.include)}), or loss_fn does "
                     f"not call the model")
-            if factors is not None:
-                got = project_batch(factors.whiten(got, method=whiten), projector, cost)
             yield got

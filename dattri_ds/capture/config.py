@@ -69,7 +69,7 @@ class CaptureConfig:
     ``<P r_n, P r_q>`` is the K-FAC/EK-FAC influence up to the projection's JL error. The
     rows a projected store for ``kfac``/``ekfac`` (and their trajectories) should hold:
     they keep >= 90% of the exact LDS where projecting raw gradients keeps ~10%. Needs the
-    factors: ``dattri_ds.collect(..., factors=)`` (``GradientCapture`` refuses it)."""
+    factors: ``GradientCapture(..., factors=)`` or ``dattri_ds.collect(..., factors=)``."""
 
     max_pending: int = field(default=64, metadata=schema.bounds(ge=1, le=2**20))
     """Warn when more than this many captured batches wait to be popped (no callback)."""

@@ -25,7 +25,8 @@ import warnings
 import weakref
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -39,9 +40,12 @@ from dattri_ds.layers import LayerKind, kind_for
 from dattri_ds.capture.nonfinite import nonfinite_rows, read_with_flag
 from dattri_ds.ops.cost import CostModel, default_cost_model
 from dattri_ds.ops.projection import Projector
-from dattri_ds.ops.space import project_layers
+from dattri_ds.ops.space import project_batch, project_layers
 from dattri_ds.capture.semantics import BatchInfo, batch_info, example_scale
 from dattri_ds.capture.tied import TiedGroup, find_tied, merge_tied
+
+if TYPE_CHECKING:
+    from dattri_ds.ops.kronecker import KFACFactors
 
 __all__ = ["GradientCapture"]
 
@@ -93,6 +97,10 @@ class GradientCapture:
         step_fn: engine adapters' global step, read when a micro-batch starts.
         probe_only: record nothing during ordinary forwards; only ``probe()`` captures.
             Such a capture may share a model with one recording capture.
+        factors: eigendecomposed curvature factors of this model (``config.whiten`` only):
+            every batch is captured exactly, whitened by them (``KFACFactors.whiten``) and
+            then projected (``config.projection``), rows tagged
+            ``<projection>+whitened:<method>``.
 
     Use ``GradientCapture.for_engine(engine, ...)`` for a DeepSpeed engine: it hooks
     ``engine.module`` and takes scale, step and step boundaries from the engine.
@@ -106,7 +114,8 @@ class GradientCapture:
     def __init__(self, model: nn.Module, config: CaptureConfig | None = None, *,
                  callbacks: Iterable[TrainingCallback] = (), cost: CostModel | None = None,
                  scale_fn: Callable[[], float] | None = None,
-                 step_fn: Callable[[], int] | None = None, probe_only: bool = False) -> None:
+                 step_fn: Callable[[], int] | None = None, probe_only: bool = False,
+                 factors: KFACFactors | None = None) -> None:
         self.model = model
         self.probe_only = probe_only
         self.config = config or CaptureConfig()
@@ -119,18 +128,16 @@ class GradientCapture:
         self.step = 0
         self.skipped = 0  # micro-batches dropped whole (every example non-finite)
         self.skipped_examples = 0
-        #: Rows of the last built micro-batch that were kept (``[K]`` positions in the
-        #: forward's batch) when some were dropped as non-finite; None when all were kept.
-        self.last_kept: torch.Tensor | None = None
         self.layers: dict[str, tuple[nn.Module, LayerKind]] = {}
         #: name -> the layer's canonical ``(O, I')`` and shard, read from the module once
         self._shapes: dict[str, tuple[tuple[int, int], ShardInfo | None]] = {}
         self.unsupported: list[str] = []
-        if self.config.whiten is not None:
-            raise ConfigError(f"capture.whiten='{self.config.whiten}' needs the curvature "
-                              f"factors, which GradientCapture does not have: use "
-                              f"dattri_ds.collect(model, batches, config, factors=...), or "
-                              f"whiten=None")
+        if (self.config.whiten is None) != (factors is None):
+            raise ConfigError(f"capture.whiten={self.config.whiten!r} with factors "
+                              f"{'given' if factors is not None else 'missing'}: whitened rows "
+                              f"need both (fit the factors first: dattri_ds.fit_factors; "
+                              f"GradientCapture / collect(..., factors=)), plain rows neither")
+        self._factors = factors
         self._projector = Projector(self.config.projection) if self.config.projection else None
         self._handles: list = []
         self._open: list[_Record] = []
@@ -365,7 +372,7 @@ class GradientCapture:
         self._in_backward = None
         if rec in self._open:
             self._open.remove(rec)
-        batch = self._build(rec)
+        batch = self._whitened(self._build(rec))
         rec.pairs.clear()
         if batch is not None:
             self._deliver(batch)
@@ -396,7 +403,7 @@ class GradientCapture:
         with the sample ids' tokens: the batch's one host sync.
         """
         cfg = self.config
-        post = self._projector is not None
+        post = self._projector is not None and self._factors is None
         first, first_pairs = next(iter(rec.pairs.items()))
         bdim = _bdim(self.layers[first][1], self.layers[first][0])
         some_g = first_pairs[0][1]
@@ -416,17 +423,15 @@ class GradientCapture:
             layers = project_layers(layers, self._projector, cost, scale=scale)
         finite = self._read(info, layers, agree=not post)
         batch = GradBatch(rec.step, info.sample_ids, layers, rec.index, info.token_counts)
-        self.last_kept = None
         if finite:
             return batch
         bad, layer = nonfinite_rows(batch, agree=not post)
         if bad is None:  # a norm overflowed; every value is finite
             return batch
         keep = torch.nonzero(~bad).flatten().cpu()
-        self.last_kept = keep
         self._nonfinite(layer, rec, [batch.sample_ids[i] for i in
                                      torch.nonzero(bad).flatten().tolist()], keep.numel())
-        return batch.index(keep) if keep.numel() else None
+        return replace(batch.index(keep), kept=keep) if keep.numel() else None
 
     def _layers(self, rec: _Record, scale: torch.Tensor, post: bool,
                 cost: CostModel) -> dict[str, LayerGrad]:
@@ -515,7 +520,7 @@ class GradientCapture:
         ``retain_graph=True`` keeps the forward graphs, so the caller may back-propagate
         (some of) the calls' losses again afterwards.
         The batch is returned (and projected if configured), not delivered to callbacks;
-        ``last_kept`` holds the positions of the kept examples over all calls (None: all).
+        Its ``kept`` holds the positions of the kept examples over all calls (None: all).
         Cost: one forward and one backward without weight-gradient matmuls, which stops
         at the lowest captured layer.
         """
@@ -538,10 +543,18 @@ class GradientCapture:
         for (r, name, a, _), g in zip(entries, grads):
             if g is not None:
                 r.pairs[name].append((a, g.detach()))
-        return self._build_probed(recs)
+        return self._whitened(self._build_probed(recs))
+
+    def _whitened(self, batch: GradBatch | None) -> GradBatch | None:
+        """The post-capture step of ``config.whiten``: the exact batch whitened by the
+        factors, then projected (``<projection>+whitened:<method>``); others as they are."""
+        if batch is None or self._factors is None:
+            return batch
+        return project_batch(self._factors.whiten(batch, method=self.config.whiten),
+                             self._projector, self.cost)
 
     def _build_probed(self, recs: list[_Record]) -> GradBatch | None:
-        """The probed records' batches, concatenated; ``last_kept`` over all of them."""
+        """The probed records' batches, concatenated; ``kept`` over all of them."""
         batches, kept, offset, dropped = [], [], 0, False
         for r in recs:
             r.done = True
@@ -551,14 +564,14 @@ class GradientCapture:
             r.pairs.clear()
             if batch is not None:
                 batches.append(batch)
-                local = self.last_kept if self.last_kept is not None else torch.arange(rows)
-                kept.append(local + offset)
-            dropped |= batch is None or self.last_kept is not None
+                kept.append((batch.kept if batch.kept is not None else torch.arange(rows))
+                            + offset)
+            dropped |= batch is None or batch.kept is not None
             offset += rows
-        self.last_kept = torch.cat(kept) if dropped and kept else None
         if not batches:
             return None
-        return batches[0] if len(batches) == 1 else GradBatch.cat(batches)
+        out = batches[0] if len(batches) == 1 else GradBatch.cat(batches)
+        return replace(out, kept=torch.cat(kept)) if dropped else out
 
     # ---- consumer API ---------------------------------------------------------------
     def pop(self) -> GradBatch | None:

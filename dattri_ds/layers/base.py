@@ -8,9 +8,9 @@ A kind knows three things about its module type, and nothing else in the library
 2. *Per-layer maths*, both paths side by side: on factors (ghost) ``materialize``,
    ``cross_gram``, ``sq_norms``, ``cross_dense``, ``project_kron``; on any ``LayerGrad``
    data (factorized or dense) ``rows``, ``gram``, ``sq_norms_of``, ``sum_rows``,
-   ``project_factors``, ``project_rows``, each routed by ``CostModel.route`` (which reads
-   the shapes, and ``index_input``, to build the cost model's ``LayerDims``). Ops ask the
-   kind and never test the data's form themselves.
+   ``project_factors`` (dense and sparse matrices of rows: ``ops.projection``), each
+   routed by ``CostModel.route`` (which reads the shapes, and ``index_input``, to build
+   the cost model's ``LayerDims``). Ops ask the kind and never test the data's form themselves.
 3. *Reference layout*: how the module's parameter gradients map onto the canonical
    ``[O, I']`` layout (used by tests and by consumers that write gradients back).
 
@@ -102,15 +102,6 @@ class LayerKind(ABC):
 
     def __reduce__(self):  # pickles / deep copies resolve to the registered instance
         return get_kind, (self.name,)
-
-    def __eq__(self, other: object) -> bool:
-        """A kind is itself, and equals its registered name (code that held names)."""
-        if isinstance(other, str):
-            return other == self.name
-        return self is other
-
-    def __hash__(self) -> int:
-        return hash(self.name)
 
     def __str__(self) -> str:
         return self.name
@@ -304,32 +295,6 @@ class LayerKind(ABC):
         return cost.route("project_kron", layer, self, f, shape, {
             "ghost": lambda: self.project_kron(f, p_out, p_in), "dense": dense,
         }, path=path, ko=p_out.shape[0], ki=p_in.shape[0])
-
-    def project_rows(self, layer: str, data: Factorized | Dense, shape: tuple[int, int],
-                     projector, cost, path: str | None = None) -> torch.Tensor:
-        """``[B, P]`` dense or sparse random projection of the flattened gradient.
-
-        Sparse JL always materializes (its product is ``B*D*s``); dense JL is routed (op
-        ``project_dense``): the ghost path ``sum_t g_t^T P_p a_t`` only wins when T is 1;
-        an index input always materializes."""
-        k = projector.config.dim
-        if isinstance(data, Dense):
-            return projector.apply(layer, data.values.to(COMPUTE_DTYPE), k)
-        f = self.f32(data)
-        if projector.sparse and self.output_sliceable:  # >= 64 output rows per product
-            return projector.apply_columns(layer, lambda start, stop: self.materialize_columns(
-                f, shape, start, stop), shape[0] * shape[1], k, span=64 * shape[1])
-
-        def dense() -> torch.Tensor:
-            return projector.apply(layer, self.materialize(f, shape), k)
-        if projector.sparse or self.index_input:
-            return dense()
-
-        def ghost() -> torch.Tensor:
-            m = projector.dense_matrix(layer, shape[0] * shape[1], k).to(f.g.device)
-            return self.cross_dense(f, m, shape)
-        return cost.route("project_dense", layer, self, f, shape,
-                          {"ghost": ghost, "dense": dense}, path=path, P=k)
 
     def materialize_columns(self, f: Factorized, shape: tuple[int, int], start: int,
                             stop: int) -> torch.Tensor:

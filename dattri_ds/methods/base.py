@@ -62,6 +62,12 @@ class Attributor(ABC):
     """
 
     name: ClassVar[str]
+    #: The weight of the text-overlap prior (``dattri_ds.eval.with_text_prior``) that
+    #: ``attribute`` adds to the method's scores by default: chosen leave-one-regime-out on
+    #: 16 LDS regimes, where it raised the method on every held-out regime or tied
+    #: (docs/attribution_fidelity.md, "A second data set, and text overlap mixed into the
+    #: scores"). Methods not measured with it (TracIn, grad-dot, grad-cos): 0.
+    text_weight: ClassVar[float] = 0.0
 
     def __init_subclass__(cls, name: str | None = None, **kwargs) -> None:
         super().__init_subclass__(**kwargs)

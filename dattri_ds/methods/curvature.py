@@ -58,6 +58,8 @@ class KFAC(Attributor, name="kfac"):
             products (the projection-friendly form: docs/attribution_fidelity.md).
     """
 
+    text_weight = 0.5
+
     method = "kfac"
 
     def __init__(self, *, factors: KFACFactors, layers: Iterable[str] | None = None,
@@ -135,8 +137,7 @@ def fit_factors(batches: Batches, *, config: KFACConfig | None = None,
     make = _passes(batches)
     factors = KFACFactors(config, projector)
     if make is None and ekfac:  # a one-shot stream: spill it on the first pass
-        sides = projector if projector is not None and projector.config.kind == "kronecker" \
-            else None
+        sides = projector if projector is not None and projector.kind.factorized else None
         with Spill(batches, dir=spill_dir, projector=sides) as spilled:
             return _fit(factors, spilled, ekfac, ctx)
     return _fit(factors, make() if make is not None else batches, ekfac, ctx,

@@ -31,16 +31,9 @@ from dattri_ds.methods import (
 from dattri_ds.ops.kronecker import KFACConfig, KFACFactors
 from dattri_ds.ops.projection import ProjectionConfig, Projector
 
-__all__ = ["Recipe", "TEXT_WEIGHTS"]
+__all__ = ["Recipe"]
 
 T = TypeVar("T")
-
-#: The weight of the text-overlap prior (``dattri_ds.eval.with_text_prior``) that
-#: ``attribute`` adds to each method's scores by default: chosen leave-one-regime-out on 16
-#: LDS regimes, where it raised the method on every held-out regime or tied
-#: (docs/attribution_fidelity.md, "A second data set, and text overlap mixed into the
-#: scores"). Methods not measured with it (TracIn, grad-dot, grad-cos): 0.
-TEXT_WEIGHTS = {"ekfac-trajectory": 0.25, "ekfac": 0.5, "kfac-trajectory": 0.5, "kfac": 0.5}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,7 +66,7 @@ class Recipe:
             raise ConfigError(f"Recipe: --method {self.method} cannot score "
                               f"{'whitened' if self.whitened else 'LoGra'} rows; use a "
                               f"curvature method (kfac, ekfac or their trajectories)")
-        if self.logra and (self.projection is None or self.projection.kind != "kronecker"):
+        if self.logra and (self.projection is None or not self.projection.strategy.factorized):
             raise ConfigError(f"Recipe: LoGra factors need a Kronecker projection, got "
                               f"{None if self.projection is None else self.projection.kind}")
 
@@ -84,8 +77,9 @@ class Recipe:
 
     @property
     def text_weight(self) -> float:
-        """The text-overlap prior's default weight for this method (``TEXT_WEIGHTS``)."""
-        return TEXT_WEIGHTS.get(self.method, 0.0)
+        """The text-overlap prior's default weight for this method
+        (``Attributor.text_weight``)."""
+        return get_attributor(self.method).text_weight
 
     @property
     def inner(self) -> str:

@@ -209,6 +209,7 @@ class EKFACTrajectory(Trajectory, name="ekfac-trajectory"):
 
     default_inner = "ekfac"
     default_weighting = "normalized"
+    text_weight = 0.25
 
 
 class KFACTrajectory(Trajectory, name="kfac-trajectory"):
@@ -216,3 +217,4 @@ class KFACTrajectory(Trajectory, name="kfac-trajectory"):
 
     default_inner = "kfac"
     default_weighting = "normalized"
+    text_weight = 0.5

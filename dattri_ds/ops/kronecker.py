@@ -64,13 +64,15 @@ from dattri_ds.layers.base import COMPUTE_DTYPE, KINDS, LayerKind
 from dattri_ds.layers.outer import GHOST_CHUNK_ELEMENTS, OuterProductKind, row_chunks
 from dattri_ds.ops.cost import CostModel, default_cost_model
 from dattri_ds.layers.factor_forms import FORMS, FactorForm
-from dattri_ds.ops.projection import Projector, kron_dims
+from dattri_ds.ops.projection import Projector
 from dattri_ds.ops.space import project
 from dattri_ds.io.schema import bounds, check
 
 __all__ = ["KFACConfig", "LayerFactors", "KFACFactors", "METHODS", "logra_sides"]
 
-METHODS = ("kfac", "ekfac")
+#: Eigenvalue methods -> whether they read the EK-FAC corrected eigenvalues.
+CORRECTED = {"kfac": False, "ekfac": True}
+METHODS = tuple(CORRECTED)
 _FORMAT = "dattri_ds.kfac/1"
 
 
@@ -221,13 +223,13 @@ class KFACFactors:
         if p is None or o * i <= p.config.dim:
             space = CANONICAL if p is None else p.exact_space
             return LayerFactors(lg.name, kind, lg.shape, space, form, (o, i)), None
-        if p.config.kind != "kronecker":
+        if not p.kind.factorized:
             raise ConfigError(
                 f"Layer '{lg.name}': K-FAC on a '{p.config.kind}' projection has no Kronecker "
                 f"structure; use ProjectionConfig(kind='kronecker') (LoGra) or unprojected data")
         return LayerFactors(lg.name, kind, lg.shape, p.space,
                             kind.factor_form(o * i, self.config.full_max, side_projected=True),
-                            kron_dims(p.config.dim, o, i)), None
+                            p.side_dims(o, i)), None
 
     def _dense_rows(self, lg: LayerGrad) -> tuple[Space, torch.Tensor]:
         """``(space, rows [B, W])`` of a layer fitted on dense rows."""
@@ -459,7 +461,7 @@ class KFACFactors:
         return inv
 
     def _eigenvalues(self, lf: LayerFactors, method: str) -> torch.Tensor:
-        if method == "kfac" or not lf.form.lam_keys:
+        if not (CORRECTED[method] and lf.form.lam_keys):
             return lf.form.kfac_eigenvalues(lf.eig)
         n = float(lf.sums["lam_examples"])
         if n == 0:
@@ -601,7 +603,7 @@ def logra_sides(batch: GradBatch, projector: Projector) -> GradBatch:
     Raises:
         ConfigError: the projection is not Kronecker.
     """
-    if projector.config.kind != "kronecker":
+    if not projector.kind.factorized:
         raise ConfigError(f"logra_sides: projection kind {projector.config.kind!r} has no "
                           f"per-side factors; use ProjectionConfig(kind='kronecker') (LoGra)")
     layers = {}

@@ -11,7 +11,7 @@ Three families, all unbiased for inner products (``E[<Px, Py>] = <x, y>``):
   k for spread-out vectors, at ``s / k`` of the dense cost: ``B*D*s`` multiply-adds
   instead of ``2*B*D*k``, and a matrix of ``D*s`` indices instead of ``D*k`` floats;
   generated in the same seeded column blocks, each kept as a CSR tensor and applied to the
-  rows with one sparse-dense product per block (``Projector.apply_at``).
+  rows with one sparse-dense product per block (``SparseKind.apply``).
 * kronecker (LoGra): ``P = P_out (x) P_in`` with ``P_out [ko, O]`` and ``P_in [ki, I']``,
   each of variance ``1/ko`` and ``1/ki``. Then ``P vec(G) = vec(P_out G P_in^T)``, which the
   factorized form computes as ``sum_t (P_out g_t)(P_in a_t)^T`` without building ``G``.
@@ -48,7 +48,8 @@ from typing import ClassVar, Literal
 import torch
 
 from dattri_ds.errors import ConfigError
-from dattri_ds.gradient import Space
+from dattri_ds.gradient import Dense, Factorized, Space
+from dattri_ds.layers.base import COMPUTE_DTYPE
 from dattri_ds.registry import Registry
 from dattri_ds.io.schema import bounds, check
 
@@ -81,8 +82,21 @@ class ProjectionKind:
     """
 
     name: ClassVar[str]
-    #: Projects the factors ``(a, g)`` without materializing ``G`` (no ``[B, O*I']``).
+    #: Projects the factors ``(a, g)`` without materializing ``G`` (no ``[B, O*I']``): one
+    #: seeded side per factor, ``side_dims`` and ``Projector.kron_sides`` (curvature factors
+    #: can be fitted in its space: LoGra).
     factorized: ClassVar[bool] = False
+    #: A tensor-parallel shard can be projected alone (``project_shard``), its partial rows
+    #: summed over the shard group.
+    shardable: ClassVar[bool] = False
+    #: Chooses a kind per layer (``resolve``): ``kron_speedup`` is part of its tag.
+    per_layer: ClassVar[bool] = False
+    #: The matrix kind (``DenseKind``, ``SparseKind``: ``apply``, ``matrix``,
+    #: ``project_rows``) that projects materialized rows under this kind
+    #: (``Projector.matrix_kind``): a dense-only layer's, or whitened rows.
+    rows_kind: ClassVar[str] = "dense"
+    #: The stacked strategy of its layers (``ops/stacked.py``), None: projected one at a time.
+    stacked: ClassVar[str | None] = None
 
     def __init_subclass__(cls, *, name: str, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
@@ -95,9 +109,24 @@ class ProjectionKind:
 
     def project(self, projector: Projector, lg, cost, path: str | None = None) -> torch.Tensor:
         """``[B, width]`` projected rows of one unsharded, unprojected ``LayerGrad`` (factors
-        or dense rows). Default: the layer's kind applies the projector's seeded dense or
-        sparse matrix (``LayerKind.project_rows``, routed by the cost model ``cost``)."""
-        return lg.kind.project_rows(lg.name, lg.data, lg.shape, projector, cost, path)
+        or dense rows). Default: the projector's matrix kind applies its seeded dense or
+        sparse matrix (``project_rows``, routed by the cost model ``cost``)."""
+        rows = projector.matrix_kind
+        if isinstance(lg.data, Dense):
+            return rows.apply(projector, lg.name, lg.data.values.to(COMPUTE_DTYPE),
+                              projector.config.dim)
+        return rows.project_rows(projector, lg, cost, path)
+
+    def project_shard(self, projector: Projector, lg, shard, cost, path: str | None = None
+                      ) -> torch.Tensor:
+        """``[B, width]`` partial rows of one tensor-parallel shard ``lg`` (``shardable``
+        kinds): summed over the shard group they are the full layer's ``project``. Default:
+        the materialized local rows times the columns of the seeded matrix they hold (each
+        rank generates the seeded column blocks its entries touch)."""
+        o, i = shard.full_shape
+        x = lg.kind.rows(lg.data, lg.shape)
+        return projector.apply(lg.name, x, projector.config.dim,
+                               shard.flat_index(lg.shape, x.device), o * i)
 
     def matrix_bytes(self, k: int, o: int, i: int) -> int:
         """Bytes of the layer's seeded matrices (fp32 values)."""
@@ -130,28 +159,34 @@ PROJECTION_KINDS: Registry[ProjectionKind] = Registry(
 
 
 class KroneckerKind(ProjectionKind, name="kronecker"):
-    """``P_out (x) P_in`` (LoGra): sides ``[ko, O]`` and ``[ki, I']``, ``ko*ki ~ k``."""
+    """``P_out (x) P_in`` (LoGra): sides ``[ko, O]`` and ``[ki, I']``, ``ko*ki ~ k``
+    (``side_dims``; a subclass with another split is another factorized kind)."""
 
-    factorized = True
+    factorized = shardable = True
+    stacked = "kron"
+
+    def side_dims(self, k: int, o: int, i: int) -> tuple[int, int]:
+        """``(ko, ki)``: the rows of the two seeded sides (``kron_dims``)."""
+        return kron_dims(k, o, i)
 
     def width(self, k: int, o: int, i: int) -> int:
-        ko, ki = kron_dims(k, o, i)
+        ko, ki = self.side_dims(k, o, i)
         return ko * ki
 
     def matrix_bytes(self, k: int, o: int, i: int) -> int:
-        ko, ki = kron_dims(k, o, i)
+        ko, ki = self.side_dims(k, o, i)
         return 4 * (ko * o + ki * i)
 
     def block_bytes(self, k: int, o: int, i: int) -> int:
-        ko, ki = kron_dims(k, o, i)
+        ko, ki = self.side_dims(k, o, i)
         return 4 * max(ko * o, ki * i)
 
     def flops(self, k: int, o: int, i: int, t: int) -> float:
-        ko, ki = kron_dims(k, o, i)
+        ko, ki = self.side_dims(k, o, i)
         return 2.0 * t * (o * ko + i * ki + ko * ki)
 
     def cost_op(self, k: int, o: int, i: int) -> tuple[str, dict[str, int]]:
-        ko, ki = kron_dims(k, o, i)
+        ko, ki = self.side_dims(k, o, i)
         return "project_kron", {"ko": ko, "ki": ki}
 
     def project(self, projector, lg, cost, path=None):
@@ -162,14 +197,30 @@ class KroneckerKind(ProjectionKind, name="kronecker"):
         p_out, p_in = projector.kron_sides(lg.name, *lg.shape, lg.device)
         return lg.kind.project_factors(lg.name, lg.data, lg.shape, p_out, p_in, cost, path)
 
+    def project_shard(self, projector, lg, shard, cost, path=None):
+        """Factors: ``P vec(G) = sum_r vec(P_out[:, R_r] G_r P_in^T)`` for row blocks ``R_r``
+        (column-parallel), likewise with ``P_in[:, C_r]`` for column blocks (row-parallel);
+        dense rows: the seeded dense matrix's columns."""
+        if not isinstance(lg.data, Factorized):
+            return super().project_shard(projector, lg, shard, cost, path)
+        p_out, p_in = projector.kron_sides(lg.name, *shard.full_shape, lg.device)
+        n = lg.shape[shard.dim]
+        if shard.dim == 0:
+            p_out = p_out.narrow(1, shard.start, n)
+        else:
+            p_in = p_in.narrow(1, shard.start, n)
+        return lg.kind.project_factors(lg.name, lg.data, lg.shape, p_out, p_in, cost, path)
+
     def error(self, k: int, o: int, i: int) -> float:
         """``sqrt(2/ko) + sqrt(2/ki)``: each side is a JL map of its own factor."""
-        ko, ki = kron_dims(k, o, i)
+        ko, ki = self.side_dims(k, o, i)
         return math.sqrt(2.0 / ko) + math.sqrt(2.0 / ki)
 
 
 class DenseKind(ProjectionKind, name="dense"):
     """One Gaussian/Rademacher ``[k, O*I']`` matrix on the materialized gradient."""
+
+    shardable = True
 
     def matrix_bytes(self, k: int, o: int, i: int) -> int:
         return 4 * k * o * i
@@ -177,9 +228,56 @@ class DenseKind(ProjectionKind, name="dense"):
     def flops(self, k: int, o: int, i: int, t: int) -> float:
         return 2.0 * t * o * i + 2.0 * k * o * i
 
+    def apply(self, projector: Projector, layer: str, x: torch.Tensor, rows: int,
+              index: torch.Tensor | None = None, d: int | None = None) -> torch.Tensor:
+        """``x [B, n] @ P[:, index]^T`` -> ``[B, rows]``: ``x`` holds columns ``index [n]``
+        of a ``[B, D]`` matrix (None: all of them), streamed over the seeded column blocks
+        they touch, each as built for the full width ``d``: a tensor-parallel shard's
+        partial rows sum to the full row's."""
+        out = x.new_zeros(x.shape[0], rows)
+        if index is None:
+            d = x.shape[1]
+            for blk, start in enumerate(range(0, d, BLOCK)):
+                cols = min(BLOCK, d - start)
+                p = projector.dense_block(layer, blk, rows, cols, x.device, x.dtype)
+                out += x[:, start:start + cols] @ p.T
+            return out
+        index = index.to(x.device)
+        for blk, sel, width in _touched(index, d):
+            p = projector.dense_block(layer, blk, rows, width, x.device, x.dtype)
+            out += x[:, sel] @ p[:, index[sel] - blk * BLOCK].T
+        return out
+
+    def matrix(self, projector: Projector, layer: str, d: int, rows: int) -> torch.Tensor:
+        """The whole ``[rows, D]`` matrix (references, small layers)."""
+        return torch.cat([projector.dense_block(layer, b, rows, min(BLOCK, d - s),
+                                                torch.device("cpu"))
+                          for b, s in enumerate(range(0, d, BLOCK))], dim=1)
+
+    def project_rows(self, projector: Projector, lg, cost, path: str | None = None
+                     ) -> torch.Tensor:
+        """``[B, k]`` of a layer given as factors, routed (op ``project_dense``): the ghost
+        path ``sum_t g_t^T P_p a_t`` only wins when T is 1; an index input materializes."""
+        k, kind, shape = projector.config.dim, lg.kind, lg.shape
+        f = kind.f32(lg.data)
+
+        def dense() -> torch.Tensor:
+            return self.apply(projector, lg.name, kind.materialize(f, shape), k)
+        if kind.index_input:
+            return dense()
+
+        def ghost() -> torch.Tensor:
+            m = self.matrix(projector, lg.name, shape[0] * shape[1], k).to(f.g.device)
+            return kind.cross_dense(f, m, shape)
+        return cost.route("project_dense", lg.name, kind, f, shape,
+                          {"ghost": ghost, "dense": dense}, path=path, P=k)
+
 
 class SparseKind(ProjectionKind, name="sparse"):
     """Sparse JL: ``SPARSE_NNZ`` non-zeros per column on the materialized gradient."""
+
+    shardable = True
+    rows_kind = stacked = "sparse"
 
     def matrix_bytes(self, k: int, o: int, i: int) -> int:
         """The CSR blocks: ``_SPARSE_ENTRY_BYTES`` per non-zero and an int32 row-pointer
@@ -193,9 +291,86 @@ class SparseKind(ProjectionKind, name="sparse"):
     def cost_op(self, k: int, o: int, i: int) -> tuple[str, dict[str, int]]:
         return "project_sparse", {"P": k}
 
+    def apply(self, projector: Projector, layer: str, x: torch.Tensor, rows: int,
+              index: torch.Tensor | None = None, d: int | None = None) -> torch.Tensor:
+        """``DenseKind.apply`` with the sparse matrix: one sparse-dense product
+        ``P_blk x_blk^T`` per seeded column block (``BLOCK`` columns, CSR, cached),
+        accumulated into ``[rows, B]``. Every non-zero reads one row of ``x_blk^T`` (the B
+        examples' values of one column, contiguous) and a block's rows fit in cache:
+        ``B*D*s`` multiply-adds at gather speed, no ``[B, D, s]`` intermediate and no
+        scatter. A column subset (a tensor-parallel shard) is zero-padded to the blocks it
+        touches (same blocks, same sums as the whole row: the shards' partials add up to it).
+        """
+        if index is None:  # every column: block by block
+            return self.apply_columns(projector, layer, lambda start, stop: x[:, start:stop],
+                                      x.shape[1] if d is None else d, rows)
+        out = x.new_zeros(rows, x.shape[0])
+        index = index.to(x.device)
+        for blk, sel, width in _touched(index, d):
+            m = projector.sparse_csr(layer, blk, rows, width, x.device, x.dtype)
+            xb = x.new_zeros(width, x.shape[0])
+            xb[index[sel] - blk * BLOCK] = x[:, sel].T
+            out += torch.sparse.mm(m, xb)
+        return out.T
+
+    def apply_columns(self, projector: Projector, layer: str, columns, d: int, rows: int,
+                      span: int = 0) -> torch.Tensor:
+        """``x [B, D] @ P^T`` -> ``[B, rows]``, ``x`` given a few seeded column blocks at a
+        time: ``columns(start, stop)`` -> ``x[:, start:stop]``, asked for at least ``span``
+        columns (whole blocks) per call.
+
+        The rows need never exist whole: a layer's kind materializes a span from its factors
+        while it is in cache (``project_rows``; ``span`` keeps its products large enough to
+        run at matmul speed), and each block's CSR product consumes it.
+        """
+        span = max(1, -(-span // BLOCK)) * BLOCK
+        out = None
+        for c0 in range(0, d, span):
+            xs = columns(c0, min(d, c0 + span))
+            for start in range(c0, min(d, c0 + span), BLOCK):
+                cols = min(BLOCK, d - start)
+                x = xs[:, start - c0:start - c0 + cols]
+                m = projector.sparse_csr(layer, start // BLOCK, rows, cols, x.device, x.dtype)
+                part = torch.sparse.mm(m, x.T.contiguous())  # row-major [cols, B]: fast
+                out = part if out is None else out.add_(part)
+        if out is None:
+            raise ConfigError(f"Layer '{layer}': nothing to project (D = {d} columns)")
+        return out.T
+
+    def matrix(self, projector: Projector, layer: str, d: int, rows: int) -> torch.Tensor:
+        """The whole ``[rows, D]`` matrix, its non-zeros written in (references)."""
+        out = torch.zeros(rows, d)
+        for b, start in enumerate(range(0, d, BLOCK)):
+            cols = min(BLOCK, d - start)
+            idx, val = projector.sparse_block(layer, b, rows, cols, torch.device("cpu"))
+            out[idx, (torch.arange(cols) + start).unsqueeze(1).expand_as(idx)] = val
+        return out
+
+    def project_rows(self, projector: Projector, lg, cost, path: str | None = None
+                     ) -> torch.Tensor:
+        """``[B, k]`` of a layer given as factors: always materialized (the product is
+        ``B*D*s``), a cache-sized span of output rows at a time where the kind can."""
+        k, kind, (o, i) = projector.config.dim, lg.kind, lg.shape
+        f = kind.f32(lg.data)
+        if kind.output_sliceable:  # >= 64 output rows per product
+            return self.apply_columns(projector, lg.name, lambda start, stop: (
+                kind.materialize_columns(f, lg.shape, start, stop)), o * i, k, span=64 * i)
+        return self.apply(projector, lg.name, kind.materialize(f, lg.shape), k)
+
+
+def _touched(index: torch.Tensor, d: int):
+    """``(block, positions in index, block width)`` of each seeded column block of a
+    ``D = d`` wide matrix that the columns ``index`` touch."""
+    blocks = torch.div(index, BLOCK, rounding_mode="floor")
+    for blk in torch.unique(blocks).tolist():
+        yield blk, (blocks == blk).nonzero().squeeze(1), min(BLOCK, d - blk * BLOCK)
+
 
 class AutoKind(ProjectionKind, name="auto"):
     """Per layer the cheaper-where-it-pays of sparse and Kronecker (``resolve``)."""
+
+    per_layer = True
+    rows_kind = "sparse"
 
     def resolve(self, config: ProjectionConfig, o: int, i: int) -> ProjectionKind:
         """The kind a layer ``[O, I']`` gets (``choose_projection``)."""
@@ -310,21 +485,36 @@ class ProjectionConfig:
                               f"class X(ProjectionKind, name='x'))")
 
     @property
+    def strategy(self) -> ProjectionKind:
+        """The registered ``ProjectionKind`` named by ``kind``."""
+        return PROJECTION_KINDS.lookup(self.kind)
+
+    @property
     def tag(self) -> str:
         """Identifier stored with projected gradients; equal tags = comparable vectors."""
-        auto = f":x{self.kron_speedup:g}" if self.kind == "auto" else ""
+        auto = f":x{self.kron_speedup:g}" if self.strategy.per_layer else ""
         return f"{self.kind}:{self.distribution}:k{self.dim}:s{self.seed}{auto}"
 
     @classmethod
-    def of_space(cls, space: Space) -> ProjectionConfig:
-        """The config whose ``tag`` is ``space.projection``.
+    def from_tag(cls, tag: str | None) -> ProjectionConfig:
+        """The config whose ``tag`` is ``tag`` (inverse of ``tag``; a ``Space``'s
+        ``projection``).
 
         Raises:
-            ConfigError: the space's tag is not a config's (``Space.kind`` says so).
+            ConfigError: ``tag`` is not a config's ``<kind>:<distribution>:k<dim>:s<seed>
+                [:x<speedup>]``, or names an unregistered kind.
         """
-        extra = {} if space.kron_speedup is None else {"kron_speedup": space.kron_speedup}
-        return cls(kind=space.kind, distribution=space.distribution, dim=space.k,
-                   seed=space.seed, **extra)
+        parts = (tag or "").split(":")
+        try:
+            if len(parts) not in (4, 5) or parts[2][0] != "k" or parts[3][0] != "s" or (
+                    len(parts) == 5 and parts[4][0] != "x"):
+                raise ValueError
+            extra = {"kron_speedup": float(parts[4][1:])} if len(parts) == 5 else {}
+            return cls(kind=parts[0], distribution=parts[1], dim=int(parts[2][1:]),
+                       seed=int(parts[3][1:]), **extra)
+        except (ValueError, IndexError):
+            raise ConfigError(f"projection tag {tag!r} is not a ProjectionConfig tag "
+                              f"'<kind>:<distribution>:k<dim>:s<seed>[:x<speedup>]'") from None
 
 
 def stable_seed(*parts: object) -> int:
@@ -447,12 +637,14 @@ class Projector:
         self.exact_space = Space(config.tag, identity=True)
         self._cache: dict[tuple, torch.Tensor] = {}
         self._cached_bytes = 0
-        #: Matrix (non-Kronecker) layers use the sparse JL matrix (``auto`` falls back to it).
-        self.sparse = config.kind in ("sparse", "auto")
+        #: The configured kind (``auto`` unresolved: ``kind_for`` resolves it per layer).
+        self.kind = config.strategy
+        #: The kind that projects materialized rows (``ProjectionKind.rows_kind``).
+        self.matrix_kind = PROJECTION_KINDS.lookup(self.kind.rows_kind)
 
     def kind_for(self, o: int, i: int) -> ProjectionKind:
         """The ProjectionKind a layer ``[O, I']`` is projected with (``auto`` resolved)."""
-        kind = projection_kind(self.config.kind)
+        kind = self.kind
         if isinstance(kind, AutoKind):
             kind = kind.resolve(self.config, o, i)
         return kind
@@ -540,9 +732,13 @@ class Projector:
         """The Kronecker sides ``(P_out [ko, O], P_in [ki, I'])`` of a layer ``[O, I']``
         (``kron_dims``): the one place they are built (stores, queries, shards and LoGra
         curvature factors share them)."""
-        ko, ki = kron_dims(self.config.dim, o, i)
+        ko, ki = self.side_dims(o, i)
         return (self.side(layer, "out", ko, o, device, dtype),
                 self.side(layer, "in", ki, i, device, dtype))
+
+    def side_dims(self, o: int, i: int) -> tuple[int, int]:
+        """``(ko, ki)`` of a layer ``[O, I']`` under its factorized kind (``side_dims``)."""
+        return self.kind_for(o, i).side_dims(self.config.dim, o, i)
 
     def dense_block(self, layer: str, block: int, rows: int, cols: int, device: torch.device,
                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -567,40 +763,11 @@ class Projector:
         return (self._get(key + ("index",), lambda: part(0), device, torch.long),
                 self._get(key + ("value",), lambda: part(1), device, dtype))
 
-    def apply(self, layer: str, x: torch.Tensor, rows: int) -> torch.Tensor:
-        """``x [B, D] @ P^T`` -> ``[B, rows]`` for the dense or sparse kind."""
-        if self.sparse:
-            return self.apply_at(layer, x, rows, None, x.shape[1])
-        return self.dense_apply(layer, x, rows)
-
-    def dense_apply(self, layer: str, x: torch.Tensor, rows: int) -> torch.Tensor:
-        """``x [B, D] @ P^T`` -> ``[B, rows]``, streaming over seeded column blocks."""
-        out = x.new_zeros(x.shape[0], rows)
-        d = x.shape[1]
-        for blk, start in enumerate(range(0, d, BLOCK)):
-            cols = min(BLOCK, d - start)
-            p = self.dense_block(layer, blk, rows, cols, x.device, x.dtype)
-            out += x[:, start:start + cols] @ p.T
-        return out
-
-    def dense_apply_at(self, layer: str, x: torch.Tensor, rows: int, index: torch.Tensor,
-                       d: int) -> torch.Tensor:
-        """``x [B, n]`` holds columns ``index [n]`` of a ``[B, D]`` matrix: ``x @ P[:, index]^T``.
-
-        The tensor-parallel form of ``dense_apply``: a shard's partial projection, streamed
-        over the seeded column blocks that ``index`` touches (each block as ``dense_apply``
-        builds it for the full width ``d``), so the shards' partial results sum to the
-        projection of the full row. Returns ``[B, rows]``.
-        """
-        out = x.new_zeros(x.shape[0], rows)
-        index = index.to(x.device)
-        blocks = torch.div(index, BLOCK, rounding_mode="floor")
-        for blk in torch.unique(blocks).tolist():
-            sel = (blocks == blk).nonzero().squeeze(1)
-            width = min(BLOCK, d - blk * BLOCK)
-            p = self.dense_block(layer, blk, rows, width, x.device, x.dtype)
-            out += x[:, sel] @ p[:, index[sel] - blk * BLOCK].T
-        return out
+    def apply(self, layer: str, x: torch.Tensor, rows: int, index: torch.Tensor | None = None,
+              d: int | None = None) -> torch.Tensor:
+        """``x [B, n] @ P[:, index]^T`` -> ``[B, rows]`` with the matrix of materialized rows
+        (``matrix_kind.apply``; ``index=None``: all columns)."""
+        return self.matrix_kind.apply(self, layer, x, rows, index, d)
 
     def sparse_csr(self, layer: str, block: int, rows: int, cols: int, device: torch.device,
                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -612,68 +779,6 @@ class Projector:
                          lambda: sparse_csr(*sparse_columns(rows, cols, seed, cfg.distribution),
                                             rows), device, dtype)
 
-    def apply_at(self, layer: str, x: torch.Tensor, rows: int, index: torch.Tensor | None,
-                 d: int) -> torch.Tensor:
-        """``dense_apply_at`` for both matrix kinds; ``index=None``: all ``d`` columns.
-
-        Sparse: one sparse-dense product ``P_blk x_blk^T`` per seeded column block (``BLOCK``
-        columns, CSR, cached), accumulated into ``[rows, B]``. Every non-zero reads one row of
-        ``x_blk^T`` (the B examples' values of one column, contiguous) and a block's rows fit
-        in cache: ``B*D*s`` multiply-adds at gather speed, no ``[B, D, s]`` intermediate and
-        no scatter. A column subset (a tensor-parallel shard) is zero-padded to the blocks it
-        touches (same blocks, same sums as the whole row: the shards' partials add up to it).
-        """
-        if not self.sparse:
-            if index is None:
-                return self.dense_apply(layer, x, rows)
-            return self.dense_apply_at(layer, x, rows, index, d)
-        if index is None:  # every column: block by block
-            return self.apply_columns(layer, lambda start, stop: x[:, start:stop], d, rows)
-        out = x.new_zeros(rows, x.shape[0])
-        index = index.to(x.device)
-        blocks = torch.div(index, BLOCK, rounding_mode="floor")
-        for blk in torch.unique(blocks).tolist():
-            sel = (blocks == blk).nonzero().squeeze(1)
-            width = min(BLOCK, d - blk * BLOCK)
-            m = self.sparse_csr(layer, blk, rows, width, x.device, x.dtype)
-            xb = x.new_zeros(width, x.shape[0])
-            xb[index[sel] - blk * BLOCK] = x[:, sel].T
-            out += torch.sparse.mm(m, xb)
-        return out.T
-
-    def apply_columns(self, layer: str, columns, d: int, rows: int,
-                      span: int = 0) -> torch.Tensor:
-        """``x [B, D] @ P^T`` -> ``[B, rows]`` for the sparse kind, ``x`` given a few seeded
-        column blocks at a time: ``columns(start, stop)`` -> ``x[:, start:stop]``, asked for
-        at least ``span`` columns (whole blocks) per call.
-
-        The rows need never exist whole: a layer's kind materializes a span from its factors
-        while it is in cache (``LayerKind.project_rows``; ``span`` keeps its products large
-        enough to run at matmul speed), and each block's CSR product consumes it.
-        """
-        span = max(1, -(-span // BLOCK)) * BLOCK
-        out = None
-        for c0 in range(0, d, span):
-            xs = columns(c0, min(d, c0 + span))
-            for start in range(c0, min(d, c0 + span), BLOCK):
-                cols = min(BLOCK, d - start)
-                x = xs[:, start - c0:start - c0 + cols]
-                m = self.sparse_csr(layer, start // BLOCK, rows, cols, x.device, x.dtype)
-                part = torch.sparse.mm(m, x.T.contiguous())  # row-major [cols, B]: fast
-                out = part if out is None else out.add_(part)
-        if out is None:
-            raise ConfigError(f"Layer '{layer}': nothing to project (D = {d} columns)")
-        return out.T
-
     def dense_matrix(self, layer: str, d: int, rows: int) -> torch.Tensor:
-        """The whole ``[rows, D]`` matrix, dense or sparse kind (references, small layers)."""
-        if self.sparse:
-            out = torch.zeros(rows, d)
-            for b, start in enumerate(range(0, d, BLOCK)):
-                cols = min(BLOCK, d - start)
-                idx, val = self.sparse_block(layer, b, rows, cols, torch.device("cpu"))
-                out[idx, (torch.arange(cols) + start).unsqueeze(1).expand_as(idx)] = val
-            return out
-        blocks = [self.dense_block(layer, b, rows, min(BLOCK, d - s), torch.device("cpu"))
-                  for b, s in enumerate(range(0, d, BLOCK))]
-        return torch.cat(blocks, dim=1)
+        """The whole ``[rows, D]`` matrix of ``apply`` (references, small layers)."""
+        return self.matrix_kind.matrix(self, layer, d, rows)

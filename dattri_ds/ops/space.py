@@ -20,11 +20,8 @@ from dattri_ds.distributed import all_gather_object, all_reduce_sum
 from dattri_ds.errors import ShapeError, UnsupportedLayerError
 from dattri_ds.gradient import Dense, Factorized, GradBatch, LayerGrad, ShardInfo, Space
 from dattri_ds.ops.cost import CostModel, default_cost_model
-from dattri_ds.ops.projection import Projector
+from dattri_ds.ops.projection import PROJECTION_KINDS, Projector
 from dattri_ds.ops.stacked import project_stacked, strategy
-
-#: Projection kinds whose seeded matrices can be sliced to a tensor-parallel shard.
-_SHARDABLE = frozenset({"kronecker", "dense", "sparse"})
 
 __all__ = ["Space", "project", "project_batch", "project_layers", "gather_shards", "unshard",
            "unshard_batch"]
@@ -163,40 +160,22 @@ def _to_local(lg: LayerGrad, shard: ShardInfo, local_shape: tuple[int, int]) -> 
 
 def _project_shard(lg: LayerGrad, projector: Projector, cost: CostModel | None,
                    path: str | None, reduce: bool = True) -> LayerGrad:
-    """Project a shard with its slice of the full layer's seeded matrix; reduce ``[B, P]``.
-
-    Kronecker: ``P vec(G) = vec(P_out G P_in^T) = sum_r vec(P_out[:, R_r] G_r P_in^T)`` for
-    row blocks ``R_r`` (column-parallel), and likewise with ``P_in[:, C_r]`` for column
-    blocks (row-parallel). Dense: ``P vec(G) = sum_r P[:, idx_r] vec(G_r)`` from the
-    materialized local rows; each rank generates the seeded column blocks its entries touch
-    (for a row-parallel shard every block, as an unsharded layer would) and does 1/R of the
-    matmul. ``reduce=False`` leaves the partial ``[B, P]`` for a batched reduction.
+    """Project a shard with its slice of the full layer's seeded matrix
+    (``ProjectionKind.project_shard``); reduce ``[B, P]``. ``reduce=False`` leaves the
+    partial ``[B, P]`` for a batched reduction.
     """
     shard, cfg = lg.shard, projector.config
     o, i = shard.full_shape
     if o * i <= cfg.dim:
         return lg.replace(data=Dense(gather_shards(lg)), shape=tuple(shard.full_shape),
                           shard=None, space=projector.exact_space)
-    local = lg.replace(shard=None)
-    pkind = projector.kind_of(o, i)
-    if pkind not in _SHARDABLE:
+    kind = projector.kind_for(o, i)
+    if not kind.shardable:
         raise UnsupportedLayerError(
-            f"Layer '{lg.name}' is a tensor-parallel shard and projection kind '{pkind}' has "
-            f"no shard rule (only {sorted(_SHARDABLE)}); unshard it first "
-            f"(dattri_ds.ops.space.unshard_batch) or use one of those kinds")
-    if pkind == "kronecker" and isinstance(lg.data, Factorized):
-        p_out, p_in = projector.kron_sides(lg.name, o, i, lg.device)
-        n = lg.shape[shard.dim]
-        if shard.dim == 0:
-            p_out = p_out.narrow(1, shard.start, n)
-        else:
-            p_in = p_in.narrow(1, shard.start, n)
-        vals = lg.kind.project_factors(lg.name, lg.data, lg.shape, p_out, p_in,
-                                       cost or default_cost_model(lg.device), path)
-    else:
-        x = local.kind.rows(local.data, local.shape)
-        vals = projector.apply_at(lg.name, x, cfg.dim, shard.flat_index(lg.shape, x.device),
-                                  o * i)
+            f"Layer '{lg.name}' is a tensor-parallel shard and projection kind '{kind.name}' "
+            f"has no shard rule (only {[n for n, k in PROJECTION_KINDS.items() if k.shardable]}"
+            f"); unshard it first (dattri_ds.ops.space.unshard_batch) or use one of those kinds")
+    vals = kind.project_shard(projector, lg, shard, cost or default_cost_model(lg.device), path)
     if reduce:
         vals = _reduce_shard(vals, shard)
     return lg.replace(data=Dense(vals), shape=tuple(shard.full_shape), shard=None,

@@ -32,13 +32,13 @@ import torch
 from dattri_ds.gradient import Dense, Factorized, LayerGrad
 from dattri_ds.layers.base import COMPUTE_DTYPE
 from dattri_ds.layers.stacking import grouped, stack, stack_pays
-from dattri_ds.ops.projection import BLOCK, Projector, kron_dims
+from dattri_ds.ops.projection import BLOCK, Projector
 
 __all__ = ["STACK_BYTES", "strategy", "project_stacked"]
 
 #: Upper bound on the bytes one stacked group copies (its stacked factors or rows).
 STACK_BYTES = 1 << 28
-#: Output rows per product of a sparse layer's span on a CPU (``LayerKind.project_rows``).
+#: Output rows per product of a sparse layer's span on a CPU (``SparseKind.project_rows``).
 _SPAN_ROWS = 64
 
 
@@ -46,7 +46,7 @@ def strategy(lg: LayerGrad, projector: Projector, cost) -> str | None:
     """``exact``, ``kron`` or ``sparse`` for a layer a stacked group can project, else None.
 
     A sparse layer is stacked when its rows are materialized whole anyway (one span of
-    ``LayerKind.project_rows``), or when writing and reading them costs no more than one
+    ``SparseKind.project_rows``), or when writing and reading them costs no more than one
     launch on the device (``CostModel``'s roofline): a CPU core keeps streaming larger
     layers a cache-sized span at a time, a GPU takes them whole."""
     data, space, (o, i) = lg.data, lg.space, lg.shape
@@ -57,10 +57,10 @@ def strategy(lg: LayerGrad, projector: Projector, cost) -> str | None:
         return None
     if o * i <= projector.config.dim:
         return None if dense else "exact"
-    kind = projector.kind_of(o, i)
-    if kind == "kronecker" and not dense and not lg.kind.dense_only:
-        return "kron"
-    if kind != "sparse" or not projector.sparse or not (dense or lg.kind.output_sliceable):
+    how = projector.kind_for(o, i).stacked
+    if how == "kron" and not dense and not lg.kind.dense_only:
+        return how
+    if how != "sparse" or not (dense or lg.kind.output_sliceable):
         return None
     r = cost.roofline
     rows = data.values.shape[0] if dense else data.g.shape[0]
@@ -69,7 +69,7 @@ def strategy(lg: LayerGrad, projector: Projector, cost) -> str | None:
 
 
 def _span(i: int) -> int:
-    """Columns ``LayerKind.project_rows`` materializes at once on a CPU (whole blocks)."""
+    """Columns ``SparseKind.project_rows`` materializes at once on a CPU (whole blocks)."""
     return max(1, -(-_SPAN_ROWS * i // BLOCK)) * BLOCK
 
 
@@ -168,7 +168,7 @@ def _ghost(lg: LayerGrad, projector: Projector, cost, path: str | None) -> bool:
     if getattr(cost, "calibrate", False):
         return False
     o, i = lg.shape
-    ko, ki = kron_dims(projector.config.dim, o, i)
+    ko, ki = projector.side_dims(o, i)
     return cost.decide("project_kron", lg.name, lg.kind, lg.data, lg.shape, path=path,
                        itemsize=4, ko=ko, ki=ki).path == "ghost"
 
@@ -204,10 +204,9 @@ def _kron(layers: list[LayerGrad], projector: Projector, cost,
           scale: torch.Tensor | None) -> dict[str, torch.Tensor]:
     """Rows of the Kronecker (ghost) layers: both sides per group into one buffer per
     ``(ko, ki, B, T)``, then one product per buffer."""
-    k = projector.config.dim
     out: dict[str, torch.Tensor] = {}
-
-    buckets = [(kron_dims(k, *lg.shape), *lg.data.g.shape[:2], lg.device) for lg in layers]
+    buckets = [(projector.side_dims(*lg.shape), *lg.data.g.shape[:2], lg.device)
+               for lg in layers]
     for idx in grouped(buckets):
         members = [layers[j] for j in idx]
         (ko, ki), b, t, dev = buckets[idx[0]]

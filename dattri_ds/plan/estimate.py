@@ -15,7 +15,7 @@ import torch
 
 from dattri_ds.layers import LayerDims
 from dattri_ds.ops.cost import CostModel
-from dattri_ds.ops.kronecker import KFACConfig
+from dattri_ds.ops.kronecker import METHODS, KFACConfig
 from dattri_ds.ops.projection import (
     AutoKind, ProjectionKind, choose_projection, kron_dims, projection_kind,
 )
@@ -190,7 +190,7 @@ def _capture_terms(m: ModelShape, s: RunSpec, rows: int) -> dict[str, float]:
     ``block_bytes``) and K-FAC factors (``LayerKind.factor_bytes`` in the fit's space)."""
     f = captured_factor_bytes(m, s, rows)
     proj, block, kfac = 0.0, 0.0, 0.0
-    curvature = s.method in ("kfac", "ekfac")
+    curvature = s.method in METHODS  # the K-FAC / EK-FAC eigenvalue methods
     kfac_cfg = KFACConfig()
     for L in m.captured_layers():
         kind = _projection(L, s)

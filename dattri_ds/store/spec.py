@@ -377,7 +377,7 @@ def _projection_dict(projection: ProjectionConfig) -> dict[str, Any]:
     import dataclasses
 
     d = json.loads(json.dumps(dataclasses.asdict(projection)))
-    if projection.kind != "auto":  # only auto reads it: older stores stay comparable
+    if not projection.strategy.per_layer:  # only auto reads it: older stores stay comparable
         d.pop("kron_speedup")
     return d
 

@@ -340,7 +340,7 @@ def _gpt_tp2_vs_tp1(rank, world, sp):
     m2.decoder.final_layernorm.register_forward_pre_hook(lambda m, a: seen.append(a[0].shape[0]))
     b2 = capture(m2, gpt_call(m2), ids, labels, cfg, megatron=True)
     errs2, scores = compare(b2, ref, shapes)
-    kinds = {n: (lg.kind, lg.shard is not None) for n, lg in b2.layers.items()}
+    kinds = {n: (lg.kind_name, lg.shard is not None) for n, lg in b2.layers.items()}
     return dict(errs1=errs1, errs2=errs2, scores=scores, kinds=kinds, norm_tokens=seen[-1])
 
 

@@ -54,7 +54,7 @@ def test_projection_on_cuda_equals_cpu(kind, layer, monkeypatch):
 
 
 def test_sparse_shards_on_cuda_sum_to_the_row():
-    """``apply_at`` on CUDA: column shards' partial projections sum to the whole row."""
+    """``Projector.apply`` of columns on CUDA: column shards' partial projections sum to the whole row."""
     from dattri_ds.ops import Projector, ProjectionConfig
 
     proj = Projector(ProjectionConfig(kind="sparse", dim=256, seed=5))
@@ -63,5 +63,5 @@ def test_sparse_shards_on_cuda_sum_to_the_row():
     want = proj.apply("w", x, 256)
     xc = x.to(DEV)
     halves = [h.to(DEV) for h in torch.arange(d).chunk(3)]
-    parts = sum(proj.apply_at("w", xc[:, h], 256, h, d) for h in halves)
+    parts = sum(proj.apply("w", xc[:, h], 256, h, d) for h in halves)
     assert _rel(parts, want) <= TOL

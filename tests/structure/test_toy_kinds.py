@@ -1,10 +1,13 @@
 """A new layer kind and a new projection kind are each one class, defined here.
 
-Invariant: registering ``PointwiseConv1dKind`` (``nn.Conv1d`` with kernel 1, one class) and
-``SubsampleKind`` (a seeded coordinate-subsampling projection, one class), both defined in
-this file (in a fixture, so they are unregistered after), with no library file edited, is enough for the whole pipeline: capture -> project -> cross_gram -> EK-FAC
-(``fit_factors`` + ``make_attributor("ekfac")``), and every result equals the same maths
-done on per-example gradients from autograd (one backward per example). It breaks if an op
+Invariant: registering ``PointwiseConv1dKind`` (``nn.Conv1d`` with kernel 1, one class),
+``SubsampleKind`` (a seeded coordinate-subsampling projection, one class) and
+``LopsidedKind`` (a factorized, shardable Kronecker projection with another split of k, one
+class), all defined in this file (in fixtures, so they are unregistered after), with no
+library file edited, is enough for the whole pipeline: capture -> project -> cross_gram ->
+EK-FAC (``fit_factors`` + ``make_attributor("ekfac")``), tensor-parallel shards, stores and
+LoGra factors, and every result equals the same maths done on per-example gradients from
+autograd (one backward per example) or on the captured exact rows. It breaks if an op
 switches on kind names, if projection dispatches on a fixed list of kinds, or if the
 curvature code assumes the built-in kinds.
 """
@@ -25,7 +28,7 @@ from dattri_ds.layers.base import unregister_kind
 from dattri_ds.layers.outer import OuterProductKind, with_bias_column
 from dattri_ds.ops import cross_gram, materialize, project_batch
 from dattri_ds.ops.projection import (
-    PROJECTION_KINDS, ProjectionConfig, ProjectionKind, Projector, stable_seed,
+    PROJECTION_KINDS, KroneckerKind, ProjectionConfig, ProjectionKind, Projector, stable_seed,
 )
 from reference import rel_err
 
@@ -266,3 +269,77 @@ def test_kind_for_asks_instance_matchers_per_module(toy):
     setattr(marked, MARK_PREFIX + "sequence_first", (None, 1))
     assert kind_for(marked).name == "megatron_norm"
     assert kind_for(nn.LayerNorm(4)).name == "layernorm"
+
+
+@pytest.fixture
+def lopsided():
+    """A factorized, shardable projection kind, registered for one test only."""
+
+    class LopsidedKind(KroneckerKind, name="toy_lopsided"):
+        """``P_out (x) P_in`` with a thin output side: ``ko = min(O, 2)``, ``ki = k // ko``."""
+
+        def side_dims(self, k, o, i):
+            ko = min(o, 2)
+            return ko, min(i, max(1, k // ko))
+
+    yield LopsidedKind
+    PROJECTION_KINDS.unregister(LopsidedKind.name)
+
+
+def test_toy_factorized_kind_captures_stores_shards_and_scores(lopsided, tmp_path, monkeypatch):
+    """The lopsided kind's captured rows are ``vec(P_out G P_in^T)`` of the exact rows with
+    its own side sizes; two tensor-parallel shards (column and row) sum to them; a store
+    keeps them; grad-dot scores on the store equal the reference dot products; a LoGra
+    EK-FAC fit holds its factors in the lopsided space."""
+    from dattri_ds.gradient import LayerGrad, ShardInfo
+    from dattri_ds.methods import fit_factors as fit
+    from dattri_ds.ops import space
+    from dattri_ds.store import GradientStore, GradientStoreWriter, StoreConfig, StoreSpec
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(C, 8), nn.Tanh(), nn.Linear(8, 3, bias=False))
+    g = torch.Generator().manual_seed(7)
+    x, y = torch.randn(B, L, C, generator=g), torch.randn(B, L, 3, generator=g)
+    xq, yq = torch.randn(2, L, C, generator=g), torch.randn(2, L, 3, generator=g)
+    cfg = ProjectionConfig(kind="toy_lopsided", dim=8, seed=4)
+    projector = Projector(cfg)
+    ids = [f"t{i}" for i in range(B)]
+    exact, query = _capture(model, x, y, ids), _capture(model, xq, yq, ["q0", "q1"])
+    train = _capture(model, x, y, ids, projection=cfg)  # projected in capture (stacked)
+    want, want_q = {}, {}
+    for name, lg in exact.layers.items():
+        o, i = lg.shape
+        p_out, p_in = projector.kron_sides(name, o, i, torch.device("cpu"))
+        assert p_out.shape == (2, o) and p_in.shape == (4, i)  # its split, not kron_dims'
+        side = lambda rows: (p_out @ rows.view(-1, o, i) @ p_in.T).flatten(1)  # noqa: E731
+        want[name], want_q[name] = side(materialize(lg)), side(materialize(query.layers[name]))
+        assert train.layers[name].projection == cfg.tag
+        assert rel_err(train.layers[name].data.values, want[name]) <= TOL
+
+    monkeypatch.setattr(space, "all_reduce_sum", lambda t, group=None, world=1: t)
+    lg = exact.layers["0"]
+    (o, i), f = lg.shape, lg.data
+    for dim, cut in ((0, o // 2), (1, i // 2)):
+        total = 0
+        for r, (a, b) in enumerate(((0, cut), (cut, (o, i)[dim]))):
+            part = (Factorized(f.a, f.g[..., a:b]) if dim == 0 else Factorized(f.a[..., a:b], f.g))
+            shape = (b - a, i) if dim == 0 else (o, b - a)
+            shard = LayerGrad("0", lg.kind, part, shape,
+                              shard=ShardInfo(dim, r, 2, (o, i), offset=a))
+            total = total + space.project(shard, projector).data.values
+        assert rel_err(total, want["0"]) <= TOL, dim
+
+    spec = StoreSpec.from_batch(train, projection=cfg, fingerprint="toy@0")
+    writer = GradientStoreWriter(StoreConfig(path=str(tmp_path / "store")), spec)
+    writer.append(train)
+    writer.close()
+    store = GradientStore.open(tmp_path / "store", expect=spec)
+    scores = make_attributor("graddot", projector=projector).scores(store.iter_batches(4), query)
+    ref = sum(want[n] @ want_q[n].T for n in want)
+    assert scores.train_ids == tuple(train.sample_ids) and rel_err(scores.values, ref) <= TOL
+
+    factors = fit([exact], ekfac=True, projector=projector)
+    logra = make_attributor("ekfac", factors=factors).scores([train],
+                                                             project_batch(query, projector))
+    assert logra.values.shape == (B, 2) and torch.isfinite(logra.values).all()
+    assert {n: lf.dims for n, lf in factors.layers.items()} == {"0": (2, 4), "2": (2, 4)}

@@ -94,7 +94,7 @@ def test_whitened_store_equals_in_memory_projection(tmp_path, kind):
 
 def test_whiten_needs_factors_and_projection():
     """whiten without factors (or factors without whiten) and whiten without a projection
-    are configuration errors naming the fix; GradientCapture refuses whiten."""
+    are configuration errors naming the fix, in GradientCapture as in collect."""
     from dattri_ds import GradientCapture
     from dattri_ds.errors import ConfigError
 
@@ -104,5 +104,7 @@ def test_whiten_needs_factors_and_projection():
             projection=ProjectionConfig(kind="sparse", dim=8), whiten="ekfac")))
     with pytest.raises(ConfigError, match="projection"):
         CaptureConfig(whiten="kfac")
-    with pytest.raises(ConfigError, match="collect"):
+    with pytest.raises(ConfigError, match="factors missing"):
         GradientCapture(model, CaptureConfig(projection=ProjectionConfig(dim=8), whiten="kfac"))
+    with pytest.raises(ConfigError, match="factors given"):
+        next(dattri_ds.collect(model, _batches(), CaptureConfig(), factors=object()))

@@ -135,8 +135,8 @@ def test_partial_ops_sum_to_the_full_layer(layout, collect, monkeypatch):
         assert rel_err(got[k], want[k]) <= TOL, k
 
 
-def test_dense_apply_at_equals_the_matrix_columns(monkeypatch):
-    """``dense_apply_at`` of any column subset equals ``x @ P[:, index]^T`` of the full
+def test_dense_apply_of_columns_equals_the_matrix_columns(monkeypatch):
+    """``DenseKind.apply`` of any column subset equals ``x @ P[:, index]^T`` of the full
     seeded matrix, across block boundaries."""
     monkeypatch.setattr(projection, "BLOCK", 5)
     proj = Projector(ProjectionConfig(kind="dense", dim=4, seed=2))
@@ -144,7 +144,7 @@ def test_dense_apply_at_equals_the_matrix_columns(monkeypatch):
     p = proj.dense_matrix("w", d, 4)
     index = torch.tensor([0, 4, 5, 9, 13, 22, 17])
     x = torch.randn(3, index.numel())
-    assert rel_err(proj.dense_apply_at("w", x, 4, index, d), x @ p[:, index].T) <= TOL
+    assert rel_err(proj.apply("w", x, 4, index, d), x @ p[:, index].T) <= TOL
 
 
 def test_reductions_once_per_group(collect):
@@ -175,7 +175,7 @@ def test_mismatched_shards_are_refused():
     with pytest.raises(ShapeError, match="'fc'.*same rank"):
         layer_cross_gram(s0, s1)
     projected = LayerGrad("fc", get_kind("linear"), Dense(torch.zeros(B, 12)), (O, I + 1),
-                          projection="x")
+                          space="x")
     with pytest.raises(ShapeError, match="'fc'"):
         layer_cross_gram(s0, projected)
 
@@ -245,7 +245,7 @@ def test_sequence_first_kind_scales_along_its_batch_axis():
                                               loss_reduction="example_mean")) as cap:
         (model(ids, labels=labels).sum(1) / n).mean().backward()
         batch = cap.pop()
-    assert batch.layers["norm"].kind == "megatron_norm"
+    assert batch.layers["norm"].kind_name == "megatron_norm"
     for name in ("emb", "norm", "head"):
         mod = dict(model.named_modules())[name]
         want = []

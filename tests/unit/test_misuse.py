@@ -136,6 +136,7 @@ def test_nonfinite_example_drops_only_that_example(proj):
         got, cap = run(True)
     assert cap.skipped == 0 and cap.skipped_examples == 1
     assert got.sample_ids == (clean.sample_ids[0], clean.sample_ids[2])
+    assert got.kept.tolist() == [0, 2] and clean.kept is None  # returned with the batch
     for name, lg in got.layers.items():
         want = clean.layers[name].index(torch.tensor([0, 2]))
         if proj is None:

@@ -106,7 +106,7 @@ def test_invalid_projection_config():
 def test_sparse_projection_is_its_matrix_and_shards_sum():
     """Sparse JL: ``apply`` == ``x @ P^T`` with P of exactly s non-zeros of norm-1 columns,
     factorized layers project like their materialized rows, and column shards'
-    partial projections (``apply_at``) sum to the whole (tensor-parallel invariant)."""
+    partial projections (``apply`` with an index) sum to the whole (tensor-parallel invariant)."""
     from dattri_ds.ops.projection import BLOCK, SPARSE_NNZ
 
     proj = Projector(ProjectionConfig(kind="sparse", dim=64, seed=4, distribution="rademacher"))
@@ -117,10 +117,10 @@ def test_sparse_projection_is_its_matrix_and_shards_sum():
     x = torch.randn(3, d, generator=torch.Generator().manual_seed(5))
     assert torch.allclose(proj.apply("w", x, 64), x @ p.T, rtol=1e-5, atol=1e-4)
     halves = torch.arange(d).chunk(2)
-    parts = sum(proj.apply_at("w", x[:, h], 64, h, d) for h in halves)
+    parts = sum(proj.apply("w", x[:, h], 64, h, d) for h in halves)
     assert torch.allclose(parts, x @ p.T, rtol=1e-5, atol=1e-4)
     # the whole row (no index) is the every-column index's result bit for bit
-    assert torch.equal(proj.apply("w", x, 64), proj.apply_at("w", x, 64, torch.arange(d), d))
+    assert torch.equal(proj.apply("w", x, 64), proj.apply("w", x, 64, torch.arange(d), d))
     gen = torch.Generator().manual_seed(6)
     f = Factorized(torch.randn(3, 5, 20, generator=gen), torch.randn(3, 5, 30, generator=gen))
     lg = LayerGrad("v", get_kind("linear"), f, (30, 20))
@@ -189,13 +189,15 @@ def test_space_tags_round_trip():
         assert Space.parse(tag).tag == tag
     sp = Space.parse(f"identity:{cfg.tag}+whitened:ekfac")
     assert sp.identity and sp.whitened == "ekfac" and sp.whitened_first
-    assert (sp.kind, sp.k, sp.seed) == ("kronecker", 64, 3) and ProjectionConfig.of_space(sp) == cfg
+    assert ProjectionConfig.from_tag(sp.projection) == cfg
+    auto = ProjectionConfig(kind="auto", kron_speedup=2.5, distribution="rademacher")
+    assert ProjectionConfig.from_tag(auto.tag) == auto and auto.tag.endswith(":x2.5")
     assert Space.parse(f"whitened:ekfac:{cfg.tag}").replace(whitened=None).tag == cfg.tag
 
 
 def test_layer_grad_holds_a_typed_space():
-    """A LayerGrad holds a ``Space``: a tag given as ``projection=`` (or positionally, the
-    keyword of the tag-string era) is parsed once, ``projection`` reads the same tag back
+    """A LayerGrad holds a ``Space``: a tag given as ``space=`` (or positionally) is parsed
+    once, ``projection`` reads the same tag back
     (stores write it byte for byte), equal tags give equal, hashable spaces, and a batch
     pickles with its spaces (breaks if a caller's tag or a store's bytes changed)."""
     import pickle
@@ -205,24 +207,25 @@ def test_layer_grad_holds_a_typed_space():
 
     cfg = ProjectionConfig(kind="kronecker", dim=4, seed=2)
     rows = Dense(torch.randn(2, 4))
-    by_kw = LayerGrad("w", get_kind("linear"), rows, (3, 5), projection=cfg.tag)
+    by_kw = LayerGrad("w", get_kind("linear"), rows, (3, 5), space=cfg.tag)
     by_pos = LayerGrad("w", get_kind("linear"), rows, (3, 5), cfg.tag)
     typed = LayerGrad("w", get_kind("linear"), rows, (3, 5), space=Projector(cfg).space)
     assert by_kw.space == by_pos.space == typed.space == Space.parse(cfg.tag)
     assert isinstance(by_kw.space, Space) and by_kw.projection == cfg.tag
-    assert (by_kw.space.kind, by_kw.space.k, by_kw.space.seed) == ("kronecker", 4, 2)
+    assert ProjectionConfig.from_tag(by_kw.space.projection) == cfg
     assert len({by_kw.space, by_pos.space, Space(cfg.tag)}) == 1
-    assert by_kw.replace(projection=f"identity:{cfg.tag}").space.identity
+    assert by_kw.replace(space=f"identity:{cfg.tag}").space.identity
     canonical = LayerGrad("w", get_kind("linear"), Dense(torch.randn(2, 15)), (3, 5))
     assert canonical.space.canonical and canonical.projection is None
-    whitened = canonical.replace(projection="whitened:ekfac")
+    whitened = canonical.replace(space="whitened:ekfac")
     assert whitened.space.awaiting_projection and not whitened.space.projected
     back = pickle.loads(pickle.dumps(GradBatch(0, ("a", "b"), {"w": by_kw})))
     assert back.layers["w"].space == by_kw.space and back.layers["w"].projection == cfg.tag
-    with pytest.raises(TypeError, match="once"):
-        LayerGrad("w", get_kind("linear"), rows, (3, 5), cfg.tag, projection=cfg.tag)
-    with pytest.raises(ConfigError, match="not a ProjectionConfig tag"):
-        Space.parse("opaque").k  # an opaque tag is kept as a name; its fields raise
+    assert Space.parse("opaque").projection == "opaque"  # kept as a name
+    for bad in ("opaque", "kronecker:gaussian:64:s0", "kronecker:gaussian:k64:s0:8", "a:b:k:s",
+                None):
+        with pytest.raises(ConfigError, match="not a ProjectionConfig tag"):
+            ProjectionConfig.from_tag(bad)
 
 
 def _column_scatter(proj: Projector, layer: str, x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -262,7 +265,7 @@ def test_sparse_kernel_is_the_same_map_as_the_column_scatter(distribution, monke
     torch.testing.assert_close(got, _column_scatter(proj, "w", x, k), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got, x @ proj.dense_matrix("w", d, k).T, rtol=1e-5, atol=1e-5)
     cols = torch.randperm(d, generator=torch.Generator().manual_seed(1))[:400]
-    part = proj.apply_at("w", x[:, cols], k, cols, d)
+    part = proj.apply("w", x[:, cols], k, cols, d)
     torch.testing.assert_close(part, x[:, cols] @ proj.dense_matrix("w", d, k)[:, cols].T,
                                rtol=1e-5, atol=1e-5)
 

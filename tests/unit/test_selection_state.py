@@ -76,7 +76,7 @@ def test_grad_batch_state_keeps_shard_and_projection():
     gb = GradBatch(step=-1, sample_ids=("target",), layers={
         "a": LayerGrad("a", get_kind("linear"), Dense(torch.randn(1, 12)), (4, 3), shard=shard),
         "b": LayerGrad("b", get_kind("linear"), Dense(torch.randn(1, 5)), (4, 3),
-                       projection="kron:5:0")})
+                       space="kron:5:0")})
     back = grad_batch_from_state(_saved(grad_batch_state(gb)))
     assert _same(gb, back) and back.sample_ids == gb.sample_ids
     assert back.layers["a"].shard == shard and back.layers["b"].projection == "kron:5:0"

@@ -56,7 +56,7 @@ def make_batch(ids: list[str], step: int = 0, proj: ProjectionConfig = PROJ) -> 
         tag = proj.tag if how == "proj" else f"identity:{proj.tag}"
         vals = torch.stack([vec(s, name, width) for s in ids])
         layers[name] = LayerGrad(name=name, kind=get_kind(kind), data=Dense(vals), shape=shape,
-                                 projection=tag)
+                                 space=tag)
     counts = torch.tensor([len(s) for s in ids])
     return GradBatch(step=step, sample_ids=tuple(ids), layers=layers, token_counts=counts)
 

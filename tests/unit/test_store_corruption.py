@@ -52,7 +52,7 @@ def _batch(ids: list[str], tag: str, step: int) -> GradBatch:
         vals = torch.stack([torch.randn(width, generator=torch.Generator().manual_seed(
             stable_seed(s, name, tag))) for s in ids])
         layers[name] = LayerGrad(name=name, kind=get_kind(kind), data=Dense(vals), shape=shape,
-                                 projection=PROJ.tag)
+                                 space=PROJ.tag)
     return GradBatch(step=step, sample_ids=tuple(ids), layers=layers,
                      token_counts=torch.tensor([len(s) for s in ids]))
 

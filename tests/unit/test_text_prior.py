@@ -78,10 +78,9 @@ def test_each_method_has_its_measured_text_weight():
     """attribute's default weights: the curvature methods' leave-one-regime-out choices
     (docs/attribution_fidelity.md), 0 for every method not measured with the prior."""
     from dattri_ds.methods import registered_attributors
-    from dattri_ds.methods.recipe import TEXT_WEIGHTS, Recipe
+    from dattri_ds.methods.recipe import Recipe
 
-    assert TEXT_WEIGHTS == {"ekfac-trajectory": 0.25, "ekfac": 0.5, "kfac-trajectory": 0.5,
-                            "kfac": 0.5}
-    for m in registered_attributors():
-        assert Recipe(method=m).text_weight == TEXT_WEIGHTS.get(m, 0.0)
+    measured = {"ekfac-trajectory": 0.25, "ekfac": 0.5, "kfac-trajectory": 0.5, "kfac": 0.5}
+    for m, cls in registered_attributors().items():
+        assert Recipe(method=m).text_weight == cls.text_weight == measured.get(m, 0.0)
     assert Recipe(method="tracin").text_weight == 0.0
