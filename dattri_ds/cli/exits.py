@@ -60,10 +60,16 @@ def run(main: Callable[[list[str]], Any], argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     argv = [a for a in argv if a != "--debug"]
+    from dattri_ds.io.outputs import forget_created
+
+    forget_created()
     try:
         with _argparse_raises():
             main(argv)
     except Exception as err:  # noqa: BLE001 - the one place errors become exit codes
+        from dattri_ds.io.outputs import remove_created_if_empty
+
+        remove_created_if_empty()  # a refusal leaves no empty --out behind
         if debug:
             raise
         from dattri_ds.cli.noise import first_report
