@@ -19,15 +19,10 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from dattri_ds.errors import DattriDSError, OutputError, WriteError
+from dattri_ds.errors import CREATED_FOLDERS, DattriDSError, OutputError, WriteError
 
 __all__ = ["check_dir", "check_file", "writing", "write_error", "write_failure", "naming",
-           "reason", "human_bytes", "write_atomic", "fsync_dir", "write_json_atomic",
-           "remove_created_if_empty", "forget_created"]
-
-#: Folders :func:`check_dir` created in this process (deepest last): a command refused after
-#: its output door leaves none of them behind (:func:`remove_created_if_empty`).
-_CREATED: list[Path] = []
+           "reason", "human_bytes", "write_atomic", "fsync_dir", "write_json_atomic"]
 
 #: errno -> what it means here, after the system's own words (``os.strerror``).
 _REASONS = {
@@ -70,20 +65,6 @@ def _existing_ancestor(p: Path) -> Path:
     return Path("/")
 
 
-def forget_created() -> None:
-    """Start a command: the folders earlier commands of this process created are theirs."""
-    _CREATED.clear()
-
-
-def remove_created_if_empty() -> None:
-    """Remove the folders :func:`check_dir` created that are still empty (deepest first):
-    called when a command is refused, so that a refusal writes nothing. A folder another
-    rank wrote into is kept."""
-    while _CREATED:
-        with contextlib.suppress(OSError):
-            _CREATED.pop().rmdir()
-
-
 def _where(flag: str, p: Path) -> str:
     return f"{flag} {p}" if flag else str(p)
 
@@ -124,7 +105,7 @@ def check_dir(path: str | os.PathLike, *, flag: str, force: bool = False,
     new = [a for a in (p, *p.parents) if a == top or top in a.parents][::-1][1:]
     try:
         p.mkdir(parents=True, exist_ok=True)
-        _CREATED.extend(a for a in new if a not in _CREATED)
+        CREATED_FOLDERS.extend(a for a in new if a not in CREATED_FOLDERS)
     except OSError as e:
         raise OutputError(f"{where} cannot be created: {reason(e)}. Fix: pass a folder you "
                           f"can write to") from None
