@@ -6,7 +6,13 @@ __all__ = ["DattriDSError", "ConfigError", "UsageError", "InputFileError",
            "UnsupportedLayerError", "ShapeError", "StoreMismatchError", "CaptureError",
            "StoreCorruptError", "DuplicateSampleError", "FactorFileError", "FactorStateError",
            "ClosedError", "StreamStateError", "StreamItemError", "UnsupportedEngineError",
-           "CheckpointMismatchError", "OutputError", "WriteError", "DoesNotFitError"]
+           "CheckpointMismatchError", "OutputError", "WriteError", "DoesNotFitError",
+           "CREATED_FOLDERS"]
+
+#: Output folders the output door (``io.outputs.check_dir``) created in this process, in
+#: order: a refused command (``cli.exits.run``) removes the ones still empty, so that a
+#: refusal leaves nothing behind.
+CREATED_FOLDERS: list = []
 
 
 class DattriDSError(Exception):

@@ -367,19 +367,26 @@ def _check_same_run(out: Path, tag: str, saved: LoopState, cfg: RunConfig, ds: d
     diffs = _differences(was.get("model"), now["model"])
     if diffs:
         raise ConfigError(f"{flag}: the checkpoint was written for another model: "
-                          f"{'; '.join(diffs[:4])}. Fix: pass the --model-config that run "
+                          f"{'; '.join(diffs[:4])}"
+                          f"{f' (and {len(diffs) - 4} more)' if len(diffs) > 4 else ''}. "
+                          f"Fix: pass the --model-config that run "
                           f"used, or start over (drop --resume, pass --force)")
     check_same_data(flag, was.get("data"), cfg.train)
 
 
+#: Model keys that say what kind of model it is: shown before any other difference.
+_FIRST = ("model_type", "architectures", "kind")
+
+
 def _differences(was: dict | None, now: dict) -> list[str]:
     """``key=<there> there, <here> here`` for each model key that differs (none when the
-    checkpoint recorded no model)."""
+    checkpoint recorded no model); the model's kind (``_FIRST``) first, then by name."""
     if not was:
         return []
     flat = [({**(w.get("config") or {}), **{k: v for k, v in w.items() if k != "config"}})
             for w in (was, now)]
-    keys = sorted(set(flat[0]) | set(flat[1]))
+    keys = sorted(set(flat[0]) | set(flat[1]),
+                  key=lambda k: (_FIRST.index(k) if k in _FIRST else len(_FIRST), k))
     return [f"{k}={flat[0].get(k)!r} there, {flat[1].get(k)!r} here" for k in keys
             if flat[0].get(k) != flat[1].get(k)]
 

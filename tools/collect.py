@@ -262,12 +262,12 @@ def main(argv: list[str] | None = None) -> dict:
     check_dir(args.out, flag="--out", folders=tags)  # the output door, before any work
     data = _data(args, run)
     proj = ProjectionConfig(**values(args, COLLECT, ProjectionConfig))
+    check_stores(run, tags, args, data)
+    check_tool(run.root, args, seq_len=data.seq_len, examples=len(data))  # the size door
     announce("collect", data=data.origin.describe(len(data)), checkpoints=",".join(tags),
              projection=f"{proj.kind} k={proj.dim} seed {proj.seed}",
              rows=f"whitened by {args.whiten} factors {args.factors}" if args.whiten
-             else "plain (not whitened)", out=args.out)
-    check_stores(run, tags, args, data)
-    check_tool(run.root, args, seq_len=data.seq_len, examples=len(data))  # the size door
+             else "plain (not whitened)", out=args.out)  # once nothing refuses it
     if rank == 0:
         write_config(Path(args.out), "collect", args)
     summary = {}

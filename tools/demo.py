@@ -39,6 +39,7 @@ from dattri_ds.launch.train import train_in_process
 import dattri_ds
 from dattri_ds import CaptureConfig, ProjectionConfig
 from dattri_ds.cli import exits as cli
+from dattri_ds.cli.noise import quiet_third_party
 from dattri_ds.data import (
     Document,
     TokenizedDocuments,
@@ -264,6 +265,7 @@ def attribute(model: torch.nn.Module, train_ds: TokenizedDocuments, qds: Tokeniz
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    quiet_third_party()  # DeepSpeed's scheduler warnings are not the tour's
     torch.manual_seed(args.seed)
     torch.set_flush_denormal(True)  # denormal floats are slow on CPUs
     out = Path(args.out)

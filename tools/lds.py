@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -65,6 +66,14 @@ def read_truth(path: str, train_ids: list[str], n_queries: int) -> tuple[torch.T
         raise InputFileError(f"--ground-truth file {path}: 'losses' must hold one list of "
                              f"{n_queries} query losses per subset ({len(subsets)} subsets). "
                              f"Fix: {_FIX}")
+    bad = next(((s, q, v) for s, row in enumerate(losses) for q, v in enumerate(row)
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)),
+               None)
+    if bad is not None:
+        raise InputFileError(f"--ground-truth file {path}: losses[{bad[0]}][{bad[1]}] is "
+                             f"{bad[2]!r}, not a finite number (a retrained model's loss on "
+                             f"query {bad[1]}). Fix: measure that loss again, or leave subset "
+                             f"{bad[0]} out of the file")
     docs = [SampleId.parse(i).doc for i in train_ids]
     known = set(docs)
     unknown = sorted({str(i) for s in subsets for i in s} - known)

@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-prefix", required=True,
                    help="PREFIX of PREFIX.bin/.idx/.docs/.tokenizer/.manifest.json")
     add_flags(p, FLAGS)
+    p.add_argument("--force", dest="overwrite", action="store_true", default=argparse.SUPPRESS,
+                   help="same as --overwrite (the name the other commands use)")
     p.add_argument("--json", action="store_true", help="print the manifest as JSON")
     p.add_argument("--verbose", action="store_true", help="show third-party log lines")
     return p

@@ -14,9 +14,11 @@ import contextlib
 import os
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
-from dattri_ds.errors import ConfigError, DattriDSError, StoreMismatchError, UsageError
+from dattri_ds.errors import (CREATED_FOLDERS, ConfigError, DattriDSError, StoreMismatchError,
+                              UsageError)
 
 __all__ = ["run", "DEBUG_ENV", "EXIT_USAGE", "EXIT_RUNTIME"]
 
@@ -52,6 +54,14 @@ def message(err: BaseException) -> str:
     return f"{type(err).__name__}: {text} (unexpected; rerun with --debug for the traceback)"
 
 
+def _remove_created_if_empty() -> None:
+    """Remove the output folders this command created that are still empty, deepest first
+    (a folder another rank wrote into is kept)."""
+    while CREATED_FOLDERS:
+        with contextlib.suppress(OSError):
+            Path(CREATED_FOLDERS.pop()).rmdir()
+
+
 def run(main: Callable[[list[str]], Any], argv: list[str] | None = None) -> int:
     """Call ``main(argv)``; return the process exit code (0, 1 runtime error, 2 usage,
     config or store-mismatch error) after printing a failure as one line. ``--debug`` is
@@ -60,10 +70,12 @@ def run(main: Callable[[list[str]], Any], argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     argv = [a for a in argv if a != "--debug"]
+    CREATED_FOLDERS.clear()  # the folders earlier commands of this process made are theirs
     try:
         with _argparse_raises():
             main(argv)
     except Exception as err:  # noqa: BLE001 - the one place errors become exit codes
+        _remove_created_if_empty()  # a refusal leaves no empty --out behind
         if debug:
             raise
         from dattri_ds.cli.noise import first_report

@@ -258,14 +258,19 @@ class TrainedSentencePiece(SentencePieceFile, name="spm-trained"):
 
 
 def open_tokenizer(path: str | os.PathLike) -> CorpusTokenizer:
-    """A tokenizer from a path: a folder is a Hugging Face tokenizer folder, a file a
-    SentencePiece model.
+    """A tokenizer from a path: a folder is a Hugging Face tokenizer folder (or, holding
+    only ``tokenizer.model``, the SentencePiece copy prepare keeps as ``PREFIX.tokenizer``),
+    a file a SentencePiece model.
 
     Raises:
         InputFileError: missing, damaged or unusable (one line naming the path and the fix).
     """
     p = Path(path)
     if p.is_dir():
+        spm = p / "tokenizer.model"
+        if spm.is_file() and not any((p / f).is_file()
+                                     for f in ("tokenizer.json", "tokenizer_config.json")):
+            return SentencePieceFile.open(spm)
         return HFTokenizerFolder.open(p)
     return SentencePieceFile.open(p)
 

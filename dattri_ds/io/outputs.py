@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from dattri_ds.errors import DattriDSError, OutputError, WriteError
+from dattri_ds.errors import CREATED_FOLDERS, DattriDSError, OutputError, WriteError
 
 __all__ = ["check_dir", "check_file", "writing", "write_error", "write_failure", "naming",
            "reason", "human_bytes", "write_atomic", "fsync_dir", "write_json_atomic"]
@@ -102,8 +102,10 @@ def check_dir(path: str | os.PathLike, *, flag: str, force: bool = False,
     if top != p and top.exists() and not top.is_dir():
         raise OutputError(f"{where} cannot be created: {top} is a file, not a folder. Fix: "
                           f"pass a path that is not under a file")
+    new = [a for a in (p, *p.parents) if a == top or top in a.parents][::-1][1:]
     try:
         p.mkdir(parents=True, exist_ok=True)
+        CREATED_FOLDERS.extend(a for a in new if a not in CREATED_FOLDERS)
     except OSError as e:
         raise OutputError(f"{where} cannot be created: {reason(e)}. Fix: pass a folder you "
                           f"can write to") from None

@@ -277,6 +277,12 @@ def test_resume_checks_zero_stage_layout_and_model(tmp_path, monkeypatch):
     _checkpoint(wide, _record(tmp_path, "deepspeed", 3, n_embd=64), DS_FILES)
     msg = check(wide, "zero3_cpu")
     assert "another model: n_embd=64 there, 16 here" in msg and "--model-config" in msg, msg
+    family = tmp_path / "family"  # another family: its kind leads, the rest are counted
+    _checkpoint(family, _record(tmp_path, "deepspeed", 3, model_type="llama", a=1, b=2, c=3,
+                                d=4, e=5), DS_FILES)
+    msg = check(family, "zero3_cpu")
+    assert "another model: model_type='llama' there, 'gpt2' here; a=1 there" in msg, msg
+    assert "(and 2 more). Fix: pass the --model-config" in msg, msg
     old = tmp_path / "old"
     _checkpoint(old, {}, DS_FILES)
     msg = check(old, "zero0_cpu", "torch")

@@ -399,8 +399,9 @@ def test_lds_command_scores_a_saved_attribution(tmp_path, capsys):
 
 
 def test_lds_command_refuses_unknown_ids_and_bad_shapes(tmp_path):
-    """Subset ids that are not training rows, or losses not [S][Q], are one InputFileError
-    naming the file and the fix."""
+    """Subset ids that are not training rows, losses not [S][Q], or a loss that is not a
+    finite number (NaN once printed an LDS over the other queries) are one InputFileError
+    naming the file, the entry and the fix."""
     from dattri_ds.errors import InputFileError
     from dattri_ds.tools import lds as tool
 
@@ -408,7 +409,11 @@ def test_lds_command_refuses_unknown_ids_and_bad_shapes(tmp_path):
     truth = tmp_path / "t.json"
     for body, words in (({"subsets": [["d0", "nope"]], "losses": [[1.0, 2.0]]}, "not training"),
                         ({"subsets": [["d0"]], "losses": [[1.0]]}, "one list of 2"),
-                        ({"losses": [[1.0, 2.0]]}, "'subsets'")):
+                        ({"losses": [[1.0, 2.0]]}, "'subsets'"),
+                        ({"subsets": [["d0"], ["d1"]], "losses": [[1.0, 2.0], [3.0, float("nan")]]},
+                         r"losses\[1\]\[1\] is nan, not a finite number"),
+                        ({"subsets": [["d0"]], "losses": [[1.0, "2.5"]]},
+                         r"losses\[0\]\[1\] is '2.5', not a finite number")):
         truth.write_text(json.dumps(body))
         with pytest.raises(InputFileError, match=words) as err:
             tool.main(["--attribution", str(tmp_path / "att"), "--ground-truth", str(truth)])

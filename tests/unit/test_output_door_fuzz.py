@@ -222,3 +222,27 @@ def test_disk_full_collect_resumes_without_losing_committed_rows(env):
     assert len(after) == 16
     for sid, row in before.items():
         np.testing.assert_array_equal(after[sid], row)
+
+
+def test_a_refusal_after_the_output_door_leaves_no_new_folder(tmp_path):
+    """A command refused after its ``--out`` was checked (created) removes the folders it
+    created while they are empty; a folder that existed before, or that holds a file, stays."""
+    from dattri_ds.cli.exits import run
+    from dattri_ds.errors import ConfigError
+    from dattri_ds.io.outputs import check_dir
+
+    def refused(out: Path, keep: bool):
+        def main(argv):
+            check_dir(out, flag="--out")
+            if keep:
+                (out / "written").write_text("x")
+            raise ConfigError("--data-path x was prepared with another tokenizer. Fix: y")
+        return main
+
+    assert run(refused(tmp_path / "new" / "out", False), []) == 2
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "old").mkdir()
+    assert run(refused(tmp_path / "old" / "out", False), []) == 2
+    assert (tmp_path / "old").is_dir() and not (tmp_path / "old" / "out").exists()
+    assert run(refused(tmp_path / "kept", True), []) == 2
+    assert (tmp_path / "kept" / "written").is_file()

@@ -68,3 +68,7 @@ def test_inputs_and_outputs_are_one_line(capsys, tmp_path):
     write_jsonl(tmp_path / "d.jsonl", rows[:10])
     _fails(capsys, ["--input", str(tmp_path / "d.jsonl"), "--output-prefix", out,
                     "--tokenizer", str(model)], "--overwrite")
+    changed = ["--input", str(tmp_path / "d.jsonl"), "--output-prefix", out, "--tokenizer",
+               str(model), "--workers", "1"]
+    assert run(tool.main, [*changed, "--force"]) == 0  # --force: the other commands' name
+    assert "prepared 10 documents" in capsys.readouterr().out

@@ -69,6 +69,17 @@ def test_sentencepiece_ids_and_saved_copy(tmp_path):
         load_saved(tmp_path / "copy", {**tok.describe(), "fingerprint": "spm-other"})
 
 
+def test_a_prepared_tokenizer_folder_opens_as_its_sentencepiece_model(tmp_path):
+    """``--tokenizer PREFIX.tokenizer`` (the folder prepare keeps: only ``tokenizer.model``)
+    is that SentencePiece model: same fingerprint and ids as the file itself."""
+    path = spm_file(tmp_path / "t.model", TEXTS)
+    folder = open_tokenizer(path).save(tmp_path / "corpus.tokenizer")
+    assert sorted(p.name for p in folder.iterdir()) == ["tokenizer.model"]
+    tok, ref = open_tokenizer(folder), open_tokenizer(path)
+    assert isinstance(tok, SentencePieceFile) and tok.fingerprint == ref.fingerprint
+    assert tok.encode_documents(TEXTS) == ref.encode_documents(TEXTS)
+
+
 def test_trained_tokenizer_records_its_sample(tmp_path):
     tok = TrainedSentencePiece.train(TEXTS, vocab_size=150, model_type="bpe",
                                      cache_dir=tmp_path, sample={"sample_docs": len(TEXTS)})
