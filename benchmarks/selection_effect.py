@@ -105,9 +105,10 @@ def parse_variant(spec: str) -> tuple[str, dict]:
     return name, over
 
 
-def prepared_pool(docs: list, tokenizer_model: Path, seq_len: int):
+def prepared_pool(docs: list, tokenizer_model: Path, seq_len: int, packing: str = "windows"):
     """The pool as launch trains on it: written as jsonl, prepared once with the shipped
-    tokenizer (cached by content under runs/cache/pools/), opened as ``seq_len`` windows."""
+    tokenizer (cached by content under runs/cache/pools/), opened as ``seq_len`` windows
+    (``packing``: launch's ``--packing``)."""
     import hashlib
 
     from dattri_ds.data.packed import PackedDataset
@@ -122,7 +123,7 @@ def prepared_pool(docs: list, tokenizer_model: Path, seq_len: int):
         src.write_text(lines, encoding="utf-8")
     prepare(PrepareConfig(input=(str(src),), output_prefix=str(folder / key),
                           tokenizer=str(tokenizer_model), workers=1))
-    return PackedDataset(str(folder / key), seq_len)
+    return PackedDataset(str(folder / key), seq_len, packing=packing)
 
 
 class Setup:
@@ -130,7 +131,7 @@ class Setup:
     target (one example per document)."""
 
     def __init__(self, target: str, seq_len: int, target_docs: int,
-                 per_kind: int = noisy.PER_KIND) -> None:
+                 per_kind: int = noisy.PER_KIND, packing: str = "windows") -> None:
         kinds: tuple[str, ...] = ()
         if target.startswith("noisy:"):
             target, kinds = noisy.parse_noisy(target)
@@ -162,7 +163,7 @@ class Setup:
 
         tok = open_tokenizer(tok.path)  # the corpus tokenizer: documents as prepare stores them
         self.tok, self.seq_len, self.docs = tok, seq_len, pool
-        self.pool = prepared_pool(pool, tok.source, seq_len)
+        self.pool = prepared_pool(pool, tok.source, seq_len, packing)
         self.score = tokenize_documents(score, tok, seq_len)
         self.eval = tokenize_documents(evald, tok, seq_len)
         self.general = tokenize_documents(general, tok, seq_len)
@@ -387,6 +388,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--packing", default="windows", choices=("windows", "documents"),
+                   help="the pool's examples, as launch's --packing")
     p.add_argument("--target-docs", type=int, default=64,
                    help="scoring documents of a shipped target (its first half, capped)")
     p.add_argument("--variants", nargs="+", default=["default", "random"])
@@ -428,7 +431,7 @@ def main(argv: list[str] | None = None) -> None:
     out(f"# {time.strftime('%H:%M:%S')} selection_effect {' '.join(sys.argv[1:])}")
     warmed = False
     for target in args.targets:
-        setup = Setup(target, args.seq_len, args.target_docs, args.junk_per_kind)
+        setup = Setup(target, args.seq_len, args.target_docs, args.junk_per_kind, args.packing)
         if not warmed:  # the process's first steps pay one-off costs: not in any arm's CPU
             run(setup, SelectionConfig(enabled=True, target_data="<benchmark>", random=True),
                 10**6, 3, 3)
