@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 from _deps import require
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
        "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
@@ -63,13 +65,19 @@ def test_tiny_architecture_trains_with_capture(tmp_path, arch, stage, backend):
 
 
 def test_model_path_folder_and_refusal(tmp_path):
-    """A Qwen2 save_pretrained folder trains through --model-path; a Mamba config with
-    --capture stops at start naming 'mamba' and the unsupported modules."""
+    """A Qwen2 save_pretrained folder with its tokenizer trains through --model-path (and
+    tokenizes with that tokenizer); a Mamba config with --capture stops at start naming
+    'mamba' and the unsupported modules."""
     require("deepspeed", "deepspeed")
+    from _corpora import hf_folder
+
     from dattri_ds.models.causal_lm import build_model
 
     model = build_model(ROOT / "configs/model_qwen2_tiny.json", vocab_size=512, seed=0)
     model.save_pretrained(tmp_path / "qwen2")
+    texts = [json.loads(line)["text"] for line in
+             (ROOT / "data/tiny/train.jsonl").read_text(encoding="utf-8").splitlines()[:200]]
+    hf_folder(tmp_path / "qwen2", texts, vocab_size=300)  # the model's own tokenizer
     proc = _launch(tmp_path, "path", 0, "--backend", "torch", "--capture",
                    "--model-path", str(tmp_path / "qwen2"))
     _check_run(tmp_path / "path", proc, "qwen2")

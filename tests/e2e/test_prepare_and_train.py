@@ -53,7 +53,7 @@ def test_prepare_100k_documents_then_train(tmp_path):
                          documents(100_000, seed=11, max_words=12, id_prefix="ci"))
     prefix = tmp_path / "prepared" / "corpus"
     prep = _run([PY, "-m", "dattri_ds.tools.cli", "prepare", "--input", str(corpus),
-                 "--output-prefix", str(prefix), "--vocab-size", "256", "--workers", "2"])
+                 "--output-prefix", str(prefix), "--vocab-size", "128", "--workers", "2"])
     manifest = json.loads(Path(f"{prefix}.manifest.json").read_text())
     assert manifest["documents"] == 100_000
     (tmp_path / "model.json").write_text(json.dumps(
