@@ -194,7 +194,10 @@ def test_offline_attribution_from_tp2_checkpoint_equals_tp1(run_dir, tmp_path, t
     lm = _reference_model(run_dir, tag)
     train = load_texts(str(ROOT / "data/tiny/train.jsonl"), tok, run.seq_len, MAX_DOCS)
     meta = json.loads((run_dir / "checkpoints" / tag / "megatron_consolidated.json").read_text())
-    check = train.batch(meta["check"]["rows"])
+    from dattri_ds.data import PackedDataset  # the run's own examples (its prepared windows)
+
+    trained = PackedDataset.of_record(json.loads((run_dir / "data.json").read_text())["record"])
+    check = trained.batch(meta["check"]["rows"])
     with torch.no_grad():
         out = lm(input_ids=check["input_ids"], labels=check["labels"])
     n = (check["labels"][:, 1:] != -100).sum(1)
