@@ -23,7 +23,9 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Run the forked multi-process tests (tests/dist) first: they need a parent process in
-    which no process group or Megatron state was ever created, which in-process end-to-end
-    tests (offline tools on Megatron runs) cannot guarantee afterwards."""
-    items.sort(key=lambda item: 0 if "/tests/dist/" in str(item.fspath) else 1)
+    """Run the forked multi-process tests (tests/dist, and any test marked ``dist``) first:
+    they need a parent process in which no process group or Megatron state was ever
+    created, which in-process end-to-end tests (offline tools on Megatron runs, launch's
+    doors) cannot guarantee afterwards."""
+    items.sort(key=lambda item: 0 if "/tests/dist/" in str(item.fspath)
+               or item.get_closest_marker("dist") else 1)
