@@ -7,8 +7,9 @@ written, exits 0 and prints no warning line (a line a user would have to decode)
 README's text is kept; only sizes shrink (``SIZES``: fewer steps and examples), the main job
 runs ``--quick`` (the README's own smoke size) into this folder, ``deepspeed`` gets a free
 ``--master_port``, and the placeholder ``truth.json`` is written from the attribution (losses
-exactly linear in its scores, so ``dattri-ds lds`` must print an LDS of 1.000). The one
-command not run is ``tools/run_tests.sh``: it runs this test.
+exactly linear in its scores, so ``dattri-ds lds`` must print an LDS of 1.000). Not run
+here: ``tools/run_tests.sh`` (it runs this test) and ``tools/demo.py --quick``
+(tests/unit/test_data.py runs it, checks its outputs and that it prints no warning).
 """
 
 from __future__ import annotations
@@ -43,9 +44,11 @@ WHOLE = {
     # run_demo.sh = tools/setup_env.sh (this venv) + tools/main_job.py "$@"; --quick is the
     # README's smoke size; --out: main_job.py writes relative to the repository, not the cwd
     "bash tools/run_demo.sh": "python tools/main_job.py --quick --out {cwd}/runs/main",
-    "python tools/demo.py [--quick]": "python tools/demo.py --quick",
 }
-NOT_RUN = {"bash tools/run_tests.sh"}  # the suite this test belongs to
+NOT_RUN = {"bash tools/run_tests.sh",  # the suite this test belongs to
+           # run by tests/unit/test_data.py::test_demo_quick_end_to_end, which checks its
+           # outputs and that it prints no warning line (WARNING, the same rule as here)
+           "python tools/demo.py [--quick]"}
 #: Lines with these words are findings, but for ``ALLOWED`` (text -> why a user needs no
 #: decoding).
 WARNING = re.compile(r"warn|deprecat", re.I)

@@ -269,6 +269,13 @@ def test_demo_quick_end_to_end(tmp_path):
         capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "precision@10" in proc.stdout
+    # the README's `python tools/demo.py --quick`: no line a user must decode
+    # (tests/e2e/test_readme_commands.py's rule, which leaves this command to this test)
+    import re
+
+    warned = [ln for ln in (proc.stdout + proc.stderr).splitlines()
+              if re.search(r"warn|deprecat", ln, re.I)]
+    assert not warned, warned
     report = json.loads((out / "report.json").read_text(encoding="utf-8"))
     saved = torch.load(out / "scores.pt")
     scores = saved["scores"]
